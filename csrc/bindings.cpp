@@ -1,0 +1,131 @@
+// deepcomm._C: raw device pointers (int), sizes and cudaStream_t (int). No torch types cross this boundary.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstring>
+
+#include "kernels/api.hpp"
+#include "runtime/cuda_check.hpp"
+#include "runtime/error_record.cuh"
+#include "runtime/ipc.hpp"
+#include "runtime/nvl_context.hpp"
+#include "runtime/nvl_layout.hpp"
+
+namespace py = pybind11;
+using namespace dc;
+
+namespace {
+
+template <typename T>
+T* ptr(uintptr_t p) { return reinterpret_cast<T*>(p); }
+cudaStream_t stream_of(uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
+
+py::dict layout_dict(const NvlLayout& l) {
+  py::dict d;
+  d["notify_counts"] = l.notify_counts; d["notify_flag"] = l.notify_flag; d["mailbox"] = l.mailbox;
+  d["dispatch_done"] = l.dispatch_done; d["combine_ready"] = l.combine_ready; d["combine_flag"] = l.combine_flag;
+  d["combine_stage"] = l.combine_stage; d["arena"] = l.arena; d["total"] = l.total;
+  d["signal_bytes"] = l.signal_bytes();
+  return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "deepcomm CUDA core (raw pointers and streams; no libtorch)";
+  m.attr("MAX_RANKS") = kMaxRanks;
+  m.attr("MAX_BLOCKS") = kMaxBlocks;
+
+  // ---- device facts ----
+  m.def("device_count", [] { int n = 0; return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0; });
+  m.def("sm_count", [](int dev) {
+    int n = 0;
+    DC_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+    return n;
+  });
+  m.def("can_access_peer", [](int dev, int peer) {
+    int ok = 0;
+    DC_CUDA_CHECK(cudaDeviceCanAccessPeer(&ok, dev, peer));
+    return ok != 0;
+  });
+
+  // ---- memory ----
+  m.def("ipc_alloc", [](int64_t bytes) {
+    auto a = ipc_alloc(bytes);
+    return py::make_tuple(a.ptr, py::bytes(a.ipc_handle));
+  });
+  m.def("ipc_open", [](py::bytes h) { return ipc_open(std::string(h)); });
+  m.def("ipc_close", &ipc_close);
+  m.def("device_free", &device_free);
+  m.def("host_mapped_alloc", [](int64_t bytes) {
+    uintptr_t dev = 0;
+    uintptr_t host = host_mapped_alloc(bytes, &dev);
+    return py::make_tuple(host, dev);
+  });
+  m.def("host_mapped_free", &host_mapped_free);
+  m.def("error_record_bytes", [] { return sizeof(ErrorRecord); });
+  m.def("read_error", [](uintptr_t host) {
+    ErrorRecord r;
+    std::memcpy(&r, reinterpret_cast<const void*>(host), sizeof(r));
+    return py::make_tuple(r.flag, r.rank, r.peer, r.stage, r.seq, r.waited_ns);
+  });
+  m.def("clear_error", [](uintptr_t host) { std::memset(reinterpret_cast<void*>(host), 0, sizeof(ErrorRecord)); });
+
+  // ---- layout math (the single source of offsets) ----
+  m.def("nvl_layout", [](int ranks, int local_experts_cap, int max_tokens, int64_t hidden, int64_t topk,
+                         int64_t arena) { return layout_dict(NvlLayout(ranks, local_experts_cap, max_tokens, hidden, topk, arena)); });
+  m.def("dispatch_out_layout", [](int64_t n, int64_t x_row_bytes, int64_t scale_row_bytes, int64_t topk) {
+    DispatchOutLayout o(n, x_row_bytes, scale_row_bytes, topk);
+    py::dict d;
+    d["x"] = o.x; d["scales"] = o.scales; d["topk_idx"] = o.topk_idx; d["topk_weights"] = o.topk_weights;
+    d["src_idx"] = o.src_idx; d["total"] = o.total;
+    return d;
+  });
+  m.def("combine_row_bytes", &combine_row_bytes);
+
+  // ---- kernels without communication ----
+  m.def("get_dispatch_layout", [](uintptr_t topk_idx, int T, int K, int E, int R, uintptr_t per_rank,
+                                  uintptr_t per_expert, uintptr_t in_rank, uintptr_t send_pos, uintptr_t stream) {
+    launch_dispatch_layout(ptr<const int64_t>(topk_idx), T, K, E, R, ptr<int>(per_rank), ptr<int>(per_expert),
+                           ptr<bool>(in_rank), ptr<int>(send_pos), stream_of(stream));
+  });
+
+  // ---- NVLink context and collective kernels ----
+  py::class_<NvlContext>(m, "NvlContext")
+      .def(py::init<int, int, int, int, int64_t, int64_t, int64_t>(), py::arg("rank"), py::arg("num_ranks"),
+           py::arg("local_experts_cap"), py::arg("max_tokens"), py::arg("hidden_max"), py::arg("topk_max"),
+           py::arg("arena_bytes"))
+      .def("layout", [](const NvlContext& c) { return layout_dict(c.layout); })
+      .def("set_peer", [](NvlContext& c, int r, uintptr_t base) {
+        DC_HOST_ASSERT(r >= 0 && r < c.layout.num_ranks, "set_peer: rank out of range");
+        c.peers.base[r] = ptr<uint8_t>(base);
+      })
+      .def("set_error_record", [](NvlContext& c, uintptr_t dev) { c.err_device = ptr<ErrorRecord>(dev); })
+      .def("set_timeout_ns", [](NvlContext& c, uint64_t ns) { c.timeout_ns = ns; })
+      .def("notify_dispatch", [](const NvlContext& c, uint64_t seq, uintptr_t topk_idx, int T, int K, int E,
+                                 uintptr_t per_rank, uintptr_t per_expert, uintptr_t in_rank, uintptr_t send_pos,
+                                 uintptr_t notify_out, uintptr_t stream) {
+        launch_notify_dispatch(ptr<const int64_t>(topk_idx), T, K, E, ptr<int>(per_rank), ptr<int>(per_expert),
+                               ptr<bool>(in_rank), ptr<int>(send_pos), ptr<int>(notify_out), c.layout, c.peers,
+                               c.wait_ctx(seq), stream_of(stream));
+      })
+      .def("dispatch", [](const NvlContext& c, uint64_t seq, int num_blocks, uintptr_t x, int64_t x_row_bytes,
+                          uintptr_t scales, int64_t scale_row_bytes, uintptr_t topk_idx, uintptr_t topk_weights,
+                          int K, int T, int L, uintptr_t send_pos, uintptr_t count_matrix,
+                          std::vector<int64_t> out_offsets, uintptr_t stream) {
+        DC_HOST_ASSERT(out_offsets.size() == 5, "dispatch: out_offsets needs 5 entries");
+        DispatchArgs a{ptr<const void>(x), ptr<const void>(scales), ptr<const int64_t>(topk_idx),
+                       ptr<const float>(topk_weights), ptr<const int>(send_pos), ptr<const int>(count_matrix),
+                       T, K, L, x_row_bytes, scale_row_bytes, {}};
+        for (int i = 0; i < 5; ++i) a.out_offsets[i] = out_offsets[i];
+        launch_dispatch(a, num_blocks, c.layout, c.peers, c.wait_ctx(seq), stream_of(stream));
+      })
+      .def("combine", [](const NvlContext& c, uint64_t seq, int num_blocks, uintptr_t x, uintptr_t topk_weights,
+                         uintptr_t recv_src_idx, uintptr_t count_matrix, uintptr_t send_pos, uintptr_t out,
+                         uintptr_t out_weights, int N, int T, int H, int K, uintptr_t stream) {
+        CombineArgs a{ptr<const void>(x), ptr<const float>(topk_weights), ptr<const int>(recv_src_idx),
+                      ptr<const int>(count_matrix), ptr<const int>(send_pos), ptr<void>(out), ptr<float>(out_weights),
+                      N, T, H, K};
+        launch_combine(a, num_blocks, c.layout, c.peers, c.wait_ctx(seq), stream_of(stream));
+      });
+}

@@ -1,0 +1,67 @@
+// Launchers: raw device pointers, sizes and a cudaStream_t. No kernel file knows about torch.
+// What each launcher promises is written here; the .cu files hold how.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "../runtime/error_record.cuh"
+#include "../runtime/nvl_layout.hpp"
+
+namespace dc {
+
+// Base address of every rank's NVLink buffer as mapped in this process (our own included).
+struct Peers {
+  uint8_t* base[kMaxRanks];
+};
+
+// Layout of one routing (no communication).
+//   topk_idx int64 [T, K] in [-1, E);  out: tokens_per_rank int32 [R], tokens_per_expert int32 [E],
+//   is_token_in_rank bool [T, R], send_pos int32 [T, R] (nullable): index of t among tokens sent to r, else -1.
+// A token counts once per rank and once per expert, however many of its slots name them. R <= 64.
+void launch_dispatch_layout(const int64_t* topk_idx, int num_tokens, int topk, int num_experts, int num_ranks,
+                            int* tokens_per_rank, int* tokens_per_expert, bool* is_token_in_rank, int* send_pos,
+                            cudaStream_t stream);
+
+// Layout plus the count exchange over NVLink. After it, notify_out holds
+//   int32 [R*R] count matrix (row s = tokens rank s sends to each rank), then int32 [L] tokens per local expert
+// (summed over sources, not aligned). Every rank must call it with the same seq.
+void launch_notify_dispatch(const int64_t* topk_idx, int num_tokens, int topk, int num_experts, int* tokens_per_rank,
+                            int* tokens_per_expert, bool* is_token_in_rank, int* send_pos, int* notify_out,
+                            const NvlLayout& layout, const Peers& peers, const WaitCtx& ctx, cudaStream_t stream);
+
+// Normal-mode dispatch over NVLink. Each rank writes the rows of its tokens straight into the output arrays
+// of the receiving ranks (zero copy: outputs live in the receivers' arenas, whose offsets the receivers
+// publish at kernel start). out_offsets: byte offsets in *our* buffer of our output arrays
+// {x, scales, topk_idx, topk_weights, src_idx} (topk ones ignored when the inputs are null).
+struct DispatchArgs {
+  const void* x;              // [T][x_row_bytes]
+  const void* scales;         // [T][scale_row_bytes] or null
+  const int64_t* topk_idx;    // [T][K] or null (cached re-dispatch)
+  const float* topk_weights;  // [T][K] or null
+  const int* send_pos;        // [T][R]
+  const int* count_matrix;    // [R][R] device copy
+  int num_tokens, topk, num_local_experts;
+  int64_t x_row_bytes, scale_row_bytes;
+  int64_t out_offsets[5];
+};
+void launch_dispatch(const DispatchArgs& args, int num_blocks, const NvlLayout& layout, const Peers& peers,
+                     const WaitCtx& ctx, cudaStream_t stream);
+
+// Normal-mode combine over NVLink: every received row goes back to its source rank (remote rows into the
+// source's staging area, flagged per token); each rank then sums, for each of its tokens, the rows from every
+// rank that holds it, ranks ascending, in fp32, rounded once to bf16.
+struct CombineArgs {
+  const void* x;              // bf16 [N][H]
+  const float* topk_weights;  // [N][K] or null
+  const int* recv_src_idx;    // [N]
+  const int* count_matrix;    // [R][R]
+  const int* send_pos;        // ours: [T][R]
+  void* out;                  // bf16 [T][H]
+  float* out_weights;         // [T][K] or null
+  int num_recv, num_tokens, hidden, topk;
+};
+void launch_combine(const CombineArgs& args, int num_blocks, const NvlLayout& layout, const Peers& peers,
+                    const WaitCtx& ctx, cudaStream_t stream);
+
+}  // namespace dc

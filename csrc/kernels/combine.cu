@@ -1,0 +1,213 @@
+// Normal-mode combine over NVLink. Two roles per block:
+//   senders  (the first kSend warps): chunks of kCombineChunk received rows; every row whose source is another
+//            rank is stored into that rank's staging slot [our rank][token]; after the chunk, one system fence
+//            and one flag per remote source in it;
+//   reducers (the other warps): for each of our tokens, wait for the chunk flags of the ranks that hold it,
+//            then sum the rows ranks ascending in fp32 (our own row read straight from x), round once to bf16.
+// Senders first wait for the destination's combine_ready flag, raised at the start of its kernel, so a
+// back-to-back combine never overwrites staging rows the destination is still reading.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdlib>
+
+#include "../runtime/cuda_check.hpp"
+#include "../runtime/wait.cuh"
+#include "api.hpp"
+
+namespace dc {
+
+namespace {
+
+__device__ __forceinline__ void accumulate_bf16x8(float* acc, const int4& v) {
+  const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 f = __bfloat1622float2(h[j]);
+    acc[2 * j] += f.x;
+    acc[2 * j + 1] += f.y;
+  }
+}
+
+__device__ __forceinline__ int4 round_bf16x8(const float* acc) {
+  int4 out;
+  auto* h = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) h[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
+  return out;
+}
+
+// Source rank of received row i, given each source's first row (sources are contiguous, ascending).
+__device__ __forceinline__ int source_of_row(int i, const int* recv_base, int num_ranks) {
+  int s = 0;
+#pragma unroll
+  for (int q = 1; q < kMaxRanks; ++q) s += (q < num_ranks && recv_base[q] <= i) ? 1 : 0;
+  return s;
+}
+
+template <int kSend, int kUnroll>
+__device__ __forceinline__ void send_rows(const CombineArgs& a, const NvlLayout& layout, const Peers& peers,
+                                          const WaitCtx& ctx, const int* recv_base, int warp, int lane) {
+  const int R = layout.num_ranks, rank = ctx.rank;
+  const int64_t row_bytes = combine_row_bytes(a.hidden, a.topk), n16 = int64_t(a.hidden) / 8;
+  const int64_t max_chunks = combine_max_chunks(R, layout.max_tokens);
+  const int num_chunks = (a.num_recv + kCombineChunk - 1) / kCombineChunk;
+  for (int c = blockIdx.x * kSend + warp; c < num_chunks; c += gridDim.x * kSend) {
+    const int first = c * kCombineChunk, count = min(kCombineChunk, a.num_recv - first);
+    // Lane j < count learns row first+j's source and token up front, so the copies below start at once.
+    const int my_src = lane < count ? source_of_row(first + lane, recv_base, R) : rank;
+    const int my_tok = lane < count ? a.recv_src_idx[first + lane] : 0;
+    uint32_t sources = 0;
+    for (int j = 0; j < count; ++j) {
+      const int s = __shfl_sync(0xffffffffu, my_src, j), t = __shfl_sync(0xffffffffu, my_tok, j);
+      if (s == rank) continue;  // our own tokens are reduced straight from x
+      sources |= 1u << s;
+      const int i = first + j;
+      uint8_t* slot = peers.base[s] + layout.combine_stage + (int64_t(rank) * layout.max_tokens + t) * row_bytes;
+      const int4* src = reinterpret_cast<const int4*>(static_cast<const uint8_t*>(a.x) + int64_t(i) * a.hidden * 2);
+      int4* dst = reinterpret_cast<int4*>(slot);
+      for (int64_t base = lane; base < n16; base += 32 * kUnroll) {
+        int4 v[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+          if (base + u * 32 < n16) v[u] = ptx::ld_nc_na_v4(src + base + u * 32);
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+          if (base + u * 32 < n16) ptx::st_na_v4(dst + base + u * 32, v[u]);
+      }
+      if (a.topk_weights != nullptr && lane < a.topk)
+        reinterpret_cast<float*>(slot + int64_t(a.hidden) * 2)[lane] = a.topk_weights[int64_t(i) * a.topk + lane];
+    }
+    __syncwarp();
+    if (lane == 0 && sources != 0) {
+      ptx::fence_acq_rel_sys();
+      for (int s = 0; s < R; ++s)
+        if ((sources >> s) & 1u) {
+          auto* flag = reinterpret_cast<uint64_t*>(peers.base[s] + layout.combine_flag);
+          ptx::st_relaxed_sys_u64(flag + int64_t(rank) * max_chunks + c, ctx.seq);
+        }
+    }
+  }
+}
+
+template <int kReduce, int kUnroll>
+__device__ __forceinline__ void reduce_tokens(const CombineArgs& a, const NvlLayout& layout, const Peers& peers,
+                                              const WaitCtx& ctx, int self_base, int warp, int lane) {
+  const int R = layout.num_ranks, rank = ctx.rank;
+  uint8_t* self = peers.base[rank];
+  const int64_t row_bytes = combine_row_bytes(a.hidden, a.topk), n16 = int64_t(a.hidden) / 8;
+  const auto* flags = reinterpret_cast<const uint64_t*>(self + layout.combine_flag);
+  const int64_t max_chunks = combine_max_chunks(R, layout.max_tokens);
+  // Lane s: first row of our tokens among rank s's received rows.
+  int my_base_at = 0;
+  for (int q = 0; q < rank; ++q) my_base_at += lane < R ? a.count_matrix[q * R + lane] : 0;
+  const int total = gridDim.x * kReduce;
+  int t = blockIdx.x * kReduce + warp;
+  int next_pos = (t < a.num_tokens && lane < R) ? a.send_pos[int64_t(t) * R + lane] : -1;
+  for (; t < a.num_tokens; t += total) {
+    const int my_pos = next_pos;
+    if (t + total < a.num_tokens && lane < R) next_pos = a.send_pos[int64_t(t + total) * R + lane];  // prefetch
+    const uint32_t holders = __ballot_sync(0xffffffffu, my_pos >= 0);
+    const int self_pos = __shfl_sync(0xffffffffu, my_pos, rank);
+    // Wait for the chunk holding this token's row at every other holder; lane s waits for rank s.
+    bool ok = true;
+    if (lane < R && lane != rank && my_pos >= 0) {
+      const int chunk = (my_base_at + my_pos) / kCombineChunk;
+      ok = wait_flag_geq(flags + lane * max_chunks + chunk, ctx.seq, ctx, lane, kStageCombineToken);
+    }
+    if (!__all_sync(0xffffffffu, ok)) return;
+
+    const uint8_t* own_row = static_cast<const uint8_t*>(a.x) + int64_t(self_base + self_pos) * a.hidden * 2;
+    const uint8_t* stage_rows = self + layout.combine_stage + int64_t(t) * row_bytes;
+    const int64_t stage_stride = int64_t(layout.max_tokens) * row_bytes;  // between source ranks
+    int4* out = reinterpret_cast<int4*>(static_cast<uint8_t*>(a.out) + int64_t(t) * a.hidden * 2);
+    for (int64_t base = lane; base < n16; base += 32 * kUnroll) {
+      float acc[kUnroll][8];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[u][j] = 0.0f;
+      for (int s = 0; s < R; ++s) {
+        if (!((holders >> s) & 1u)) continue;
+        const int4* src = s == rank ? reinterpret_cast<const int4*>(own_row)
+                                    : reinterpret_cast<const int4*>(stage_rows + s * stage_stride);
+        int4 v[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+          if (base + u * 32 < n16) v[u] = s == rank ? ptx::ld_nc_na_v4(src + base + u * 32) : ptx::ld_relaxed_gpu_v4(src + base + u * 32);
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+          if (base + u * 32 < n16) accumulate_bf16x8(acc[u], v[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        if (base + u * 32 < n16) out[base + u * 32] = round_bf16x8(acc[u]);
+    }
+    if (a.out_weights != nullptr && lane < a.topk) {
+      float w = 0.0f;
+      for (int s = 0; s < R; ++s) {
+        if (!((holders >> s) & 1u)) continue;
+        w += s == rank ? a.topk_weights[int64_t(self_base + self_pos) * a.topk + lane]
+                       : reinterpret_cast<const volatile float*>(stage_rows + s * stage_stride + int64_t(a.hidden) * 2)[lane];
+      }
+      a.out_weights[int64_t(t) * a.topk + lane] = w;
+    }
+  }
+}
+
+template <int kSend, int kReduce, int kUnroll>
+__global__ void __launch_bounds__((kSend + kReduce) * 32, 1)
+    combine_kernel(CombineArgs a, NvlLayout layout, Peers peers, WaitCtx ctx) {
+  const int R = layout.num_ranks, rank = ctx.rank, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  uint8_t* self = peers.base[rank];
+  __shared__ int recv_base[kMaxRanks];  // first row from each source rank in our received rows
+  __shared__ int ready_ok;
+  if (tid == 0) {
+    int acc = 0;
+    for (int s = 0; s < R; ++s) {
+      recv_base[s] = acc;
+      acc += a.count_matrix[s * R + rank];
+    }
+    ready_ok = 1;
+  }
+  if (blockIdx.x == 0 && tid < R)
+    ptx::st_release_sys_u64(reinterpret_cast<uint64_t*>(peers.base[tid] + layout.combine_ready) + rank, ctx.seq);
+  __syncthreads();
+
+  if (warp < kSend) {
+    if (tid < R) {
+      const auto* ready = reinterpret_cast<const uint64_t*>(self + layout.combine_ready) + tid;
+      if (!wait_flag_geq(ready, ctx.seq, ctx, tid, kStageCombineReady)) ready_ok = 0;
+    }
+    ptx::named_barrier_sync(1, kSend * 32);
+    if (!ready_ok) return;
+    send_rows<kSend, kUnroll>(a, layout, peers, ctx, recv_base, warp, lane);
+  } else {
+    reduce_tokens<kReduce, kUnroll>(a, layout, peers, ctx, recv_base[rank], warp - kSend, lane);
+  }
+}
+
+}  // namespace
+
+// Warp split and unroll. DEEPCOMM_COMBINE_CONFIG (0..3) picks another instantiation, for tuning runs.
+void launch_combine(const CombineArgs& args, int num_blocks, const NvlLayout& layout, const Peers& peers,
+                    const WaitCtx& ctx, cudaStream_t stream) {
+  DC_HOST_ASSERT(num_blocks >= 1 && num_blocks <= kMaxBlocks, "combine: num_sms out of range");
+  DC_HOST_ASSERT(layout.num_ranks <= kMaxRanks, "combine: too many ranks for the NVLink transport");
+  DC_HOST_ASSERT(args.hidden % 8 == 0 && args.hidden <= layout.hidden_max, "combine: hidden over the buffer's maximum");
+  DC_HOST_ASSERT(args.topk <= layout.topk_max, "combine: topk over the buffer's maximum");
+  DC_HOST_ASSERT(args.num_tokens <= layout.max_tokens, "combine: tokens over the buffer's maximum");
+  static const int config = [] {
+    const char* env = std::getenv("DEEPCOMM_COMBINE_CONFIG");
+    return env != nullptr ? std::atoi(env) : 1;
+  }();
+  switch (config) {
+    case 0: combine_kernel<8, 8, 8><<<num_blocks, 16 * 32, 0, stream>>>(args, layout, peers, ctx); break;
+    case 2: combine_kernel<12, 20, 2><<<num_blocks, 32 * 32, 0, stream>>>(args, layout, peers, ctx); break;
+    case 3: combine_kernel<8, 16, 4><<<num_blocks, 24 * 32, 0, stream>>>(args, layout, peers, ctx); break;
+    default: combine_kernel<16, 16, 2><<<num_blocks, 32 * 32, 0, stream>>>(args, layout, peers, ctx); break;
+  }
+  DC_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace dc

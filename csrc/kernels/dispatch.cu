@@ -1,0 +1,137 @@
+// Normal-mode dispatch over NVLink, zero copy: each warp takes a token, reads its row once and stores it
+// straight into the output arrays of every rank that needs it (remote ranks through peer pointers).
+//
+// Protocol (seq = the collective's number, the same on every rank):
+//   1. block 0 publishes our output offsets in every peer's mailbox[rank] (release on the seq word);
+//   2. every block reads the peers' offsets from our mailbox (acquire), then copies its tokens;
+//   3. each block raises dispatch_done[rank][block] at every peer, then waits for the same flag of every peer,
+//      so when the kernel ends all rows addressed to us have landed.
+#include <cuda_runtime.h>
+
+#include "../runtime/cuda_check.hpp"
+#include "../runtime/wait.cuh"
+#include "api.hpp"
+
+namespace dc {
+
+constexpr int kDispatchThreads = 512;
+constexpr int kDispatchUnroll = 8;  // 16-byte vectors each lane holds in flight per dest pass
+
+struct DispatchShared {
+  uint8_t* dst[kMaxRanks][5];  // per rank: x, scales, topk_idx, topk_weights, src_idx output arrays
+  int row_base[kMaxRanks];     // first row of our tokens in rank d's output
+  int ok;
+};
+
+__device__ __forceinline__ void copy_row_to_dests(const int4* src, int64_t n16, uint8_t* const* dst_rows,
+                                                  const int* pos, int num_ranks, int lane) {
+  for (int64_t base = lane; base < n16; base += 32 * kDispatchUnroll) {
+    int4 v[kDispatchUnroll];
+#pragma unroll
+    for (int u = 0; u < kDispatchUnroll; ++u) {
+      const int64_t i = base + u * 32;
+      if (i < n16) v[u] = ptx::ld_nc_na_v4(src + i);
+    }
+#pragma unroll
+    for (int d = 0; d < kMaxRanks; ++d) {
+      if (d >= num_ranks || pos[d] < 0) continue;
+      int4* out = reinterpret_cast<int4*>(dst_rows[d]);
+#pragma unroll
+      for (int u = 0; u < kDispatchUnroll; ++u) {
+        const int64_t i = base + u * 32;
+        if (i < n16) ptx::st_na_v4(out + i, v[u]);
+      }
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kDispatchThreads, 1)
+    dispatch_kernel(DispatchArgs a, NvlLayout layout, Peers peers, WaitCtx ctx) {
+  __shared__ DispatchShared sh;
+  const int R = layout.num_ranks, rank = ctx.rank, tid = threadIdx.x, lane = tid & 31;
+  uint8_t* self = peers.base[rank];
+  if (tid == 0) sh.ok = 1;
+
+  if (blockIdx.x == 0 && tid < R) {
+    auto* box = reinterpret_cast<uint64_t*>(peers.base[tid] + layout.mailbox) + rank * kMailboxWords;
+    for (int j = 0; j < 5; ++j) box[1 + j] = uint64_t(a.out_offsets[j]);
+    ptx::st_release_sys_u64(box, ctx.seq);
+  }
+  __syncthreads();
+  if (tid < R) {
+    const auto* box = reinterpret_cast<const uint64_t*>(self + layout.mailbox) + tid * kMailboxWords;
+    if (wait_flag_geq(box, ctx.seq, ctx, tid, kStageDispatchMailbox)) {
+      for (int j = 0; j < 5; ++j) sh.dst[tid][j] = peers.base[tid] + ptx::ld_relaxed_sys_u64(box + 1 + j);
+    } else {
+      sh.ok = 0;
+    }
+    int base = 0;
+    for (int s = 0; s < rank; ++s) base += a.count_matrix[s * R + tid];
+    sh.row_base[tid] = base;
+  }
+  __syncthreads();
+  if (!sh.ok) return;
+
+  const int K = a.topk, L = a.num_local_experts;
+  const int64_t n16 = a.x_row_bytes / 16, nscale = a.scale_row_bytes / 4;
+  const int warps_per_block = kDispatchThreads / 32;
+  const int total_warps = gridDim.x * warps_per_block;
+  for (int t = blockIdx.x * warps_per_block + (tid >> 5); t < a.num_tokens; t += total_warps) {
+    const int my_pos = lane < R ? a.send_pos[int64_t(t) * R + lane] : -1;
+    int pos[kMaxRanks];
+    uint8_t* rows[kMaxRanks];
+#pragma unroll
+    for (int d = 0; d < kMaxRanks; ++d) {
+      pos[d] = __shfl_sync(0xffffffffu, my_pos, d);
+      const int row = d < R ? sh.row_base[d] + pos[d] : 0;
+      rows[d] = d < R ? sh.dst[d][0] + int64_t(row) * a.x_row_bytes : nullptr;
+    }
+    copy_row_to_dests(reinterpret_cast<const int4*>(static_cast<const uint8_t*>(a.x) + int64_t(t) * a.x_row_bytes),
+                      n16, rows, pos, R, lane);
+#pragma unroll
+    for (int d = 0; d < kMaxRanks; ++d) {
+      if (d >= R || pos[d] < 0) continue;
+      const int64_t row = sh.row_base[d] + pos[d];
+      if (a.scales != nullptr) {
+        const auto* s = reinterpret_cast<const int*>(static_cast<const uint8_t*>(a.scales) + t * a.scale_row_bytes);
+        auto* o = reinterpret_cast<int*>(sh.dst[d][1] + row * a.scale_row_bytes);
+        for (int64_t i = lane; i < nscale; i += 32) o[i] = __ldg(s + i);
+      }
+      if (lane < K) {
+        const int64_t e = a.topk_idx != nullptr ? a.topk_idx[int64_t(t) * K + lane] : -1;
+        const bool local = e >= int64_t(d) * L && e < int64_t(d + 1) * L;
+        if (a.topk_idx != nullptr)
+          reinterpret_cast<int64_t*>(sh.dst[d][2])[row * K + lane] = local ? e - int64_t(d) * L : -1;
+        if (a.topk_weights != nullptr) {
+          // Cached re-dispatch has no ids: weights then pass through unmasked.
+          const float w = a.topk_weights[int64_t(t) * K + lane];
+          reinterpret_cast<float*>(sh.dst[d][3])[row * K + lane] = (a.topk_idx == nullptr || local) ? w : 0.0f;
+        }
+      }
+      if (lane == 0) reinterpret_cast<int*>(sh.dst[d][4])[row] = t;
+    }
+  }
+
+  __syncthreads();
+  if (tid < R) {
+    ptx::fence_acq_rel_sys();
+    auto* done = reinterpret_cast<uint64_t*>(peers.base[tid] + layout.dispatch_done);
+    ptx::st_release_sys_u64(done + rank * kMaxBlocks + blockIdx.x, ctx.seq);
+  }
+  if (tid < R) {
+    const auto* done = reinterpret_cast<const uint64_t*>(self + layout.dispatch_done);
+    wait_flag_geq(done + tid * kMaxBlocks + blockIdx.x, ctx.seq, ctx, tid, kStageDispatchDone);
+  }
+}
+
+void launch_dispatch(const DispatchArgs& args, int num_blocks, const NvlLayout& layout, const Peers& peers,
+                     const WaitCtx& ctx, cudaStream_t stream) {
+  DC_HOST_ASSERT(num_blocks >= 1 && num_blocks <= kMaxBlocks, "dispatch: num_sms out of range");
+  DC_HOST_ASSERT(layout.num_ranks <= kMaxRanks, "dispatch: too many ranks for the NVLink transport");
+  DC_HOST_ASSERT(args.x_row_bytes % 16 == 0 && args.scale_row_bytes % 4 == 0, "dispatch: row bytes misaligned");
+  DC_HOST_ASSERT(args.topk <= 32, "dispatch: topk must be <= 32");
+  dispatch_kernel<<<num_blocks, kDispatchThreads, 0, stream>>>(args, layout, peers, ctx);
+  DC_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace dc

@@ -1,0 +1,26 @@
+// Everything a rank's NVLink kernels need besides per-call arguments: the buffer layout, the peer pointer
+// table, the error record and the timeout. Owned by the Python CudaBackend through the bindings.
+#pragma once
+#include <cstdint>
+
+#include "../kernels/api.hpp"
+#include "error_record.cuh"
+#include "nvl_layout.hpp"
+
+namespace dc {
+
+struct NvlContext {
+  NvlLayout layout;
+  Peers peers{};
+  int rank;
+  ErrorRecord* err_device = nullptr;  // mapped host memory, device view
+  uint64_t timeout_ns = 100ull * 1000 * 1000 * 1000;
+
+  NvlContext(int rank_, int num_ranks, int local_experts_cap, int max_tokens, int64_t hidden_max, int64_t topk_max,
+             int64_t arena_bytes)
+      : layout(num_ranks, local_experts_cap, max_tokens, hidden_max, topk_max, arena_bytes), rank(rank_) {}
+
+  WaitCtx wait_ctx(uint64_t seq) const { return WaitCtx{err_device, timeout_ns, rank, seq}; }
+};
+
+}  // namespace dc

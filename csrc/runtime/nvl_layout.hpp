@@ -1,0 +1,80 @@
+// The one description of the per-rank NVLink buffer. The host sizes and carves the buffer with it, the
+// kernels find their regions with it; nothing else computes these offsets.
+//
+// Per-rank buffer (every rank maps every peer's buffer through CUDA IPC):
+//   notify_counts   int32 [R][R + L]        row s: tokens rank s sends to each rank, then to each of our L experts
+//                                           (L = num_local_experts is a capacity; a call may use fewer)
+//   notify_flag     u64   [R]               seq of the notify round rank s finished writing
+//   mailbox         u64   [R][kMailboxWords] dispatch: peer s's seq and the offsets of its output arrays
+//   dispatch_done   u64   [R][kMaxBlocks]   dispatch: block b of rank s finished writing into our output
+//   combine_ready   u64   [R]               combine: rank s may start writing into our staging rows
+//   combine_flag    u64   [R][max_chunks]   combine: rank s has stored every row of its received-row chunk c
+//                                           (kCombineChunk rows) that belongs to us
+//   combine_stage   bytes [R][max_tokens][combine_row_bytes]  rows coming back for our tokens
+//   arena           bytes [arena_bytes]     dispatch outputs (recv_x and friends), handed out by the host
+#pragma once
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define DC_HD __host__ __device__ __forceinline__
+#else
+#define DC_HD inline
+#endif
+
+namespace dc {
+
+constexpr int kMaxRanks = 8;          // one NVLink domain (a node) in this transport
+constexpr int kMaxBlocks = 160;       // >= SMs of any GPU we launch on; dispatch keeps one done flag per block
+constexpr int kMailboxWords = 8;      // seq, x, scales, topk_idx, topk_weights, src_idx, 2 spare
+constexpr int64_t kAlign = 256;
+constexpr int kCombineChunk = 8;   // received rows per combine completion flag (one system fence each)
+
+DC_HD int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
+
+// Bytes of one combine row: bf16 hidden values, then K fp32 weights, padded to 16 bytes.
+DC_HD int64_t combine_row_bytes(int64_t hidden, int64_t topk) { return align_up(hidden * 2 + topk * 4, 16); }
+// Chunks of received rows a rank can have (it receives at most R * max_tokens rows).
+DC_HD int64_t combine_max_chunks(int ranks, int max_tokens) {
+  return (int64_t(ranks) * max_tokens + kCombineChunk - 1) / kCombineChunk;
+}
+
+struct NvlLayout {
+  int num_ranks, num_local_experts, max_tokens;
+  int64_t hidden_max, topk_max, arena_bytes;
+  int64_t notify_counts, notify_flag, mailbox, dispatch_done, combine_ready, combine_flag, combine_stage, arena,
+      total;
+
+  DC_HD NvlLayout(int ranks, int local_experts, int max_tok, int64_t hidden, int64_t topk, int64_t arena_sz)
+      : num_ranks(ranks), num_local_experts(local_experts), max_tokens(max_tok), hidden_max(hidden), topk_max(topk),
+        arena_bytes(arena_sz) {
+    int64_t off = 0;
+    notify_counts = off;  off = align_up(off + int64_t(ranks) * (ranks + local_experts) * 4, kAlign);
+    notify_flag = off;    off = align_up(off + int64_t(ranks) * 8, kAlign);
+    mailbox = off;        off = align_up(off + int64_t(ranks) * kMailboxWords * 8, kAlign);
+    dispatch_done = off;  off = align_up(off + int64_t(ranks) * kMaxBlocks * 8, kAlign);
+    combine_ready = off;  off = align_up(off + int64_t(ranks) * 8, kAlign);
+    combine_flag = off;   off = align_up(off + int64_t(ranks) * combine_max_chunks(ranks, max_tok) * 8, kAlign);
+    combine_stage = off;  off = align_up(off + int64_t(ranks) * max_tok * combine_row_bytes(hidden, topk), kAlign);
+    arena = off;          off = align_up(off + arena_sz, kAlign);
+    total = off;
+  }
+  // Everything before the combine staging holds flags and must start zeroed.
+  DC_HD int64_t signal_bytes() const { return combine_stage; }
+};
+
+// Carving of one dispatch output block (in the arena) for N rows:
+//   x [N][x_row_bytes] | scales [N][scale_row_bytes] | topk_idx int64 [N][K] | topk_weights f32 [N][K] | src_idx int32 [N]
+struct DispatchOutLayout {
+  int64_t x, scales, topk_idx, topk_weights, src_idx, total;
+  DC_HD DispatchOutLayout(int64_t n, int64_t x_row_bytes, int64_t scale_row_bytes, int64_t topk) {
+    int64_t off = 0;
+    x = off;            off = align_up(off + n * x_row_bytes, kAlign);
+    scales = off;       off = align_up(off + n * scale_row_bytes, kAlign);
+    topk_idx = off;     off = align_up(off + n * topk * 8, kAlign);
+    topk_weights = off; off = align_up(off + n * topk * 4, kAlign);
+    src_idx = off;      off = align_up(off + n * 4, kAlign);
+    total = off;
+  }
+};
+
+}  // namespace dc

@@ -1,0 +1,49 @@
+// Bounded spin-waits. Every device wait in deepcomm goes through wait_until so that it either sees its
+// condition or, after ctx.timeout_ns, records (rank, peer, stage) in the ErrorRecord and returns false.
+#pragma once
+#include "../../ptx/ptx.cuh"
+#include "error_record.cuh"
+
+namespace dc {
+
+__device__ __forceinline__ void report_timeout(const WaitCtx& ctx, int peer, int stage, uint64_t waited) {
+  auto* flag = reinterpret_cast<uint32_t*>(&ctx.err->flag);
+  if (ptx::atom_cas_acquire_sys_u32(flag, 0u, 2u) == 0u) {  // 2 = being written, 1 = complete
+    ctx.err->rank = ctx.rank;
+    ctx.err->peer = peer;
+    ctx.err->stage = stage;
+    ctx.err->seq = ctx.seq;
+    ctx.err->waited_ns = waited;
+    ptx::st_release_sys_u32(flag, 1u);
+  }
+}
+
+// Another thread already gave up: stop waiting at once instead of burning the whole timeout again.
+__device__ __forceinline__ bool someone_failed(const WaitCtx& ctx) {
+  return ptx::ld_acquire_sys_u32(reinterpret_cast<const uint32_t*>(&ctx.err->flag)) != 0u;
+}
+
+template <typename Done>
+__device__ __forceinline__ bool wait_until(Done done, const WaitCtx& ctx, int peer, int stage) {
+  if (done()) return true;
+  const uint64_t start = ptx::globaltimer_ns();
+  for (uint32_t spin = 1;; ++spin) {
+    if (done()) return true;
+    if ((spin & 1023u) == 0u) {
+      const uint64_t waited = ptx::globaltimer_ns() - start;
+      if (waited > ctx.timeout_ns) {
+        report_timeout(ctx, peer, stage, waited);
+        return false;
+      }
+      if (someone_failed(ctx)) return false;
+    }
+  }
+}
+
+// Wait until *flag (a u64 written by a peer with release semantics) reaches `target`.
+__device__ __forceinline__ bool wait_flag_geq(const uint64_t* flag, uint64_t target, const WaitCtx& ctx, int peer,
+                                              int stage) {
+  return wait_until([&] { return ptx::ld_acquire_sys_u64(flag) >= target; }, ctx, peer, stage);
+}
+
+}  // namespace dc

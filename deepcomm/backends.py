@@ -1,0 +1,61 @@
+"""Which backend a Buffer gets, and why "cuda" is refused when it is."""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ._ext import extension_error, load_extension
+from .config import Config
+
+BACKENDS = ("auto", "cuda", "reference")
+
+
+def group_uses_nccl(group) -> bool:
+    return "nccl" in str(dist.get_backend(group)).lower()
+
+
+def group_device(group) -> torch.device:
+    """Where the group's tensors live: the current CUDA device for NCCL groups, else the CPU."""
+    if group_uses_nccl(group):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def cuda_unavailable_reason(group=None) -> Optional[str]:
+    """``None`` when the CUDA backend can run (for ``group``, when given); otherwise the reason."""
+    if load_extension() is None:
+        return f"the extension deepcomm._C is not available ({extension_error()})"
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    if group is not None and not group_uses_nccl(group):
+        return f"the process group uses {dist.get_backend(group)!r}, the CUDA backend needs NCCL"
+    try:
+        from .cuda.backend import CudaBackend  # noqa: F401
+    except ImportError as exc:
+        return f"deepcomm.cuda.backend cannot be imported ({exc})"
+    return None
+
+
+def available_backends() -> List[str]:
+    """Backends usable in this process (ignoring the process group): always "reference", "cuda" when built."""
+    return ["reference"] + (["cuda"] if cuda_unavailable_reason() is None else [])
+
+
+def make_backend(requested: str, group, config: Config, rank: int, world_size: int,
+                 device: torch.device) -> Tuple[object, str]:
+    """Build the backend object for ``requested`` ("auto" | "cuda" | "reference"); returns ``(backend, name)``."""
+    if requested not in BACKENDS:
+        raise ValueError(f"backend: expected one of {', '.join(map(repr, BACKENDS))}, got {requested!r}")
+    name = requested
+    if requested != "reference":
+        reason = cuda_unavailable_reason(group)
+        if reason is not None and requested == "cuda":
+            raise RuntimeError(f"deepcomm: backend='cuda' cannot run here: {reason}")
+        name = "cuda" if reason is None else "reference"
+    if name == "cuda":
+        from .cuda.backend import CudaBackend
+        return CudaBackend(group, config, rank, world_size, device), name
+    from .reference import ReferenceBackend
+    return ReferenceBackend(group, config, rank, world_size, device), name

@@ -1,0 +1,271 @@
+"""`python -m deepcomm.bench` / `deepcomm-bench`: the BENCHMARK.md workloads against every peer.
+
+Launch:
+- under torchrun (RANK/WORLD_SIZE/LOCAL_RANK set): one process per rank, NCCL on GPUs, gloo on CPU;
+- otherwise with GPUs: spawns one process per visible GPU (or --world-size) with NCCL;
+- otherwise (or --device cpu): spawns --world-size CPU processes (default 2) with gloo; deepcomm then runs
+  on its reference backend.
+Rank 0 prints the table and writes --json / --csv / --plots.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import traceback
+
+GPU_TOKENS = [128, 512, 1024, 2048, 4096, 8192]
+CPU_TOKENS = [128, 512]
+GPU_NUM_SMS = [4, 8, 16, 24, 32]
+SYSTEMS = ["deepcomm", "a2a", "moe-layer"]
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        vals = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    if not vals or any(v <= 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return vals
+
+
+def _choice_list(choices):
+    def parse(text: str) -> list[str]:
+        vals = [v.strip() for v in text.split(",") if v.strip()]
+        bad = [v for v in vals if v not in choices]
+        if bad or not vals:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {choices}, got {text!r}")
+        return vals
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="deepcomm-bench",
+        description="Benchmark deepcomm dispatch/combine against raw all-to-all and a plain MoE layer "
+                    "(BENCHMARK.md). Defaults: GPU = the full BENCHMARK.md workload; CPU = a short run.")
+    p.add_argument("--tokens", type=_int_list, default=None,
+                   help="tokens per rank, normal mode (default GPU 128,512,1024,2048,4096,8192; CPU 128,512)")
+    p.add_argument("--ll-tokens", type=int, default=128, help="tokens per rank, low-latency mode (default 128)")
+    p.add_argument("--hidden", type=int, default=None, help="hidden size (default 7168; 1024 with --quick on CPU)")
+    p.add_argument("--topk", type=int, default=8, help="experts per token (default 8)")
+    p.add_argument("--experts", type=int, default=256,
+                   help="experts in all, a multiple of the world size (default 256)")
+    p.add_argument("--num-sms", type=_int_list, default=None,
+                   help="num_sms sweep for deepcomm's CUDA backend (default 4,8,16,24,32; none on reference)")
+    p.add_argument("--sweep-tokens", type=int, default=4096,
+                   help="tokens at which num_sms is swept (default 4096, else the largest --tokens)")
+    p.add_argument("--modes", type=_choice_list(["normal", "low_latency"]), default=["normal", "low_latency"],
+                   help="comma-separated: normal, low_latency (default both)")
+    p.add_argument("--dtypes", type=_choice_list(["fp8", "bf16"]), default=["fp8", "bf16"],
+                   help="dispatch dtypes (combine is always BF16)")
+    p.add_argument("--ops", type=_choice_list(["dispatch", "combine"]), default=["dispatch", "combine"],
+                   help="comma-separated: dispatch, combine (default both)")
+    p.add_argument("--systems", type=_choice_list(SYSTEMS), default=list(SYSTEMS),
+                   help="a2a = all_to_all_single of the same bytes; moe-layer = count exchange + permute + "
+                        "all-to-all + un-permute with torch.distributed")
+    p.add_argument("--world-size", type=int, default=None,
+                   help="processes to spawn when not under torchrun (CPU default 2, GPU default all visible)")
+    p.add_argument("--backend", choices=["auto", "cuda", "reference"], default="auto", help="deepcomm backend")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+                   help="where tensors live (auto: cuda when a GPU is visible)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up calls (default 20 on GPU, 5 on CPU)")
+    p.add_argument("--iters", type=int, default=None, help="timed calls (default 50 on GPU, 20 on CPU)")
+    p.add_argument("--seed", type=int, default=0, help="routing and data seed (mixed with the rank)")
+    p.add_argument("--quick", action="store_true",
+                   help="short run: GPU 4096 tokens and num_sms 8,24; CPU hidden 1024, 2 warm-up + 5 timed calls")
+    p.add_argument("--check", action="store_true",
+                   help="before timing, check deepcomm's BF16 dispatch/combine against the MoE layer's")
+    p.add_argument("--json", metavar="PATH", help="write the result file (docs/benchmarks format)")
+    p.add_argument("--csv", metavar="PATH", help="write the results as CSV")
+    p.add_argument("--plots", metavar="DIR", help="write PNG plots there (needs matplotlib)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    return p
+
+
+def resolve_defaults(args: argparse.Namespace, device_type: str) -> argparse.Namespace:
+    gpu = device_type == "cuda"
+    if args.tokens is None:
+        args.tokens = [4096] if (gpu and args.quick) else (GPU_TOKENS if gpu else CPU_TOKENS)
+    if args.hidden is None:
+        args.hidden = 1024 if (args.quick and not gpu) else 7168
+    if args.warmup is None:
+        args.warmup = 20 if gpu else (2 if args.quick else 5)
+    if args.iters is None:
+        args.iters = 50 if gpu else (5 if args.quick else 20)
+    if args.num_sms is None and gpu:
+        args.num_sms = [8, 24] if args.quick else GPU_NUM_SMS
+    if args.sweep_tokens not in args.tokens:
+        args.sweep_tokens = max(args.tokens)
+    for name in ("hidden", "topk", "experts", "ll_tokens", "iters"):
+        if getattr(args, name) <= 0:
+            raise SystemExit(f"--{name.replace('_', '-')}: must be positive")
+    if args.warmup < 0:
+        raise SystemExit("--warmup: must be >= 0")
+    if "fp8" in args.dtypes and args.hidden % 128:
+        raise SystemExit(f"--hidden: FP8 needs a multiple of 128, got {args.hidden}")
+    return args
+
+
+# ---------------------------------------------------------------------------------------------- worker
+
+def _make_cases(args, systems, dc):
+    from deepcomm.bench.peers import Case
+
+    def op_dtypes():
+        pairs = [("dispatch", d) for d in args.dtypes if "dispatch" in args.ops]
+        if "combine" in args.ops:
+            pairs.append(("combine", "bf16"))
+        return pairs
+
+    cases = []
+    for mode in args.modes:
+        token_list = args.tokens if mode == "normal" else [args.ll_tokens]
+        for T in token_list:
+            for sys_ in systems:
+                cases += [Case(sys_.name, mode, op, dt, T) for op, dt in op_dtypes()
+                          if sys_.supports(mode, op, dt)]
+            if mode == "normal" and dc is not None and dc.uses_sms and args.num_sms and T == args.sweep_tokens:
+                cases += [Case(dc.name, mode, op, dt, T, n) for n in args.num_sms for op, dt in op_dtypes()]
+    return cases
+
+
+def run_worker(rank: int, world_size: int, local_rank: int, args, device_type: str) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from deepcomm.bench import metrics, peers, report, timing
+    from deepcomm.bench.workloads import Workload, make_inputs
+
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+        device, dist_backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        device, dist_backend = torch.device("cpu"), "gloo"
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    if not dist.is_initialized():
+        dist.init_process_group(dist_backend, rank=rank, world_size=world_size)
+    ctx = peers.Context(rank=rank, world_size=world_size, device=device, group=dist.group.WORLD,
+                        dist_backend=dist_backend, hidden=args.hidden, topk=args.topk, experts=args.experts)
+    if args.experts % world_size:
+        raise SystemExit(f"--experts: {args.experts} is not a multiple of the world size {world_size}")
+
+    systems, dc = [], None
+    if "deepcomm" in args.systems:
+        dc = peers.Deepcomm(ctx, max_tokens=max(args.tokens), ll_tokens=args.ll_tokens, backend=args.backend)
+        systems.append(dc)
+    if "a2a" in args.systems:
+        systems.append(peers.AllToAll(ctx))
+    if "moe-layer" in args.systems:
+        systems.append(peers.MoELayer(ctx))
+    by_name = {s.name: s for s in systems}
+
+    cases = _make_cases(args, systems, dc)
+    progress = report.Progress(len(cases), enabled=rank == 0 and not args.no_progress)
+    inputs_cache, results = {}, []
+    for case in cases:
+        if case.tokens not in inputs_cache:
+            inputs_cache.clear()
+            wl = Workload(case.tokens, args.hidden, args.topk, args.experts, args.seed)
+            inputs_cache[case.tokens] = inp = make_inputs(wl, rank, world_size, device)
+            if args.check and dc is not None:
+                peers.check_against_moe_layer(dc, peers.MoELayer(ctx), inp)
+        inp = inputs_cache[case.tokens]
+        fn = by_name[case.system].prepare(case, inp)
+        t = timing.bench(fn, args.warmup, args.iters, device)
+        del fn
+        nbytes = metrics.logical_bytes(inp.num_recv_rows(rank), args.hidden, case.op, case.dtype)
+        mean_us, median_us, neg_gbps = timing.slowest_rank(
+            [t.mean_us, t.median_us, -metrics.gbps(nbytes, t.mean_us)], device)
+        results.append({"system": case.system, "mode": case.mode, "op": case.op, "dtype": case.dtype,
+                        "tokens": case.tokens, "hidden": args.hidden, "topk": args.topk,
+                        "experts": args.experts, "num_sms": by_name[case.system].reported_num_sms(case),
+                        "time_us": round(mean_us, 2), "median_us": round(median_us, 2),
+                        "gbps": round(-neg_gbps, 2)})
+        progress.step(case.label())
+        if device_type == "cuda":
+            torch.cuda.empty_cache()
+
+    if rank == 0:
+        doc = report.make_document(results, device_type, world_size, dc.backend_name if dc else None)
+        report.print_report(doc)
+        if args.json:
+            report.write_json(doc, args.json)
+            print(f"wrote {args.json}")
+        if args.csv:
+            report.write_csv(doc["results"], args.csv)
+            print(f"wrote {args.csv}")
+        if args.plots:
+            from deepcomm.bench.plots import write_plots
+
+            written = write_plots(doc, args.plots)
+            print("wrote " + ", ".join(written) if written else "plots skipped (matplotlib not importable)")
+    if dc is not None:
+        dc.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def _spawn_entry(index: int, world_size: int, args, device_type: str, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(index),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(index))
+    run_worker(index, world_size, index, args, device_type)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _device_type(args) -> str:
+    import torch
+
+    if args.device == "cpu":
+        return "cpu"
+    has_gpu = torch.cuda.is_available() and torch.cuda.device_count() > 0
+    if args.device == "cuda" and not has_gpu:
+        raise SystemExit("--device cuda: no CUDA device is visible")
+    return "cuda" if has_gpu else "cpu"
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    for var, val in (("NCCL_NVLS_ENABLE", "0"), ("NVSHMEM_DISABLE_NVLS", "1"),
+                     ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")):
+        os.environ.setdefault(var, val)
+    device_type = _device_type(args)
+    args = resolve_defaults(args, device_type)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:      # started by torchrun (or mpirun-like env)
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        return run_worker(rank, world, local_rank, args, device_type)
+
+    import torch
+    import torch.multiprocessing as mp
+
+    if device_type == "cuda":
+        gpus = torch.cuda.device_count()
+        world = args.world_size or gpus
+        if world > gpus:
+            raise SystemExit(f"--world-size: {world} processes but only {gpus} GPUs are visible")
+    else:
+        world = args.world_size or 2
+    if world < 1:
+        raise SystemExit("--world-size: must be >= 1")
+    if args.experts % world:
+        raise SystemExit(f"--experts: {args.experts} is not a multiple of the world size {world}")
+    try:
+        mp.spawn(_spawn_entry, args=(world, args, device_type, _free_port()), nprocs=world, join=True)
+    except Exception as e:  # a worker failed: its traceback is in the exception text
+        traceback.print_exception(e, limit=0) if not str(e) else print(str(e), file=sys.stderr)
+        print(f"deepcomm-bench: failed ({type(e).__name__})", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,222 @@
+"""The systems a benchmark run compares (BENCHMARK.md "Peers in every run").
+
+Each system answers `supports(mode, op, dtype)` and `prepare(case, inputs)`; prepare does all set-up
+(permutations, FP8 casts, a first dispatch whose handle a combine reuses) and returns the zero-argument
+callable that the timer calls back to back.
+
+- AllToAll      `nccl-a2a` (`gloo-a2a` on CPU): all_to_all_single on pre-permuted buffers of the same bytes
+                as the dispatch (reverse direction for combine): the raw transport bound.
+- MoELayer      `nccl-moe-layer` (`gloo-moe-layer` on CPU): what MoE code writes with torch.distributed and
+                no EP library: count exchange (+ host sync), permute, all-to-all of rows and routing,
+                un-permute (global -> local expert ids, tokens per expert); combine = all-to-all back and
+                an fp32 index_add into token order. BF16 only, like the BENCHMARK.md table.
+- Deepcomm      deepcomm.Buffer: normal dispatch/combine, low-latency dispatch/combine, num_sms sweep.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from deepcomm.bench.metrics import row_bytes
+from deepcomm.bench.workloads import Inputs, token_in_rank
+
+
+@dataclass(frozen=True)
+class Case:
+    system: str
+    mode: str            # normal | low_latency
+    op: str              # dispatch | combine
+    dtype: str           # fp8 | bf16
+    tokens: int
+    num_sms: Optional[int] = None   # None = the system's default
+
+    def label(self) -> str:
+        sms = f" sms={self.num_sms}" if self.num_sms is not None else ""
+        return f"{self.system} {self.mode} {self.op} {self.dtype} T={self.tokens}{sms}"
+
+
+@dataclass
+class Context:
+    rank: int
+    world_size: int
+    device: torch.device
+    group: object
+    dist_backend: str    # nccl | gloo
+    hidden: int
+    topk: int
+    experts: int
+
+
+class AllToAll:
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+        self.name = f"{ctx.dist_backend}-a2a"
+
+    def supports(self, mode: str, op: str, dtype: str) -> bool:
+        return op == "dispatch" or dtype == "bf16"
+
+    def reported_num_sms(self, case: Case):
+        return None
+
+    def prepare(self, case: Case, inp: Inputs) -> Callable[[], object]:
+        c = self.ctx
+        send, recv = inp.send_counts(c.rank), inp.recv_counts(c.rank)
+        if case.op == "combine":
+            send, recv = recv, send
+        rb = row_bytes(c.hidden, case.dtype)
+        send_buf = torch.randint(0, 256, (sum(send), rb), dtype=torch.uint8, device=c.device)
+        recv_buf = torch.empty(sum(recv), rb, dtype=torch.uint8, device=c.device)
+        group = c.group
+
+        def run():
+            dist.all_to_all_single(recv_buf, send_buf, recv, send, group=group)
+            return recv_buf
+        return run
+
+
+class MoELayer:
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+        self.name = f"{ctx.dist_backend}-moe-layer"
+
+    def supports(self, mode: str, op: str, dtype: str) -> bool:
+        return dtype == "bf16"
+
+    def reported_num_sms(self, case: Case):
+        return None
+
+    def dispatch(self, x, topk_idx, topk_weights):
+        """Returns (recv_x, recv_topk_idx, recv_topk_weights, tokens_per_local_expert, route)."""
+        c = self.ctx
+        R, E, K = c.world_size, c.experts, topk_idx.shape[1]
+        L = E // R
+        # count exchange: how many tokens go to each rank, and how many arrive (host sync for the splits)
+        in_rank = token_in_rank(topk_idx, E, R)
+        send_counts = in_rank.sum(0).to(torch.int64)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=c.group)
+        send, recv = send_counts.tolist(), recv_counts.tolist()
+        # permute: rows grouped by destination rank, in token order
+        _, src_tok = in_rank.t().nonzero(as_tuple=True)
+        send_x = x.index_select(0, src_tok)
+        meta = torch.cat([topk_idx.to(torch.int32), topk_weights.view(torch.int32)], dim=1)
+        send_meta = meta.index_select(0, src_tok)
+        # all-to-all of the rows and of the routing
+        recv_x = x.new_empty(sum(recv), x.shape[1])
+        dist.all_to_all_single(recv_x, send_x, recv, send, group=c.group)
+        recv_meta = meta.new_empty(sum(recv), 2 * K)
+        dist.all_to_all_single(recv_meta, send_meta, recv, send, group=c.group)
+        # un-permute: global -> local expert ids, weights of other ranks' experts zeroed, tokens per expert
+        local = recv_meta[:, :K].to(torch.int64) - c.rank * L
+        mine = (local >= 0) & (local < L)
+        recv_idx = torch.where(mine, local, torch.full_like(local, -1))
+        recv_w = torch.where(mine, recv_meta[:, K:].contiguous().view(torch.float32), 0.0)
+        per_expert = torch.bincount(recv_idx[mine], minlength=L).tolist()
+        return recv_x, recv_idx, recv_w, per_expert, (src_tok, send, recv, x.shape[0])
+
+    def combine(self, x, route):
+        src_tok, send, recv, num_tokens = route
+        back = x.new_empty(sum(send), x.shape[1])
+        dist.all_to_all_single(back, x, send, recv, group=self.ctx.group)
+        out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
+        out.index_add_(0, src_tok, back.float())
+        return out.to(x.dtype)
+
+    def prepare(self, case: Case, inp: Inputs) -> Callable[[], object]:
+        x, idx, w = inp.x, inp.topk_idx, inp.topk_weights
+        if case.op == "dispatch":
+            return lambda: self.dispatch(x, idx, w)
+        recv_x, _, _, _, route = self.dispatch(x, idx, w)
+        return lambda: self.combine(recv_x, route)
+
+
+class Deepcomm:
+    name = "deepcomm"
+
+    def __init__(self, ctx: Context, max_tokens: int, ll_tokens: int, backend: str):
+        import deepcomm  # noqa: F401  (fails here, not mid-run, when the package is missing)
+
+        self.ctx = ctx
+        self.ll_tokens = ll_tokens
+        self._kwargs = dict(max_tokens_per_rank=max_tokens, hidden=ctx.hidden, backend=backend,
+                            num_max_low_latency_tokens=ll_tokens)
+        self.buf = deepcomm.Buffer(ctx.group, num_sms=None, **self._kwargs)
+        self.backend_name = getattr(self.buf, "backend_name", backend)
+        self.default_num_sms = getattr(self.buf, "num_sms", None)
+        self._sweep_bufs = {}
+
+    def close(self) -> None:
+        for b in [self.buf, *self._sweep_bufs.values()]:
+            if hasattr(b, "destroy"):
+                b.destroy()
+        self._sweep_bufs.clear()
+
+    @property
+    def uses_sms(self) -> bool:
+        return self.backend_name != "reference"
+
+    def supports(self, mode: str, op: str, dtype: str) -> bool:
+        return True
+
+    def reported_num_sms(self, case: Case):
+        if not self.uses_sms:
+            return None
+        return case.num_sms if case.num_sms is not None else self.default_num_sms
+
+    def _buffer(self, num_sms):
+        """The buffer set to `num_sms` (None = default): set_num_sms when offered, else one Buffer each."""
+        import deepcomm
+
+        if hasattr(self.buf, "set_num_sms"):
+            target = num_sms if num_sms is not None else self.default_num_sms
+            if target is not None:
+                self.buf.set_num_sms(target)
+            return self.buf
+        if num_sms is None:
+            return self.buf
+        if num_sms not in self._sweep_bufs:
+            self._sweep_bufs[num_sms] = deepcomm.Buffer(self.ctx.group, num_sms=num_sms, **self._kwargs)
+        return self._sweep_bufs[num_sms]
+
+    def prepare(self, case: Case, inp: Inputs) -> Callable[[], object]:
+        from deepcomm.fp8 import per_token_cast_to_fp8
+
+        buf = self._buffer(case.num_sms)
+        E = self.ctx.experts
+        x, idx, w = inp.x, inp.topk_idx, inp.topk_weights
+        if case.mode == "normal":
+            if case.op == "dispatch":
+                x_in = per_token_cast_to_fp8(x) if case.dtype == "fp8" else x
+                return lambda: buf.dispatch(x_in, topk_idx=idx, topk_weights=w, num_experts=E)
+            recv_x, _, _, _, handle = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
+            return lambda: buf.combine(recv_x, handle)
+        M = self.ll_tokens
+        if case.op == "dispatch":
+            fp8 = case.dtype == "fp8"
+            return lambda: buf.low_latency_dispatch(x, idx, M, E, use_fp8=fp8)
+        recv_x, _, handle, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+        return lambda: buf.low_latency_combine(recv_x, idx, w, handle)
+
+
+def check_against_moe_layer(dc: Deepcomm, moe: MoELayer, inp: Inputs) -> None:
+    """deepcomm's BF16 dispatch/combine must equal the plain MoE layer's (same rows, same order)."""
+    want_x, want_idx, want_w, want_counts, route = moe.dispatch(inp.x, inp.topk_idx, inp.topk_weights)
+    got_x, got_idx, got_w, got_counts, handle = dc.buf.dispatch(
+        inp.x, topk_idx=inp.topk_idx, topk_weights=inp.topk_weights, num_experts=dc.ctx.experts)
+    where = f"rank {dc.ctx.rank}, T={inp.x.shape[0]}"
+    if not torch.equal(got_x, want_x):
+        raise AssertionError(f"check: dispatch recv_x differs from the MoE layer's ({where})")
+    if not torch.equal(got_idx, want_idx):
+        raise AssertionError(f"check: dispatch recv_topk_idx differs ({where})")
+    if not torch.equal(got_w, want_w):
+        raise AssertionError(f"check: dispatch recv_topk_weights differs ({where})")
+    if list(got_counts) != list(want_counts):
+        raise AssertionError(f"check: tokens per local expert differ ({where})")
+    y = (got_x.float() * 0.5).to(torch.bfloat16)
+    got, _ = dc.buf.combine(y, handle)
+    want = moe.combine(y, route)
+    if not torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2):
+        raise AssertionError(f"check: combine differs from the MoE layer's ({where})")

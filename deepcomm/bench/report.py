@@ -1,0 +1,143 @@
+"""Output: stdout table, JSON (the docs/benchmarks result format of BENCHMARK.md), CSV, progress bar."""
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+
+# Keys of one result, in BENCHMARK.md's order; `median_us` is the one addition (the protocol asks for both).
+RESULT_KEYS = ["system", "mode", "op", "dtype", "tokens", "hidden", "topk", "experts", "num_sms",
+               "time_us", "median_us", "gbps"]
+
+
+def _run(cmd: list[str], cwd: str | None = None) -> str:
+    try:
+        return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=20).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def git_commit() -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    return _run(["git", "rev-parse", "--short", "HEAD"], cwd=here) or "unknown"
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return re.sub(r"\s+", " ", line.split(":", 1)[1]).strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "CPU"
+
+
+def nvlink_label() -> str:
+    """'NV18' style label from `nvidia-smi topo -m` (the widest NVLink bond seen), '' if unknown."""
+    links = [int(n) for n in re.findall(r"\bNV(\d+)\b", _run(["nvidia-smi", "topo", "-m"]))]
+    return f"NV{max(links)}" if links else ""
+
+
+def machine_description(device_type: str, world_size: int) -> str:
+    if device_type == "cuda":
+        import torch
+
+        name = torch.cuda.get_device_name(0)
+        label = nvlink_label()
+        return f"{world_size}x {name}" + (f" ({label})" if label else "")
+    return f"{cpu_model()} x {world_size} processes"
+
+
+def make_document(results: list[dict], device_type: str, world_size: int, backend: str | None) -> dict:
+    doc = {"machine": machine_description(device_type, world_size),
+           "date": _dt.date.today().isoformat(),
+           "commit": git_commit(),
+           "world_size": world_size}
+    if backend:
+        doc["backend"] = backend    # which deepcomm backend ran (cuda | reference)
+    doc["results"] = [{k: r.get(k) for k in RESULT_KEYS} for r in results]
+    return doc
+
+
+def write_json(doc: dict, path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    head = {k: v for k, v in doc.items() if k != "results"}
+    lines = [json.dumps(r) for r in doc["results"]]
+    text = json.dumps(head)[:-1] + ',\n "results": [\n  ' + ",\n  ".join(lines) + "\n ]}\n"
+    json.loads(text)  # one result per line, still one JSON object
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def write_csv(results: list[dict], path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=RESULT_KEYS, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(results)
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if abs(v) < 10:
+            return f"{v:.2f}"
+        return f"{v:.1f}" if abs(v) < 1e6 else f"{v:.3g}"
+    return str(v)
+
+
+def format_table(results: list[dict]) -> str:
+    cols = [("system", "system"), ("mode", "mode"), ("op", "op"), ("dtype", "dtype"), ("tokens", "tokens"),
+            ("num_sms", "sms"), ("time_us", "mean us"), ("median_us", "median us"), ("gbps", "GB/s")]
+    rows = [[_fmt(r.get(k)) for k, _ in cols] for r in results]
+    widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, (_, h) in enumerate(cols)]
+    numeric = {"tokens", "num_sms", "time_us", "median_us", "gbps"}
+
+    def line(cells):
+        return "  ".join(c.rjust(w) if cols[i][0] in numeric else c.ljust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+    out = [line([h for _, h in cols]), line(["-" * w for w in widths])]
+    out += [line(row) for row in rows]
+    return "\n".join(out)
+
+
+def print_report(doc: dict, stream=None) -> None:
+    stream = stream or sys.stdout
+    head = f"deepcomm bench | {doc['machine']} | world_size {doc['world_size']} | commit {doc['commit']}"
+    if doc.get("backend"):
+        head += f" | deepcomm backend {doc['backend']}"
+    print(head, file=stream)
+    print(format_table(doc["results"]), file=stream)
+    stream.flush()
+
+
+class Progress:
+    """A one-line progress bar on stderr (a line per step when stderr is not a terminal)."""
+
+    def __init__(self, total: int, enabled: bool = True, width: int = 28, stream=None):
+        self.total, self.done, self.width = max(total, 1), 0, width
+        self.enabled = enabled
+        self.stream = stream or sys.stderr
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+
+    def step(self, label: str) -> None:
+        if not self.enabled:
+            return
+        self.done += 1
+        filled = self.width * self.done // self.total
+        bar = "#" * filled + "." * (self.width - filled)
+        text = f"[{bar}] {self.done}/{self.total} {label}"
+        if self.tty:
+            self.stream.write("\r\033[K" + text)
+            if self.done >= self.total:
+                self.stream.write("\n")
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()

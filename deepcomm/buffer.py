@@ -1,0 +1,193 @@
+"""Buffer: the user-facing object. Validates every input, then delegates to a backend."""
+from __future__ import annotations
+
+import itertools
+import sys
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from . import validation as v
+from .backends import group_device, make_backend
+from .config import DEFAULT_HIDDEN, DEFAULT_TIMEOUT_S, Config, default_num_sms
+from .handle import Handle, LowLatencyHandle
+
+_buffer_ids = itertools.count(1)
+
+
+class Buffer:
+    """Expert-parallel communication over one process group (see docs/api.md)."""
+
+    def __init__(self, group=None, max_tokens_per_rank: int = 4096, hidden: Optional[int] = None,
+                 num_sms: Optional[int] = None, backend: str = "auto", num_max_low_latency_tokens: int = 128,
+                 timeout_s: Optional[float] = None):
+        self._backend = None
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("deepcomm.Buffer: torch.distributed is not initialized "
+                               "(call torch.distributed.init_process_group first)")
+        self._group = dist.group.WORLD if group is None else group
+        self._rank = dist.get_rank(self._group)
+        self._world_size = dist.get_world_size(self._group)
+        if backend not in ("auto", "cuda", "reference"):
+            v.fail("backend", f"expected 'auto', 'cuda' or 'reference', got {backend!r}")
+        self._device = group_device(self._group)
+        if num_sms is None:
+            sm_count = (torch.cuda.get_device_properties(self._device).multi_processor_count
+                        if self._device.type == "cuda" else None)
+            num_sms = default_num_sms(sm_count)
+        self.config = Config(num_sms=num_sms,
+                             timeout_s=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s,
+                             max_tokens_per_rank=max_tokens_per_rank,
+                             hidden=DEFAULT_HIDDEN if hidden is None else hidden,
+                             num_max_low_latency_tokens=num_max_low_latency_tokens)
+        self.buffer_id = next(_buffer_ids)
+        self._backend, self._backend_name = make_backend(backend, self._group, self.config, self._rank,
+                                                         self._world_size, self._device)
+        # dtypes of a non-FP8 x the backend takes in normal mode (the CUDA backend: bf16 only)
+        self._x_dtypes = tuple(getattr(self._backend, "x_dtypes", (torch.bfloat16,)))
+
+    # ---- properties -------------------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    @property
+    def group(self):
+        return self._group
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def backend_name(self) -> str:
+        return self._backend_name
+
+    @property
+    def num_sms(self) -> int:
+        return self.config.num_sms
+
+    def set_num_sms(self, num_sms: int) -> None:
+        v.check_int("num_sms", num_sms, minimum=1)
+        self._live().set_num_sms(num_sms)
+        self.config.num_sms = num_sms
+
+    def size_bytes(self) -> int:
+        """Bytes of communication buffers the backend holds (0 for the reference backend)."""
+        return self._live().size_bytes()
+
+    # ---- normal mode ------------------------------------------------------------------------------------
+    def get_dispatch_layout(self, topk_idx, num_experts):
+        """``(num_tokens_per_rank int32 [R], num_tokens_per_expert int32 [E], is_token_in_rank bool [T, R])``."""
+        backend = self._live()
+        if topk_idx is None:
+            v.fail("topk_idx", "required")
+        v.check_num_experts(num_experts, self._world_size)
+        v.check_topk_idx(topk_idx, None, num_experts, self._device)
+        return backend.get_dispatch_layout(topk_idx, num_experts)
+
+    def dispatch(self, x, topk_idx=None, topk_weights=None, num_experts=None, handle=None, expert_alignment=1):
+        """``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert, handle)``."""
+        backend = self._live()
+        v.check_int("expert_alignment", expert_alignment, minimum=1)
+        num_tokens, _, _ = v.check_dispatch_x(x, self._device, self._x_dtypes, self.config.hidden,
+                                              self.config.max_tokens_per_rank)
+        if handle is not None:
+            v.check_handle(handle, Handle, self.buffer_id)
+            if num_tokens != handle.num_tokens:
+                v.fail("x", f"expected {handle.num_tokens} rows (handle.num_tokens), got {num_tokens}")
+            if num_experts is not None and num_experts != handle.num_experts:
+                v.fail("num_experts", f"{num_experts} does not match the handle's {handle.num_experts}")
+            if topk_idx is not None:  # not needed with a handle; checked so that a wrong one is not silent
+                v.check_topk_idx(topk_idx, num_tokens, handle.num_experts, self._device)
+            if topk_weights is not None:
+                shape = tuple(topk_idx.shape) if topk_idx is not None else (num_tokens, None)
+                v.check_topk_weights(topk_weights, shape, self._device)
+            return backend.dispatch(x, None, topk_weights, handle.num_experts, handle, expert_alignment)
+        if topk_idx is None:
+            v.fail("topk_idx", "required when no handle is given")
+        v.check_num_experts(num_experts, self._world_size)
+        v.check_topk_idx(topk_idx, num_tokens, num_experts, self._device)
+        if topk_weights is not None:
+            v.check_topk_weights(topk_weights, tuple(topk_idx.shape), self._device)
+        out = backend.dispatch(x, topk_idx, topk_weights, num_experts, None, expert_alignment)
+        out[-1].buffer_id = self.buffer_id
+        return out
+
+    def combine(self, x, handle, topk_weights=None):
+        """``(combined_x, combined_topk_weights)``: the reverse route of ``handle``, copies summed."""
+        backend = self._live()
+        v.check_handle(handle, Handle, self.buffer_id)
+        v.check_combine_x(x, handle, self._device, self._x_dtypes, self.config.hidden)
+        if topk_weights is not None:
+            v.check_topk_weights(topk_weights, (handle.num_recv, None), self._device)
+        return backend.combine(x, handle, topk_weights)
+
+    # ---- low-latency mode -------------------------------------------------------------------------------
+    def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8=True,
+                             use_ue8m0=False, return_recv_hook=False):
+        """``(recv_x, recv_count, handle, hook)``."""
+        backend = self._live()
+        v.check_low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
+                                     use_ue8m0, self._world_size, self._device, self.config.hidden,
+                                     self.config.num_max_low_latency_tokens)
+        self._check_hook_flag(return_recv_hook)
+        recv_x, recv_count, handle, hook = backend.low_latency_dispatch(
+            x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, use_ue8m0, return_recv_hook)
+        handle.buffer_id = self.buffer_id
+        return recv_x, recv_count, handle, hook
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, return_recv_hook=False):
+        """``(combined_x, hook)``: bf16 ``[T, H]``, the weighted sum of each token's expert outputs."""
+        backend = self._live()
+        v.check_handle(handle, LowLatencyHandle, self.buffer_id)
+        v.check_low_latency_combine(x, topk_idx, topk_weights, handle, self._world_size, self._device,
+                                    self.config.hidden)
+        self._check_hook_flag(return_recv_hook)
+        return backend.low_latency_combine(x, topk_idx, topk_weights, handle, return_recv_hook)
+
+    # ---- lifetime ---------------------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Wait until this Buffer's outstanding device work is done."""
+        self._live().synchronize()
+
+    def destroy(self) -> None:
+        """Release the backend's resources. Idempotent; the Buffer is unusable afterwards."""
+        backend, self._backend = self._backend, None
+        if backend is not None:
+            backend.destroy()
+
+    def __del__(self):
+        # At interpreter shutdown the modules a backend needs may already be gone: leave cleanup to the OS.
+        if sys is None or sys.is_finalizing():
+            return
+        try:
+            self.destroy()
+        except Exception:
+            pass
+
+    def __enter__(self) -> "Buffer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.destroy()
+
+    def __repr__(self) -> str:
+        state = "destroyed" if self._backend is None else self._backend_name
+        return (f"deepcomm.Buffer(id={self.buffer_id}, rank={self._rank}/{self._world_size}, backend={state}, "
+                f"device={self._device}, num_sms={self.config.num_sms})")
+
+    def _live(self):
+        if self._backend is None:
+            raise RuntimeError("deepcomm.Buffer: used after destroy()")
+        return self._backend
+
+    @staticmethod
+    def _check_hook_flag(return_recv_hook) -> None:
+        if not isinstance(return_recv_hook, bool):
+            v.fail("return_recv_hook", f"expected a bool, got {type(return_recv_hook).__name__}")

@@ -1,0 +1,1 @@
+"""CUDA backend: NVLink kernels from the extension ``deepcomm._C`` behind the same contract as the reference."""

@@ -1,0 +1,78 @@
+"""Host-side allocator for the arena of a rank's NVLink buffer.
+
+Dispatch outputs live in the arena so that peers can store rows straight into them (zero copy). A block is
+handed out as a torch tensor whose storage keeps a small owner object alive; when the last view dies the
+owner queues the block for release, and the next allocation takes it back. Blocks are only reused by later
+dispatches, whose kernels run after everything the caller queued before them (the communication stream waits
+for the caller's stream at the start of every call), so a block is never overwritten while still read.
+"""
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from typing import Deque, List, Optional, Tuple
+
+import torch
+
+ALIGN = 256
+
+
+class _Block:
+    """Owner of one arena block; exposes it through ``__cuda_array_interface__`` for ``torch.as_tensor``."""
+
+    def __init__(self, arena: "Arena", offset: int, nbytes: int):
+        self._arena, self.offset, self.nbytes = arena, offset, nbytes
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (arena.base_ptr + offset, False),
+            "version": 3,
+            "strides": None,
+            "stream": None,  # no implicit sync: stream order is managed by the backend
+        }
+
+    def __del__(self):
+        self._arena._released.append((self.offset, self.nbytes))
+
+
+class Arena:
+    def __init__(self, base_ptr: int, nbytes: int, device: torch.device):
+        self.base_ptr, self.nbytes, self.device = base_ptr, nbytes, device
+        self._free: List[Tuple[int, int]] = [(0, nbytes)]  # sorted (offset, size), coalesced
+        self._released: Deque[Tuple[int, int]] = deque()  # filled by _Block.__del__, drained by alloc
+
+    def _drain(self) -> None:
+        while self._released:
+            self._insert(*self._released.popleft())
+
+    def _insert(self, offset: int, size: int) -> None:
+        i = bisect.bisect_left(self._free, (offset, size))
+        self._free.insert(i, (offset, size))
+        # merge with the right neighbour, then the left one
+        if i + 1 < len(self._free) and offset + size == self._free[i + 1][0]:
+            self._free[i] = (offset, size + self._free[i + 1][1])
+            del self._free[i + 1]
+        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == offset:
+            self._free[i - 1] = (self._free[i - 1][0], self._free[i - 1][1] + self._free[i][1])
+            del self._free[i]
+
+    def alloc(self, nbytes: int) -> Optional[torch.Tensor]:
+        """A uint8 tensor of ``nbytes`` (rounded up) in the arena, or ``None`` when no free range is large enough."""
+        self._drain()
+        size = max(ALIGN, (nbytes + ALIGN - 1) // ALIGN * ALIGN)
+        for i, (off, free) in enumerate(self._free):
+            if free >= size:
+                if free == size:
+                    del self._free[i]
+                else:
+                    self._free[i] = (off + size, free - size)
+                block = _Block(self, off, size)
+                return torch.as_tensor(block, device=self.device)
+        return None
+
+    def offset_of(self, tensor: torch.Tensor) -> int:
+        return tensor.data_ptr() - self.base_ptr
+
+    def free_bytes(self) -> int:
+        self._drain()
+        return sum(size for _, size in self._free)

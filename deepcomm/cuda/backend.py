@@ -1,0 +1,204 @@
+"""CudaBackend: normal-mode layout, dispatch and combine on the NVLink kernels of ``deepcomm._C``.
+
+Same method signatures and results as ``deepcomm.reference.ReferenceBackend``; the Buffer validates inputs
+before calling in. Every kernel runs on a communication stream that first waits for the caller's stream; the
+caller's stream then waits for the communication stream, so results are ready in stream order.
+Low-latency mode runs on the reference path (NCCL) until its kernels land.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple, Union
+
+import torch
+
+from .._ext import load_extension
+from ..handle import Handle
+from .arena import Arena
+from .nvl_buffer import NvlBuffer
+
+Payload = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
+
+LOCAL_EXPERTS_CAP = 1024  # experts per rank the count exchange can carry
+TOPK_MAX = 32             # one lane per top-k slot in the kernels
+ARENA_OUTPUTS = 4         # worst-case dispatch outputs the arena holds at once
+
+
+def _align(counts: List[int], alignment: int) -> List[int]:
+    return [(c + alignment - 1) // alignment * alignment for c in counts]
+
+
+def _worst_output_bytes(C, rows: int, hidden: int) -> int:
+    bf16 = C.dispatch_out_layout(rows, hidden * 2, 0, TOPK_MAX)["total"]
+    fp8 = C.dispatch_out_layout(rows, hidden, hidden // 128 * 4, TOPK_MAX)["total"]
+    return max(bf16, fp8)
+
+
+class CudaBackend:
+    name = "cuda"
+    x_dtypes = (torch.bfloat16,)  # non-FP8 x of normal dispatch/combine
+
+    def __init__(self, group, config, rank: int, world_size: int, device: torch.device):
+        C = load_extension()
+        if C is None:
+            raise RuntimeError("the CUDA extension deepcomm._C is not built")
+        self.C, self.group, self.config = C, group, config
+        self.rank, self.world_size, self.device = rank, world_size, device
+        arena = ARENA_OUTPUTS * _worst_output_bytes(C, world_size * config.max_tokens_per_rank, config.hidden)
+        with torch.cuda.device(device):
+            self.nvl = NvlBuffer(C, group, rank, world_size, device, LOCAL_EXPERTS_CAP, config.max_tokens_per_rank,
+                                 config.hidden, TOPK_MAX, arena, config.timeout_s)
+            self.comm_stream = torch.cuda.Stream(device)
+        self.arena = Arena(self.nvl.arena_ptr, arena, device)
+        self.seq = 0
+        self._reference = None
+
+    # ---- plumbing ----
+    def _next_seq(self) -> int:
+        self.seq += 1
+        return self.seq
+
+    def _begin(self) -> torch.cuda.Stream:
+        self.nvl.check_error()
+        caller = torch.cuda.current_stream(self.device)
+        self.comm_stream.wait_stream(caller)
+        return caller
+
+    def _end(self, caller: torch.cuda.Stream) -> None:
+        caller.wait_stream(self.comm_stream)
+
+    def set_num_sms(self, num_sms: int) -> None:
+        if num_sms > self.C.MAX_BLOCKS:
+            raise ValueError(f"num_sms: at most {self.C.MAX_BLOCKS} on the CUDA backend, got {num_sms}")
+
+    def size_bytes(self) -> int:
+        return self.nvl.size_bytes
+
+    # ---- layout ----
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
+        T = topk_idx.shape[0]
+        R = self.world_size
+        per_rank = torch.empty(R, dtype=torch.int32, device=self.device)
+        per_expert = torch.empty(num_experts, dtype=torch.int32, device=self.device)
+        in_rank = torch.empty(T, R, dtype=torch.bool, device=self.device)
+        stream = torch.cuda.current_stream(self.device)
+        self.C.get_dispatch_layout(topk_idx.data_ptr(), T, topk_idx.shape[1], num_experts, R, per_rank.data_ptr(),
+                                   per_expert.data_ptr(), in_rank.data_ptr(), 0, stream.cuda_stream)
+        return per_rank, per_expert, in_rank
+
+    # ---- normal dispatch ----
+    def dispatch(self, x: Payload, topk_idx: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor],
+                 num_experts: Optional[int], handle: Optional[Handle], expert_alignment: int):
+        R, rank = self.world_size, self.rank
+        is_pair = isinstance(x, (tuple, list))
+        values, scales = (x[0], x[1]) if is_pair else (x, None)
+        T, H = values.shape
+        x_row_bytes = H * values.element_size()
+        scale_row_bytes = scales.shape[1] * scales.element_size() if scales is not None else 0
+        K = topk_idx.shape[1] if topk_idx is not None else (topk_weights.shape[1] if topk_weights is not None else 0)
+        caller = self._begin()
+        seq = self._next_seq()
+        with torch.cuda.stream(self.comm_stream):
+            if handle is None:
+                L = num_experts // R
+                per_rank = torch.empty(R, dtype=torch.int32, device=self.device)
+                per_expert = torch.empty(num_experts, dtype=torch.int32, device=self.device)
+                in_rank = torch.empty(T, R, dtype=torch.bool, device=self.device)
+                send_pos = torch.empty(T, R, dtype=torch.int32, device=self.device)
+                notify_out = torch.empty(R * R + L, dtype=torch.int32, device=self.device)
+                self.nvl.ctx.notify_dispatch(seq, topk_idx.data_ptr(), T, K, num_experts, per_rank.data_ptr(),
+                                             per_expert.data_ptr(), in_rank.data_ptr(), send_pos.data_ptr(),
+                                             notify_out.data_ptr(), self.comm_stream.cuda_stream)
+                host = notify_out.cpu()  # the one host sync of a fresh dispatch: output sizes
+                self.nvl.check_error()
+                count_matrix = notify_out[:R * R].view(R, R)
+                counts = host[:R * R].view(R, R)
+                num_recv = int(counts[:, rank].sum())
+                per_expert_list = _align(host[R * R:].tolist(), expert_alignment)
+            else:
+                L = handle.num_experts // R
+                in_rank, send_pos, count_matrix = handle.is_token_in_rank, handle.send_pos, handle.count_matrix
+                num_recv, per_expert_list = handle.num_recv, list(handle.num_recv_tokens_per_expert)
+                topk_idx = None
+
+            out = self._alloc_outputs(num_recv, H, values.dtype, scales, K, topk_idx is not None,
+                                      topk_weights is not None)
+            offsets = [self.arena.offset_of(t) + self.nvl.layout["arena"] if t is not None else 0
+                       for t in (out["x"], out["scales"], out["topk_idx"], out["topk_weights"], out["src_idx"])]
+            self.nvl.ctx.dispatch(seq, self.config.num_sms, values.data_ptr(), x_row_bytes,
+                                  scales.data_ptr() if scales is not None else 0, scale_row_bytes,
+                                  topk_idx.data_ptr() if topk_idx is not None else 0,
+                                  topk_weights.data_ptr() if topk_weights is not None else 0, K, T, L,
+                                  send_pos.data_ptr(), count_matrix.data_ptr(), offsets, self.comm_stream.cuda_stream)
+            recv_src_idx = out["src_idx"].clone() if handle is None else handle.recv_src_idx
+        self._end(caller)
+
+        recv_x = (out["x"], out["scales"]) if is_pair else out["x"]
+        if handle is not None:
+            return recv_x, None, out["topk_weights"], per_expert_list, handle
+        new_handle = Handle(buffer_id=-1, num_experts=num_experts, num_tokens=T, hidden=H, num_recv=num_recv,
+                            is_token_in_rank=in_rank, send_pos=send_pos, count_matrix=count_matrix,
+                            recv_src_idx=recv_src_idx, num_recv_tokens_per_expert=per_expert_list)
+        return recv_x, out["topk_idx"], out["topk_weights"], per_expert_list, new_handle
+
+    def _alloc_outputs(self, n: int, hidden: int, dtype: torch.dtype, scales: Optional[torch.Tensor], K: int,
+                       with_idx: bool, with_weights: bool):
+        """Carve one arena block into the dispatch outputs (csrc/runtime/nvl_layout.hpp, DispatchOutLayout)."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        scale_cols = scales.shape[1] if scales is not None else 0
+        scale_elem = scales.element_size() if scales is not None else 0
+        lay = self.C.dispatch_out_layout(n, hidden * elem, scale_cols * scale_elem, K)
+        block = self.arena.alloc(lay["total"])
+        if block is None:
+            raise RuntimeError(
+                f"deepcomm: the dispatch arena is full ({self.arena.nbytes} bytes): too many dispatch outputs "
+                "are alive at once; free them or build the Buffer with a larger max_tokens_per_rank/hidden")
+
+        def carve(name, count, dt, shape):
+            nbytes = count * torch.empty((), dtype=dt).element_size()
+            return block[lay[name]:lay[name] + nbytes].view(dt).view(*shape)
+
+        return {
+            "x": carve("x", n * hidden, dtype, (n, hidden)),
+            "scales": carve("scales", n * scale_cols, scales.dtype, (n, scale_cols)) if scales is not None else None,
+            "topk_idx": carve("topk_idx", n * K, torch.int64, (n, K)) if with_idx else None,
+            "topk_weights": carve("topk_weights", n * K, torch.float32, (n, K)) if with_weights else None,
+            "src_idx": carve("src_idx", n, torch.int32, (n,)),
+        }
+
+    # ---- normal combine ----
+    def combine(self, x: torch.Tensor, handle: Handle, topk_weights: Optional[torch.Tensor]):
+        T, H = handle.num_tokens, x.shape[1]
+        K = topk_weights.shape[1] if topk_weights is not None else 0
+        caller = self._begin()
+        seq = self._next_seq()
+        with torch.cuda.stream(self.comm_stream):
+            out = torch.empty(T, H, dtype=x.dtype, device=self.device)
+            out_w = torch.empty(T, K, dtype=torch.float32, device=self.device) if topk_weights is not None else None
+            self.nvl.ctx.combine(seq, self.config.num_sms, x.data_ptr(),
+                                 topk_weights.data_ptr() if topk_weights is not None else 0,
+                                 handle.recv_src_idx.data_ptr(), handle.count_matrix.data_ptr(),
+                                 handle.send_pos.data_ptr(), out.data_ptr(), out_w.data_ptr() if out_w is not None else 0,
+                                 x.shape[0], T, H, K, self.comm_stream.cuda_stream)
+        self._end(caller)
+        return out, out_w
+
+    # ---- low-latency: reference path (NCCL) until the kernels land ----
+    def _ref(self):
+        if self._reference is None:
+            from ..reference import ReferenceBackend
+            self._reference = ReferenceBackend(self.group, self.config, self.rank, self.world_size, self.device)
+        return self._reference
+
+    def low_latency_dispatch(self, *args, **kwargs):
+        return self._ref().low_latency_dispatch(*args, **kwargs)
+
+    def low_latency_combine(self, *args, **kwargs):
+        return self._ref().low_latency_combine(*args, **kwargs)
+
+    # ---- lifetime ----
+    def synchronize(self) -> None:
+        self.comm_stream.synchronize()
+        self.nvl.check_error()
+
+    def destroy(self) -> None:
+        self.nvl.close()

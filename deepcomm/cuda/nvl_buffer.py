@@ -1,0 +1,82 @@
+"""A rank's NVLink buffer: allocation, IPC handle exchange, peer mapping, error record, teardown."""
+from __future__ import annotations
+
+import socket
+from typing import List
+
+import torch
+import torch.distributed as dist
+
+from ..errors import CommTimeoutError
+
+# Numbers written by the kernels (csrc/runtime/error_record.cuh, enum WaitStage) -> stage names.
+STAGES = {
+    1: "notify:counts",
+    2: "dispatch:mailbox",
+    3: "dispatch:done",
+    4: "combine:ready",
+    5: "combine:token",
+    6: "barrier",
+}
+
+
+class NvlBuffer:
+    """Owns the device allocation, the peer mappings and the mapped-host error record of one rank."""
+
+    def __init__(self, C, group, rank: int, world_size: int, device: torch.device, local_experts_cap: int,
+                 max_tokens: int, hidden_max: int, topk_max: int, arena_bytes: int, timeout_s: float):
+        if world_size > C.MAX_RANKS:
+            raise RuntimeError(f"the NVLink backend serves at most {C.MAX_RANKS} ranks, got {world_size}")
+        hosts: List[str] = [None] * world_size  # type: ignore[list-item]
+        dist.all_gather_object(hosts, socket.gethostname(), group=group)
+        if len(set(hosts)) != 1:
+            raise RuntimeError("the NVLink backend needs every rank on one host; got hosts " + ", ".join(sorted(set(hosts))))
+        self.C, self.group, self.rank, self.world_size, self.device = C, group, rank, world_size, device
+        self.ctx = C.NvlContext(rank, world_size, local_experts_cap, max_tokens, hidden_max, topk_max, arena_bytes)
+        self.layout = self.ctx.layout()
+        self.ptr, handle = C.ipc_alloc(self.layout["total"])
+        handles: List[bytes] = [None] * world_size  # type: ignore[list-item]
+        dist.all_gather_object(handles, handle, group=group)
+        self.peer_ptrs = []
+        for r in range(world_size):
+            p = self.ptr if r == rank else C.ipc_open(handles[r])
+            self.peer_ptrs.append(p)
+            self.ctx.set_peer(r, p)
+        self.err_host, err_dev = C.host_mapped_alloc(C.error_record_bytes())
+        self.ctx.set_error_record(err_dev)
+        self.ctx.set_timeout_ns(int(timeout_s * 1e9))
+        self.broken = False
+        self.closed = False
+        dist.barrier(group=group)  # nobody launches a kernel before every peer has mapped every buffer
+
+    @property
+    def arena_ptr(self) -> int:
+        return self.ptr + self.layout["arena"]
+
+    @property
+    def size_bytes(self) -> int:
+        return self.layout["total"]
+
+    def check_error(self) -> None:
+        """Raise CommTimeoutError if a kernel recorded a timed-out wait; the buffer is then unusable."""
+        if self.broken:
+            raise RuntimeError("deepcomm: this Buffer had a communication timeout; destroy it and build a new one")
+        flag, rank, peer, stage, seq, waited_ns = self.C.read_error(self.err_host)
+        if flag:
+            self.broken = True
+            raise CommTimeoutError(rank, peer, STAGES.get(stage, f"stage {stage}"),
+                                   f"call #{seq}, waited {waited_ns / 1e9:.3f} s")
+
+    def close(self) -> None:
+        """Unmap the peers and free our memory. No collective: it is safe from __del__ on one rank alone, because
+        every kernel waits for all peer writes addressed to it before it ends, so once our stream is idle no peer
+        is still writing into us."""
+        if self.closed:
+            return
+        self.closed = True
+        torch.cuda.synchronize(self.device)
+        for r, p in enumerate(self.peer_ptrs):
+            if r != self.rank:
+                self.C.ipc_close(p)
+        self.C.device_free(self.ptr)
+        self.C.host_mapped_free(self.err_host)

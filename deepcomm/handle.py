@@ -1,0 +1,39 @@
+"""Routing state that dispatch returns and combine (or a cached re-dispatch) reuses."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List
+
+import torch
+
+
+@dataclass
+class Handle:
+    """Route of one normal-mode dispatch (see docs/api.md, "Handle").
+
+    Row of token ``t`` of rank ``s`` at rank ``d`` = ``sum(count_matrix[:s, d]) + send_pos_s[t, d]``.
+    """
+
+    buffer_id: int
+    num_experts: int
+    num_tokens: int                       # T: tokens this rank dispatched
+    hidden: int                           # H of the dispatched x
+    num_recv: int                         # N: rows this rank received
+    is_token_in_rank: torch.Tensor        # bool  [T, R]
+    send_pos: torch.Tensor                # int32 [T, R], -1 where not sent
+    count_matrix: torch.Tensor            # int32 [R, R], [s, d] = tokens s sends to d
+    recv_src_idx: torch.Tensor            # int32 [N], source token index of each received row
+    num_recv_tokens_per_expert: List[int]  # length L, aligned as requested at dispatch
+
+
+@dataclass
+class LowLatencyHandle:
+    """Route of one low-latency dispatch (see docs/api.md, "Low-latency mode")."""
+
+    src_info: torch.Tensor                # int32 [L, R*M], source token index of each entry, -1 past the count
+    layout: torch.Tensor                  # int32 [L, R, 2], (begin, count) of each source rank's entries
+    recv_pos: torch.Tensor                # int32 [T, K], row of slot k of token t at its expert, -1 for -1 slots
+    num_experts: int
+    num_max_dispatch_tokens_per_rank: int  # M
+    hidden: int
+    buffer_id: int

@@ -1,0 +1,57 @@
+"""ReferenceBackend: the contract of docs/api.md on torch.distributed collectives (gloo on CPU, NCCL on GPU).
+
+Clear rather than fast: it is the oracle the CUDA backend is tested against. Inputs arrive validated by
+Buffer; this class does no checking of its own.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import layout
+from ..config import Config
+from . import low_latency, normal
+from .collectives import Comm
+
+
+class ReferenceBackend:
+    """Backend interface shared with ``deepcomm.cuda.backend.CudaBackend``."""
+
+    name = "reference"
+    # dtypes accepted for the non-FP8 ``x`` of normal dispatch/combine
+    x_dtypes = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+    def __init__(self, group, config: Config, rank: int, world_size: int, device: torch.device):
+        self.config = config
+        self.comm = Comm(group, rank, world_size, device, config.timeout_s)
+
+    def get_dispatch_layout(self, topk_idx, num_experts):
+        return layout.get_dispatch_layout(topk_idx, num_experts, self.comm.world_size)
+
+    def dispatch(self, x, topk_idx, topk_weights, num_experts, handle, expert_alignment):
+        return normal.dispatch(self.comm, x, topk_idx, topk_weights, num_experts, handle, expert_alignment)
+
+    def combine(self, x, handle, topk_weights):
+        return normal.combine(self.comm, x, handle, topk_weights)
+
+    def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
+                             use_ue8m0, return_recv_hook):
+        return low_latency.dispatch(self.comm, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                    use_fp8, use_ue8m0, return_recv_hook)
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, return_recv_hook):
+        return low_latency.combine(self.comm, x, topk_idx, topk_weights, handle, return_recv_hook)
+
+    def set_num_sms(self, num_sms: int) -> None:
+        # Recorded in the Buffer's Config; collectives have no SM budget to apply it to.
+        return None
+
+    def size_bytes(self) -> int:
+        # No persistent communication buffers: every exchange allocates what it needs.
+        return 0
+
+    def synchronize(self) -> None:
+        if self.comm.device.type == "cuda":
+            torch.cuda.synchronize(self.comm.device)
+
+    def destroy(self) -> None:
+        self.comm = None

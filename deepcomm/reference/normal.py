@@ -1,0 +1,88 @@
+"""Normal-mode dispatch and combine on torch.distributed (see docs/api.md for the contract)."""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple, Union
+
+import torch
+
+from .. import layout
+from ..handle import Handle
+from .collectives import Comm
+
+Payload = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
+
+
+def dispatch(comm: Comm, x: Payload, topk_idx: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor],
+             num_experts: Optional[int], handle: Optional[Handle], expert_alignment: int):
+    """Returns ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert, handle)``."""
+    rank, world = comm.rank, comm.world_size
+    is_pair = isinstance(x, (tuple, list))
+    rows = list(x) if is_pair else [x]
+    num_tokens, hidden = rows[0].shape
+
+    if handle is None:
+        is_token_in_rank = layout.token_in_rank(topk_idx, num_experts, world)
+        send_pos = layout.send_positions(is_token_in_rank)
+        sent_per_rank = is_token_in_rank.sum(dim=0, dtype=torch.int32)
+        count_matrix = comm.all_gather(sent_per_rank, "dispatch:counts")
+    else:
+        is_token_in_rank, send_pos, count_matrix = handle.is_token_in_rank, handle.send_pos, handle.count_matrix
+    counts = count_matrix.tolist()
+    send_counts = counts[rank]
+    recv_counts = [counts[src][rank] for src in range(world)]
+
+    order = layout.send_order(is_token_in_rank)
+    parts = [r.index_select(0, order) for r in rows]
+    if handle is None:
+        parts += [topk_idx.index_select(0, order), order.to(torch.int32)]
+    if topk_weights is not None:
+        parts.append(topk_weights.index_select(0, order))
+    received = comm.exchange_rows(parts, send_counts, recv_counts, "dispatch:payload").wait()
+
+    recv_x = tuple(received[:len(rows)]) if is_pair else received[0]
+    recv_topk_weights = received[-1] if topk_weights is not None else None
+    if handle is not None:
+        # No topk_idx on this path: the weights arrive as sent, non-local slots included.
+        return recv_x, None, recv_topk_weights, list(handle.num_recv_tokens_per_expert), handle
+
+    recv_global_idx, recv_src_idx = received[len(rows)], received[len(rows) + 1]
+    experts_per_rank = num_experts // world
+    recv_topk_idx = layout.to_local_experts(recv_global_idx, rank, experts_per_rank)
+    if recv_topk_weights is not None:
+        recv_topk_weights = torch.where(recv_topk_idx >= 0, recv_topk_weights,
+                                        torch.zeros_like(recv_topk_weights))
+    per_expert = layout.count_rows_per_local_expert(recv_topk_idx, experts_per_rank, expert_alignment)
+    new_handle = Handle(buffer_id=-1, num_experts=num_experts, num_tokens=num_tokens, hidden=hidden,
+                        num_recv=recv_src_idx.shape[0], is_token_in_rank=is_token_in_rank, send_pos=send_pos,
+                        count_matrix=count_matrix, recv_src_idx=recv_src_idx,
+                        num_recv_tokens_per_expert=per_expert)
+    return recv_x, recv_topk_idx, recv_topk_weights, per_expert, new_handle
+
+
+def combine(comm: Comm, x: torch.Tensor, handle: Handle, topk_weights: Optional[torch.Tensor]):
+    """Returns ``(combined_x, combined_topk_weights)``: per token, the sum over ranks ascending of its rows."""
+    rank, world = comm.rank, comm.world_size
+    counts = handle.count_matrix.tolist()
+    # Rows go back to their source ranks (our rows are already grouped by source); we receive, from each
+    # destination d in turn, the rows of our tokens sent to d, in token order.
+    send_counts = [counts[src][rank] for src in range(world)]
+    recv_counts = counts[rank]
+    parts = [x] + ([topk_weights] if topk_weights is not None else [])
+    received = comm.exchange_rows(parts, send_counts, recv_counts, "combine:payload").wait()
+
+    combined_x = _reduce(received[0], handle, recv_counts, x.dtype)
+    combined_w = _reduce(received[1], handle, recv_counts, torch.float32) if topk_weights is not None else None
+    return combined_x, combined_w
+
+
+def _reduce(rows: torch.Tensor, handle: Handle, recv_counts: List[int], out_dtype: torch.dtype) -> torch.Tensor:
+    acc_dtype = torch.float64 if out_dtype == torch.float64 else torch.float32
+    acc = torch.zeros(handle.num_tokens, *rows.shape[1:], dtype=acc_dtype, device=rows.device)
+    begin = 0
+    for dst, count in enumerate(recv_counts):
+        if count:
+            tokens = handle.is_token_in_rank[:, dst].nonzero()[:, 0]
+            # each token appears at most once per rank, so this is one exact add per element, ranks ascending
+            acc.index_add_(0, tokens, rows[begin:begin + count].to(acc_dtype))
+        begin += count
+    return acc.to(out_dtype)

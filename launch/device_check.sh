@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One full check on a GPU machine: build, GPU tests, benchmark. Logs and JSON go to $OUT (default ./out).
+#   bash launch/device_check.sh [quick|full|tests|bench]   (default quick)
+# Used with the device tool on nvidia-h200-x2; every step is bounded by `timeout` so the call always returns.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
+MODE="${1:-quick}"
+OUT="${OUT:-$PWD/out}"
+mkdir -p "$OUT"
+summary="$OUT/summary.txt"
+{
+  date -u; git rev-parse --short HEAD 2>/dev/null || echo "no commit"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  nvidia-smi topo -m | head -5
+  python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())'
+} > "$summary" 2>&1
+cat "$summary"
+
+t0=$(date +%s)
+if ! timeout 300 python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; then
+  tail -60 "$OUT/build.log"; echo "BUILD FAILED"; exit 1
+fi
+python3 -c 'import deepcomm, deepcomm._C as C; print("extension ok; gpus", C.device_count(), "backends", deepcomm.available_backends())' | tee -a "$summary"
+echo "build: $(( $(date +%s) - t0 )) s" | tee -a "$summary"
+
+if [[ "$MODE" != bench ]]; then
+  t0=$(date +%s)
+  timeout 420 python3 -m pytest -q -ra -m gpu tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+  echo "gpu tests: rc=${PIPESTATUS[0]} $(( $(date +%s) - t0 )) s" | tee -a "$summary"
+fi
+
+if [[ "$MODE" != tests ]]; then
+  t0=$(date +%s)
+  bench_args=(--json "$OUT/bench.json" --csv "$OUT/bench.csv" --no-progress)
+  [[ "$MODE" == quick ]] && bench_args+=(--quick)
+  timeout 480 python3 -m deepcomm.bench "${bench_args[@]}" 2>&1 | tee "$OUT/bench.log" | tail -60
+  echo "bench: rc=${PIPESTATUS[0]} $(( $(date +%s) - t0 )) s" | tee -a "$summary"
+fi

@@ -1,0 +1,7 @@
+// Umbrella include for the kernels.
+#pragma once
+#include "atomic.cuh"
+#include "bswap.cuh"
+#include "fence.cuh"
+#include "ld_st.cuh"
+#include "sync.cuh"

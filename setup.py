@@ -1,0 +1,94 @@
+"""Build deepcomm: the Python package always, the CUDA extension deepcomm._C when nvcc is found.
+
+The extension is compiled and linked by nvcc alone (sm_90, static cudart, pybind11 headers). It never includes or
+links libtorch or libcuda, so one build serves any torch version and links on machines without a GPU driver.
+Set DEEPCOMM_NO_CUDA=1 to force a Python-only install, DEEPCOMM_CUDA_ARCH to change the target (default 90).
+"""
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+
+
+def find_nvcc():
+    if os.environ.get("DEEPCOMM_NO_CUDA") == "1":
+        return None
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")):
+        if home and (Path(home) / "bin" / "nvcc").exists():
+            return str(Path(home) / "bin" / "nvcc")
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    default = Path("/usr/local/cuda/bin/nvcc")
+    return str(default) if default.exists() else None
+
+
+def cuda_home(nvcc):
+    return Path(nvcc).resolve().parent.parent
+
+
+class NvccBuild(build_ext):
+    """Compile every csrc/ source with nvcc in parallel, then link the module with nvcc."""
+
+    def build_extension(self, ext):
+        nvcc = find_nvcc()
+        home = cuda_home(nvcc)
+        import pybind11
+
+        arch = os.environ.get("DEEPCOMM_CUDA_ARCH", "90")
+        includes = [
+            str(ROOT),
+            str(ROOT / "csrc"),
+            pybind11.get_include(),
+            sysconfig.get_paths()["include"],
+            str(home / "include"),
+            str(home / "include" / "cccl"),  # CUDA 13 keeps cuda/std, cub, thrust here
+        ]
+        common = ["-std=c++17", "-O3", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden"]
+        common += [f"-I{p}" for p in includes]
+        cu_flags = [f"-gencode=arch=compute_{arch},code=sm_{arch}", "-lineinfo", "--expt-relaxed-constexpr"]
+        build_tmp = Path(self.build_temp) / "deepcomm"
+        build_tmp.mkdir(parents=True, exist_ok=True)
+
+        def compile_one(rel):
+            src = str(ROOT / rel)
+            obj = build_tmp / (rel.replace("/", "_") + ".o")
+            flags = common + (cu_flags if src.endswith(".cu") else ["-x", "c++"])
+            cmd = [nvcc, *flags, "-c", src, "-o", str(obj)]
+            print(" ".join(cmd), flush=True)
+            subprocess.run(cmd, check=True)
+            return str(obj)
+
+        jobs = int(os.environ.get("DEEPCOMM_BUILD_JOBS", os.cpu_count() or 2))
+        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+            objects = list(pool.map(compile_one, ext.sources))
+        out = Path(self.get_ext_fullpath(ext.name))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        link = [nvcc, "-shared", f"-gencode=arch=compute_{arch},code=sm_{arch}", *objects, "-o", str(out),
+                "-cudart=static", "-lrt", "-ldl", "-lpthread"]
+        print(" ".join(link), flush=True)
+        subprocess.run(link, check=True)
+
+
+def extension_sources():
+    """Relative to setup.py, as setuptools requires."""
+    srcs = sorted((ROOT / "csrc").rglob("*.cu")) + sorted((ROOT / "csrc").rglob("*.cpp"))
+    return [p.relative_to(ROOT).as_posix() for p in srcs]
+
+
+ext_modules, cmdclass = [], {}
+if find_nvcc() is not None:
+    ext_modules = [Extension("deepcomm._C", sources=extension_sources())]
+    cmdclass = {"build_ext": NvccBuild}
+else:
+    print("deepcomm: nvcc not found, installing the Python-only package (reference backend)", file=sys.stderr)
+
+setup(ext_modules=ext_modules, cmdclass=cmdclass)
