@@ -112,7 +112,8 @@ class Buffer:
         if topk_idx is None:
             v.fail("topk_idx", "required when no handle is given")
         v.check_num_experts(num_experts, self._world_size)
-        v.check_topk_idx(topk_idx, num_tokens, num_experts, self._device)
+        v.check_topk_idx(topk_idx, num_tokens, num_experts, self._device,
+                         check_values=not getattr(backend, "checks_expert_ids_on_device", False))
         if topk_weights is not None:
             v.check_topk_weights(topk_weights, tuple(topk_idx.shape), self._device)
         out = backend.dispatch(x, topk_idx, topk_weights, num_experts, None, expert_alignment)

@@ -70,11 +70,12 @@ def check_num_experts(num_experts, world_size: int) -> int:
 
 
 def check_topk_idx(topk_idx, num_tokens: int, num_experts: int, device: torch.device,
-                   forbid_duplicates: bool = False) -> torch.Tensor:
+                   forbid_duplicates: bool = False, check_values: bool = True) -> torch.Tensor:
+    """``check_values=False`` leaves the id range to a backend that checks it on the device without a sync."""
     if topk_idx is None:
         fail("topk_idx", "required when no handle is given")
     check_tensor("topk_idx", topk_idx, (torch.int64,), device, 2, (num_tokens, None))
-    if topk_idx.numel() and _values_readable(topk_idx):
+    if check_values and topk_idx.numel() and _values_readable(topk_idx):
         lo, hi = torch.stack([topk_idx.min(), topk_idx.max()]).tolist()
         if lo < -1:
             fail("topk_idx", f"expert ids must be >= -1, found {lo}")

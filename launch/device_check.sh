@@ -22,6 +22,7 @@ if ! timeout 300 python3 -m pip install --no-build-isolation --no-deps -e . > "$
 fi
 python3 -c 'import deepcomm, deepcomm._C as C; print("extension ok; gpus", C.device_count(), "backends", deepcomm.available_backends())' | tee -a "$summary"
 echo "build: $(( $(date +%s) - t0 )) s" | tee -a "$summary"
+rm -f "$OUT/build.log"  # at most 8 files come back from the device tool
 
 if [[ "$MODE" != bench ]]; then
   t0=$(date +%s)
@@ -31,8 +32,8 @@ fi
 
 if [[ "$MODE" != tests ]]; then
   t0=$(date +%s)
-  bench_args=(--json "$OUT/bench.json" --csv "$OUT/bench.csv" --no-progress)
-  [[ "$MODE" == quick ]] && bench_args+=(--quick)
+  bench_args=(--json "$OUT/bench.json" --no-progress)
+  if [[ "$MODE" == quick ]]; then bench_args+=(--quick); else bench_args+=(--plots "$OUT"); fi
   timeout 480 python3 -m deepcomm.bench "${bench_args[@]}" 2>&1 | tee "$OUT/bench.log" | tail -60
   echo "bench: rc=${PIPESTATUS[0]} $(( $(date +%s) - t0 )) s" | tee -a "$summary"
 fi

@@ -24,8 +24,9 @@ void launch_dispatch_layout(const int64_t* topk_idx, int num_tokens, int topk, i
                             cudaStream_t stream);
 
 // Layout plus the count exchange over NVLink. After it, notify_out holds
-//   int32 [R*R] count matrix (row s = tokens rank s sends to each rank), then int32 [L] tokens per local expert
-// (summed over sources, not aligned). Every rank must call it with the same seq.
+//   int32 [R*R] count matrix (row s = tokens rank s sends to each rank), int32 [L] tokens per local expert
+// (summed over sources, not aligned), then the number of expert ids outside [-1, E) on all ranks and on ours.
+// Such ids are skipped; the caller must not dispatch when any rank had one. Every rank calls it with the same seq.
 void launch_notify_dispatch(const int64_t* topk_idx, int num_tokens, int topk, int num_experts, int* tokens_per_rank,
                             int* tokens_per_expert, bool* is_token_in_rank, int* send_pos, int* notify_out,
                             const NvlLayout& layout, const Peers& peers, const WaitCtx& ctx, cudaStream_t stream);

@@ -14,6 +14,7 @@ constexpr int kLayoutMaxRanks = 64;
 struct LayoutShared {
   int warp_prefix[kLayoutWarps][kLayoutMaxRanks];  // exclusive prefix of each warp inside the current chunk
   int rank_total[kLayoutMaxRanks];                 // tokens to each rank so far
+  int invalid;                                     // slots whose expert id is outside [-1, E)
   // followed in dynamic shared memory by int expert_count[num_experts]
 };
 
@@ -24,6 +25,7 @@ __device__ inline void compute_layout_block(const int64_t* topk_idx, int num_tok
   const int experts_per_rank = num_experts / num_ranks;
   for (int i = tid; i < num_experts; i += blockDim.x) expert_count[i] = 0;
   for (int i = tid; i < num_ranks; i += blockDim.x) sh.rank_total[i] = 0;
+  if (tid == 0) sh.invalid = 0;
   __syncthreads();
 
   for (int chunk = 0; chunk < num_tokens; chunk += kLayoutThreads) {
@@ -33,6 +35,10 @@ __device__ inline void compute_layout_block(const int64_t* topk_idx, int num_tok
       const int64_t* row = topk_idx + int64_t(t) * topk;
       for (int k = 0; k < topk; ++k) {
         const int64_t e = row[k];
+        if (e < -1 || e >= num_experts) {  // counted and skipped; the host turns it into a ValueError
+          atomicAdd(&sh.invalid, 1);
+          continue;
+        }
         if (e < 0) continue;
         mask |= 1ull << (e / experts_per_rank);
         bool first = true;

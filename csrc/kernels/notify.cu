@@ -19,11 +19,12 @@ __global__ void __launch_bounds__(kLayoutThreads, 1)
   compute_layout_block(topk_idx, num_tokens, topk, num_experts, R, sh, expert_count, is_token_in_rank, send_pos);
   write_layout_counts(sh, expert_count, num_experts, R, tokens_per_rank, tokens_per_expert);
 
-  // Our row of the count matrix and each peer's expert counts go to row `rank` of its notify_counts.
-  const int row_len = R + L;
+  // Our row of the count matrix, each peer's expert counts and our count of invalid expert ids go to row
+  // `rank` of its notify_counts, so every rank learns when any rank's input was bad and all of them stop.
+  const int row_len = R + L + 1;
   for (int i = tid; i < R * row_len; i += blockDim.x) {
     const int dst = i / row_len, j = i % row_len;
-    const int v = j < R ? sh.rank_total[j] : expert_count[dst * L + (j - R)];
+    const int v = j < R ? sh.rank_total[j] : (j < R + L ? expert_count[dst * L + (j - R)] : sh.invalid);
     reinterpret_cast<int*>(peers.base[dst] + layout.notify_counts)[rank * row_len + j] = v;
   }
   __syncthreads();
@@ -47,6 +48,12 @@ __global__ void __launch_bounds__(kLayoutThreads, 1)
     int sum = 0;
     for (int s = 0; s < R; ++s) sum += ptx::ld_volatile_s32(counts + s * row_len + R + l);
     notify_out[R * R + l] = sum;
+  }
+  if (tid == 0) {
+    int bad = 0;
+    for (int s = 0; s < R; ++s) bad += ptx::ld_volatile_s32(counts + s * row_len + R + L);
+    notify_out[R * R + L] = bad;
+    notify_out[R * R + L + 1] = sh.invalid;
   }
 }
 

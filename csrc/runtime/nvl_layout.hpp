@@ -2,7 +2,8 @@
 // kernels find their regions with it; nothing else computes these offsets.
 //
 // Per-rank buffer (every rank maps every peer's buffer through CUDA IPC):
-//   notify_counts   int32 [R][R + L]        row s: tokens rank s sends to each rank, then to each of our L experts
+//   notify_counts   int32 [R][R + L + 1]    row s: tokens rank s sends to each rank, to each of our L experts,
+//                                           then rank s's count of invalid expert ids
 //                                           (L = num_local_experts is a capacity; a call may use fewer)
 //   notify_flag     u64   [R]               seq of the notify round rank s finished writing
 //   mailbox         u64   [R][kMailboxWords] dispatch: peer s's seq and the offsets of its output arrays
@@ -48,7 +49,7 @@ struct NvlLayout {
       : num_ranks(ranks), num_local_experts(local_experts), max_tokens(max_tok), hidden_max(hidden), topk_max(topk),
         arena_bytes(arena_sz) {
     int64_t off = 0;
-    notify_counts = off;  off = align_up(off + int64_t(ranks) * (ranks + local_experts) * 4, kAlign);
+    notify_counts = off;  off = align_up(off + int64_t(ranks) * (ranks + local_experts + 1) * 4, kAlign);
     notify_flag = off;    off = align_up(off + int64_t(ranks) * 8, kAlign);
     mailbox = off;        off = align_up(off + int64_t(ranks) * kMailboxWords * 8, kAlign);
     dispatch_done = off;  off = align_up(off + int64_t(ranks) * kMaxBlocks * 8, kAlign);

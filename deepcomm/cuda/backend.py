@@ -36,6 +36,9 @@ def _worst_output_bytes(C, rows: int, hidden: int) -> int:
 class CudaBackend:
     name = "cuda"
     x_dtypes = (torch.bfloat16,)  # non-FP8 x of normal dispatch/combine
+    # Expert-id ranges of a fresh dispatch are checked inside the notify kernel (no extra host sync); the
+    # Buffer then skips its own min/max check.
+    checks_expert_ids_on_device = True
 
     def __init__(self, group, config, rank: int, world_size: int, device: torch.device):
         C = load_extension()
@@ -100,20 +103,30 @@ class CudaBackend:
         with torch.cuda.stream(self.comm_stream):
             if handle is None:
                 L = num_experts // R
-                per_rank = torch.empty(R, dtype=torch.int32, device=self.device)
-                per_expert = torch.empty(num_experts, dtype=torch.int32, device=self.device)
+                # one int32 workspace: send_pos [T, R] | notify_out [R*R + L + 2] | per_rank [R] | per_expert [E]
+                n_out = R * R + L + 2
+                work = torch.empty(T * R + n_out + R + num_experts, dtype=torch.int32, device=self.device)
+                send_pos = work[:T * R].view(T, R)
+                notify_out = work[T * R:T * R + n_out]
+                per_rank = work[T * R + n_out:T * R + n_out + R]
+                per_expert = work[T * R + n_out + R:]
                 in_rank = torch.empty(T, R, dtype=torch.bool, device=self.device)
-                send_pos = torch.empty(T, R, dtype=torch.int32, device=self.device)
-                notify_out = torch.empty(R * R + L, dtype=torch.int32, device=self.device)
                 self.nvl.ctx.notify_dispatch(seq, topk_idx.data_ptr(), T, K, num_experts, per_rank.data_ptr(),
                                              per_expert.data_ptr(), in_rank.data_ptr(), send_pos.data_ptr(),
                                              notify_out.data_ptr(), self.comm_stream.cuda_stream)
                 host = notify_out.cpu()  # the one host sync of a fresh dispatch: output sizes
                 self.nvl.check_error()
+                bad_all, bad_mine = int(host[R * R + L]), int(host[R * R + L + 1])
+                if bad_mine:
+                    raise ValueError(f"topk_idx: {bad_mine} expert ids outside [-1, {num_experts}) "
+                                     f"(num_experts={num_experts}); nothing was dispatched")
+                if bad_all:
+                    raise ValueError("topk_idx: another rank passed expert ids outside "
+                                     f"[-1, {num_experts}); nothing was dispatched")
                 count_matrix = notify_out[:R * R].view(R, R)
                 counts = host[:R * R].view(R, R)
                 num_recv = int(counts[:, rank].sum())
-                per_expert_list = _align(host[R * R:].tolist(), expert_alignment)
+                per_expert_list = _align(host[R * R:R * R + L].tolist(), expert_alignment)
             else:
                 L = handle.num_experts // R
                 in_rank, send_pos, count_matrix = handle.is_token_in_rank, handle.send_pos, handle.count_matrix
@@ -143,7 +156,7 @@ class CudaBackend:
     def _alloc_outputs(self, n: int, hidden: int, dtype: torch.dtype, scales: Optional[torch.Tensor], K: int,
                        with_idx: bool, with_weights: bool):
         """Carve one arena block into the dispatch outputs (csrc/runtime/nvl_layout.hpp, DispatchOutLayout)."""
-        elem = torch.empty((), dtype=dtype).element_size()
+        elem = dtype.itemsize
         scale_cols = scales.shape[1] if scales is not None else 0
         scale_elem = scales.element_size() if scales is not None else 0
         lay = self.C.dispatch_out_layout(n, hidden * elem, scale_cols * scale_elem, K)
@@ -154,7 +167,7 @@ class CudaBackend:
                 "are alive at once; free them or build the Buffer with a larger max_tokens_per_rank/hidden")
 
         def carve(name, count, dt, shape):
-            nbytes = count * torch.empty((), dtype=dt).element_size()
+            nbytes = count * dt.itemsize
             return block[lay[name]:lay[name] + nbytes].view(dt).view(*shape)
 
         return {

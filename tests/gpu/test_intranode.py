@@ -102,6 +102,16 @@ def _intranode_worker(rank, world):
         for _ in range(3):
             y2 = torch.randn(hc.num_recv, H, generator=gen).to(torch.bfloat16).to(dev)
             _same(cuda.combine(y2, hc)[0], ref.combine(y2, hr)[0], f"{what} repeated combine")
+    # Expert ids out of range are caught by the notify kernel on every rank; the buffer stays usable.
+    idx, w = _routing(gen, 16, 32, 2, "random", dev)
+    bad = idx.clone()
+    if rank == 0:
+        bad[3, 1] = 32
+    x = torch.randn(16, 1024, generator=gen).to(torch.bfloat16).to(dev)
+    with pytest.raises(ValueError, match="topk_idx"):
+        cuda.dispatch(x, topk_idx=bad, num_experts=32)
+    out = cuda.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=32)
+    _same(out[0], ref.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=32)[0], "dispatch after a rejected call")
     cuda.synchronize()
     cuda.destroy()
     ref.destroy()
