@@ -23,6 +23,9 @@ def _run(cmd: list[str], cwd: str | None = None) -> str:
 
 
 def git_commit() -> str:
+    """Short hash of the checkout; DEEPCOMM_COMMIT names it where the tree travelled without .git."""
+    if os.environ.get("DEEPCOMM_COMMIT"):
+        return os.environ["DEEPCOMM_COMMIT"]
     here = os.path.dirname(os.path.abspath(__file__))
     return _run(["git", "rev-parse", "--short", "HEAD"], cwd=here) or "unknown"
 

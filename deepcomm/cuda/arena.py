@@ -56,8 +56,9 @@ class Arena:
             self._free[i - 1] = (self._free[i - 1][0], self._free[i - 1][1] + self._free[i][1])
             del self._free[i]
 
-    def alloc(self, nbytes: int) -> Optional[torch.Tensor]:
-        """A uint8 tensor of ``nbytes`` (rounded up) in the arena, or ``None`` when no free range is large enough."""
+    def reserve(self, nbytes: int) -> Optional[Tuple[int, int]]:
+        """``(offset, size)`` of a free range of at least ``nbytes``, taken from the free list; ``None`` when full.
+        The range belongs to the caller until it is turned into a tensor with ``tensor()``."""
         self._drain()
         size = max(ALIGN, (nbytes + ALIGN - 1) // ALIGN * ALIGN)
         for i, (off, free) in enumerate(self._free):
@@ -66,9 +67,17 @@ class Arena:
                     del self._free[i]
                 else:
                     self._free[i] = (off + size, free - size)
-                block = _Block(self, off, size)
-                return torch.as_tensor(block, device=self.device)
+                return off, size
         return None
+
+    def tensor(self, offset: int, size: int) -> torch.Tensor:
+        """A uint8 tensor over a reserved range; the range returns to the arena when its last view dies."""
+        return torch.as_tensor(_Block(self, offset, size), device=self.device)
+
+    def alloc(self, nbytes: int) -> Optional[torch.Tensor]:
+        """A uint8 tensor of ``nbytes`` (rounded up) in the arena, or ``None`` when no free range is large enough."""
+        got = self.reserve(nbytes)
+        return None if got is None else self.tensor(*got)
 
     def offset_of(self, tensor: torch.Tensor) -> int:
         return tensor.data_ptr() - self.base_ptr

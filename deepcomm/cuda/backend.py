@@ -114,9 +114,11 @@ class CudaBackend:
                 self.nvl.ctx.notify_dispatch(seq, topk_idx.data_ptr(), T, K, num_experts, per_rank.data_ptr(),
                                              per_expert.data_ptr(), in_rank.data_ptr(), send_pos.data_ptr(),
                                              notify_out.data_ptr(), self.comm_stream.cuda_stream)
-                host = notify_out.cpu()  # the one host sync of a fresh dispatch: output sizes
+                # The one host sync of a fresh dispatch (output sizes). Everything from here to the dispatch launch
+                # leaves the GPU idle, so it is plain Python on one list; tensors are built after the launch.
+                host = notify_out.cpu().tolist()
                 self.nvl.check_error()
-                bad_all, bad_mine = int(host[R * R + L]), int(host[R * R + L + 1])
+                bad_all, bad_mine = host[R * R + L], host[R * R + L + 1]
                 if bad_mine:
                     raise ValueError(f"topk_idx: {bad_mine} expert ids outside [-1, {num_experts}) "
                                      f"(num_experts={num_experts}); nothing was dispatched")
@@ -124,24 +126,31 @@ class CudaBackend:
                     raise ValueError("topk_idx: another rank passed expert ids outside "
                                      f"[-1, {num_experts}); nothing was dispatched")
                 count_matrix = notify_out[:R * R].view(R, R)
-                counts = host[:R * R].view(R, R)
-                num_recv = int(counts[:, rank].sum())
-                per_expert_list = _align(host[R * R:R * R + L].tolist(), expert_alignment)
+                num_recv = sum(host[s * R + rank] for s in range(R))
+                per_expert_list = _align(host[R * R:R * R + L], expert_alignment)
             else:
                 L = handle.num_experts // R
                 in_rank, send_pos, count_matrix = handle.is_token_in_rank, handle.send_pos, handle.count_matrix
                 num_recv, per_expert_list = handle.num_recv, list(handle.num_recv_tokens_per_expert)
                 topk_idx = None
 
-            out = self._alloc_outputs(num_recv, H, values.dtype, scales, K, topk_idx is not None,
-                                      topk_weights is not None)
-            offsets = [self.arena.offset_of(t) + self.nvl.layout["arena"] if t is not None else 0
-                       for t in (out["x"], out["scales"], out["topk_idx"], out["topk_weights"], out["src_idx"])]
+            scale_cols = scales.shape[1] if scales is not None else 0
+            lay = self.C.dispatch_out_layout(num_recv, x_row_bytes, scale_row_bytes, K)
+            reserved = self.arena.reserve(lay["total"])
+            if reserved is None:
+                raise RuntimeError(
+                    f"deepcomm: the dispatch arena is full ({self.arena.nbytes} bytes): too many dispatch outputs "
+                    "are alive at once; free them or build the Buffer with a larger max_tokens_per_rank/hidden")
+            base = self.nvl.layout["arena"] + reserved[0]
+            offsets = [base + lay[k] for k in ("x", "scales", "topk_idx", "topk_weights", "src_idx")]
             self.nvl.ctx.dispatch(seq, self.config.num_sms, values.data_ptr(), x_row_bytes,
                                   scales.data_ptr() if scales is not None else 0, scale_row_bytes,
                                   topk_idx.data_ptr() if topk_idx is not None else 0,
                                   topk_weights.data_ptr() if topk_weights is not None else 0, K, T, L,
                                   send_pos.data_ptr(), count_matrix.data_ptr(), offsets, self.comm_stream.cuda_stream)
+            out = self._carve_outputs(self.arena.tensor(*reserved), lay, num_recv, H, values.dtype,
+                                      scales.dtype if scales is not None else None, scale_cols, K,
+                                      topk_idx is not None, topk_weights is not None)
             recv_src_idx = out["src_idx"].clone() if handle is None else handle.recv_src_idx
         self._end(caller)
 
@@ -153,26 +162,18 @@ class CudaBackend:
                             recv_src_idx=recv_src_idx, num_recv_tokens_per_expert=per_expert_list)
         return recv_x, out["topk_idx"], out["topk_weights"], per_expert_list, new_handle
 
-    def _alloc_outputs(self, n: int, hidden: int, dtype: torch.dtype, scales: Optional[torch.Tensor], K: int,
-                       with_idx: bool, with_weights: bool):
-        """Carve one arena block into the dispatch outputs (csrc/runtime/nvl_layout.hpp, DispatchOutLayout)."""
-        elem = dtype.itemsize
-        scale_cols = scales.shape[1] if scales is not None else 0
-        scale_elem = scales.element_size() if scales is not None else 0
-        lay = self.C.dispatch_out_layout(n, hidden * elem, scale_cols * scale_elem, K)
-        block = self.arena.alloc(lay["total"])
-        if block is None:
-            raise RuntimeError(
-                f"deepcomm: the dispatch arena is full ({self.arena.nbytes} bytes): too many dispatch outputs "
-                "are alive at once; free them or build the Buffer with a larger max_tokens_per_rank/hidden")
+    @staticmethod
+    def _carve_outputs(block: torch.Tensor, lay, n: int, hidden: int, dtype: torch.dtype,
+                       scale_dtype: Optional[torch.dtype], scale_cols: int, K: int, with_idx: bool,
+                       with_weights: bool):
+        """Views of one arena block as the dispatch outputs (csrc/runtime/nvl_layout.hpp, DispatchOutLayout)."""
 
         def carve(name, count, dt, shape):
-            nbytes = count * dt.itemsize
-            return block[lay[name]:lay[name] + nbytes].view(dt).view(*shape)
+            return block[lay[name]:lay[name] + count * dt.itemsize].view(dt).view(*shape)
 
         return {
             "x": carve("x", n * hidden, dtype, (n, hidden)),
-            "scales": carve("scales", n * scale_cols, scales.dtype, (n, scale_cols)) if scales is not None else None,
+            "scales": carve("scales", n * scale_cols, scale_dtype, (n, scale_cols)) if scale_dtype is not None else None,
             "topk_idx": carve("topk_idx", n * K, torch.int64, (n, K)) if with_idx else None,
             "topk_weights": carve("topk_weights", n * K, torch.float32, (n, K)) if with_weights else None,
             "src_idx": carve("src_idx", n, torch.int32, (n,)),
