@@ -21,12 +21,12 @@ def token_in_rank(topk_idx: torch.Tensor, num_experts: int, world_size: int) -> 
 
 
 def tokens_per_expert(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """int64 ``[E]``: slots naming each expert (``-1`` slots land in a dropped spare bin)."""
-    flat = topk_idx.reshape(-1)
-    bins = torch.where(flat >= 0, flat, torch.full_like(flat, num_experts))
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=topk_idx.device)
-    counts.scatter_add_(0, bins, torch.ones_like(bins))
-    return counts[:num_experts]
+    """int64 ``[E]``: tokens naming each expert, once per token even when several slots name it
+    (``-1`` slots land in a dropped spare bin)."""
+    bins = torch.where(topk_idx >= 0, topk_idx, torch.full_like(topk_idx, num_experts))
+    named = torch.zeros(topk_idx.shape[0], num_experts + 1, dtype=torch.bool, device=topk_idx.device)
+    named.scatter_(1, bins, True)
+    return named[:, :num_experts].sum(dim=0)
 
 
 def get_dispatch_layout(topk_idx: torch.Tensor, num_experts: int,

@@ -26,7 +26,7 @@ def layout(idx, num_experts, world):
     in_rank = torch.zeros(idx.shape[0], world, dtype=torch.bool)
     send_pos = torch.full((idx.shape[0], world), -1, dtype=torch.int32)
     for t in range(idx.shape[0]):
-        for e in idx[t].tolist():
+        for e in set(idx[t].tolist()):  # a token counts once per expert
             if e >= 0:
                 per_expert[e] += 1
         for r in ranks_of(idx[t], num_experts, world):

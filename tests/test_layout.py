@@ -30,6 +30,12 @@ def test_token_counts_once_per_rank_and_minus_one_nowhere():
     assert layout.send_order(in_rank).tolist() == [0, 2, 2]
 
 
+def test_token_counts_once_per_expert_with_duplicate_slots():
+    idx = torch.tensor([[1, 1, -1], [3, 1, 3]])
+    _, per_expert, _ = layout.get_dispatch_layout(idx, 4, 2)
+    assert per_expert.tolist() == [0, 2, 0, 1]
+
+
 def test_local_experts_and_aligned_counts():
     idx = torch.tensor([[4, 5, 1], [7, -1, 5], [5, 5, 0]])
     local = layout.to_local_experts(idx, rank=1, experts_per_rank=4)

@@ -21,6 +21,8 @@ def _routing(gen, T, E, K, mode, device):
         idx = scores.topk(K, dim=1).indices
         if mode == "masked":
             idx[torch.rand(T, K, generator=gen) < 0.3] = -1
+        if mode == "dup":  # two slots naming the same expert: counted once per token
+            idx[:, 1] = idx[:, 0]
     weights = torch.rand(T, K, generator=gen)
     return idx.to(device), weights.to(device)
 
@@ -47,6 +49,7 @@ def _cases(rank):
         ((128, 128), 7168, 256, 8, "one_expert", "fp8", 8),
         ((257, 100), 7168, 256, 8, "random", "fp8_ue8m0", 24),
         ((513, 700), 4096, 128, 8, "masked", "bf16", 17),
+        ((50, 70), 1024, 16, 4, "dup", "bf16", 5),
     ]
 
 
