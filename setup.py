@@ -32,6 +32,9 @@ def find_nvcc():
 
 
 def cuda_home(nvcc):
+    for home in (os.environ.get("CUDA_HOME"), str(Path(nvcc).resolve().parent.parent), "/usr/local/cuda"):
+        if home and (Path(home) / "include" / "cuda_runtime.h").exists():
+            return Path(home)
     return Path(nvcc).resolve().parent.parent
 
 

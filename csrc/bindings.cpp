@@ -24,7 +24,7 @@ cudaStream_t stream_of(uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); 
 
 py::dict layout_dict(const NvlLayout& l) {
   py::dict d;
-  d["notify_counts"] = l.notify_counts; d["notify_flag"] = l.notify_flag; d["mailbox"] = l.mailbox;
+  d["seq_counter"] = l.seq_counter; d["notify_counts"] = l.notify_counts; d["notify_flag"] = l.notify_flag; d["mailbox"] = l.mailbox;
   d["dispatch_done"] = l.dispatch_done; d["combine_ready"] = l.combine_ready; d["combine_flag"] = l.combine_flag;
   d["combine_stage"] = l.combine_stage; d["arena"] = l.arena; d["total"] = l.total;
   d["signal_bytes"] = l.signal_bytes();
@@ -123,30 +123,31 @@ PYBIND11_MODULE(_C, m) {
       })
       .def("set_error_record", [](NvlContext& c, uintptr_t dev) { c.err_device = ptr<ErrorRecord>(dev); })
       .def("set_timeout_ns", [](NvlContext& c, uint64_t ns) { c.timeout_ns = ns; })
-      .def("notify_dispatch", [](const NvlContext& c, uint64_t seq, uintptr_t topk_idx, int T, int K, int E,
+      .def("bump_seq", [](const NvlContext& c, uintptr_t stream) { launch_bump_seq(c.seq_counter(), stream_of(stream)); })
+      .def("notify_dispatch", [](const NvlContext& c, uintptr_t topk_idx, int T, int K, int E,
                                  uintptr_t per_rank, uintptr_t per_expert, uintptr_t in_rank, uintptr_t send_pos,
                                  uintptr_t notify_out, uintptr_t stream) {
         launch_notify_dispatch(ptr<const int64_t>(topk_idx), T, K, E, ptr<int>(per_rank), ptr<int>(per_expert),
                                ptr<bool>(in_rank), ptr<int>(send_pos), ptr<int>(notify_out), c.layout, c.peers,
-                               c.wait_ctx(seq), stream_of(stream));
+                               c.wait_ctx(), stream_of(stream));
       })
-      .def("dispatch", [](const NvlContext& c, uint64_t seq, int num_blocks, uintptr_t x, int64_t x_row_bytes,
+      .def("dispatch", [](const NvlContext& c, int num_blocks, uintptr_t x, int64_t x_row_bytes,
                           uintptr_t scales, int64_t scale_row_bytes, uintptr_t topk_idx, uintptr_t topk_weights,
-                          int K, int T, int L, uintptr_t send_pos, uintptr_t count_matrix,
-                          std::vector<int64_t> out_offsets, uintptr_t stream) {
+                          int K, int T, int L, uintptr_t send_pos, uintptr_t count_matrix, uintptr_t invalid_count,
+                          std::vector<int64_t> out_offsets, int64_t capacity, uintptr_t stream) {
         DC_HOST_ASSERT(out_offsets.size() == 5, "dispatch: out_offsets needs 5 entries");
         DispatchArgs a{ptr<const void>(x), ptr<const void>(scales), ptr<const int64_t>(topk_idx),
                        ptr<const float>(topk_weights), ptr<const int>(send_pos), ptr<const int>(count_matrix),
-                       T, K, L, x_row_bytes, scale_row_bytes, {}};
+                       ptr<const int>(invalid_count), T, K, L, x_row_bytes, scale_row_bytes, {}, capacity};
         for (int i = 0; i < 5; ++i) a.out_offsets[i] = out_offsets[i];
-        launch_dispatch(a, num_blocks, c.layout, c.peers, c.wait_ctx(seq), stream_of(stream));
+        launch_dispatch(a, num_blocks, c.layout, c.peers, c.wait_ctx(), stream_of(stream));
       })
-      .def("combine", [](const NvlContext& c, uint64_t seq, int num_blocks, uintptr_t x, uintptr_t topk_weights,
+      .def("combine", [](const NvlContext& c, int num_blocks, uintptr_t x, uintptr_t topk_weights,
                          uintptr_t recv_src_idx, uintptr_t count_matrix, uintptr_t send_pos, uintptr_t out,
                          uintptr_t out_weights, int N, int T, int H, int K, uintptr_t stream) {
         CombineArgs a{ptr<const void>(x), ptr<const float>(topk_weights), ptr<const int>(recv_src_idx),
                       ptr<const int>(count_matrix), ptr<const int>(send_pos), ptr<void>(out), ptr<float>(out_weights),
                       N, T, H, K};
-        launch_combine(a, num_blocks, c.layout, c.peers, c.wait_ctx(seq), stream_of(stream));
+        launch_combine(a, num_blocks, c.layout, c.peers, c.wait_ctx(), stream_of(stream));
       });
 }

@@ -91,10 +91,25 @@ class Buffer:
         v.check_topk_idx(topk_idx, None, num_experts, self._device)
         return backend.get_dispatch_layout(topk_idx, num_experts)
 
-    def dispatch(self, x, topk_idx=None, topk_weights=None, num_experts=None, handle=None, expert_alignment=1):
-        """``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert, handle)``."""
+    def dispatch(self, x, topk_idx=None, topk_weights=None, num_experts=None, handle=None, expert_alignment=1,
+                 num_worst_tokens=0, previous_event=None, async_finish=False):
+        """``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert, handle)``.
+
+        ``num_worst_tokens > 0``: no host sync (CUDA-graph capturable); outputs have that many rows, of which
+        the first ``sum(handle.count_matrix[:, rank])`` are defined, and ``num_recv_tokens_per_expert`` is an
+        int32 tensor. ``previous_event``: start after this event instead of the current stream.
+        ``async_finish``: do not make the current stream wait; wait on ``buffer.event`` before using the results.
+        """
         backend = self._live()
         v.check_int("expert_alignment", expert_alignment, minimum=1)
+        v.check_int("num_worst_tokens", num_worst_tokens, minimum=0,
+                    maximum=self._world_size * self.config.max_tokens_per_rank)
+        self._check_stream_args(previous_event, async_finish)
+        if (num_worst_tokens == 0 and handle is None and self._device.type == "cuda"
+                and torch.cuda.is_current_stream_capturing()):
+            v.fail("num_worst_tokens", "a fresh dispatch inside CUDA graph capture needs num_worst_tokens > 0 "
+                   "(the output size cannot be read back while capturing)")
+        extra = dict(num_worst_tokens=num_worst_tokens, previous_event=previous_event, async_finish=async_finish)
         num_tokens, _, _ = v.check_dispatch_x(x, self._device, self._x_dtypes, self.config.hidden,
                                               self.config.max_tokens_per_rank)
         if handle is not None:
@@ -108,7 +123,7 @@ class Buffer:
             if topk_weights is not None:
                 shape = tuple(topk_idx.shape) if topk_idx is not None else (num_tokens, None)
                 v.check_topk_weights(topk_weights, shape, self._device)
-            return backend.dispatch(x, None, topk_weights, handle.num_experts, handle, expert_alignment)
+            return backend.dispatch(x, None, topk_weights, handle.num_experts, handle, expert_alignment, **extra)
         if topk_idx is None:
             v.fail("topk_idx", "required when no handle is given")
         v.check_num_experts(num_experts, self._world_size)
@@ -116,18 +131,33 @@ class Buffer:
                          check_values=not getattr(backend, "checks_expert_ids_on_device", False))
         if topk_weights is not None:
             v.check_topk_weights(topk_weights, tuple(topk_idx.shape), self._device)
-        out = backend.dispatch(x, topk_idx, topk_weights, num_experts, None, expert_alignment)
+        out = backend.dispatch(x, topk_idx, topk_weights, num_experts, None, expert_alignment, **extra)
         out[-1].buffer_id = self.buffer_id
         return out
 
-    def combine(self, x, handle, topk_weights=None):
-        """``(combined_x, combined_topk_weights)``: the reverse route of ``handle``, copies summed."""
+    def combine(self, x, handle, topk_weights=None, previous_event=None, async_finish=False):
+        """``(combined_x, combined_topk_weights)``: the reverse route of ``handle``, copies summed.
+        ``previous_event`` / ``async_finish`` as in ``dispatch``."""
         backend = self._live()
         v.check_handle(handle, Handle, self.buffer_id)
         v.check_combine_x(x, handle, self._device, self._x_dtypes, self.config.hidden)
         if topk_weights is not None:
             v.check_topk_weights(topk_weights, (handle.num_recv, None), self._device)
-        return backend.combine(x, handle, topk_weights)
+        self._check_stream_args(previous_event, async_finish)
+        return backend.combine(x, handle, topk_weights, previous_event=previous_event, async_finish=async_finish)
+
+    @property
+    def event(self):
+        """``torch.cuda.Event`` recorded at the end of the last dispatch/combine on the CUDA backend (``None``
+        on the reference backend, whose calls finish before they return)."""
+        return getattr(self._live(), "event", None)
+
+    @staticmethod
+    def _check_stream_args(previous_event, async_finish) -> None:
+        if previous_event is not None and not isinstance(previous_event, torch.cuda.Event):
+            v.fail("previous_event", f"expected a torch.cuda.Event, got {type(previous_event).__name__}")
+        if not isinstance(async_finish, bool):
+            v.fail("async_finish", f"expected a bool, got {type(async_finish).__name__}")
 
     # ---- low-latency mode -------------------------------------------------------------------------------
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8=True,

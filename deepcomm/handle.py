@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
+from typing import List, Union
 
 import torch
 
@@ -18,12 +18,13 @@ class Handle:
     num_experts: int
     num_tokens: int                       # T: tokens this rank dispatched
     hidden: int                           # H of the dispatched x
-    num_recv: int                         # N: rows this rank received
+    num_recv: int                         # N: rows this rank received (num_worst_tokens when that was given)
     is_token_in_rank: torch.Tensor        # bool  [T, R]
     send_pos: torch.Tensor                # int32 [T, R], -1 where not sent
     count_matrix: torch.Tensor            # int32 [R, R], [s, d] = tokens s sends to d
     recv_src_idx: torch.Tensor            # int32 [N], source token index of each received row
-    num_recv_tokens_per_expert: List[int]  # length L, aligned as requested at dispatch
+    # length L, aligned as requested at dispatch; an int32 device tensor for a num_worst_tokens dispatch
+    num_recv_tokens_per_expert: Union[List[int], torch.Tensor]
 
 
 @dataclass

@@ -15,6 +15,9 @@ struct Peers {
   uint8_t* base[kMaxRanks];
 };
 
+// Advance this rank's device-side sequence number; the first launch of every collective call.
+void launch_bump_seq(uint64_t* counter, cudaStream_t stream);
+
 // Layout of one routing (no communication).
 //   topk_idx int64 [T, K] in [-1, E);  out: tokens_per_rank int32 [R], tokens_per_expert int32 [E],
 //   is_token_in_rank bool [T, R], send_pos int32 [T, R] (nullable): index of t among tokens sent to r, else -1.
@@ -32,9 +35,12 @@ void launch_notify_dispatch(const int64_t* topk_idx, int num_tokens, int topk, i
                             const NvlLayout& layout, const Peers& peers, const WaitCtx& ctx, cudaStream_t stream);
 
 // Normal-mode dispatch over NVLink. Each rank writes the rows of its tokens straight into the output arrays
-// of the receiving ranks (zero copy: outputs live in the receivers' arenas, whose offsets the receivers
-// publish at kernel start). out_offsets: byte offsets in *our* buffer of our output arrays
+// of the receiving ranks (zero copy: outputs live in the receivers' arenas, whose offsets and row capacity
+// the receivers publish at kernel start). out_offsets: byte offsets in *our* buffer of our output arrays
 // {x, scales, topk_idx, topk_weights, src_idx} (topk ones ignored when the inputs are null).
+// invalid_count (nullable): when it points at a non-zero count (bad expert ids on some rank, from notify),
+// every rank returns at once without moving data and records kStageInvalidIds. Rows past a receiver's
+// capacity are dropped and recorded as kStageOverflow (only possible with a worst-case-sized output).
 struct DispatchArgs {
   const void* x;              // [T][x_row_bytes]
   const void* scales;         // [T][scale_row_bytes] or null
@@ -42,9 +48,11 @@ struct DispatchArgs {
   const float* topk_weights;  // [T][K] or null
   const int* send_pos;        // [T][R]
   const int* count_matrix;    // [R][R] device copy
+  const int* invalid_count;   // or null
   int num_tokens, topk, num_local_experts;
   int64_t x_row_bytes, scale_row_bytes;
   int64_t out_offsets[5];
+  int64_t capacity;           // rows our output arrays hold
 };
 void launch_dispatch(const DispatchArgs& args, int num_blocks, const NvlLayout& layout, const Peers& peers,
                      const WaitCtx& ctx, cudaStream_t stream);
@@ -60,7 +68,8 @@ struct CombineArgs {
   const int* send_pos;        // ours: [T][R]
   void* out;                  // bf16 [T][H]
   float* out_weights;         // [T][K] or null
-  int num_recv, num_tokens, hidden, topk;
+  int num_recv, num_tokens, hidden, topk;  // num_recv: rows of x (a worst-case size is fine; the real count
+                                           // comes from count_matrix on the device)
 };
 void launch_combine(const CombineArgs& args, int num_blocks, const NvlLayout& layout, const Peers& peers,
                     const WaitCtx& ctx, cudaStream_t stream);

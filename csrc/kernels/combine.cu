@@ -157,7 +157,8 @@ __device__ __forceinline__ void reduce_tokens(const CombineArgs& a, const NvlLay
 
 template <int kSend, int kReduce, int kUnroll>
 __global__ void __launch_bounds__((kSend + kReduce) * 32, 1)
-    combine_kernel(CombineArgs a, NvlLayout layout, Peers peers, WaitCtx ctx) {
+    combine_kernel(CombineArgs a, NvlLayout layout, Peers peers, WaitCtx ctx_in) {
+  const WaitCtx ctx = ctx_in.resolved();
   const int R = layout.num_ranks, rank = ctx.rank, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   uint8_t* self = peers.base[rank];
   __shared__ int recv_base[kMaxRanks];  // first row from each source rank in our received rows
@@ -170,6 +171,10 @@ __global__ void __launch_bounds__((kSend + kReduce) * 32, 1)
     }
     ready_ok = 1;
   }
+  // x may be a worst-case-sized buffer: only the rows that really arrived go back.
+  int real = 0;
+  for (int s = 0; s < R; ++s) real += a.count_matrix[s * R + rank];
+  a.num_recv = min(a.num_recv, real);
   if (blockIdx.x == 0 && tid < R)
     ptx::st_release_sys_u64(reinterpret_cast<uint64_t*>(peers.base[tid] + layout.combine_ready) + rank, ctx.seq);
   __syncthreads();

@@ -20,6 +20,7 @@ constexpr int kDispatchUnroll = 8;  // 16-byte vectors each lane holds in flight
 struct DispatchShared {
   uint8_t* dst[kMaxRanks][5];  // per rank: x, scales, topk_idx, topk_weights, src_idx output arrays
   int row_base[kMaxRanks];     // first row of our tokens in rank d's output
+  int64_t capacity[kMaxRanks]; // rows rank d's output holds
   int ok;
 };
 
@@ -46,15 +47,22 @@ __device__ __forceinline__ void copy_row_to_dests(const int4* src, int64_t n16, 
 }
 
 __global__ void __launch_bounds__(kDispatchThreads, 1)
-    dispatch_kernel(DispatchArgs a, NvlLayout layout, Peers peers, WaitCtx ctx) {
+    dispatch_kernel(DispatchArgs a, NvlLayout layout, Peers peers, WaitCtx ctx_in) {
+  const WaitCtx ctx = ctx_in.resolved();
   __shared__ DispatchShared sh;
   const int R = layout.num_ranks, rank = ctx.rank, tid = threadIdx.x, lane = tid & 31;
   uint8_t* self = peers.base[rank];
+  // Bad expert ids anywhere: every rank sees the same count (from notify) and stops before any handshake.
+  if (a.invalid_count != nullptr && *a.invalid_count != 0) {
+    if (blockIdx.x == 0 && tid == 0) report_input_error(ctx, -1, kStageInvalidIds);
+    return;
+  }
   if (tid == 0) sh.ok = 1;
 
   if (blockIdx.x == 0 && tid < R) {
     auto* box = reinterpret_cast<uint64_t*>(peers.base[tid] + layout.mailbox) + rank * kMailboxWords;
     for (int j = 0; j < 5; ++j) box[1 + j] = uint64_t(a.out_offsets[j]);
+    box[6] = uint64_t(a.capacity);
     ptx::st_release_sys_u64(box, ctx.seq);
   }
   __syncthreads();
@@ -62,6 +70,7 @@ __global__ void __launch_bounds__(kDispatchThreads, 1)
     const auto* box = reinterpret_cast<const uint64_t*>(self + layout.mailbox) + tid * kMailboxWords;
     if (wait_flag_geq(box, ctx.seq, ctx, tid, kStageDispatchMailbox)) {
       for (int j = 0; j < 5; ++j) sh.dst[tid][j] = peers.base[tid] + ptx::ld_relaxed_sys_u64(box + 1 + j);
+      sh.capacity[tid] = int64_t(ptx::ld_relaxed_sys_u64(box + 6));
     } else {
       sh.ok = 0;
     }
@@ -83,6 +92,10 @@ __global__ void __launch_bounds__(kDispatchThreads, 1)
 #pragma unroll
     for (int d = 0; d < kMaxRanks; ++d) {
       pos[d] = __shfl_sync(0xffffffffu, my_pos, d);
+      if (d < R && pos[d] >= 0 && sh.row_base[d] + pos[d] >= sh.capacity[d]) {
+        if (lane == 0) report_input_error(ctx, d, kStageOverflow);
+        pos[d] = -1;
+      }
       const int row = d < R ? sh.row_base[d] + pos[d] : 0;
       rows[d] = d < R ? sh.dst[d][0] + int64_t(row) * a.x_row_bytes : nullptr;
     }

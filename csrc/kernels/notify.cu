@@ -12,7 +12,8 @@ void set_layout_smem(const void* kernel, int num_experts);
 __global__ void __launch_bounds__(kLayoutThreads, 1)
     notify_dispatch_kernel(const int64_t* topk_idx, int num_tokens, int topk, int num_experts, int* tokens_per_rank,
                            int* tokens_per_expert, bool* is_token_in_rank, int* send_pos, int* notify_out,
-                           NvlLayout layout, Peers peers, WaitCtx ctx) {
+                           NvlLayout layout, Peers peers, WaitCtx ctx_in) {
+  const WaitCtx ctx = ctx_in.resolved();
   __shared__ LayoutShared sh;
   extern __shared__ int expert_count[];
   const int R = layout.num_ranks, L = num_experts / R, rank = ctx.rank, tid = threadIdx.x;

@@ -14,6 +14,10 @@ enum WaitStage : int {
   kStageCombineReady = 4,      // waiting for a peer to be ready for combine rows
   kStageCombineToken = 5,      // waiting for a peer's chunk of combine rows
   kStageBarrier = 6,           // a plain device barrier across ranks
+  // Not timeouts: input problems found on the device. Every rank stops the call consistently, so the Buffer
+  // stays usable and the host raises ValueError.
+  kStageInvalidIds = 100,      // some rank's topk_idx had ids outside [-1, E) (no host sync to catch it earlier)
+  kStageOverflow = 101,        // a receiver's worst-case output (num_worst_tokens) is smaller than its rows
 };
 
 struct ErrorRecord {
@@ -25,12 +29,23 @@ struct ErrorRecord {
   uint64_t waited_ns;
 };
 
-// What every waiting kernel needs to bound its waits.
+// What every waiting kernel needs to bound its waits. The collective's sequence number lives on the device
+// (bumped by a one-thread kernel at the start of every call), so captured CUDA graphs get a new number on
+// every replay; kernels read it once at entry with resolved().
 struct WaitCtx {
-  ErrorRecord* err;     // device pointer to the mapped host record
+  ErrorRecord* err;          // device pointer to the mapped host record
   uint64_t timeout_ns;
   int rank;
-  uint64_t seq;
+  uint64_t seq;              // filled by resolved()
+  const uint64_t* seq_ptr;   // this rank's device counter
+
+#if defined(__CUDACC__)
+  __device__ __forceinline__ WaitCtx resolved() const {
+    WaitCtx c = *this;
+    c.seq = *seq_ptr;
+    return c;
+  }
+#endif
 };
 
 }  // namespace dc

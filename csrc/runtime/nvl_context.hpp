@@ -20,7 +20,11 @@ struct NvlContext {
              int64_t arena_bytes)
       : layout(num_ranks, local_experts_cap, max_tokens, hidden_max, topk_max, arena_bytes), rank(rank_) {}
 
-  WaitCtx wait_ctx(uint64_t seq) const { return WaitCtx{err_device, timeout_ns, rank, seq}; }
+  WaitCtx wait_ctx() const {
+    return WaitCtx{err_device, timeout_ns, rank, 0,
+                   reinterpret_cast<const uint64_t*>(peers.base[rank] + layout.seq_counter)};
+  }
+  uint64_t* seq_counter() const { return reinterpret_cast<uint64_t*>(peers.base[rank] + layout.seq_counter); }
 };
 
 }  // namespace dc

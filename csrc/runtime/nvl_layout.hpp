@@ -5,8 +5,9 @@
 //   notify_counts   int32 [R][R + L + 1]    row s: tokens rank s sends to each rank, to each of our L experts,
 //                                           then rank s's count of invalid expert ids
 //                                           (L = num_local_experts is a capacity; a call may use fewer)
+//   seq_counter     u64   [1]               our collective sequence number (only we touch it)
 //   notify_flag     u64   [R]               seq of the notify round rank s finished writing
-//   mailbox         u64   [R][kMailboxWords] dispatch: peer s's seq and the offsets of its output arrays
+//   mailbox         u64   [R][kMailboxWords] dispatch: peer s's seq, the offsets of its output arrays, its row capacity
 //   dispatch_done   u64   [R][kMaxBlocks]   dispatch: block b of rank s finished writing into our output
 //   combine_ready   u64   [R]               combine: rank s may start writing into our staging rows
 //   combine_flag    u64   [R][max_chunks]   combine: rank s has stored every row of its received-row chunk c
@@ -26,7 +27,7 @@ namespace dc {
 
 constexpr int kMaxRanks = 8;          // one NVLink domain (a node) in this transport
 constexpr int kMaxBlocks = 160;       // >= SMs of any GPU we launch on; dispatch keeps one done flag per block
-constexpr int kMailboxWords = 8;      // seq, x, scales, topk_idx, topk_weights, src_idx, 2 spare
+constexpr int kMailboxWords = 8;      // seq, x, scales, topk_idx, topk_weights, src_idx, capacity rows, spare
 constexpr int64_t kAlign = 256;
 constexpr int kCombineChunk = 8;   // received rows per combine completion flag (one system fence each)
 
@@ -42,13 +43,14 @@ DC_HD int64_t combine_max_chunks(int ranks, int max_tokens) {
 struct NvlLayout {
   int num_ranks, num_local_experts, max_tokens;
   int64_t hidden_max, topk_max, arena_bytes;
-  int64_t notify_counts, notify_flag, mailbox, dispatch_done, combine_ready, combine_flag, combine_stage, arena,
+  int64_t seq_counter, notify_counts, notify_flag, mailbox, dispatch_done, combine_ready, combine_flag, combine_stage, arena,
       total;
 
   DC_HD NvlLayout(int ranks, int local_experts, int max_tok, int64_t hidden, int64_t topk, int64_t arena_sz)
       : num_ranks(ranks), num_local_experts(local_experts), max_tokens(max_tok), hidden_max(hidden), topk_max(topk),
         arena_bytes(arena_sz) {
     int64_t off = 0;
+    seq_counter = off;    off = align_up(off + 8, kAlign);
     notify_counts = off;  off = align_up(off + int64_t(ranks) * (ranks + local_experts + 1) * 4, kAlign);
     notify_flag = off;    off = align_up(off + int64_t(ranks) * 8, kAlign);
     mailbox = off;        off = align_up(off + int64_t(ranks) * kMailboxWords * 8, kAlign);

@@ -40,6 +40,11 @@ __device__ __forceinline__ bool wait_until(Done done, const WaitCtx& ctx, int pe
   }
 }
 
+// Record an input problem found on the device (not a timeout); the first record wins.
+__device__ __forceinline__ void report_input_error(const WaitCtx& ctx, int peer, int stage) {
+  report_timeout(ctx, peer, stage, 0);
+}
+
 // Wait until *flag (a u64 written by a peer with release semantics) reaches `target`.
 __device__ __forceinline__ bool wait_flag_geq(const uint64_t* flag, uint64_t target, const WaitCtx& ctx, int peer,
                                               int stage) {

@@ -1,8 +1,9 @@
 """CudaBackend: normal-mode layout, dispatch and combine on the NVLink kernels of ``deepcomm._C``.
 
 Same method signatures and results as ``deepcomm.reference.ReferenceBackend``; the Buffer validates inputs
-before calling in. Every kernel runs on a communication stream that first waits for the caller's stream; the
-caller's stream then waits for the communication stream, so results are ready in stream order.
+before calling in. Every call runs on a communication stream that first waits for the caller's stream (or for
+``previous_event``); unless ``async_finish`` is set, the caller's stream then waits for the communication
+stream, so results are ready in stream order. ``self.event`` is recorded at the end of every call.
 Low-latency mode runs on the reference path (NCCL) until its kernels land.
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ Payload = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 LOCAL_EXPERTS_CAP = 1024  # experts per rank the count exchange can carry
 TOPK_MAX = 32             # one lane per top-k slot in the kernels
 ARENA_OUTPUTS = 4         # worst-case dispatch outputs the arena holds at once
+OUTPUTS = ("x", "scales", "topk_idx", "topk_weights", "src_idx")
 
 
 def _align(counts: List[int], alignment: int) -> List[int]:
@@ -52,22 +54,33 @@ class CudaBackend:
                                  config.hidden, TOPK_MAX, arena, config.timeout_s)
             self.comm_stream = torch.cuda.Stream(device)
         self.arena = Arena(self.nvl.arena_ptr, arena, device)
-        self.seq = 0
+        self.event: Optional[torch.cuda.Event] = None
         self._reference = None
 
     # ---- plumbing ----
-    def _next_seq(self) -> int:
-        self.seq += 1
-        return self.seq
-
-    def _begin(self) -> torch.cuda.Stream:
+    def _begin(self, previous_event: Optional[torch.cuda.Event]) -> torch.cuda.Stream:
+        """Order the communication stream after the caller's work and start a new collective (device seq)."""
         self.nvl.check_error()
         caller = torch.cuda.current_stream(self.device)
-        self.comm_stream.wait_stream(caller)
+        if previous_event is not None:
+            self.comm_stream.wait_event(previous_event)
+        else:
+            self.comm_stream.wait_stream(caller)
+        self.nvl.ctx.bump_seq(self.comm_stream.cuda_stream)
         return caller
 
-    def _end(self, caller: torch.cuda.Stream) -> None:
-        caller.wait_stream(self.comm_stream)
+    def _end(self, caller: torch.cuda.Stream, async_finish: bool, inputs) -> None:
+        self.event = self.comm_stream.record_event()
+        if async_finish:
+            # The caller's stream does not wait: keep the inputs' memory from being reused under the kernels.
+            for t in inputs:
+                if t is not None:
+                    try:
+                        t.record_stream(self.comm_stream)
+                    except RuntimeError:
+                        pass  # not from the caching allocator (an arena view): its lifetime is ours already
+        else:
+            caller.wait_stream(self.comm_stream)
 
     def set_num_sms(self, num_sms: int) -> None:
         if num_sms > self.C.MAX_BLOCKS:
@@ -90,7 +103,8 @@ class CudaBackend:
 
     # ---- normal dispatch ----
     def dispatch(self, x: Payload, topk_idx: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor],
-                 num_experts: Optional[int], handle: Optional[Handle], expert_alignment: int):
+                 num_experts: Optional[int], handle: Optional[Handle], expert_alignment: int,
+                 num_worst_tokens: int = 0, previous_event=None, async_finish: bool = False):
         R, rank = self.world_size, self.rank
         is_pair = isinstance(x, (tuple, list))
         values, scales = (x[0], x[1]) if is_pair else (x, None)
@@ -98,69 +112,95 @@ class CudaBackend:
         x_row_bytes = H * values.element_size()
         scale_row_bytes = scales.shape[1] * scales.element_size() if scales is not None else 0
         K = topk_idx.shape[1] if topk_idx is not None else (topk_weights.shape[1] if topk_weights is not None else 0)
-        caller = self._begin()
-        seq = self._next_seq()
-        with torch.cuda.stream(self.comm_stream):
-            if handle is None:
-                L = num_experts // R
-                # one int32 workspace: send_pos [T, R] | notify_out [R*R + L + 2] | per_rank [R] | per_expert [E]
-                n_out = R * R + L + 2
-                work = torch.empty(T * R + n_out + R + num_experts, dtype=torch.int32, device=self.device)
-                send_pos = work[:T * R].view(T, R)
-                notify_out = work[T * R:T * R + n_out]
-                per_rank = work[T * R + n_out:T * R + n_out + R]
-                per_expert = work[T * R + n_out + R:]
-                in_rank = torch.empty(T, R, dtype=torch.bool, device=self.device)
-                self.nvl.ctx.notify_dispatch(seq, topk_idx.data_ptr(), T, K, num_experts, per_rank.data_ptr(),
-                                             per_expert.data_ptr(), in_rank.data_ptr(), send_pos.data_ptr(),
-                                             notify_out.data_ptr(), self.comm_stream.cuda_stream)
-                # The one host sync of a fresh dispatch (output sizes). Everything from here to the dispatch launch
-                # leaves the GPU idle, so it is plain Python on one list; tensors are built after the launch.
-                host = notify_out.cpu().tolist()
-                self.nvl.check_error()
-                bad_all, bad_mine = host[R * R + L], host[R * R + L + 1]
-                if bad_mine:
-                    raise ValueError(f"topk_idx: {bad_mine} expert ids outside [-1, {num_experts}) "
-                                     f"(num_experts={num_experts}); nothing was dispatched")
-                if bad_all:
-                    raise ValueError("topk_idx: another rank passed expert ids outside "
-                                     f"[-1, {num_experts}); nothing was dispatched")
-                count_matrix = notify_out[:R * R].view(R, R)
-                num_recv = sum(host[s * R + rank] for s in range(R))
-                per_expert_list = _align(host[R * R:R * R + L], expert_alignment)
+        caller = self._begin(previous_event)
+        comm = self.comm_stream
+        invalid_count = None
+        # Tensors are allocated on the caller's stream (kernels get the communication stream explicitly);
+        # the few torch ops that must follow the kernels run under `with torch.cuda.stream(comm)`.
+        if handle is None:
+            L = num_experts // R
+            # one int32 workspace: send_pos [T, R] | notify_out [R*R + L + 2] | per_rank [R] | per_expert [E]
+            n_out = R * R + L + 2
+            work = torch.empty(T * R + n_out + R + num_experts, dtype=torch.int32, device=self.device)
+            send_pos = work[:T * R].view(T, R)
+            notify_out = work[T * R:T * R + n_out]
+            per_rank = work[T * R + n_out:T * R + n_out + R]
+            per_expert = work[T * R + n_out + R:]
+            in_rank = torch.empty(T, R, dtype=torch.bool, device=self.device)
+            self.nvl.ctx.notify_dispatch(topk_idx.data_ptr(), T, K, num_experts, per_rank.data_ptr(),
+                                         per_expert.data_ptr(), in_rank.data_ptr(), send_pos.data_ptr(),
+                                         notify_out.data_ptr(), comm.cuda_stream)
+            count_matrix = notify_out[:R * R].view(R, R)
+            if num_worst_tokens:
+                # No host sync (graph-capturable): worst-case-sized outputs, counts stay on the device, and
+                # bad expert ids stop the dispatch kernel on every rank (reported at the next call).
+                num_recv = num_worst_tokens
+                invalid_count = notify_out[R * R + L:R * R + L + 1]
+                with torch.cuda.stream(comm):
+                    counts = notify_out[R * R:R * R + L]
+                    per_expert_out = (counts + (expert_alignment - 1)) // expert_alignment * expert_alignment
+                per_expert_out.record_stream(caller)
             else:
-                L = handle.num_experts // R
-                in_rank, send_pos, count_matrix = handle.is_token_in_rank, handle.send_pos, handle.count_matrix
-                num_recv, per_expert_list = handle.num_recv, list(handle.num_recv_tokens_per_expert)
-                topk_idx = None
+                with torch.cuda.stream(comm):
+                    host = notify_out.cpu().tolist()
+                num_recv, per_expert_out = self._sizes_from_counts(host, num_experts, expert_alignment)
+        else:
+            L = handle.num_experts // R
+            in_rank, send_pos, count_matrix = handle.is_token_in_rank, handle.send_pos, handle.count_matrix
+            num_recv = handle.num_recv
+            per_expert_out = handle.num_recv_tokens_per_expert
+            per_expert_out = per_expert_out.clone() if torch.is_tensor(per_expert_out) else list(per_expert_out)
+            topk_idx = None
 
-            scale_cols = scales.shape[1] if scales is not None else 0
-            lay = self.C.dispatch_out_layout(num_recv, x_row_bytes, scale_row_bytes, K)
-            reserved = self.arena.reserve(lay["total"])
-            if reserved is None:
-                raise RuntimeError(
-                    f"deepcomm: the dispatch arena is full ({self.arena.nbytes} bytes): too many dispatch outputs "
-                    "are alive at once; free them or build the Buffer with a larger max_tokens_per_rank/hidden")
-            base = self.nvl.layout["arena"] + reserved[0]
-            offsets = [base + lay[k] for k in ("x", "scales", "topk_idx", "topk_weights", "src_idx")]
-            self.nvl.ctx.dispatch(seq, self.config.num_sms, values.data_ptr(), x_row_bytes,
-                                  scales.data_ptr() if scales is not None else 0, scale_row_bytes,
-                                  topk_idx.data_ptr() if topk_idx is not None else 0,
-                                  topk_weights.data_ptr() if topk_weights is not None else 0, K, T, L,
-                                  send_pos.data_ptr(), count_matrix.data_ptr(), offsets, self.comm_stream.cuda_stream)
-            out = self._carve_outputs(self.arena.tensor(*reserved), lay, num_recv, H, values.dtype,
-                                      scales.dtype if scales is not None else None, scale_cols, K,
-                                      topk_idx is not None, topk_weights is not None)
-            recv_src_idx = out["src_idx"].clone() if handle is None else handle.recv_src_idx
-        self._end(caller)
+        scale_cols = scales.shape[1] if scales is not None else 0
+        lay = self.C.dispatch_out_layout(num_recv, x_row_bytes, scale_row_bytes, K)
+        reserved = self.arena.reserve(lay["total"])
+        if reserved is None:
+            raise RuntimeError(
+                f"deepcomm: the dispatch arena is full ({self.arena.nbytes} bytes): too many dispatch outputs "
+                "are alive at once; free them or build the Buffer with a larger max_tokens_per_rank/hidden")
+        base = self.nvl.layout["arena"] + reserved[0]
+        self.nvl.ctx.dispatch(self.config.num_sms, values.data_ptr(), x_row_bytes,
+                              scales.data_ptr() if scales is not None else 0, scale_row_bytes,
+                              topk_idx.data_ptr() if topk_idx is not None else 0,
+                              topk_weights.data_ptr() if topk_weights is not None else 0, K, T, L,
+                              send_pos.data_ptr(), count_matrix.data_ptr(),
+                              invalid_count.data_ptr() if invalid_count is not None else 0,
+                              [base + lay[k] for k in OUTPUTS], num_recv, comm.cuda_stream)
+        out = self._carve_outputs(self.arena.tensor(*reserved), lay, num_recv, H, values.dtype,
+                                  scales.dtype if scales is not None else None, scale_cols, K,
+                                  topk_idx is not None, topk_weights is not None)
+        if handle is None:
+            with torch.cuda.stream(comm):
+                recv_src_idx = out["src_idx"].clone()
+            recv_src_idx.record_stream(caller)
+        else:
+            recv_src_idx = handle.recv_src_idx
+        made_here = (work, in_rank) if handle is None else ()
+        self._end(caller, async_finish, (values, scales, topk_idx, topk_weights) + made_here)
 
         recv_x = (out["x"], out["scales"]) if is_pair else out["x"]
         if handle is not None:
-            return recv_x, None, out["topk_weights"], per_expert_list, handle
+            return recv_x, None, out["topk_weights"], per_expert_out, handle
         new_handle = Handle(buffer_id=-1, num_experts=num_experts, num_tokens=T, hidden=H, num_recv=num_recv,
                             is_token_in_rank=in_rank, send_pos=send_pos, count_matrix=count_matrix,
-                            recv_src_idx=recv_src_idx, num_recv_tokens_per_expert=per_expert_list)
-        return recv_x, out["topk_idx"], out["topk_weights"], per_expert_list, new_handle
+                            recv_src_idx=recv_src_idx, num_recv_tokens_per_expert=per_expert_out)
+        return recv_x, out["topk_idx"], out["topk_weights"], per_expert_out, new_handle
+
+    def _sizes_from_counts(self, host: List[int], num_experts: int, expert_alignment: int):
+        """Rows to receive and rows per local expert, from the counts the one host sync of a fresh dispatch read.
+        From that sync to the dispatch launch the GPU idles, so this is plain Python on one list."""
+        R, rank = self.world_size, self.rank
+        L = num_experts // R
+        self.nvl.check_error()
+        bad_all, bad_mine = host[R * R + L], host[R * R + L + 1]
+        if bad_mine:
+            raise ValueError(f"topk_idx: {bad_mine} expert ids outside [-1, {num_experts}) "
+                             f"(num_experts={num_experts}); nothing was dispatched")
+        if bad_all:
+            raise ValueError(f"topk_idx: another rank passed expert ids outside [-1, {num_experts}); "
+                             "nothing was dispatched")
+        return sum(host[s * R + rank] for s in range(R)), _align(host[R * R:R * R + L], expert_alignment)
 
     @staticmethod
     def _carve_outputs(block: torch.Tensor, lay, n: int, hidden: int, dtype: torch.dtype,
@@ -180,20 +220,20 @@ class CudaBackend:
         }
 
     # ---- normal combine ----
-    def combine(self, x: torch.Tensor, handle: Handle, topk_weights: Optional[torch.Tensor]):
+    def combine(self, x: torch.Tensor, handle: Handle, topk_weights: Optional[torch.Tensor],
+                previous_event=None, async_finish: bool = False):
         T, H = handle.num_tokens, x.shape[1]
         K = topk_weights.shape[1] if topk_weights is not None else 0
-        caller = self._begin()
-        seq = self._next_seq()
-        with torch.cuda.stream(self.comm_stream):
-            out = torch.empty(T, H, dtype=x.dtype, device=self.device)
-            out_w = torch.empty(T, K, dtype=torch.float32, device=self.device) if topk_weights is not None else None
-            self.nvl.ctx.combine(seq, self.config.num_sms, x.data_ptr(),
-                                 topk_weights.data_ptr() if topk_weights is not None else 0,
-                                 handle.recv_src_idx.data_ptr(), handle.count_matrix.data_ptr(),
-                                 handle.send_pos.data_ptr(), out.data_ptr(), out_w.data_ptr() if out_w is not None else 0,
-                                 x.shape[0], T, H, K, self.comm_stream.cuda_stream)
-        self._end(caller)
+        caller = self._begin(previous_event)
+        out = torch.empty(T, H, dtype=x.dtype, device=self.device)
+        out_w = torch.empty(T, K, dtype=torch.float32, device=self.device) if topk_weights is not None else None
+        self.nvl.ctx.combine(self.config.num_sms, x.data_ptr(),
+                             topk_weights.data_ptr() if topk_weights is not None else 0,
+                             handle.recv_src_idx.data_ptr(), handle.count_matrix.data_ptr(),
+                             handle.send_pos.data_ptr(), out.data_ptr(), out_w.data_ptr() if out_w is not None else 0,
+                             x.shape[0], T, H, K, self.comm_stream.cuda_stream)
+        self._end(caller, async_finish, (x, topk_weights, handle.recv_src_idx, handle.count_matrix,
+                                         handle.send_pos, out, out_w))
         return out, out_w
 
     # ---- low-latency: reference path (NCCL) until the kernels land ----

@@ -18,6 +18,11 @@ STAGES = {
     5: "combine:token",
     6: "barrier",
 }
+# Input problems found on the device (not timeouts): every rank stopped the call consistently.
+INPUT_ERRORS = {
+    100: "topk_idx: expert ids outside [-1, num_experts) on rank {peer_or_some}; nothing was dispatched",
+    101: "num_worst_tokens: rank {peer} receives more rows than num_worst_tokens; rows past it were dropped",
+}
 
 
 class NvlBuffer:
@@ -62,6 +67,9 @@ class NvlBuffer:
         if self.broken:
             raise RuntimeError("deepcomm: this Buffer had a communication timeout; destroy it and build a new one")
         flag, rank, peer, stage, seq, waited_ns = self.C.read_error(self.err_host)
+        if flag and stage in INPUT_ERRORS:
+            self.C.clear_error(self.err_host)  # the Buffer stays usable
+            raise ValueError(INPUT_ERRORS[stage].format(peer=peer, peer_or_some="some rank" if peer < 0 else peer))
         if flag:
             self.broken = True
             raise CommTimeoutError(rank, peer, STAGES.get(stage, f"stage {stage}"),

@@ -27,10 +27,16 @@ class ReferenceBackend:
     def get_dispatch_layout(self, topk_idx, num_experts):
         return layout.get_dispatch_layout(topk_idx, num_experts, self.comm.world_size)
 
-    def dispatch(self, x, topk_idx, topk_weights, num_experts, handle, expert_alignment):
-        return normal.dispatch(self.comm, x, topk_idx, topk_weights, num_experts, handle, expert_alignment)
+    # previous_event / async_finish: the collectives here finish before the call returns, so there is
+    # nothing to overlap; the arguments are accepted so code runs unchanged on both backends.
+    def dispatch(self, x, topk_idx, topk_weights, num_experts, handle, expert_alignment, num_worst_tokens=0,
+                 previous_event=None, async_finish=False):
+        if handle is not None and torch.is_tensor(handle.num_recv_tokens_per_expert):
+            num_worst_tokens = handle.num_recv  # a worst-case handle keeps its padded size
+        out = normal.dispatch(self.comm, x, topk_idx, topk_weights, num_experts, handle, expert_alignment)
+        return normal.pad_to_worst(out, num_worst_tokens, handle is not None) if num_worst_tokens else out
 
-    def combine(self, x, handle, topk_weights):
+    def combine(self, x, handle, topk_weights, previous_event=None, async_finish=False):
         return normal.combine(self.comm, x, handle, topk_weights)
 
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,

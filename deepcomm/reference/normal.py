@@ -67,7 +67,8 @@ def combine(comm: Comm, x: torch.Tensor, handle: Handle, topk_weights: Optional[
     # destination d in turn, the rows of our tokens sent to d, in token order.
     send_counts = [counts[src][rank] for src in range(world)]
     recv_counts = counts[rank]
-    parts = [x] + ([topk_weights] if topk_weights is not None else [])
+    real = sum(send_counts)  # x may be worst-case sized (num_worst_tokens): rows past the real ones are ignored
+    parts = [x[:real]] + ([topk_weights[:real]] if topk_weights is not None else [])
     received = comm.exchange_rows(parts, send_counts, recv_counts, "combine:payload").wait()
 
     combined_x = _reduce(received[0], handle, recv_counts, x.dtype)
@@ -86,3 +87,30 @@ def _reduce(rows: torch.Tensor, handle: Handle, recv_counts: List[int], out_dtyp
             acc.index_add_(0, tokens, rows[begin:begin + count].to(acc_dtype))
         begin += count
     return acc.to(out_dtype)
+
+
+def pad_to_worst(out, num_worst_tokens: int, cached: bool):
+    """A dispatch result in the worst-case-size form (``num_worst_tokens``): every per-row output has that many
+    rows (the real ones first), tokens per expert is an int32 tensor, and a new handle's ``num_recv`` is the
+    padded size, so combine takes the padded expert outputs as they are."""
+    recv_x, recv_topk_idx, recv_topk_weights, per_expert, handle = out
+    n = (recv_x[0] if isinstance(recv_x, tuple) else recv_x).shape[0]
+    if n > num_worst_tokens:
+        raise ValueError(f"num_worst_tokens: this rank receives {n} rows, more than num_worst_tokens="
+                         f"{num_worst_tokens}")
+
+    def pad(t: Optional[torch.Tensor], value) -> Optional[torch.Tensor]:
+        if t is None:
+            return None
+        if t.dtype == torch.float8_e4m3fn:  # pad through bytes: fills of fp8 are not supported everywhere
+            return pad(t.view(torch.uint8), value).view(t.dtype)
+        return torch.cat([t, t.new_full((num_worst_tokens - n, *t.shape[1:]), value)])
+
+    recv_x = tuple(pad(t, 0) for t in recv_x) if isinstance(recv_x, tuple) else pad(recv_x, 0)
+    per_expert_t = torch.tensor([int(c) for c in per_expert], dtype=torch.int32, device=handle.count_matrix.device)
+    if not cached:
+        handle = Handle(buffer_id=handle.buffer_id, num_experts=handle.num_experts, num_tokens=handle.num_tokens,
+                        hidden=handle.hidden, num_recv=num_worst_tokens, is_token_in_rank=handle.is_token_in_rank,
+                        send_pos=handle.send_pos, count_matrix=handle.count_matrix,
+                        recv_src_idx=pad(handle.recv_src_idx, -1), num_recv_tokens_per_expert=per_expert_t)
+    return recv_x, pad(recv_topk_idx, -1), pad(recv_topk_weights, 0), per_expert_t, handle
