@@ -10,8 +10,10 @@
 #include "runtime/cuda_check.hpp"
 #include "runtime/error_record.cuh"
 #include "runtime/ipc.hpp"
+#include "runtime/ll_context.hpp"
 #include "runtime/nvl_context.hpp"
 #include "runtime/nvl_layout.hpp"
+#include "transport/bindings_transport.hpp"
 
 namespace py = pybind11;
 using namespace dc;
@@ -34,6 +36,7 @@ py::dict layout_dict(const NvlLayout& l) {
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
+  bind_transport(m);
   m.doc() = "deepcomm CUDA core (raw pointers and streams; no libtorch)";
   m.attr("MAX_RANKS") = kMaxRanks;
   m.attr("MAX_BLOCKS") = kMaxBlocks;
@@ -149,5 +152,47 @@ PYBIND11_MODULE(_C, m) {
                       ptr<const int>(count_matrix), ptr<const int>(send_pos), ptr<void>(out), ptr<float>(out_weights),
                       N, T, H, K};
         launch_combine(a, num_blocks, c.layout, c.peers, c.wait_ctx(), stream_of(stream));
+      });
+
+  // ---- low-latency context and kernels ----
+  py::class_<LlContext>(m, "LlContext")
+      .def(py::init<int, int, int, int, int64_t, int>(), py::arg("rank"), py::arg("num_ranks"),
+           py::arg("num_experts"), py::arg("max_tokens"), py::arg("hidden"), py::arg("topk_max"))
+      .def("layout", [](const LlContext& c) {
+        const LlLayout& l = c.layout;
+        py::dict d;
+        d["seq_counter"] = l.seq_counter; d["count_flag"] = l.count_flag; d["data_flag"] = l.data_flag;
+        d["comb_flag"] = l.comb_flag; d["counts"] = l.counts; d["recv_src"] = l.recv_src; d["recv_x"] = l.recv_x;
+        d["recv_scales"] = l.recv_scales; d["comb_recv"] = l.comb_recv; d["total"] = l.total;
+        d["recv_x_slot"] = py::make_tuple(l.recv_x_at(0), l.recv_x_at(1));
+        d["recv_scales_slot"] = py::make_tuple(l.recv_scales_at(0), l.recv_scales_at(1));
+        return d;
+      })
+      .def("set_peer", [](LlContext& c, int r, uintptr_t base) {
+        DC_HOST_ASSERT(r >= 0 && r < c.layout.num_ranks, "set_peer: rank out of range");
+        c.peers.base[r] = ptr<uint8_t>(base);
+      })
+      .def("set_error_record", [](LlContext& c, uintptr_t dev) { c.err_device = ptr<ErrorRecord>(dev); })
+      .def("set_timeout_ns", [](LlContext& c, uint64_t ns) { c.timeout_ns = ns; })
+      .def("bump_seq", [](const LlContext& c, uintptr_t stream) { launch_bump_seq(c.seq_counter(), stream_of(stream)); })
+      .def("dispatch_send", [](const LlContext& c, int num_blocks, uintptr_t x, uintptr_t topk_idx, uintptr_t recv_pos,
+                               int T, int K, int slot, bool use_fp8, bool use_ue8m0, uintptr_t stream) {
+        LlDispatchArgs a{ptr<const void>(x), ptr<const int64_t>(topk_idx), ptr<int>(recv_pos), T, K, slot, use_fp8,
+                         use_ue8m0};
+        launch_ll_dispatch_send(a, num_blocks, c.layout, c.peers, c.wait_ctx(), stream_of(stream));
+      })
+      .def("dispatch_recv", [](const LlContext& c, int slot, int K, int num_send_blocks, uintptr_t recv_count,
+                               uintptr_t layout_out, uintptr_t src_info, uintptr_t stream) {
+        launch_ll_dispatch_recv(slot, K, num_send_blocks, ptr<int>(recv_count), ptr<int>(layout_out),
+                                ptr<int>(src_info), c.layout, c.peers, c.wait_ctx(), stream_of(stream));
+      })
+      .def("combine_send", [](const LlContext& c, int num_blocks, uintptr_t x, int K, int slot, uintptr_t stream) {
+        launch_ll_combine_send(ptr<const void>(x), K, slot, num_blocks, c.layout, c.peers, c.wait_ctx(),
+                               stream_of(stream));
+      })
+      .def("combine_recv", [](const LlContext& c, uintptr_t topk_idx, uintptr_t topk_weights, uintptr_t out, int T,
+                              int K, int slot, int num_send_blocks, uintptr_t stream) {
+        launch_ll_combine_recv(ptr<const int64_t>(topk_idx), ptr<const float>(topk_weights), ptr<void>(out), T, K,
+                               slot, num_send_blocks, c.layout, c.peers, c.wait_ctx(), stream_of(stream));
       });
 }

@@ -38,3 +38,4 @@ class LowLatencyHandle:
     num_max_dispatch_tokens_per_rank: int  # M
     hidden: int
     buffer_id: int
+    slot: int = 0                          # which half of the double-buffered receive area (CUDA backend)

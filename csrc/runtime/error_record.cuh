@@ -14,6 +14,9 @@ enum WaitStage : int {
   kStageCombineReady = 4,      // waiting for a peer to be ready for combine rows
   kStageCombineToken = 5,      // waiting for a peer's chunk of combine rows
   kStageBarrier = 6,           // a plain device barrier across ranks
+  kStageLlCounts = 7,          // low-latency dispatch: waiting for a peer's per-expert counts
+  kStageLlDispatchData = 8,    // low-latency dispatch: waiting for a peer's entries
+  kStageLlCombineData = 9,     // low-latency combine: waiting for a peer's expert outputs
   // Not timeouts: input problems found on the device. Every rank stops the call consistently, so the Buffer
   // stays usable and the host raises ValueError.
   kStageInvalidIds = 100,      // some rank's topk_idx had ids outside [-1, E) (no host sync to catch it earlier)

@@ -17,6 +17,20 @@ import torch
 ALIGN = 256
 
 
+class _DeviceBytes:
+    """Exposes raw device memory through ``__cuda_array_interface__``; keeps ``owner`` alive as long as views."""
+
+    def __init__(self, ptr: int, nbytes: int, owner=None):
+        self._owner = owner
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3,
+                                         "strides": None, "stream": None}
+
+
+def as_device_bytes(ptr: int, nbytes: int, device: torch.device, owner=None) -> torch.Tensor:
+    """A uint8 tensor over raw device memory (no copy, no synchronization)."""
+    return torch.as_tensor(_DeviceBytes(ptr, nbytes, owner), device=device)
+
+
 class _Block:
     """Owner of one arena block; exposes it through ``__cuda_array_interface__`` for ``torch.as_tensor``."""
 

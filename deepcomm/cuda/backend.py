@@ -4,7 +4,8 @@ Same method signatures and results as ``deepcomm.reference.ReferenceBackend``; t
 before calling in. Every call runs on a communication stream that first waits for the caller's stream (or for
 ``previous_event``); unless ``async_finish`` is set, the caller's stream then waits for the communication
 stream, so results are ready in stream order. ``self.event`` is recorded at the end of every call.
-Low-latency mode runs on the reference path (NCCL) until its kernels land.
+Low-latency mode uses its own double-buffered buffer (deepcomm/cuda/ll_buffer.py): receive tensors are views
+of it, valid until the same slot is used again two low-latency dispatches later.
 """
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from typing import List, Optional, Tuple, Union
 import torch
 
 from .._ext import load_extension
-from ..handle import Handle
+from ..handle import Handle, LowLatencyHandle
 from .arena import Arena
+from .ll_buffer import LlBuffer
 from .nvl_buffer import NvlBuffer
 
 Payload = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
@@ -23,6 +25,10 @@ LOCAL_EXPERTS_CAP = 1024  # experts per rank the count exchange can carry
 TOPK_MAX = 32             # one lane per top-k slot in the kernels
 ARENA_OUTPUTS = 4         # worst-case dispatch outputs the arena holds at once
 OUTPUTS = ("x", "scales", "topk_idx", "topk_weights", "src_idx")
+
+
+def _noop() -> None:
+    return None
 
 
 def _align(counts: List[int], alignment: int) -> List[int]:
@@ -55,7 +61,7 @@ class CudaBackend:
             self.comm_stream = torch.cuda.Stream(device)
         self.arena = Arena(self.nvl.arena_ptr, arena, device)
         self.event: Optional[torch.cuda.Event] = None
-        self._reference = None
+        self._ll: Optional[LlBuffer] = None
 
     # ---- plumbing ----
     def _begin(self, previous_event: Optional[torch.cuda.Event]) -> torch.cuda.Stream:
@@ -236,18 +242,77 @@ class CudaBackend:
                                          handle.send_pos, out, out_w))
         return out, out_w
 
-    # ---- low-latency: reference path (NCCL) until the kernels land ----
-    def _ref(self):
-        if self._reference is None:
-            from ..reference import ReferenceBackend
-            self._reference = ReferenceBackend(self.group, self.config, self.rank, self.world_size, self.device)
-        return self._reference
+    # ---- low-latency mode ----
+    def _ll_buffer(self, num_experts: int, max_tokens: int, hidden: int) -> LlBuffer:
+        """The low-latency buffer for this shape; (re)made collectively on the first call of a new shape."""
+        key = (num_experts, max_tokens, hidden)
+        if self._ll is None or self._ll.key != key:
+            if self._ll is not None:
+                torch.cuda.synchronize(self.device)
+                self._ll.close()
+                self._ll = None
+            with torch.cuda.device(self.device):
+                self._ll = LlBuffer(self.C, self.group, self.rank, self.world_size, self.device, num_experts,
+                                    max_tokens, hidden, self.nvl.err_dev, self.nvl.timeout_ns)
+        return self._ll
 
-    def low_latency_dispatch(self, *args, **kwargs):
-        return self._ref().low_latency_dispatch(*args, **kwargs)
+    def _hook(self, launch):
+        """Run ``launch(stream)`` now, or return a hook that runs it once when called (hook mode)."""
+        done = []
 
-    def low_latency_combine(self, *args, **kwargs):
-        return self._ref().low_latency_combine(*args, **kwargs)
+        def hook() -> None:
+            if done:
+                return
+            done.append(True)
+            caller = torch.cuda.current_stream(self.device)
+            self.comm_stream.wait_stream(caller)
+            launch(self.comm_stream.cuda_stream)
+            self.event = self.comm_stream.record_event()
+            caller.wait_stream(self.comm_stream)
+        return hook
+
+    def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, use_ue8m0,
+                             return_recv_hook):
+        T, H = x.shape
+        K, R, M = topk_idx.shape[1], self.world_size, num_max_dispatch_tokens_per_rank
+        L = num_experts // R
+        ll = self._ll_buffer(num_experts, M, H)
+        slot = ll.calls % 2
+        ll.calls += 1
+        recv_pos = torch.empty(T, K, dtype=torch.int32, device=self.device)
+        recv_count = torch.empty(L, dtype=torch.int32, device=self.device)
+        layout = torch.empty(L, R, 2, dtype=torch.int32, device=self.device)
+        src_info = torch.empty(L, R * M, dtype=torch.int32, device=self.device)
+        caller = self._begin(None)
+        ll.ctx.bump_seq(self.comm_stream.cuda_stream)
+        ll.ctx.dispatch_send(self.config.num_sms, x.data_ptr(), topk_idx.data_ptr(), recv_pos.data_ptr(), T, K, slot,
+                             use_fp8, use_ue8m0, self.comm_stream.cuda_stream)
+        num_blocks = self.config.num_sms
+        hook = self._hook(lambda stream: ll.ctx.dispatch_recv(slot, K, num_blocks, recv_count.data_ptr(),
+                                                              layout.data_ptr(), src_info.data_ptr(), stream))
+        self._end(caller, False, ())
+        if not return_recv_hook:
+            hook()
+        recv_x = ll.receive_views(slot, use_fp8, L, R * M, H)
+        handle = LowLatencyHandle(src_info=src_info, layout=layout, recv_pos=recv_pos, num_experts=num_experts,
+                                  num_max_dispatch_tokens_per_rank=M, hidden=H, buffer_id=-1, slot=slot)
+        return recv_x, recv_count, handle, (hook if return_recv_hook else _noop)
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, return_recv_hook):
+        T, K = topk_idx.shape
+        H = x.shape[2]
+        ll = self._ll_buffer(handle.num_experts, handle.num_max_dispatch_tokens_per_rank, handle.hidden)
+        out = torch.empty(T, H, dtype=torch.bfloat16, device=self.device)
+        caller = self._begin(None)
+        ll.ctx.bump_seq(self.comm_stream.cuda_stream)
+        ll.ctx.combine_send(self.config.num_sms, x.data_ptr(), K, handle.slot, self.comm_stream.cuda_stream)
+        num_blocks = self.config.num_sms
+        hook = self._hook(lambda stream: ll.ctx.combine_recv(topk_idx.data_ptr(), topk_weights.data_ptr(),
+                                                             out.data_ptr(), T, K, handle.slot, num_blocks, stream))
+        self._end(caller, False, ())
+        if not return_recv_hook:
+            hook()
+        return out, (hook if return_recv_hook else _noop)
 
     # ---- lifetime ----
     def synchronize(self) -> None:
@@ -255,4 +320,8 @@ class CudaBackend:
         self.nvl.check_error()
 
     def destroy(self) -> None:
+        if self._ll is not None:
+            torch.cuda.synchronize(self.device)
+            self._ll.close()
+            self._ll = None
         self.nvl.close()

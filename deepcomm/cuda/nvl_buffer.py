@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CommTimeoutError
+from .peer_memory import PeerMemory
 
 # Numbers written by the kernels (csrc/runtime/error_record.cuh, enum WaitStage) -> stage names.
 STAGES = {
@@ -17,6 +18,9 @@ STAGES = {
     4: "combine:ready",
     5: "combine:token",
     6: "barrier",
+    7: "low_latency_dispatch:counts",
+    8: "low_latency_dispatch:data",
+    9: "low_latency_combine:data",
 }
 # Input problems found on the device (not timeouts): every rank stopped the call consistently.
 INPUT_ERRORS = {
@@ -39,20 +43,16 @@ class NvlBuffer:
         self.C, self.group, self.rank, self.world_size, self.device = C, group, rank, world_size, device
         self.ctx = C.NvlContext(rank, world_size, local_experts_cap, max_tokens, hidden_max, topk_max, arena_bytes)
         self.layout = self.ctx.layout()
-        self.ptr, handle = C.ipc_alloc(self.layout["total"])
-        handles: List[bytes] = [None] * world_size  # type: ignore[list-item]
-        dist.all_gather_object(handles, handle, group=group)
-        self.peer_ptrs = []
-        for r in range(world_size):
-            p = self.ptr if r == rank else C.ipc_open(handles[r])
-            self.peer_ptrs.append(p)
+        self.memory = PeerMemory(C, group, rank, world_size, self.layout["total"])
+        self.ptr = self.memory.ptr
+        for r, p in enumerate(self.memory.peer_ptrs):
             self.ctx.set_peer(r, p)
-        self.err_host, err_dev = C.host_mapped_alloc(C.error_record_bytes())
-        self.ctx.set_error_record(err_dev)
-        self.ctx.set_timeout_ns(int(timeout_s * 1e9))
+        self.err_host, self.err_dev = C.host_mapped_alloc(C.error_record_bytes())
+        self.ctx.set_error_record(self.err_dev)
+        self.timeout_ns = int(timeout_s * 1e9)
+        self.ctx.set_timeout_ns(self.timeout_ns)
         self.broken = False
         self.closed = False
-        dist.barrier(group=group)  # nobody launches a kernel before every peer has mapped every buffer
 
     @property
     def arena_ptr(self) -> int:
@@ -83,8 +83,5 @@ class NvlBuffer:
             return
         self.closed = True
         torch.cuda.synchronize(self.device)
-        for r, p in enumerate(self.peer_ptrs):
-            if r != self.rank:
-                self.C.ipc_close(p)
-        self.C.device_free(self.ptr)
+        self.memory.close()
         self.C.host_mapped_free(self.err_host)

@@ -1,0 +1,38 @@
+// Per-token 1x128 e4m3 quantization inside a warp, bit-exact with deepcomm/fp8.py:
+//   amax = max(max|x|, 1e-4); scale = amax / 448 (IEEE); UE8M0: exponent + 1 when any mantissa bit is set;
+//   value = e4m3_satfinite(x / scale) (IEEE division, round to nearest even).
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include <cstdint>
+
+namespace dc {
+
+__device__ __forceinline__ float ue8m0_round_up(float scale) {
+  uint32_t bits = __float_as_uint(scale);
+  const uint32_t exponent = (bits >> 23) & 0xffu;
+  const uint32_t up = ((bits & 0x7fffffu) != 0u && exponent != 0xffu) ? 1u : 0u;
+  return __uint_as_float((exponent + up) << 23);
+}
+
+// One warp quantizes one 128-element block: lane l holds elements [4l, 4l+4) as fp32 and gets back 4 e4m3 bytes
+// (packed little-endian in a uint32) and the block's scale.
+__device__ __forceinline__ uint32_t quantize_block_e4m3(const float (&v)[4], bool use_ue8m0, float* scale_out) {
+  float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+  amax = fmaxf(amax, 1e-4f);
+  float scale = __fdiv_rn(amax, 448.0f);
+  if (use_ue8m0) scale = ue8m0_round_up(scale);
+  uint32_t packed = 0;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const __nv_fp8_storage_t q = __nv_cvt_float_to_fp8(__fdiv_rn(v[j], scale), __NV_SATFINITE, __NV_E4M3);
+    packed |= uint32_t(q) << (8 * j);
+  }
+  *scale_out = scale;
+  return packed;
+}
+
+}  // namespace dc

@@ -1,0 +1,127 @@
+// Low-latency combine over NVLink, two launches (hook mode holds no SM between them):
+//   send: every received entry's expert output row goes back to its source rank, into comb_recv[slot][t][k];
+//         one done flag per block at every rank;
+//   recv: waits for every rank's flags, then per token: for each rank ascending, the sum over its slots
+//         (ascending) of w * x, each product rounded on its own; the partials summed in fp32; one bf16 rounding.
+#include <cuda_bf16.h>
+
+#include "../runtime/cuda_check.hpp"
+#include "../runtime/wait.cuh"
+#include "api.hpp"
+
+namespace dc {
+
+namespace {
+
+constexpr int kLlCombineThreads = 512;
+
+__global__ void __launch_bounds__(kLlCombineThreads, 1)
+    ll_combine_send_kernel(const void* x, int topk, int slot, LlLayout layout, Peers peers, WaitCtx ctx_in) {
+  const WaitCtx ctx = ctx_in.resolved();
+  const int R = layout.num_ranks, E = layout.num_experts, L = layout.local_experts(), rank = ctx.rank;
+  const int tid = threadIdx.x, lane = tid & 31;
+  const int64_t rows = layout.rows_per_expert(), n16 = layout.hidden / 8;
+  uint8_t* self = peers.base[rank];
+  const int* counts = reinterpret_cast<const int*>(self + layout.counts_at(slot));
+  const int* recv_src = reinterpret_cast<const int*>(self + layout.recv_src_at(slot));
+  const int warps = kLlCombineThreads / 32, total_warps = gridDim.x * warps;
+  for (int64_t item = blockIdx.x * warps + (tid >> 5); item < int64_t(L) * rows; item += total_warps) {
+    const int le = int(item / rows);
+    const int row = int(item % rows);
+    int src_rank = -1, begin = 0;
+    for (int s = 0; s < R; ++s) {
+      const int c = counts[s * E + rank * L + le];
+      if (row >= begin && row < begin + c) src_rank = s;
+      begin += c;
+    }
+    if (src_rank < 0) continue;  // past this expert's entries
+    const int pair = recv_src[item];
+    const int t = pair / topk, k = pair % topk;
+    const int4* src = reinterpret_cast<const int4*>(static_cast<const uint8_t*>(x) + item * layout.row_bytes());
+    int4* dst = reinterpret_cast<int4*>(peers.base[src_rank] + layout.comb_recv_at(slot) +
+                                        (int64_t(t) * layout.topk_max + k) * layout.row_bytes());
+    for (int64_t i = lane; i < n16; i += 32) ptx::st_na_v4(dst + i, ptx::ld_nc_na_v4(src + i));
+  }
+  __syncthreads();
+  if (tid < R) {
+    ptx::fence_acq_rel_sys();
+    auto* flag = reinterpret_cast<uint64_t*>(peers.base[tid] + layout.comb_flag);
+    ptx::st_release_sys_u64(flag + rank * kMaxBlocks + blockIdx.x, ctx.seq);
+  }
+}
+
+__global__ void __launch_bounds__(kLlCombineThreads, 1)
+    ll_combine_recv_kernel(const int64_t* topk_idx, const float* topk_weights, void* out, int num_tokens, int topk,
+                           int slot, int num_send_blocks, LlLayout layout, Peers peers, WaitCtx ctx_in) {
+  const WaitCtx ctx = ctx_in.resolved();
+  const int R = layout.num_ranks, L = layout.local_experts(), rank = ctx.rank;
+  const int tid = threadIdx.x, lane = tid & 31;
+  const int64_t n16 = layout.hidden / 8;
+  uint8_t* self = peers.base[rank];
+  __shared__ int ok;
+  if (tid == 0) ok = 1;
+  __syncthreads();
+  const auto* flags = reinterpret_cast<const uint64_t*>(self + layout.comb_flag);
+  for (int i = tid; i < R * num_send_blocks; i += blockDim.x) {
+    const int s = i / num_send_blocks, b = i % num_send_blocks;
+    if (!wait_flag_geq(flags + s * kMaxBlocks + b, ctx.seq, ctx, s, kStageLlCombineData)) ok = 0;
+  }
+  __syncthreads();
+  if (!ok) return;
+  const uint8_t* rows = self + layout.comb_recv_at(slot);
+  const int warps = kLlCombineThreads / 32;
+  for (int t = blockIdx.x * warps + (tid >> 5); t < num_tokens; t += gridDim.x * warps) {
+    for (int64_t i = lane; i < n16; i += 32) {
+      float acc[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
+      for (int d = 0; d < R; ++d) {
+        float part[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) part[j] = 0.0f;
+        for (int k = 0; k < topk; ++k) {
+          const int64_t e = topk_idx[int64_t(t) * topk + k];
+          if (e < 0 || e / L != d) continue;
+          const float w = topk_weights[int64_t(t) * topk + k];
+          const int4 v = ptx::ld_relaxed_gpu_v4(
+              reinterpret_cast<const int4*>(rows + (int64_t(t) * layout.topk_max + k) * layout.row_bytes()) + i);
+          const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const float2 f = __bfloat1622float2(h[j]);
+            part[2 * j] = __fadd_rn(part[2 * j], __fmul_rn(w, f.x));
+            part[2 * j + 1] = __fadd_rn(part[2 * j + 1], __fmul_rn(w, f.y));
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[j] = __fadd_rn(acc[j], part[j]);
+      }
+      int4 o;
+      auto* oh = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) oh[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
+      reinterpret_cast<int4*>(static_cast<uint8_t*>(out) + int64_t(t) * layout.hidden * 2)[i] = o;
+    }
+  }
+}
+
+}  // namespace
+
+void launch_ll_combine_send(const void* x, int topk, int slot, int num_blocks, const LlLayout& layout,
+                            const Peers& peers, const WaitCtx& ctx, cudaStream_t stream) {
+  DC_HOST_ASSERT(num_blocks >= 1 && num_blocks <= kMaxBlocks, "low_latency_combine: num_sms out of range");
+  DC_HOST_ASSERT(topk <= layout.topk_max, "low_latency_combine: topk over the buffer's maximum");
+  ll_combine_send_kernel<<<num_blocks, kLlCombineThreads, 0, stream>>>(x, topk, slot, layout, peers, ctx);
+  DC_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_ll_combine_recv(const int64_t* topk_idx, const float* topk_weights, void* out, int num_tokens, int topk,
+                            int slot, int num_send_blocks, const LlLayout& layout, const Peers& peers,
+                            const WaitCtx& ctx, cudaStream_t stream) {
+  const int blocks = max(1, min(num_send_blocks, (num_tokens + 15) / 16));
+  ll_combine_recv_kernel<<<blocks, kLlCombineThreads, 0, stream>>>(topk_idx, topk_weights, out, num_tokens, topk,
+                                                                  slot, num_send_blocks, layout, peers, ctx);
+  DC_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace dc

@@ -1,0 +1,26 @@
+// What a rank's low-latency kernels need besides per-call arguments: the low-latency buffer layout, the peer
+// table of that buffer, the shared error record and the timeout. Owned by deepcomm/cuda/ll_buffer.py.
+#pragma once
+#include <cstdint>
+
+#include "../kernels/api.hpp"
+#include "error_record.cuh"
+#include "ll_layout.hpp"
+
+namespace dc {
+
+struct LlContext {
+  LlLayout layout;
+  Peers peers{};
+  int rank;
+  ErrorRecord* err_device = nullptr;
+  uint64_t timeout_ns = 100ull * 1000 * 1000 * 1000;
+
+  LlContext(int rank_, int num_ranks, int num_experts, int max_tokens, int64_t hidden, int topk_max)
+      : layout(num_ranks, num_experts, max_tokens, hidden, topk_max), rank(rank_) {}
+
+  uint64_t* seq_counter() const { return reinterpret_cast<uint64_t*>(peers.base[rank] + layout.seq_counter); }
+  WaitCtx wait_ctx() const { return WaitCtx{err_device, timeout_ns, rank, 0, seq_counter()}; }
+};
+
+}  // namespace dc

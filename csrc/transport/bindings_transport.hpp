@@ -1,0 +1,6 @@
+// Registers deepcomm._C.transport: the mlx5 WQE encoder/decoder, a host queue pair, the emulated NIC and the
+// CPU proxy, for host tests and CPU-side use. Called once from PYBIND11_MODULE in csrc/bindings.cpp.
+#pragma once
+#include <pybind11/pybind11.h>
+
+void bind_transport(pybind11::module_& m);

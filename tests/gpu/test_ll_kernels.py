@@ -1,0 +1,118 @@
+"""Low-latency kernels against the reference backend, bit for bit: 1..256 tokens, -1 slots, all tokens to one
+expert, hidden 2048/5120/7168, BF16/FP8/UE8M0, hook mode, two micro-batches in flight, CUDA-graph replay."""
+import pytest
+import torch
+
+from nccl_run import gpu_count, run_on_gpus
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_count() < 2, reason="needs 2 GPUs with peer access")]
+
+M = 256
+
+
+def _routing(gen, T, E, K, mode, dev):
+    if mode == "one_expert":
+        idx = torch.full((T, K), -1, dtype=torch.int64)
+        idx[:, 0] = 0
+    else:
+        idx = torch.rand(T, E, generator=gen).topk(K, dim=1).indices
+        if mode == "masked":
+            idx[torch.rand(T, K, generator=gen) < 0.3] = -1
+    return idx.to(dev), torch.rand(T, K, generator=gen).to(dev)
+
+
+def _bytes(t):
+    return t.contiguous().view(torch.uint8)
+
+
+def _check_dispatch(got, want, what):
+    (gx, gcount, gh, _), (wx, wcount, wh, _) = got, want
+    assert torch.equal(gcount, wcount), f"{what}: recv_count"
+    assert torch.equal(gh.layout, wh.layout), f"{what}: layout"
+    assert torch.equal(gh.src_info, wh.src_info), f"{what}: src_info"
+    assert torch.equal(gh.recv_pos, wh.recv_pos), f"{what}: recv_pos"
+    gparts = gx if isinstance(gx, tuple) else (gx,)
+    wparts = wx if isinstance(wx, tuple) else (wx,)
+    for e, n in enumerate(wcount.tolist()):
+        for i, (g, w) in enumerate(zip(gparts, wparts)):
+            assert torch.equal(_bytes(g[e, :n]), _bytes(w[e, :n])), f"{what}: recv_x part {i} expert {e}"
+
+
+def _worker(rank, world):
+    import deepcomm
+    dev = torch.device("cuda", rank)
+    gen = torch.Generator().manual_seed(300 + rank)
+    cuda = deepcomm.Buffer(max_tokens_per_rank=256, hidden=7168, backend="cuda", num_max_low_latency_tokens=M,
+                           num_sms=16, timeout_s=20)
+    ref = deepcomm.Buffer(max_tokens_per_rank=256, hidden=7168, backend="reference", num_max_low_latency_tokens=M)
+    cases = [(1, 7168, 256, 8, "random", "bf16"), (7, 2048, 64, 4, "masked", "fp8"),
+             (128, 7168, 256, 8, "random", "fp8"), (256, 5120, 32, 6, "masked", "ue8m0"),
+             (128, 7168, 256, 8, "one_expert", "bf16"), (0 if rank == 0 else 5, 2048, 64, 4, "random", "fp8")]
+    for T, H, E, K, mode, dtype in cases:
+        what = f"T={T} H={H} E={E} K={K} {mode} {dtype}"
+        idx, w = _routing(gen, T, E, K, mode, dev)
+        x = (torch.randn(T, H, generator=gen) * 2).to(torch.bfloat16).to(dev)
+        kw = dict(use_fp8=dtype != "bf16", use_ue8m0=dtype == "ue8m0")
+        got = cuda.low_latency_dispatch(x, idx, M, E, **kw)
+        want = ref.low_latency_dispatch(x, idx, M, E, **kw)
+        _check_dispatch(got, want, what)
+        y = torch.randn(E // world, world * M, H, generator=gen).to(torch.bfloat16).to(dev)
+        out, _ = cuda.low_latency_combine(y, idx, w, got[2])
+        ref_out, _ = ref.low_latency_combine(y, idx, w, want[2])
+        assert torch.equal(out, ref_out), f"{what}: combine"
+
+    # hook mode, with two micro-batches in flight (both slots) before either is received
+    T, H, E, K = 128, 7168, 256, 8
+    batches = []
+    for _ in range(2):
+        idx, w = _routing(gen, T, E, K, "masked", dev)
+        x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(dev)
+        batches.append((x, idx, w, cuda.low_latency_dispatch(x, idx, M, E, use_fp8=True, return_recv_hook=True)))
+    a = torch.randn(2048, 2048, device=dev)
+    (a @ a).sum().item()  # compute while nothing is held by communication
+    for x, idx, w, got in batches:
+        got[3]()
+        _check_dispatch(got, ref.low_latency_dispatch(x, idx, M, E, use_fp8=True), "hook")
+    x, idx, w, got = batches[1]
+    want = ref.low_latency_dispatch(x, idx, M, E, use_fp8=True)
+    y = torch.randn(E // world, world * M, H, generator=gen).to(torch.bfloat16).to(dev)
+    out, hook = cuda.low_latency_combine(y, idx, w, got[2], return_recv_hook=True)
+    hook()
+    assert torch.equal(out, ref.low_latency_combine(y, idx, w, want[2])[0]), "hook combine"
+
+    # CUDA graph: dispatch + combine captured once, replayed with new inputs
+    xs = torch.zeros(T, H, dtype=torch.bfloat16, device=dev)
+    idxs, ws = _routing(gen, T, E, K, "random", dev)
+    ys = torch.zeros(E // world, world * M, H, dtype=torch.bfloat16, device=dev)
+
+    def step():
+        rx, cnt, h, _ = cuda.low_latency_dispatch(xs, idxs, M, E, use_fp8=False)
+        o, _ = cuda.low_latency_combine(ys, idxs, ws, h)
+        return rx, cnt, h, o
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    for replay in range(3):
+        x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(dev)
+        idx, w = _routing(gen, T, E, K, "masked", dev)
+        y = torch.randn(E // world, world * M, H, generator=gen).to(torch.bfloat16).to(dev)
+        xs.copy_(x), idxs.copy_(idx), ws.copy_(w), ys.copy_(y)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = ref.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+        _check_dispatch(static[:3] + (None,), want, f"graph replay {replay}")
+        assert torch.equal(static[3], ref.low_latency_combine(y, idx, w, want[2])[0]), f"graph replay {replay}"
+    cuda.synchronize()
+    del graph, static
+    cuda.destroy()
+    ref.destroy()
+
+
+def test_low_latency_matches_reference():
+    run_on_gpus(_worker, 2)
