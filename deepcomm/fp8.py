@@ -44,7 +44,9 @@ def per_token_cast_to_fp8(x: torch.Tensor, use_ue8m0: bool = False) -> Tuple[tor
     lead = x.shape[:-1]
     blocks = x.reshape(-1, hidden // BLOCK, BLOCK).float()
     amax = blocks.abs().amax(dim=-1).clamp(min=AMAX_FLOOR)
-    scales = amax / FP8_MAX
+    # A tensor divisor on purpose: CUDA torch turns division by a Python scalar into a multiply by its
+    # reciprocal, which is not the IEEE quotient the kernels (and the CPU) compute.
+    scales = amax / torch.full_like(amax, FP8_MAX)
     if use_ue8m0:
         scales = ue8m0_round_up(scales)
     # clamp first: torch's fp32 -> e4m3fn conversion does not saturate, and x/scale can exceed 448 by an ulp.

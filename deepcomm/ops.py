@@ -25,21 +25,23 @@ class _Dispatch(torch.autograd.Function):
         ctx.buf, ctx.handle = buf, handle
         ctx.x_dtype = x.dtype
         ctx.has_weights = topk_weights is not None
-        ctx.save_for_backward(recv_topk_idx)
+        # Save only the local-slot mask: recv_topk_idx may be a view of the CUDA backend's arena, and holding it
+        # until backward would pin an arena block per layer.
+        ctx.save_for_backward(recv_topk_idx >= 0 if ctx.has_weights else None)
         ctx.mark_non_differentiable(recv_topk_idx)
         return recv_x, recv_topk_idx, recv_topk_weights, counts, handle
 
     @staticmethod
     def backward(ctx, grad_recv_x, _grad_idx, grad_recv_weights, _grad_counts, _grad_handle):
-        (recv_topk_idx,) = ctx.saved_tensors
+        (local_slots,) = ctx.saved_tensors
         handle: Handle = ctx.handle
         if grad_recv_x is None:
             grad_recv_x = torch.zeros(handle.num_recv, handle.hidden, dtype=ctx.x_dtype, device=ctx.buf.device)
         weights = None
         if ctx.has_weights:
             if grad_recv_weights is None:
-                grad_recv_weights = torch.zeros(recv_topk_idx.shape, dtype=torch.float32, device=ctx.buf.device)
-            weights = torch.where(recv_topk_idx >= 0, grad_recv_weights, torch.zeros_like(grad_recv_weights))
+                grad_recv_weights = torch.zeros(local_slots.shape, dtype=torch.float32, device=ctx.buf.device)
+            weights = torch.where(local_slots, grad_recv_weights, torch.zeros_like(grad_recv_weights))
         grad_x, grad_weights = ctx.buf.combine(grad_recv_x.contiguous(), handle, topk_weights=weights)
         return grad_x, grad_weights, None, None, None, None
 

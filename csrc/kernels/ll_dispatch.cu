@@ -15,6 +15,7 @@ namespace dc {
 namespace {
 
 constexpr int kLlThreads = 512;
+constexpr int kLlUnroll = 8;  // 16-byte vectors (BF16) or 128-element blocks (FP8) each lane has in flight
 
 __global__ void __launch_bounds__(kLlThreads, 1)
     ll_dispatch_send_kernel(LlDispatchArgs a, LlLayout layout, Peers peers, WaitCtx ctx_in) {
@@ -90,18 +91,34 @@ __global__ void __launch_bounds__(kLlThreads, 1)
     if (!a.use_fp8) {
       const int4* s4 = reinterpret_cast<const int4*>(src);
       int4* d4 = reinterpret_cast<int4*>(dst);
-      for (int64_t i = lane; i < H / 8; i += 32) ptx::st_na_v4(d4 + i, ptx::ld_nc_na_v4(s4 + i));
+      const int64_t n16 = H / 8;
+      for (int64_t i0 = lane; i0 < n16; i0 += 32 * kLlUnroll) {
+        int4 v[kLlUnroll];
+#pragma unroll
+        for (int u = 0; u < kLlUnroll; ++u)
+          if (i0 + u * 32 < n16) v[u] = ptx::ld_nc_na_v4(s4 + i0 + u * 32);
+#pragma unroll
+        for (int u = 0; u < kLlUnroll; ++u)
+          if (i0 + u * 32 < n16) ptx::st_na_v4(d4 + i0 + u * 32, v[u]);
+      }
     } else {
       float* scales = reinterpret_cast<float*>(peers.base[d] + layout.recv_scales_at(a.slot)) + entry * blocks128;
-      for (int64_t blk = 0; blk < blocks128; ++blk) {
-        const uint2 raw = *reinterpret_cast<const uint2*>(src + blk * 128 + lane * 4);
-        const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
-        const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
-        const float v[4] = {lo.x, lo.y, hi.x, hi.y};
-        float scale;
-        const uint32_t q = quantize_block_e4m3(v, a.use_ue8m0, &scale);
-        reinterpret_cast<uint32_t*>(dst + blk * 128)[lane] = q;
-        if (lane == 0) scales[blk] = scale;
+      for (int64_t blk0 = 0; blk0 < blocks128; blk0 += kLlUnroll) {
+        uint2 raw[kLlUnroll];
+#pragma unroll
+        for (int u = 0; u < kLlUnroll; ++u)
+          if (blk0 + u < blocks128) raw[u] = __ldg(reinterpret_cast<const uint2*>(src + (blk0 + u) * 128) + lane);
+#pragma unroll
+        for (int u = 0; u < kLlUnroll; ++u) {
+          if (blk0 + u >= blocks128) break;
+          const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[u].x));
+          const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[u].y));
+          const float v[4] = {lo.x, lo.y, hi.x, hi.y};
+          float scale;
+          const uint32_t q = quantize_block_e4m3(v, a.use_ue8m0, &scale);
+          reinterpret_cast<uint32_t*>(dst + (blk0 + u) * 128)[lane] = q;
+          if (lane == 0) scales[blk0 + u] = scale;
+        }
       }
     }
     if (lane == 0) reinterpret_cast<int*>(peers.base[d] + layout.recv_src_at(a.slot))[entry] = p;

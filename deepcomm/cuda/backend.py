@@ -15,7 +15,7 @@ import torch
 
 from .._ext import load_extension
 from ..handle import Handle, LowLatencyHandle
-from .arena import Arena
+from .arena import Arena, as_device_bytes
 from .ll_buffer import LlBuffer
 from .nvl_buffer import NvlBuffer
 
@@ -23,7 +23,7 @@ Payload = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 
 LOCAL_EXPERTS_CAP = 1024  # experts per rank the count exchange can carry
 TOPK_MAX = 32             # one lane per top-k slot in the kernels
-ARENA_OUTPUTS = 4         # worst-case dispatch outputs the arena holds at once
+ARENA_OUTPUTS = 4         # worst-case dispatch outputs the arena holds at once (plus one bounce area)
 OUTPUTS = ("x", "scales", "topk_idx", "topk_weights", "src_idx")
 
 
@@ -41,6 +41,13 @@ def _worst_output_bytes(C, rows: int, hidden: int) -> int:
     return max(bf16, fp8)
 
 
+def arena_sizes(C, world_size: int, max_tokens: int, hidden: int) -> Tuple[int, int]:
+    """``(arena, bounce)`` bytes: room for ARENA_OUTPUTS worst-case dispatch outputs, and one more for the bounce
+    area used when the arena is full. The NVLink buffer's arena region holds both."""
+    worst = _worst_output_bytes(C, world_size * max_tokens, hidden)
+    return ARENA_OUTPUTS * worst, worst
+
+
 class CudaBackend:
     name = "cuda"
     x_dtypes = (torch.bfloat16,)  # non-FP8 x of normal dispatch/combine
@@ -54,25 +61,30 @@ class CudaBackend:
             raise RuntimeError("the CUDA extension deepcomm._C is not built")
         self.C, self.group, self.config = C, group, config
         self.rank, self.world_size, self.device = rank, world_size, device
-        arena = ARENA_OUTPUTS * _worst_output_bytes(C, world_size * config.max_tokens_per_rank, config.hidden)
+        arena, worst = arena_sizes(C, world_size, config.max_tokens_per_rank, config.hidden)
         with torch.cuda.device(device):
             self.nvl = NvlBuffer(C, group, rank, world_size, device, LOCAL_EXPERTS_CAP, config.max_tokens_per_rank,
-                                 config.hidden, TOPK_MAX, arena, config.timeout_s)
+                                 config.hidden, TOPK_MAX, arena + worst, config.timeout_s)
             self.comm_stream = torch.cuda.Stream(device)
         self.arena = Arena(self.nvl.arena_ptr, arena, device)
+        # When more dispatch outputs are alive than the arena holds (e.g. training keeps every layer's recv_x for
+        # backward), a dispatch lands in this bounce area and is copied out into ordinary torch tensors.
+        self.bounce = as_device_bytes(self.nvl.arena_ptr + arena, worst, device)
+        self.bounce_offset = arena
         self.event: Optional[torch.cuda.Event] = None
         self._ll: Optional[LlBuffer] = None
 
     # ---- plumbing ----
-    def _begin(self, previous_event: Optional[torch.cuda.Event]) -> torch.cuda.Stream:
-        """Order the communication stream after the caller's work and start a new collective (device seq)."""
+    def _begin(self, previous_event: Optional[torch.cuda.Event], seq_owner=None) -> torch.cuda.Stream:
+        """Order the communication stream after the caller's work and start a new collective: bump the device
+        sequence number of ``seq_owner`` (the NVLink context by default, the low-latency one in that mode)."""
         self.nvl.check_error()
         caller = torch.cuda.current_stream(self.device)
         if previous_event is not None:
             self.comm_stream.wait_event(previous_event)
         else:
             self.comm_stream.wait_stream(caller)
-        self.nvl.ctx.bump_seq(self.comm_stream.cuda_stream)
+        (seq_owner or self.nvl.ctx).bump_seq(self.comm_stream.cuda_stream)
         return caller
 
     def _end(self, caller: torch.cuda.Stream, async_finish: bool, inputs) -> None:
@@ -161,10 +173,9 @@ class CudaBackend:
         scale_cols = scales.shape[1] if scales is not None else 0
         lay = self.C.dispatch_out_layout(num_recv, x_row_bytes, scale_row_bytes, K)
         reserved = self.arena.reserve(lay["total"])
-        if reserved is None:
-            raise RuntimeError(
-                f"deepcomm: the dispatch arena is full ({self.arena.nbytes} bytes): too many dispatch outputs "
-                "are alive at once; free them or build the Buffer with a larger max_tokens_per_rank/hidden")
+        bounced = reserved is None
+        if bounced:
+            reserved = (self.bounce_offset, lay["total"])
         base = self.nvl.layout["arena"] + reserved[0]
         self.nvl.ctx.dispatch(self.config.num_sms, values.data_ptr(), x_row_bytes,
                               scales.data_ptr() if scales is not None else 0, scale_row_bytes,
@@ -173,9 +184,16 @@ class CudaBackend:
                               send_pos.data_ptr(), count_matrix.data_ptr(),
                               invalid_count.data_ptr() if invalid_count is not None else 0,
                               [base + lay[k] for k in OUTPUTS], num_recv, comm.cuda_stream)
-        out = self._carve_outputs(self.arena.tensor(*reserved), lay, num_recv, H, values.dtype,
+        block = self.bounce if bounced else self.arena.tensor(*reserved)
+        out = self._carve_outputs(block, lay, num_recv, H, values.dtype,
                                   scales.dtype if scales is not None else None, scale_cols, K,
                                   topk_idx is not None, topk_weights is not None)
+        if bounced:
+            with torch.cuda.stream(comm):
+                out = {k: (v.clone() if v is not None else None) for k, v in out.items()}
+            for v in out.values():
+                if v is not None:
+                    v.record_stream(caller)
         if handle is None:
             with torch.cuda.stream(comm):
                 recv_src_idx = out["src_idx"].clone()
@@ -283,8 +301,7 @@ class CudaBackend:
         recv_count = torch.empty(L, dtype=torch.int32, device=self.device)
         layout = torch.empty(L, R, 2, dtype=torch.int32, device=self.device)
         src_info = torch.empty(L, R * M, dtype=torch.int32, device=self.device)
-        caller = self._begin(None)
-        ll.ctx.bump_seq(self.comm_stream.cuda_stream)
+        caller = self._begin(None, ll.ctx)
         ll.ctx.dispatch_send(self.config.num_sms, x.data_ptr(), topk_idx.data_ptr(), recv_pos.data_ptr(), T, K, slot,
                              use_fp8, use_ue8m0, self.comm_stream.cuda_stream)
         num_blocks = self.config.num_sms
@@ -303,8 +320,7 @@ class CudaBackend:
         H = x.shape[2]
         ll = self._ll_buffer(handle.num_experts, handle.num_max_dispatch_tokens_per_rank, handle.hidden)
         out = torch.empty(T, H, dtype=torch.bfloat16, device=self.device)
-        caller = self._begin(None)
-        ll.ctx.bump_seq(self.comm_stream.cuda_stream)
+        caller = self._begin(None, ll.ctx)
         ll.ctx.combine_send(self.config.num_sms, x.data_ptr(), K, handle.slot, self.comm_stream.cuda_stream)
         num_blocks = self.config.num_sms
         hook = self._hook(lambda stream: ll.ctx.combine_recv(topk_idx.data_ptr(), topk_weights.data_ptr(),

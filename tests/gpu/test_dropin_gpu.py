@@ -1,0 +1,75 @@
+"""The drop-in pieces on 2 GPUs (CUDA backend when built): the DeepEP compat layer with real CUDA events, and the
+MoE layer's forward and backward (bf16) against the dense computation in fp32."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nccl_run import gpu_count, run_on_gpus
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_count() < 2, reason="needs 2 GPUs")]
+
+
+def _compat_worker(rank, world):
+    import torch.distributed as dist
+    from deepcomm.compat import deep_ep
+    device = torch.device("cuda", rank)
+    E, H, T, K = 16, 7168, 1024 + 128 * rank, 8
+    gen = torch.Generator().manual_seed(rank)
+    idx = torch.rand(T, E, generator=gen).topk(K, dim=1).indices.to(device)
+    w = torch.rand(T, K, generator=gen).to(device)
+    x = torch.randn(T, H, generator=gen).to(device=device, dtype=torch.bfloat16)
+    buf = deep_ep.Buffer(dist.group.WORLD, int(1e9), 0, max_tokens_per_rank=2048, hidden=H)
+    dc = buf.runtime
+    per_rank, _, per_expert, in_rank, event = buf.get_dispatch_layout(idx, E, async_finish=True)
+    out = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                       topk_idx=idx, topk_weights=w, previous_event=event, async_finish=True,
+                       config=deep_ep.Config(16))
+    out[5].current_stream_wait()
+    want = dc.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
+    assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1]) and out[3] == want[3]
+    y = (out[0].float() * 0.5).to(torch.bfloat16)
+    combined, _, ev = buf.combine(y, out[4], async_finish=True)
+    with ev:
+        pass
+    assert torch.equal(combined, dc.combine(y, want[4])[0])
+    torch.cuda.synchronize()
+    buf.destroy()
+
+
+def test_deep_ep_compat_on_gpus():
+    run_on_gpus(_compat_worker, 2)
+
+
+def _moe_worker(rank, world):
+    import torch.distributed as dist
+    import deepcomm
+    from deepcomm.moe import MoELayer, dense_moe
+    device = torch.device("cuda", rank)
+    H, F, E, K, T = 256, 512, 8, 2, 384
+    gen = torch.Generator().manual_seed(123)
+    router = torch.randn(E, H, generator=gen).to(device)
+    w1 = (torch.randn(E, H, 2 * F, generator=gen) / H ** 0.5).to(device)
+    w2 = (torch.randn(E, F, H, generator=gen) / F ** 0.5).to(device)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(rank)).to(device)
+    buf = deepcomm.Buffer(max_tokens_per_rank=T, hidden=H)
+    layer = MoELayer(buf, H, F, E, K)                      # bf16 on the CUDA backend
+    with torch.no_grad():
+        layer.router.weight.copy_(router)
+    layer.load_global_experts(w1, w2)
+    xb = x.to(layer.w_down.dtype).requires_grad_()
+    y = layer(xb)
+    y.float().square().sum().backward()
+    # dense reference in fp32 on the same bf16-rounded parameters
+    want = dense_moe(xb.detach().float(), layer.router.weight.detach().float(), w1.bfloat16().float(),
+                     w2.bfloat16().float(), K)
+    err = (y.float() - want).norm() / want.norm()
+    assert err < 3e-2, f"relative error {err:.3e}"
+    assert xb.grad is not None and torch.isfinite(xb.grad.float()).all()
+    assert layer.w_gate_up.grad is not None and layer.router.weight.grad is not None
+    dist.barrier()
+    buf.destroy()
+
+
+def test_moe_layer_on_gpus():
+    run_on_gpus(_moe_worker, 2)
