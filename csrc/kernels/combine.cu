@@ -14,6 +14,7 @@
 #include "../runtime/cuda_check.hpp"
 #include "../runtime/wait.cuh"
 #include "api.hpp"
+#include "warp_copy.cuh"
 
 namespace dc {
 
@@ -65,16 +66,7 @@ __device__ __forceinline__ void send_rows(const CombineArgs& a, const NvlLayout&
       const int i = first + j;
       uint8_t* slot = peers.base[s] + layout.combine_stage + (int64_t(rank) * layout.max_tokens + t) * row_bytes;
       const int4* src = reinterpret_cast<const int4*>(static_cast<const uint8_t*>(a.x) + int64_t(i) * a.hidden * 2);
-      int4* dst = reinterpret_cast<int4*>(slot);
-      for (int64_t base = lane; base < n16; base += 32 * kUnroll) {
-        int4 v[kUnroll];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u)
-          if (base + u * 32 < n16) v[u] = ptx::ld_nc_na_v4(src + base + u * 32);
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u)
-          if (base + u * 32 < n16) ptx::st_na_v4(dst + base + u * 32, v[u]);
-      }
+      warp_copy_v4<kUnroll>(src, reinterpret_cast<int4*>(slot), n16, lane);
       if (a.topk_weights != nullptr && lane < a.topk)
         reinterpret_cast<float*>(slot + int64_t(a.hidden) * 2)[lane] = a.topk_weights[int64_t(i) * a.topk + lane];
     }

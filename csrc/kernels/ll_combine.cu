@@ -8,6 +8,7 @@
 #include "../runtime/cuda_check.hpp"
 #include "../runtime/wait.cuh"
 #include "api.hpp"
+#include "warp_copy.cuh"
 
 namespace dc {
 
@@ -58,15 +59,7 @@ __global__ void __launch_bounds__(kLlCombineThreads, 1)
     const int4* src = reinterpret_cast<const int4*>(static_cast<const uint8_t*>(x) + entry * layout.row_bytes());
     int4* dst = reinterpret_cast<int4*>(peers.base[src_rank] + layout.comb_recv_at(slot) +
                                         (int64_t(t) * layout.topk_max + k) * layout.row_bytes());
-    for (int64_t i0 = lane; i0 < n16; i0 += 32 * kLlUnroll) {
-      int4 v[kLlUnroll];
-#pragma unroll
-      for (int u = 0; u < kLlUnroll; ++u)
-        if (i0 + u * 32 < n16) v[u] = ptx::ld_nc_na_v4(src + i0 + u * 32);
-#pragma unroll
-      for (int u = 0; u < kLlUnroll; ++u)
-        if (i0 + u * 32 < n16) ptx::st_na_v4(dst + i0 + u * 32, v[u]);
-    }
+    warp_copy_v4<kLlUnroll>(src, dst, n16, lane);
   }
   __syncthreads();
   if (tid < R) {

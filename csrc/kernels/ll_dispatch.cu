@@ -9,6 +9,7 @@
 #include "../runtime/wait.cuh"
 #include "api.hpp"
 #include "fp8_cast.cuh"
+#include "warp_copy.cuh"
 
 namespace dc {
 
@@ -89,18 +90,7 @@ __global__ void __launch_bounds__(kLlThreads, 1)
     uint8_t* dst = peers.base[d] + layout.recv_x_at(a.slot) + entry * row_stride;
     const auto* src = static_cast<const __nv_bfloat16*>(a.x) + int64_t(t) * H;
     if (!a.use_fp8) {
-      const int4* s4 = reinterpret_cast<const int4*>(src);
-      int4* d4 = reinterpret_cast<int4*>(dst);
-      const int64_t n16 = H / 8;
-      for (int64_t i0 = lane; i0 < n16; i0 += 32 * kLlUnroll) {
-        int4 v[kLlUnroll];
-#pragma unroll
-        for (int u = 0; u < kLlUnroll; ++u)
-          if (i0 + u * 32 < n16) v[u] = ptx::ld_nc_na_v4(s4 + i0 + u * 32);
-#pragma unroll
-        for (int u = 0; u < kLlUnroll; ++u)
-          if (i0 + u * 32 < n16) ptx::st_na_v4(d4 + i0 + u * 32, v[u]);
-      }
+      warp_copy_v4<kLlUnroll>(reinterpret_cast<const int4*>(src), reinterpret_cast<int4*>(dst), H / 8, lane);
     } else {
       float* scales = reinterpret_cast<float*>(peers.base[d] + layout.recv_scales_at(a.slot)) + entry * blocks128;
       for (int64_t blk0 = 0; blk0 < blocks128; blk0 += kLlUnroll) {

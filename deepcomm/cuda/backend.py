@@ -123,7 +123,7 @@ class CudaBackend:
     def dispatch(self, x: Payload, topk_idx: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor],
                  num_experts: Optional[int], handle: Optional[Handle], expert_alignment: int,
                  num_worst_tokens: int = 0, previous_event=None, async_finish: bool = False):
-        R, rank = self.world_size, self.rank
+        R = self.world_size
         is_pair = isinstance(x, (tuple, list))
         values, scales = (x[0], x[1]) if is_pair else (x, None)
         T, H = values.shape

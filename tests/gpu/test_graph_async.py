@@ -3,7 +3,7 @@ events, and input errors found on the device — all against the reference backe
 import pytest
 import torch
 
-from nccl_run import gpu_count, run_on_gpus
+from nccl_run import capture_graph, gpu_count, run_on_gpus
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_count() < 2, reason="needs 2 GPUs with peer access")]
 
@@ -58,14 +58,7 @@ def _worker(rank, world):
         c, cw = cuda.combine(_expert(rx), hh, topk_weights=rw)
         return rx, ri, cnt, c, cw
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = step()
+    graph, static_out = capture_graph(step)
     for replay in range(3):
         x, idx, w = _inputs(gen, dev)
         xs.copy_(x), idxs.copy_(idx), ws.copy_(w)

@@ -3,7 +3,7 @@ expert, hidden 2048/5120/7168, BF16/FP8/UE8M0, hook mode, two micro-batches in f
 import pytest
 import torch
 
-from nccl_run import gpu_count, run_on_gpus
+from nccl_run import capture_graph, gpu_count, run_on_gpus
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_count() < 2, reason="needs 2 GPUs with peer access")]
 
@@ -90,14 +90,7 @@ def _worker(rank, world):
         o, _ = cuda.low_latency_combine(ys, idxs, ws, h)
         return rx, cnt, h, o
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = step()
+    graph, static = capture_graph(step)
     for replay in range(3):
         x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(dev)
         idx, w = _routing(gen, T, E, K, "masked", dev)
