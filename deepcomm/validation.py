@@ -76,17 +76,24 @@ def check_topk_idx(topk_idx, num_tokens: int, num_experts: int, device: torch.de
         fail("topk_idx", "required when no handle is given")
     check_tensor("topk_idx", topk_idx, (torch.int64,), device, 2, (num_tokens, None))
     if check_values and topk_idx.numel() and _values_readable(topk_idx):
-        lo, hi = torch.stack([topk_idx.min(), topk_idx.max()]).tolist()
+        # One device-to-host read for all value checks (each read is a sync on a GPU).
+        stats = [topk_idx.min(), topk_idx.max()]
+        dup_rows = None
+        if forbid_duplicates and topk_idx.shape[1] > 1:
+            ordered = topk_idx.sort(dim=1).values
+            dup_rows = ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any(dim=1)
+            # first offending row, or -1
+            first = torch.where(dup_rows, torch.arange(dup_rows.numel(), device=dup_rows.device),
+                                torch.full_like(dup_rows, dup_rows.numel(), dtype=torch.int64)).min()
+            stats.append(first)
+        values = torch.stack(stats).tolist()
+        lo, hi = values[0], values[1]
         if lo < -1:
             fail("topk_idx", f"expert ids must be >= -1, found {lo}")
         if hi >= num_experts:
             fail("topk_idx", f"expert ids must be < num_experts={num_experts}, found {hi}")
-        if forbid_duplicates and topk_idx.shape[1] > 1:
-            ordered = topk_idx.sort(dim=1).values
-            dup = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
-            if bool(dup.any()):
-                row = int(dup.any(dim=1).nonzero()[0, 0])
-                fail("topk_idx", f"row {row} names the same expert twice")
+        if dup_rows is not None and values[2] < dup_rows.numel():
+            fail("topk_idx", f"row {values[2]} names the same expert twice")
     return topk_idx
 
 

@@ -149,3 +149,12 @@ def test_cuda_backend_refused_with_reason_and_auto_falls_back(outcomes):
     kind, message = outcomes["cuda_backend"]
     assert kind == "RuntimeError" and "cuda" in message.lower()
     assert outcomes["auto_backend"] == "reference"
+
+
+def test_duplicate_check_names_the_first_offending_row():
+    from deepcomm import validation as v
+    idx = torch.tensor([[0, 1], [2, 3], [4, 4], [5, 5]])
+    with pytest.raises(ValueError, match=r"topk_idx: row 2 names the same expert twice"):
+        v.check_topk_idx(idx, 4, 8, torch.device("cpu"), forbid_duplicates=True)
+    ok = torch.tensor([[0, -1], [-1, -1], [3, 4]])  # repeated -1 slots are not duplicates
+    assert v.check_topk_idx(ok, 3, 8, torch.device("cpu"), forbid_duplicates=True) is ok
