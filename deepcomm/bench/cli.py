@@ -10,10 +10,10 @@ Rank 0 prints the table and writes --json / --csv / --plots.
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import sys
-import traceback
+import os
+
+from deepcomm.local_launch import device_type, init_rank, launch
 
 GPU_TOKENS = [128, 512, 1024, 2048, 4096, 8192]
 CPU_TOKENS = [128, 512]
@@ -139,14 +139,8 @@ def run_worker(rank: int, world_size: int, local_rank: int, args, device_type: s
     from deepcomm.bench import metrics, peers, report, timing
     from deepcomm.bench.workloads import Workload, make_inputs
 
-    if device_type == "cuda":
-        torch.cuda.set_device(local_rank)
-        device, dist_backend = torch.device("cuda", local_rank), "nccl"
-    else:
-        device, dist_backend = torch.device("cpu"), "gloo"
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    if not dist.is_initialized():
-        dist.init_process_group(dist_backend, rank=rank, world_size=world_size)
+    device = init_rank(rank, world_size, local_rank, device_type)
+    dist_backend = "nccl" if device_type == "cuda" else "gloo"
     ctx = peers.Context(rank=rank, world_size=world_size, device=device, group=dist.group.WORLD,
                         dist_backend=dist_backend, hidden=args.hidden, topk=args.topk, experts=args.experts)
     if args.experts % world_size:
@@ -209,45 +203,16 @@ def run_worker(rank: int, world_size: int, local_rank: int, args, device_type: s
     return 0
 
 
-def _spawn_entry(index: int, world_size: int, args, device_type: str, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(index),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(index))
-    run_worker(index, world_size, index, args, device_type)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _device_type(args) -> str:
-    import torch
-
-    if args.device == "cpu":
-        return "cpu"
-    has_gpu = torch.cuda.is_available() and torch.cuda.device_count() > 0
-    if args.device == "cuda" and not has_gpu:
-        raise SystemExit("--device cuda: no CUDA device is visible")
-    return "cuda" if has_gpu else "cpu"
-
-
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    for var, val in (("NCCL_NVLS_ENABLE", "0"), ("NVSHMEM_DISABLE_NVLS", "1"),
-                     ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")):
-        os.environ.setdefault(var, val)
-    device_type = _device_type(args)
-    args = resolve_defaults(args, device_type)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:      # started by torchrun (or mpirun-like env)
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        return run_worker(rank, world, local_rank, args, device_type)
+    dev_type = device_type(args.device)
+    args = resolve_defaults(args, dev_type)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:      # started by torchrun: launch runs in place
+        return launch(run_worker, args, dev_type, int(os.environ["WORLD_SIZE"]), "deepcomm-bench")
 
     import torch
-    import torch.multiprocessing as mp
 
-    if device_type == "cuda":
+    if dev_type == "cuda":
         gpus = torch.cuda.device_count()
         world = args.world_size or gpus
         if world > gpus:
@@ -258,13 +223,7 @@ def main(argv=None) -> int:
         raise SystemExit("--world-size: must be >= 1")
     if args.experts % world:
         raise SystemExit(f"--experts: {args.experts} is not a multiple of the world size {world}")
-    try:
-        mp.spawn(_spawn_entry, args=(world, args, device_type, _free_port()), nprocs=world, join=True)
-    except Exception as e:  # a worker failed: its traceback is in the exception text
-        traceback.print_exception(e, limit=0) if not str(e) else print(str(e), file=sys.stderr)
-        print(f"deepcomm-bench: failed ({type(e).__name__})", file=sys.stderr)
-        return 1
-    return 0
+    return launch(run_worker, args, dev_type, world, "deepcomm-bench")
 
 
 if __name__ == "__main__":
