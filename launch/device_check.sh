@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One full check on a GPU machine: build, GPU tests, benchmark. Logs and JSON go to $OUT (default ./out).
-#   bash launch/device_check.sh [quick|full|tests|bench]   (default quick)
+#   bash launch/device_check.sh [quick|full|tests|bench|soak]   (default quick; full = tests + soak + bench)
 # Used with the device tool on nvidia-h200-x2; every step is bounded by `timeout` so the call always returns.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
@@ -24,13 +24,21 @@ python3 -c 'import deepcomm, deepcomm._C as C; print("extension ok; gpus", C.dev
 echo "build: $(( $(date +%s) - t0 )) s" | tee -a "$summary"
 rm -f "$OUT/build.log"  # at most 8 files come back from the device tool
 
-if [[ "$MODE" != bench ]]; then
+if [[ "$MODE" != bench && "$MODE" != soak ]]; then
   t0=$(date +%s)
   timeout 420 python3 -m pytest -q -ra -m gpu tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
   echo "gpu tests: rc=${PIPESTATUS[0]} $(( $(date +%s) - t0 )) s" | tee -a "$summary"
 fi
 
-if [[ "$MODE" != tests ]]; then
+if [[ "$MODE" == full || "$MODE" == soak ]]; then
+  t0=$(date +%s)
+  timeout 240 python3 -m deepcomm.soak --backend cuda --iterations 10000 --seconds "${SOAK_SECONDS:-120}" \
+    > "$OUT/soak.log" 2>&1
+  echo "soak: rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$summary"
+  grep -A12 "deepcomm soak" "$OUT/soak.log" | head -30
+fi
+
+if [[ "$MODE" != tests && "$MODE" != soak ]]; then
   t0=$(date +%s)
   bench_args=(--json "$OUT/bench.json" --no-progress)
   if [[ "$MODE" == quick ]]; then bench_args+=(--quick); else bench_args+=(--plots "$OUT"); fi

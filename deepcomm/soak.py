@@ -1,0 +1,201 @@
+"""`python -m deepcomm.soak`: randomized dispatch/combine on the chosen backend against the reference, bit for bit.
+
+Every iteration draws a new shape (tokens per rank 0..max, hidden, top-k, experts, -1 masks, FP8/UE8M0/BF16,
+normal or low-latency mode), runs it on ``--backend`` and on the reference backend in the same process group, and
+compares every output byte. Runs ``--iterations`` or until ``--seconds`` pass, whichever comes first, then prints
+the counts per mode/dtype on rank 0 and exits non-zero on any mismatch. ``--self-check`` flips one output byte in
+one iteration to show the comparison catches it (the run must then fail).
+
+    python -m deepcomm.soak --backend cuda --iterations 10000      # GPUs: one process per GPU
+    python -m deepcomm.soak --device cpu --iterations 50           # reference against itself on CPU processes
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from collections import Counter
+
+from deepcomm.local_launch import device_type, init_rank, launch
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="deepcomm-soak", description=__doc__.split("\n\n")[0])
+    p.add_argument("--backend", default="auto", choices=["auto", "cuda", "reference"])
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    p.add_argument("--world-size", type=int, default=0)
+    p.add_argument("--iterations", type=int, default=10000)
+    p.add_argument("--seconds", type=float, default=0.0, help="stop after this long (0: no limit)")
+    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--max-hidden", type=int, default=4096)
+    p.add_argument("--max-ll-tokens", type=int, default=128)
+    p.add_argument("--modes", default="normal,low_latency")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--self-check", action="store_true")
+    return p
+
+
+def _same(a, b) -> bool:
+    import torch
+    if a is None or b is None:
+        return a is None and b is None
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if not torch.is_tensor(a):
+        return a == b
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
+        a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
+
+
+def _flip_one_byte(t) -> bool:
+    """Corrupt ``t``'s first byte (``--self-check``); False when there is nothing to corrupt."""
+    import torch
+    if t.numel() == 0:
+        return False
+    t.reshape(-1).view(torch.uint8)[:1].bitwise_xor_(1)
+    return True
+
+
+class Case:
+    """The shape of one iteration; drawn from a generator that every rank seeds the same way."""
+
+    def __init__(self, rng: random.Random, world: int, args):
+        self.mode = rng.choice(args.modes.split(","))
+        self.dtype = rng.choice(["bf16", "fp8", "ue8m0"])
+        self.experts = world * rng.choice([1, 2, 4, 8, 32])
+        self.topk = rng.randint(1, min(8, self.experts))
+        low_latency = self.mode == "low_latency"
+        step = 128 if (low_latency or self.dtype != "bf16") else 8
+        if self.dtype == "ue8m0" and not low_latency:
+            step = 512  # packed UE8M0 scales need H % 512 == 0
+        self.hidden = step * rng.randint(1, args.max_hidden // step)
+        self.mask = rng.choice([0.0, 0.0, 0.2, 0.6])
+        self.max_tokens = args.max_ll_tokens if low_latency else args.max_tokens
+
+    def label(self) -> str:
+        return f"{self.mode}-{self.dtype}"
+
+
+def _inputs(case: Case, gen, device):
+    import torch
+    T = int(torch.randint(0, case.max_tokens + 1, (1,), generator=gen))
+    scores = torch.rand(T, case.experts, generator=gen)
+    idx = scores.topk(case.topk, dim=1).indices if T else torch.zeros(0, case.topk, dtype=torch.int64)
+    idx = torch.where(torch.rand(T, case.topk, generator=gen) < case.mask, torch.full_like(idx, -1), idx)
+    x = (torch.randn(T, case.hidden, generator=gen) * 4).to(torch.bfloat16)
+    w = torch.rand(T, case.topk, generator=gen)
+    return x.to(device), idx.to(device), w.to(device)
+
+
+def _normal(buf, ref, case, x, idx, w, gen, device, corrupt):
+    """``(outputs equal, a byte was corrupted)``."""
+    import torch
+    from deepcomm.fp8 import pack_ue8m0, per_token_cast_to_fp8
+    payload = x
+    if case.dtype != "bf16":
+        vals, scales = per_token_cast_to_fp8(x, use_ue8m0=case.dtype == "ue8m0")
+        payload = (vals, pack_ue8m0(scales) if case.dtype == "ue8m0" else scales)
+    got = buf.dispatch(payload, topk_idx=idx, topk_weights=w, num_experts=case.experts, expert_alignment=4)
+    want = ref.dispatch(payload, topk_idx=idx, topk_weights=w, num_experts=case.experts, expert_alignment=4)
+    recv = got[0][0] if isinstance(got[0], tuple) else got[0]
+    flipped = corrupt and _flip_one_byte(recv)
+    ok = all(_same(a, b) for a, b in zip(got[:4], want[:4]))
+    ok &= all(_same(getattr(got[4], f), getattr(want[4], f))
+              for f in ("is_token_in_rank", "send_pos", "count_matrix", "recv_src_idx", "num_recv"))
+    n = got[4].num_recv
+    y = torch.randn(n, case.hidden, generator=gen).to(torch.bfloat16).to(device)
+    rw = torch.rand(n, case.topk, generator=gen).to(device)
+    ok &= all(_same(a, b) for a, b in zip(buf.combine(y, got[4], topk_weights=rw),
+                                          ref.combine(y, want[4], topk_weights=rw)))
+    return ok, flipped
+
+
+def _low_latency(buf, ref, case, x, idx, w, gen, device, world, corrupt):
+    """``(outputs equal, a byte was corrupted)``."""
+    import torch
+    kw = dict(use_fp8=case.dtype != "bf16", use_ue8m0=case.dtype == "ue8m0")
+    M = case.max_tokens
+    got = buf.low_latency_dispatch(x, idx, M, case.experts, **kw)
+    want = ref.low_latency_dispatch(x, idx, M, case.experts, **kw)
+    ok = _same(got[1], want[1]) and all(_same(getattr(got[2], f), getattr(want[2], f))
+                                        for f in ("src_info", "layout", "recv_pos"))
+    parts_g = got[0] if isinstance(got[0], tuple) else (got[0],)
+    parts_w = want[0] if isinstance(want[0], tuple) else (want[0],)
+    flipped = False
+    if corrupt and int(want[1].sum()):
+        flipped = _flip_one_byte(parts_g[0][int((want[1] > 0).nonzero()[0, 0]), :1])
+    for e, n in enumerate(want[1].tolist()):  # rows past the count are undefined
+        ok &= all(_same(g[e, :n], v[e, :n]) for g, v in zip(parts_g, parts_w))
+    y = torch.randn(case.experts // world, world * M, case.hidden, generator=gen).to(torch.bfloat16).to(device)
+    ok &= _same(buf.low_latency_combine(y, idx, w, got[2])[0], ref.low_latency_combine(y, idx, w, want[2])[0])
+    return ok, flipped
+
+
+def run_worker(rank: int, world: int, local_rank: int, args, dev_type: str) -> int:
+    import torch
+    import torch.distributed as dist
+
+    import deepcomm
+    device = init_rank(rank, world, local_rank, dev_type)
+    sizes = dict(max_tokens_per_rank=args.max_tokens, hidden=args.max_hidden,
+                 num_max_low_latency_tokens=args.max_ll_tokens)
+    buf = deepcomm.Buffer(backend=args.backend, timeout_s=60, **sizes)
+    ref = deepcomm.Buffer(backend="reference", **sizes)
+    rng = random.Random(args.seed)  # the same shapes on every rank
+    counts, failures = Counter(), []
+    to_corrupt = args.self_check and rank == 0  # once, in the first iteration past the middle that has data
+    start = time.monotonic()
+    for it in range(args.iterations):
+        stop = torch.tensor([args.seconds > 0 and time.monotonic() - start > args.seconds], device=device)
+        dist.all_reduce(stop, op=dist.ReduceOp.MAX)  # every rank stops at the same iteration
+        if bool(stop):
+            break
+        case = Case(rng, world, args)
+        gen = torch.Generator().manual_seed(args.seed * 1_000_003 + it * 131 + rank)
+        x, idx, w = _inputs(case, gen, device)
+        corrupt = to_corrupt and it >= args.iterations // 2
+        if case.mode == "normal":
+            ok, flipped = _normal(buf, ref, case, x, idx, w, gen, device, corrupt)
+        else:
+            ok, flipped = _low_latency(buf, ref, case, x, idx, w, gen, device, world, corrupt)
+        to_corrupt &= not flipped
+        counts[case.label()] += 1
+        if not ok:
+            failures.append(f"iteration {it} rank {rank}: {case.label()} T={x.shape[0]} H={case.hidden} "
+                            f"E={case.experts} K={case.topk} mask={case.mask}")
+    buf.synchronize()
+    every = [None] * world
+    dist.all_gather_object(every, (counts, failures))
+    if rank == 0:
+        total, all_failures = Counter(), []
+        for c, f in every:
+            total.update(c)
+            all_failures += f
+        print(f"deepcomm soak | backend {buf.backend_name} | world_size {world} | "
+              f"{sum(total.values()) // world} iterations in {time.monotonic() - start:.1f} s")
+        for label in sorted(total):
+            print(f"  {label:22s} {total[label] // world:7d}")
+        print(f"  mismatches             {len(all_failures):7d}")
+        for line in all_failures[:20]:
+            print("  " + line)
+    failed = any(f for _, f in every)
+    buf.destroy()
+    ref.destroy()
+    dist.barrier()
+    dist.destroy_process_group()
+    return 1 if failed else 0
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    dev_type = device_type(args.device)
+    if dev_type == "cpu" and args.backend == "cuda":
+        raise SystemExit("--backend cuda: needs GPUs")
+    import torch
+    world = args.world_size or (torch.cuda.device_count() if dev_type == "cuda" else 2)
+    return launch(run_worker, args, dev_type, world, "deepcomm-soak")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
