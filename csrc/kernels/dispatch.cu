@@ -11,6 +11,7 @@
 #include "../runtime/cuda_check.hpp"
 #include "../runtime/wait.cuh"
 #include "api.hpp"
+#include "block_flags.cuh"
 
 namespace dc {
 
@@ -126,11 +127,7 @@ __global__ void __launch_bounds__(kDispatchThreads, 1)
   }
 
   __syncthreads();
-  if (tid < R) {
-    ptx::fence_acq_rel_sys();
-    auto* done = reinterpret_cast<uint64_t*>(peers.base[tid] + layout.dispatch_done);
-    ptx::st_release_sys_u64(done + rank * kMaxBlocks + blockIdx.x, ctx.seq);
-  }
+  signal_block_done(peers, layout.dispatch_done, R, ctx);
   if (tid < R) {
     const auto* done = reinterpret_cast<const uint64_t*>(self + layout.dispatch_done);
     wait_flag_geq(done + tid * kMaxBlocks + blockIdx.x, ctx.seq, ctx, tid, kStageDispatchDone);

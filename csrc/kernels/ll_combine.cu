@@ -8,6 +8,7 @@
 #include "../runtime/cuda_check.hpp"
 #include "../runtime/wait.cuh"
 #include "api.hpp"
+#include "block_flags.cuh"
 #include "warp_copy.cuh"
 
 namespace dc {
@@ -62,11 +63,7 @@ __global__ void __launch_bounds__(kLlCombineThreads, 1)
     warp_copy_v4<kLlUnroll>(src, dst, n16, lane);
   }
   __syncthreads();
-  if (tid < R) {
-    ptx::fence_acq_rel_sys();
-    auto* flag = reinterpret_cast<uint64_t*>(peers.base[tid] + layout.comb_flag);
-    ptx::st_release_sys_u64(flag + rank * kMaxBlocks + blockIdx.x, ctx.seq);
-  }
+  signal_block_done(peers, layout.comb_flag, R, ctx);
 }
 
 __global__ void __launch_bounds__(kLlCombineThreads, 1)
@@ -78,15 +75,7 @@ __global__ void __launch_bounds__(kLlCombineThreads, 1)
   const int64_t n16 = layout.hidden / 8;
   uint8_t* self = peers.base[rank];
   __shared__ int ok;
-  if (tid == 0) ok = 1;
-  __syncthreads();
-  const auto* flags = reinterpret_cast<const uint64_t*>(self + layout.comb_flag);
-  for (int i = tid; i < R * num_send_blocks; i += blockDim.x) {
-    const int s = i / num_send_blocks, b = i % num_send_blocks;
-    if (!wait_flag_geq(flags + s * kMaxBlocks + b, ctx.seq, ctx, s, kStageLlCombineData)) ok = 0;
-  }
-  __syncthreads();
-  if (!ok) return;
+  if (!wait_all_blocks_done(self, layout.comb_flag, R, num_send_blocks, ctx, kStageLlCombineData, &ok)) return;
   const uint8_t* rows = self + layout.comb_recv_at(slot);
   const int warps = kLlCombineThreads / 32;
   constexpr int U = 4;

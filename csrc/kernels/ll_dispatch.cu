@@ -8,6 +8,7 @@
 #include "../runtime/cuda_check.hpp"
 #include "../runtime/wait.cuh"
 #include "api.hpp"
+#include "block_flags.cuh"
 #include "fp8_cast.cuh"
 #include "warp_copy.cuh"
 
@@ -114,11 +115,7 @@ __global__ void __launch_bounds__(kLlThreads, 1)
     if (lane == 0) reinterpret_cast<int*>(peers.base[d] + layout.recv_src_at(a.slot))[entry] = p;
   }
   __syncthreads();
-  if (tid < R) {
-    ptx::fence_acq_rel_sys();
-    auto* flag = reinterpret_cast<uint64_t*>(peers.base[tid] + layout.data_flag);
-    ptx::st_release_sys_u64(flag + rank * kMaxBlocks + blockIdx.x, ctx.seq);
-  }
+  signal_block_done(peers, layout.data_flag, R, ctx);
 }
 
 __global__ void ll_dispatch_recv_kernel(int slot, int topk, int num_send_blocks, int* recv_count, int* layout_out,
@@ -129,15 +126,7 @@ __global__ void ll_dispatch_recv_kernel(int slot, int topk, int num_send_blocks,
   const int64_t rows = layout.rows_per_expert();
   uint8_t* self = peers.base[rank];
   __shared__ int ok, total;
-  if (tid == 0) ok = 1;
-  __syncthreads();
-  const auto* flags = reinterpret_cast<const uint64_t*>(self + layout.data_flag);
-  for (int i = tid; i < R * num_send_blocks; i += blockDim.x) {
-    const int s = i / num_send_blocks, b = i % num_send_blocks;
-    if (!wait_flag_geq(flags + s * kMaxBlocks + b, ctx.seq, ctx, s, kStageLlDispatchData)) ok = 0;
-  }
-  __syncthreads();
-  if (!ok) return;
+  if (!wait_all_blocks_done(self, layout.data_flag, R, num_send_blocks, ctx, kStageLlDispatchData, &ok)) return;
   const int* counts = reinterpret_cast<const int*>(self + layout.counts_at(slot));
   if (tid == 0) {
     int begin = 0;
