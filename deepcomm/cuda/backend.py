@@ -105,7 +105,8 @@ class CudaBackend:
             raise ValueError(f"num_sms: at most {self.C.MAX_BLOCKS} on the CUDA backend, got {num_sms}")
 
     def size_bytes(self) -> int:
-        return self.nvl.size_bytes
+        """Device bytes this rank holds: the NVLink buffer, plus the low-latency buffer once one was made."""
+        return self.nvl.size_bytes + (self._ll.layout["total"] if self._ll is not None else 0)
 
     # ---- layout ----
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
