@@ -28,6 +28,10 @@ if [[ "$MODE" != bench && "$MODE" != soak ]]; then
   t0=$(date +%s)
   timeout 420 python3 -m pytest -q -ra -m gpu tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
   echo "gpu tests: rc=${PIPESTATUS[0]} $(( $(date +%s) - t0 )) s" | tee -a "$summary"
+  # the real-MPI launcher test (skips where mpirun or mpi4py is missing) and the example training on the GPUs
+  timeout 120 python3 -m pytest -q -ra tests/test_launch.py -k mpirun 2>&1 | tee -a "$OUT/gpu_tests.log" | tail -3
+  timeout 180 python3 examples/train_moe.py --device cuda --steps 200 2>&1 | tail -4 | tee -a "$summary"
+  echo "train_moe on GPUs: rc=${PIPESTATUS[0]}" | tee -a "$summary"
 fi
 
 if [[ "$MODE" == full || "$MODE" == soak ]]; then
