@@ -31,6 +31,16 @@ def _env():
     return env
 
 
+def _run_two_and_check(commands, who):
+    """Start both commands, wait for both, require exit 0 and rank 0's smoke-test success line."""
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for cmd in commands]
+    outs = _wait_all(procs)
+    for n, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"{who} {n} exited with {p.returncode}:\n{out}"
+    assert "2 ranks, backend=reference" in outs[0] and "OK" in outs[0], outs[0]
+
+
 def _wait_all(procs):
     outs = []
     try:
@@ -49,15 +59,9 @@ def _wait_all(procs):
                     reason="torchrun is not available")
 def test_torchrun_two_nodes_on_one_host():
     port = _free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(n),
-                               "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
-                               "--max-restarts", "0", SMOKE, "--device", "cpu"],
-                              cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for n in (0, 1)]
-    outs = _wait_all(procs)
-    for n, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"node {n} exited with {p.returncode}:\n{out}"
-    assert "2 ranks, backend=reference" in outs[0] and "OK" in outs[0], outs[0]
+    _run_two_and_check([[sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(n),
+                         "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                         "--max-restarts", "0", SMOKE, "--device", "cpu"] for n in (0, 1)], "node")
 
 
 _FILE_COMM = textwrap.dedent("""
@@ -96,14 +100,8 @@ _FILE_COMM = textwrap.dedent("""
 def test_launch_mpi_bootstrap_with_stand_in_comm(tmp_path):
     script = tmp_path / "file_comm.py"
     script.write_text(_FILE_COMM)
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), "2", str(tmp_path), "--backend", "gloo",
-                               SMOKE, "--device", "cpu"],
-                              cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in (0, 1)]
-    outs = _wait_all(procs)
-    for r, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"rank {r} exited with {p.returncode}:\n{out}"
-    assert "2 ranks, backend=reference" in outs[0] and "OK" in outs[0], outs[0]
+    _run_two_and_check([[sys.executable, str(script), str(r), "2", str(tmp_path), "--backend", "gloo", SMOKE,
+                         "--device", "cpu"] for r in (0, 1)], "rank")
 
 
 def test_launch_mpi_argument_split():

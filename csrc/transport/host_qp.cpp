@@ -47,13 +47,15 @@ void HostQueuePair::reserve(uint32_t wqebbs) const {
                              std::to_string(sq_.wqebbs()) + " WQEBBs not yet completed; poll completions first");
 }
 
+uint32_t HostQueuePair::advance(uint32_t index, uint32_t wqebbs) {
+  wqebbs_of_slot_[index & (sq_.wqebbs() - 1)] = uint8_t(wqebbs);
+  pi_ += wqebbs;
+  return index;
+}
+
 uint32_t HostQueuePair::post_write(const RdmaWrite& w, const WqeCtrl& c) {
   reserve(wqebbs_of_ds(kDsRdmaWrite));
-  const uint32_t index = pi_;
-  const uint32_t n = encode_rdma_write(sq_, index, w, c);
-  wqebbs_of_slot_[index & (sq_.wqebbs() - 1)] = uint8_t(n);
-  pi_ += n;
-  return index;
+  return advance(pi_, encode_rdma_write(sq_, pi_, w, c));
 }
 
 uint32_t HostQueuePair::post_write_inline(const void* payload, uint32_t bytes, uint64_t raddr, uint32_t rkey,
@@ -61,20 +63,12 @@ uint32_t HostQueuePair::post_write_inline(const void* payload, uint32_t bytes, u
   if (bytes > kMaxInlineBytes)
     throw std::invalid_argument("inline write: at most " + std::to_string(kMaxInlineBytes) + " bytes");
   reserve(wqebbs_of_ds(ds_inline_write(bytes)));
-  const uint32_t index = pi_;
-  const uint32_t n = encode_rdma_write_inline(sq_, index, payload, bytes, raddr, rkey, c);
-  wqebbs_of_slot_[index & (sq_.wqebbs() - 1)] = uint8_t(n);
-  pi_ += n;
-  return index;
+  return advance(pi_, encode_rdma_write_inline(sq_, pi_, payload, bytes, raddr, rkey, c));
 }
 
 uint32_t HostQueuePair::post_fetch_add(const FetchAdd& a, const WqeCtrl& c) {
   reserve(wqebbs_of_ds(kDsFetchAdd));
-  const uint32_t index = pi_;
-  const uint32_t n = encode_fetch_add(sq_, index, a, c);
-  wqebbs_of_slot_[index & (sq_.wqebbs() - 1)] = uint8_t(n);
-  pi_ += n;
-  return index;
+  return advance(pi_, encode_fetch_add(sq_, pi_, a, c));
 }
 
 void HostQueuePair::ring() { ring_doorbell(SqDoorbell{dbrec_, doorbell_reg_}, pi_, sq_.qpn); }

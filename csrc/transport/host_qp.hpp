@@ -40,6 +40,7 @@ class HostQueuePair {
 
  private:
   void reserve(uint32_t wqebbs) const;
+  uint32_t advance(uint32_t index, uint32_t wqebbs);  // records a posted WQE's size, moves the producer index
 
   SqRing sq_{};
   CqRing cq_{};
