@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One full check on a GPU machine: build, GPU tests, benchmark. Logs and JSON go to $OUT (default ./out).
-#   bash launch/device_check.sh [quick|full|tests|bench|soak]   (default quick; full = tests + soak + bench)
+#   bash launch/device_check.sh [quick|full|tests|bench|soak|verify]
+#   (default quick; full = tests + soak + bench; verify = tests + soak, no bench)
 # Used with the device tool on nvidia-h200-x2; every step is bounded by `timeout` so the call always returns.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
@@ -34,7 +35,7 @@ if [[ "$MODE" != bench && "$MODE" != soak ]]; then
   echo "train_moe on GPUs: rc=${PIPESTATUS[0]}" | tee -a "$summary"
 fi
 
-if [[ "$MODE" == full || "$MODE" == soak ]]; then
+if [[ "$MODE" == full || "$MODE" == soak || "$MODE" == verify ]]; then
   t0=$(date +%s)
   timeout 240 python3 -m deepcomm.soak --backend cuda --iterations 10000 --seconds "${SOAK_SECONDS:-120}" \
     > "$OUT/soak.log" 2>&1
@@ -42,7 +43,7 @@ if [[ "$MODE" == full || "$MODE" == soak ]]; then
   grep -A12 "deepcomm soak" "$OUT/soak.log" | head -30
 fi
 
-if [[ "$MODE" != tests && "$MODE" != soak ]]; then
+if [[ "$MODE" != tests && "$MODE" != soak && "$MODE" != verify ]]; then
   t0=$(date +%s)
   bench_args=(--json "$OUT/bench.json" --no-progress)
   if [[ "$MODE" == quick ]]; then bench_args+=(--quick); else bench_args+=(--plots "$OUT"); fi
