@@ -64,10 +64,14 @@ class NvccBuild(build_ext):
         def compile_one(rel):
             src = str(ROOT / rel)
             obj = build_tmp / (rel.replace("/", "_") + ".o")
+            dep, stamp = obj.with_suffix(".d"), obj.with_suffix(".cmd")
             flags = common + (cu_flags if src.endswith(".cu") else ["-x", "c++"])
             cmd = [nvcc, *flags, "-c", src, "-o", str(obj)]
+            if up_to_date(obj, dep, stamp, " ".join(cmd)):
+                return str(obj)
             print(" ".join(cmd), flush=True)
-            subprocess.run(cmd, check=True)
+            subprocess.run(cmd + ["-MD", "-MF", str(dep)], check=True)
+            stamp.write_text(" ".join(cmd))
             return str(obj)
 
         jobs = int(os.environ.get("DEEPCOMM_BUILD_JOBS", os.cpu_count() or 2))
@@ -79,6 +83,17 @@ class NvccBuild(build_ext):
                 "-cudart=static", "-lrt", "-ldl", "-lpthread"]
         print(" ".join(link), flush=True)
         subprocess.run(link, check=True)
+
+
+def up_to_date(obj: Path, dep: Path, stamp: Path, cmd: str) -> bool:
+    """Rebuilds touch only what changed: the object is newer than its source and every header nvcc listed in the
+    dependency file, and it was built with the same command."""
+    if not (obj.exists() and dep.exists() and stamp.exists()) or stamp.read_text() != cmd:
+        return False
+    text = dep.read_text().replace("\\\n", " ")
+    inputs = text.split(":", 1)[1].split() if ":" in text else []
+    built = obj.stat().st_mtime
+    return bool(inputs) and all(Path(p).exists() and Path(p).stat().st_mtime <= built for p in inputs)
 
 
 def extension_sources():
