@@ -18,14 +18,19 @@ STAGES = {
     4: "combine:ready",
     5: "combine:token",
     6: "barrier",
-    7: "low_latency_dispatch:counts",
+    7: "low_latency_dispatch:counts",  # retired (kept so the numbers stay stable)
     8: "low_latency_dispatch:data",
     9: "low_latency_combine:data",
+    10: "low_latency_combine:weights",
 }
 # Input problems found on the device (not timeouts): every rank stopped the call consistently.
 INPUT_ERRORS = {
     100: "topk_idx: expert ids outside [-1, num_experts) on rank {peer_or_some}; nothing was dispatched",
     101: "num_worst_tokens: rank {peer} receives more rows than num_worst_tokens; rows past it were dropped",
+    # low-latency dispatch checks on the device and raises at the next call, hook or synchronize()
+    102: "topk_idx: an earlier low_latency_dispatch on rank {peer} had expert ids outside [-1, num_experts); "
+         "those slots were dropped (sent nowhere)",
+    103: "topk_idx: an earlier low_latency_dispatch on rank {peer} had a token naming the same expert twice",
 }
 
 
