@@ -56,7 +56,8 @@ class AllToAll:
         self.name = f"{ctx.dist_backend}-a2a"
 
     def supports(self, mode: str, op: str, dtype: str) -> bool:
-        return op == "dispatch" or dtype == "bf16"
+        # FP8 combine rows exist in normal mode only (deepcomm's use_fp8); the bytes bound is the same here
+        return op == "dispatch" or dtype == "bf16" or mode == "normal"
 
     def reported_num_sms(self, case: Case):
         return None
@@ -159,7 +160,7 @@ class Deepcomm:
         return self.backend_name != "reference"
 
     def supports(self, mode: str, op: str, dtype: str) -> bool:
-        return True
+        return not (mode == "low_latency" and op == "combine" and dtype == "fp8")
 
     def reported_num_sms(self, case: Case):
         if not self.uses_sms:
@@ -192,13 +193,29 @@ class Deepcomm:
                 x_in = per_token_cast_to_fp8(x) if case.dtype == "fp8" else x
                 return lambda: buf.dispatch(x_in, topk_idx=idx, topk_weights=w, num_experts=E)
             recv_x, _, _, _, handle = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
-            return lambda: buf.combine(recv_x, handle)
+            fp8 = case.dtype == "fp8"
+            return lambda: buf.combine(recv_x, handle, use_fp8=fp8)
         M = self.ll_tokens
         if case.op == "dispatch":
             fp8 = case.dtype == "fp8"
             return lambda: buf.low_latency_dispatch(x, idx, M, E, use_fp8=fp8)
         recv_x, _, handle, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
         return lambda: buf.low_latency_combine(recv_x, idx, w, handle)
+
+
+    def fp8_combine_errors(self, case: Case, inp: Inputs) -> tuple[float, float, float]:
+        """This rank's ``metrics.combine_errors`` of the FP8 combine against the BF16 combine of the same expert
+        outputs (the dispatched rows, scaled per row so that blocks differ in magnitude)."""
+        from deepcomm.bench.metrics import combine_errors
+
+        buf = self._buffer(case.num_sms)
+        recv_x, _, _, _, handle = buf.dispatch(inp.x, topk_idx=inp.topk_idx, topk_weights=inp.topk_weights,
+                                               num_experts=self.ctx.experts)
+        y = (recv_x.float() * torch.linspace(0.5, 2.0, recv_x.shape[0], device=recv_x.device)[:, None])
+        y = y.to(torch.bfloat16)
+        got, _ = buf.combine(y, handle, use_fp8=True)
+        want, _ = buf.combine(y, handle)
+        return combine_errors(got, want)
 
 
 def check_against_moe_layer(dc: Deepcomm, moe: MoELayer, inp: Inputs) -> None:
