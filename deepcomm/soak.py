@@ -1,8 +1,8 @@
 """`python -m deepcomm.soak`: randomized dispatch/combine on the chosen backend against the reference, bit for bit.
 
 Every iteration draws a new shape (tokens per rank 0..max, hidden, top-k, experts, -1 masks, FP8/UE8M0/BF16,
-normal or low-latency mode; the normal combine also with use_fp8 where H % 128 == 0), runs it on ``--backend`` and on the reference backend in the same process group, and
-compares every output byte. Runs ``--iterations`` or until ``--seconds`` pass, whichever comes first, then prints
+normal or low-latency mode; the normal combine also with use_fp8 where H % 128 == 0), runs it on ``--backend``
+and on the reference backend in the same process group, and compares every output byte. Runs ``--iterations`` or until ``--seconds`` pass, whichever comes first, then prints
 the counts per mode/dtype on rank 0 and exits non-zero on any mismatch. ``--self-check`` flips one output byte in
 one iteration to show the comparison catches it (the run must then fail).
 
