@@ -87,6 +87,7 @@ PYBIND11_MODULE(_C, m) {
     return d;
   });
   m.def("combine_row_bytes", &combine_row_bytes);
+  m.def("combine_fp8_row_bytes", &combine_fp8_row_bytes);
 
   // ---- ptx/ helpers: host twins and the GPU self-test ----
   m.def("bswap32_host", [](uint32_t v) { return ptx::bswap32_host(v); });
@@ -147,10 +148,10 @@ PYBIND11_MODULE(_C, m) {
       })
       .def("combine", [](const NvlContext& c, int num_blocks, uintptr_t x, uintptr_t topk_weights,
                          uintptr_t recv_src_idx, uintptr_t count_matrix, uintptr_t send_pos, uintptr_t out,
-                         uintptr_t out_weights, int N, int T, int H, int K, uintptr_t stream) {
+                         uintptr_t out_weights, int N, int T, int H, int K, uintptr_t stream, bool use_fp8) {
         CombineArgs a{ptr<const void>(x), ptr<const float>(topk_weights), ptr<const int>(recv_src_idx),
                       ptr<const int>(count_matrix), ptr<const int>(send_pos), ptr<void>(out), ptr<float>(out_weights),
-                      N, T, H, K};
+                      N, T, H, K, use_fp8};
         launch_combine(a, num_blocks, c.layout, c.peers, c.wait_ctx(), stream_of(stream));
       });
 

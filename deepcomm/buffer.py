@@ -135,16 +135,19 @@ class Buffer:
         out[-1].buffer_id = self.buffer_id
         return out
 
-    def combine(self, x, handle, topk_weights=None, previous_event=None, async_finish=False):
+    def combine(self, x, handle, topk_weights=None, previous_event=None, async_finish=False, use_fp8=False):
         """``(combined_x, combined_topk_weights)``: the reverse route of ``handle``, copies summed.
-        ``previous_event`` / ``async_finish`` as in ``dispatch``."""
+        ``previous_event`` / ``async_finish`` as in ``dispatch``. ``use_fp8``: rows that cross to another rank
+        travel as e4m3 with one fp32 scale per 128 values (bf16 ``x``, ``H % 128 == 0``; same value on every
+        rank); lossy, see docs/api.md."""
         backend = self._live()
         v.check_handle(handle, Handle, self.buffer_id)
-        v.check_combine_x(x, handle, self._device, self._x_dtypes, self.config.hidden)
+        v.check_combine_x(x, handle, self._device, self._x_dtypes, self.config.hidden, use_fp8)
         if topk_weights is not None:
             v.check_topk_weights(topk_weights, (handle.num_recv, None), self._device)
         self._check_stream_args(previous_event, async_finish)
-        return backend.combine(x, handle, topk_weights, previous_event=previous_event, async_finish=async_finish)
+        return backend.combine(x, handle, topk_weights, previous_event=previous_event, async_finish=async_finish,
+                               use_fp8=use_fp8)
 
     @property
     def event(self):

@@ -48,8 +48,8 @@ class _Dispatch(torch.autograd.Function):
 
 class _Combine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, topk_weights, buf, handle):
-        combined_x, combined_weights = buf.combine(x, handle, topk_weights=topk_weights)
+    def forward(ctx, x, topk_weights, buf, handle, use_fp8):
+        combined_x, combined_weights = buf.combine(x, handle, topk_weights=topk_weights, use_fp8=use_fp8)
         ctx.buf, ctx.handle = buf, handle
         ctx.x_dtype = x.dtype
         ctx.weights_k = None if topk_weights is None else topk_weights.shape[1]
@@ -67,7 +67,7 @@ class _Combine(torch.autograd.Function):
                        if grad_combined_weights is None else grad_combined_weights.contiguous())
         grad_x, _, grad_weights, _, _ = ctx.buf.dispatch(grad_combined_x.contiguous(), topk_weights=weights,
                                                          handle=handle)
-        return grad_x, grad_weights, None, None
+        return grad_x, grad_weights, None, None, None
 
 
 def dispatch(buf, x, topk_idx, topk_weights=None, num_experts: Optional[int] = None, expert_alignment: int = 1):
@@ -79,7 +79,8 @@ def dispatch(buf, x, topk_idx, topk_weights=None, num_experts: Optional[int] = N
     return _Dispatch.apply(x, topk_weights, buf, topk_idx, num_experts, expert_alignment)
 
 
-def combine(buf, x, handle: Handle, topk_weights=None):
+def combine(buf, x, handle: Handle, topk_weights=None, use_fp8: bool = False):
     """Differentiable ``buf.combine``; returns ``(combined_x, combined_topk_weights)``. Gradients flow to
-    ``x`` and ``topk_weights``."""
-    return _Combine.apply(x, topk_weights, buf, handle)
+    ``x`` and ``topk_weights``. With ``use_fp8`` the forward rows travel as FP8 and the backward treats the cast
+    as the identity (straight-through): the gradients are dispatched in ``x``'s dtype."""
+    return _Combine.apply(x, topk_weights, buf, handle, use_fp8)

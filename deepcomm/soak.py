@@ -1,8 +1,8 @@
 """`python -m deepcomm.soak`: randomized dispatch/combine on the chosen backend against the reference, bit for bit.
 
 Every iteration draws a new shape (tokens per rank 0..max, hidden, top-k, experts, -1 masks, FP8/UE8M0/BF16,
-normal or low-latency mode), runs it on ``--backend`` and on the reference backend in the same process group, and
-compares every output byte. Runs ``--iterations`` or until ``--seconds`` pass, whichever comes first, then prints
+normal or low-latency mode; the normal combine also with use_fp8 where H % 128 == 0), runs it on ``--backend``
+and on the reference backend in the same process group, and compares every output byte. Runs ``--iterations`` or until ``--seconds`` pass, whichever comes first, then prints
 the counts per mode/dtype on rank 0 and exits non-zero on any mismatch. ``--self-check`` flips one output byte in
 one iteration to show the comparison catches it (the run must then fail).
 
@@ -108,6 +108,8 @@ def _normal(buf, ref, case, x, idx, w, gen, device, corrupt):
     rw = torch.rand(n, case.topk, generator=gen).to(device)
     ok &= all(_same(a, b) for a, b in zip(buf.combine(y, got[4], topk_weights=rw),
                                           ref.combine(y, want[4], topk_weights=rw)))
+    if case.hidden % 128 == 0:  # the FP8 combine, same rows
+        ok &= _same(buf.combine(y, got[4], use_fp8=True)[0], ref.combine(y, want[4], use_fp8=True)[0])
     return ok, flipped
 
 

@@ -159,13 +159,16 @@ def check_handle(handle, cls: type, buffer_id: int) -> None:
 
 
 def check_combine_x(x, handle: Handle, device: torch.device, dtypes: Sequence[torch.dtype],
-                    max_hidden: int) -> None:
+                    max_hidden: int, use_fp8: bool = False) -> None:
+    """``use_fp8``: the FP8 combine casts bf16 rows per 128-element block, so it takes bf16 with H % 128 == 0."""
+    if not isinstance(use_fp8, bool):
+        fail("use_fp8", f"expected a bool, got {type(use_fp8).__name__}")
     if isinstance(x, (tuple, list)):
         fail("x", "combine takes a tensor, not an FP8 pair")
-    check_tensor("x", x, dtypes, device, 2)
+    check_tensor("x", x, (torch.bfloat16,) if use_fp8 else dtypes, device, 2)
     if x.shape[0] != handle.num_recv:
         fail("x", f"expected {handle.num_recv} rows (handle.num_recv), got {x.shape[0]}")
-    check_hidden("x", x.shape[1], ROW_ALIGN, max_hidden)
+    check_hidden("x", x.shape[1], BLOCK if use_fp8 else ROW_ALIGN, max_hidden)
 
 
 def check_low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,

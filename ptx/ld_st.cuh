@@ -71,6 +71,17 @@ DC_DEVICE int4 ld_relaxed_gpu_v4(const int4* p) {
                : "l"(p));
   return v;
 }
+// Narrower reads of peer-written staging rows (FP8 combine: 8 e4m3 bytes, one fp32 scale).
+DC_DEVICE uint2 ld_relaxed_gpu_v2(const uint2* p) {
+  uint2 v;
+  asm volatile("ld.relaxed.gpu.global.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+DC_DEVICE uint32_t ld_relaxed_gpu_u32(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.relaxed.gpu.global.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
 // Stores to a peer (or local) buffer that this SM will not read back.
 DC_DEVICE void st_na_v4(int4* p, const int4& v) {
   asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y),

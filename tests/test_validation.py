@@ -80,6 +80,12 @@ CASES = {
     "combine_rows_mismatch": ("x", lambda c: c.buf.combine(
         torch.zeros(c.handle.num_recv + 1, H, dtype=torch.bfloat16), c.handle)),
     "combine_fp8_pair": ("x", lambda c: c.buf.combine(c.pair, c.handle)),
+    "combine_use_fp8_not_bool": ("use_fp8", lambda c: c.buf.combine(
+        torch.zeros(c.handle.num_recv, H, dtype=torch.bfloat16), c.handle, use_fp8=1)),
+    "combine_fp8_x_not_bf16": ("x", lambda c: c.buf.combine(  # fp32 is a valid x without use_fp8 (reference)
+        torch.zeros(c.handle.num_recv, H), c.handle, use_fp8=True)),
+    "combine_fp8_hidden_not_multiple_of_128": ("x", lambda c: c.buf.combine(  # 136 is fine without use_fp8
+        torch.zeros(c.handle.num_recv, 136, dtype=torch.bfloat16), c.handle, use_fp8=True)),
     "combine_weights_rows": ("topk_weights", lambda c: c.buf.combine(
         torch.zeros(c.handle.num_recv, H, dtype=torch.bfloat16), c.handle,
         topk_weights=torch.zeros(c.handle.num_recv + 1, K))),

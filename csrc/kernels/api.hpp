@@ -60,7 +60,9 @@ void launch_dispatch(const DispatchArgs& args, int num_blocks, const NvlLayout& 
 
 // Normal-mode combine over NVLink: every received row goes back to its source rank (remote rows into the
 // source's staging area, flagged per token); each rank then sums, for each of its tokens, the rows from every
-// rank that holds it, ranks ascending, in fp32, rounded once to bf16.
+// rank that holds it, ranks ascending, in fp32, rounded once to bf16. use_fp8 (hidden % 128 == 0, the same on
+// every rank): rows that cross to another rank are cast to e4m3 per 128-element block with an fp32 scale
+// (deepcomm/fp8.py's rule) and dequantized at the receiver before the fp32 sum; rows of our own tokens stay bf16.
 struct CombineArgs {
   const void* x;              // bf16 [N][H]
   const float* topk_weights;  // [N][K] or null
@@ -71,6 +73,7 @@ struct CombineArgs {
   float* out_weights;         // [T][K] or null
   int num_recv, num_tokens, hidden, topk;  // num_recv: rows of x (a worst-case size is fine; the real count
                                            // comes from count_matrix on the device)
+  bool use_fp8;
 };
 void launch_combine(const CombineArgs& args, int num_blocks, const NvlLayout& layout, const Peers& peers,
                     const WaitCtx& ctx, cudaStream_t stream);

@@ -6,6 +6,8 @@
 //            then sum the rows ranks ascending in fp32 (our own row read straight from x), round once to bf16.
 // Senders first wait for the destination's combine_ready flag, raised at the start of its kernel, so a
 // back-to-back combine never overwrites staging rows the destination is still reading.
+// kFp8 (CombineArgs::use_fp8): remote rows travel as e4m3 + per-128 fp32 scales (combine_fp8.cuh); rows of our own
+// tokens never leave the GPU and are summed from x as bf16 either way.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -14,6 +16,7 @@
 #include "../runtime/cuda_check.hpp"
 #include "../runtime/wait.cuh"
 #include "api.hpp"
+#include "combine_fp8.cuh"
 #include "warp_copy.cuh"
 
 namespace dc {
@@ -38,6 +41,16 @@ __device__ __forceinline__ int4 round_bf16x8(const float* acc) {
   return out;
 }
 
+// Staging row layout of one call: row stride and where the K fp32 weights start in a row.
+template <bool kFp8>
+__device__ __forceinline__ int64_t stage_row_bytes(const CombineArgs& a) {
+  return kFp8 ? combine_fp8_row_bytes(a.hidden, a.topk) : combine_row_bytes(a.hidden, a.topk);
+}
+template <bool kFp8>
+__device__ __forceinline__ int64_t stage_weights_offset(const CombineArgs& a) {
+  return kFp8 ? int64_t(a.hidden) + a.hidden / 128 * 4 : int64_t(a.hidden) * 2;
+}
+
 // Source rank of received row i, given each source's first row (sources are contiguous, ascending).
 __device__ __forceinline__ int source_of_row(int i, const int* recv_base, int num_ranks) {
   int s = 0;
@@ -46,12 +59,12 @@ __device__ __forceinline__ int source_of_row(int i, const int* recv_base, int nu
   return s;
 }
 
-template <int kSend, int kUnroll>
+template <int kSend, int kUnroll, bool kFp8>
 __device__ __forceinline__ void send_rows(const CombineArgs& a, const NvlLayout& layout, const Peers& peers,
                                           const WaitCtx& ctx, const int* recv_base, int warp, int lane) {
   const int R = layout.num_ranks, rank = ctx.rank;
-  const int64_t row_bytes = combine_row_bytes(a.hidden, a.topk), n16 = int64_t(a.hidden) / 8;
-  const int64_t max_chunks = combine_max_chunks(R, layout.max_tokens);
+  const int64_t row_bytes = stage_row_bytes<kFp8>(a), w_off = stage_weights_offset<kFp8>(a);
+  const int64_t n16 = int64_t(a.hidden) / 8, max_chunks = combine_max_chunks(R, layout.max_tokens);
   const int num_chunks = (a.num_recv + kCombineChunk - 1) / kCombineChunk;
   for (int c = blockIdx.x * kSend + warp; c < num_chunks; c += gridDim.x * kSend) {
     const int first = c * kCombineChunk, count = min(kCombineChunk, a.num_recv - first);
@@ -66,9 +79,12 @@ __device__ __forceinline__ void send_rows(const CombineArgs& a, const NvlLayout&
       const int i = first + j;
       uint8_t* slot = peers.base[s] + layout.combine_stage + (int64_t(rank) * layout.max_tokens + t) * row_bytes;
       const int4* src = reinterpret_cast<const int4*>(static_cast<const uint8_t*>(a.x) + int64_t(i) * a.hidden * 2);
-      warp_copy_v4<kUnroll>(src, reinterpret_cast<int4*>(slot), n16, lane);
+      if constexpr (kFp8)
+        warp_store_row_e4m3<kUnroll>(src, slot, n16, lane);
+      else
+        warp_copy_v4<kUnroll>(src, reinterpret_cast<int4*>(slot), n16, lane);
       if (a.topk_weights != nullptr && lane < a.topk)
-        reinterpret_cast<float*>(slot + int64_t(a.hidden) * 2)[lane] = a.topk_weights[int64_t(i) * a.topk + lane];
+        reinterpret_cast<float*>(slot + w_off)[lane] = a.topk_weights[int64_t(i) * a.topk + lane];
     }
     __syncwarp();
     if (lane == 0 && sources != 0) {
@@ -82,12 +98,13 @@ __device__ __forceinline__ void send_rows(const CombineArgs& a, const NvlLayout&
   }
 }
 
-template <int kReduce, int kUnroll>
+template <int kReduce, int kUnroll, bool kFp8>
 __device__ __forceinline__ void reduce_tokens(const CombineArgs& a, const NvlLayout& layout, const Peers& peers,
                                               const WaitCtx& ctx, int self_base, int warp, int lane) {
   const int R = layout.num_ranks, rank = ctx.rank;
   uint8_t* self = peers.base[rank];
-  const int64_t row_bytes = combine_row_bytes(a.hidden, a.topk), n16 = int64_t(a.hidden) / 8;
+  const int64_t row_bytes = stage_row_bytes<kFp8>(a), w_off = stage_weights_offset<kFp8>(a);
+  const int64_t n16 = int64_t(a.hidden) / 8;
   const auto* flags = reinterpret_cast<const uint64_t*>(self + layout.combine_flag);
   const int64_t max_chunks = combine_max_chunks(R, layout.max_tokens);
   // Lane s: first row of our tokens among rank s's received rows.
@@ -121,6 +138,24 @@ __device__ __forceinline__ void reduce_tokens(const CombineArgs& a, const NvlLay
         for (int j = 0; j < 8; ++j) acc[u][j] = 0.0f;
       for (int s = 0; s < R; ++s) {
         if (!((holders >> s) & 1u)) continue;
+        if (kFp8 && s != rank) {
+          // e4m3 row: 8 bytes per 16-byte bf16 vector, the scale of its 128-element block after the values
+          const uint8_t* row = stage_rows + s * stage_stride;
+          const auto* q8 = reinterpret_cast<const uint2*>(row);
+          const auto* sc = reinterpret_cast<const uint32_t*>(row + n16 * 8);
+          uint2 q[kUnroll];
+          float scale[kUnroll];
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u)
+            if (base + u * 32 < n16) {
+              q[u] = ptx::ld_relaxed_gpu_v2(q8 + base + u * 32);
+              scale[u] = __uint_as_float(ptx::ld_relaxed_gpu_u32(sc + (base + u * 32) / 16));
+            }
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u)
+            if (base + u * 32 < n16) accumulate_e4m3x8(acc[u], q[u], scale[u]);
+          continue;
+        }
         const int4* src = s == rank ? reinterpret_cast<const int4*>(own_row)
                                     : reinterpret_cast<const int4*>(stage_rows + s * stage_stride);
         int4 v[kUnroll];
@@ -140,14 +175,14 @@ __device__ __forceinline__ void reduce_tokens(const CombineArgs& a, const NvlLay
       for (int s = 0; s < R; ++s) {
         if (!((holders >> s) & 1u)) continue;
         w += s == rank ? a.topk_weights[int64_t(self_base + self_pos) * a.topk + lane]
-                       : reinterpret_cast<const volatile float*>(stage_rows + s * stage_stride + int64_t(a.hidden) * 2)[lane];
+                       : reinterpret_cast<const volatile float*>(stage_rows + s * stage_stride + w_off)[lane];
       }
       a.out_weights[int64_t(t) * a.topk + lane] = w;
     }
   }
 }
 
-template <int kSend, int kReduce, int kUnroll>
+template <int kSend, int kReduce, int kUnroll, bool kFp8>
 __global__ void __launch_bounds__((kSend + kReduce) * 32, 1)
     combine_kernel(CombineArgs a, NvlLayout layout, Peers peers, WaitCtx ctx_in) {
   const WaitCtx ctx = ctx_in.resolved();
@@ -178,10 +213,20 @@ __global__ void __launch_bounds__((kSend + kReduce) * 32, 1)
     }
     ptx::named_barrier_sync(1, kSend * 32);
     if (!ready_ok) return;
-    send_rows<kSend, kUnroll>(a, layout, peers, ctx, recv_base, warp, lane);
+    send_rows<kSend, kUnroll, kFp8>(a, layout, peers, ctx, recv_base, warp, lane);
   } else {
-    reduce_tokens<kReduce, kUnroll>(a, layout, peers, ctx, recv_base[rank], warp - kSend, lane);
+    reduce_tokens<kReduce, kUnroll, kFp8>(a, layout, peers, ctx, recv_base[rank], warp - kSend, lane);
   }
+}
+
+template <int kSend, int kReduce, int kUnroll>
+void launch_combine_as(const CombineArgs& a, int num_blocks, const NvlLayout& layout, const Peers& peers,
+                       const WaitCtx& ctx, cudaStream_t stream) {
+  constexpr int kThreads = (kSend + kReduce) * 32;
+  if (a.use_fp8)
+    combine_kernel<kSend, kReduce, kUnroll, true><<<num_blocks, kThreads, 0, stream>>>(a, layout, peers, ctx);
+  else
+    combine_kernel<kSend, kReduce, kUnroll, false><<<num_blocks, kThreads, 0, stream>>>(a, layout, peers, ctx);
 }
 
 }  // namespace
@@ -197,15 +242,16 @@ void launch_combine(const CombineArgs& args, int num_blocks, const NvlLayout& la
   DC_HOST_ASSERT(args.hidden % 8 == 0 && args.hidden <= layout.hidden_max, "combine: hidden over the buffer's maximum");
   DC_HOST_ASSERT(args.topk <= layout.topk_max, "combine: topk over the buffer's maximum");
   DC_HOST_ASSERT(args.num_tokens <= layout.max_tokens, "combine: tokens over the buffer's maximum");
+  DC_HOST_ASSERT(!args.use_fp8 || args.hidden % 128 == 0, "combine: FP8 needs hidden % 128 == 0");
   static const int config = [] {
     const char* env = std::getenv("DEEPCOMM_COMBINE_CONFIG");
     return env != nullptr ? std::atoi(env) : 0;
   }();
   switch (config) {
-    case 1: combine_kernel<8, 24, 2><<<num_blocks, 32 * 32, 0, stream>>>(args, layout, peers, ctx); break;
-    case 2: combine_kernel<4, 20, 4><<<num_blocks, 24 * 32, 0, stream>>>(args, layout, peers, ctx); break;
-    case 3: combine_kernel<8, 16, 4><<<num_blocks, 24 * 32, 0, stream>>>(args, layout, peers, ctx); break;
-    default: combine_kernel<6, 18, 4><<<num_blocks, 24 * 32, 0, stream>>>(args, layout, peers, ctx); break;
+    case 1: launch_combine_as<8, 24, 2>(args, num_blocks, layout, peers, ctx, stream); break;
+    case 2: launch_combine_as<4, 20, 4>(args, num_blocks, layout, peers, ctx, stream); break;
+    case 3: launch_combine_as<8, 16, 4>(args, num_blocks, layout, peers, ctx, stream); break;
+    default: launch_combine_as<6, 18, 4>(args, num_blocks, layout, peers, ctx, stream); break;
   }
   DC_CUDA_CHECK(cudaGetLastError());
 }

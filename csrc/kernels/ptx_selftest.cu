@@ -46,7 +46,10 @@ __global__ void ptx_selftest_kernel(const uint64_t* in, PtxSelftest* out, uint64
   __syncthreads();
   for (int i = tid; i < kSelftestVectors; i += blockDim.x) {
     int4 a = ptx::ld_volatile_v4(dst + i), b = ptx::ld_relaxed_gpu_v4(dst + i);
+    const uint2 c = ptx::ld_relaxed_gpu_v2(reinterpret_cast<const uint2*>(dst + i) + 1);
+    const uint32_t d = ptx::ld_relaxed_gpu_u32(reinterpret_cast<const uint32_t*>(dst + i) + 1);
     out->copy_match += (a.x == b.x && a.y == b.y && a.z == b.z && a.w == b.w) ? 0 : 1;
+    out->copy_match += (uint32_t(a.z) == c.x && uint32_t(a.w) == c.y && uint32_t(a.y) == d) ? 0 : 1;
     dst[kSelftestVectors + i] = a;
   }
   if (tid < 32) out->lanemask_lt[lane] = ptx::lanemask_lt();

@@ -12,7 +12,8 @@
 //   combine_ready   u64   [R]               combine: rank s may start writing into our staging rows
 //   combine_flag    u64   [R][max_chunks]   combine: rank s has stored every row of its received-row chunk c
 //                                           (kCombineChunk rows) that belongs to us
-//   combine_stage   bytes [R][max_tokens][combine_row_bytes]  rows coming back for our tokens
+//   combine_stage   bytes [R][max_tokens][combine_row_bytes]  rows coming back for our tokens (an FP8 combine
+//                                           uses the smaller combine_fp8_row_bytes as its row stride)
 //   arena           bytes [arena_bytes]     dispatch outputs (recv_x and friends), handed out by the host
 #pragma once
 #include <cstdint>
@@ -35,6 +36,12 @@ DC_HD int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
 
 // Bytes of one combine row: bf16 hidden values, then K fp32 weights, padded to 16 bytes.
 DC_HD int64_t combine_row_bytes(int64_t hidden, int64_t topk) { return align_up(hidden * 2 + topk * 4, 16); }
+// Bytes of one FP8 combine row (hidden % 128 == 0): e4m3 values, one fp32 scale per 128 values, then K fp32
+// weights, padded to 16 bytes. Never more than combine_row_bytes, so the staging area sized for BF16 rows holds
+// them at this smaller stride.
+DC_HD int64_t combine_fp8_row_bytes(int64_t hidden, int64_t topk) {
+  return align_up(hidden + hidden / 128 * 4 + topk * 4, 16);
+}
 // Chunks of received rows a rank can have (it receives at most R * max_tokens rows).
 DC_HD int64_t combine_max_chunks(int ranks, int max_tokens) {
   return (int64_t(ranks) * max_tokens + kCombineChunk - 1) / kCombineChunk;

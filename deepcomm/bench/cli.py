@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", type=_choice_list(["normal", "low_latency"]), default=["normal", "low_latency"],
                    help="comma-separated: normal, low_latency (default both)")
     p.add_argument("--dtypes", type=_choice_list(["fp8", "bf16"]), default=["fp8", "bf16"],
-                   help="dispatch dtypes (combine is always BF16)")
+                   help="dtypes of dispatch and of the normal-mode combine (fp8 combine = use_fp8=True, "
+                        "reported with its error against the BF16 combine); low-latency combine is BF16")
     p.add_argument("--ops", type=_choice_list(["dispatch", "combine"]), default=["dispatch", "combine"],
                    help="comma-separated: dispatch, combine (default both)")
     p.add_argument("--systems", type=_choice_list(SYSTEMS), default=list(SYSTEMS),
@@ -124,7 +125,7 @@ def _make_cases(args, systems, dc):
     def op_dtypes():
         pairs = [("dispatch", d) for d in args.dtypes if "dispatch" in args.ops]
         if "combine" in args.ops:
-            pairs.append(("combine", "bf16"))
+            pairs += [("combine", d) for d in args.dtypes]
         return pairs
 
     cases = []
@@ -135,14 +136,30 @@ def _make_cases(args, systems, dc):
                 cases += [Case(sys_.name, mode, op, dt, T) for op, dt in op_dtypes()
                           if sys_.supports(mode, op, dt)]
             if mode == "normal" and dc is not None and dc.uses_sms and args.num_sms and T == args.sweep_tokens:
-                cases += [Case(dc.name, mode, op, dt, T, n) for n in args.num_sms for op, dt in op_dtypes()]
+                cases += [Case(dc.name, mode, op, dt, T, n) for n in args.num_sms for op, dt in op_dtypes()
+                          if dc.supports(mode, op, dt)]
             if mode == "low_latency" and dc is not None:
                 # the decoding step (dispatch + combine), and on GPUs the kernels' own time through CUDA graphs
                 both = [("dispatch+combine", d) for d in args.dtypes] if len(args.ops) == 2 else []
                 cases += [Case(dc.name, mode, op, dt, T) for op, dt in both]
                 if dc.uses_sms:
-                    cases += [Case(dc.name, mode, op, dt, T, timing="cuda-graph") for op, dt in op_dtypes() + both]
+                    cases += [Case(dc.name, mode, op, dt, T, timing="cuda-graph")
+                              for op, dt in op_dtypes() + both if dc.supports(mode, op, dt)]
     return cases
+
+
+def _fp8_errors(dc, case, inp, device) -> dict:
+    """The FP8 combine's error against the BF16 combine over every rank's output (run outside the timing)."""
+    import torch
+    import torch.distributed as dist
+
+    max_rel, err_sum, ref_sum = dc.fp8_combine_errors(case, inp)
+    worst = torch.tensor([max_rel], dtype=torch.float64, device=device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    sums = torch.tensor([err_sum, ref_sum], dtype=torch.float64, device=device)
+    dist.all_reduce(sums)
+    err, ref = sums.tolist()
+    return {"max_rel_err": float(f"{float(worst[0]):.4g}"), "mean_rel_err": float(f"{err / ref if ref else 0.0:.4g}")}
 
 
 def run_worker(rank: int, world_size: int, local_rank: int, args, device_type: str) -> int:
@@ -191,6 +208,8 @@ def run_worker(rank: int, world_size: int, local_rank: int, args, device_type: s
                         "experts": args.experts, "num_sms": by_name[case.system].reported_num_sms(case),
                         "time_us": round(mean_us, 2), "median_us": round(median_us, 2),
                         "gbps": round(-neg_gbps, 2) if "+" not in case.op else None, "timing": case.timing})
+        if case.system == "deepcomm" and case.op == "combine" and case.dtype == "fp8":
+            results[-1].update(_fp8_errors(dc, case, inp, device))
         progress.step(case.label())
         if device_type == "cuda":
             torch.cuda.empty_cache()

@@ -58,7 +58,8 @@ class AllToAll:
         self.name = f"{ctx.dist_backend}-a2a"
 
     def supports(self, mode: str, op: str, dtype: str) -> bool:
-        return op == "dispatch" or dtype == "bf16"
+        # FP8 combine rows exist in normal mode only (deepcomm's use_fp8); the bytes bound is the same here
+        return op == "dispatch" or dtype == "bf16" or mode == "normal"
 
     def reported_num_sms(self, case: Case):
         return None
@@ -161,7 +162,7 @@ class Deepcomm:
         return self.backend_name != "reference"
 
     def supports(self, mode: str, op: str, dtype: str) -> bool:
-        return True
+        return not (mode == "low_latency" and op == "combine" and dtype == "fp8")
 
     def reported_num_sms(self, case: Case):
         if not self.uses_sms:
@@ -194,7 +195,8 @@ class Deepcomm:
                 x_in = per_token_cast_to_fp8(x) if case.dtype == "fp8" else x
                 return lambda: buf.dispatch(x_in, topk_idx=idx, topk_weights=w, num_experts=E)
             recv_x, _, _, _, handle = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
-            return lambda: buf.combine(recv_x, handle)
+            fp8 = case.dtype == "fp8"
+            return lambda: buf.combine(recv_x, handle, use_fp8=fp8)
         M = self.ll_tokens
         fp8 = case.dtype == "fp8"
         if case.op == "dispatch":
@@ -236,6 +238,20 @@ class Deepcomm:
             return sorted(times)[len(times) // 2]
         timed(False), timed(True)  # warm-up
         return {"compute_alone_us": timed(False), "compute_with_send_pending_us": timed(True)}
+
+    def fp8_combine_errors(self, case: Case, inp: Inputs) -> tuple[float, float, float]:
+        """This rank's ``metrics.combine_errors`` of the FP8 combine against the BF16 combine of the same expert
+        outputs (the dispatched rows, scaled per row so that blocks differ in magnitude)."""
+        from deepcomm.bench.metrics import combine_errors
+
+        buf = self._buffer(case.num_sms)
+        recv_x, _, _, _, handle = buf.dispatch(inp.x, topk_idx=inp.topk_idx, topk_weights=inp.topk_weights,
+                                               num_experts=self.ctx.experts)
+        y = (recv_x.float() * torch.linspace(0.5, 2.0, recv_x.shape[0], device=recv_x.device)[:, None])
+        y = y.to(torch.bfloat16)
+        got, _ = buf.combine(y, handle, use_fp8=True)
+        want, _ = buf.combine(y, handle)
+        return combine_errors(got, want)
 
 
 def replay_graph(fn: Callable[[], object]) -> Callable[[], object]:

@@ -13,6 +13,8 @@ import sys
 # Keys of one result, in BENCHMARK.md's order; `median_us` is the one addition (the protocol asks for both).
 RESULT_KEYS = ["system", "mode", "op", "dtype", "tokens", "hidden", "topk", "experts", "num_sms",
                "time_us", "median_us", "gbps", "timing"]
+# Written only on the results that have them: the FP8 combine's error against the BF16 combine (metrics.py).
+ERROR_KEYS = ["max_rel_err", "mean_rel_err"]
 
 
 def _run(cmd: list[str], cwd: str | None = None) -> str:
@@ -64,7 +66,8 @@ def make_document(results: list[dict], device_type: str, world_size: int, backen
            "world_size": world_size}
     if backend:
         doc["backend"] = backend    # which deepcomm backend ran (cuda | reference)
-    doc["results"] = [{k: r.get(k) for k in RESULT_KEYS} for r in results]
+    doc["results"] = [{**{k: r.get(k) for k in RESULT_KEYS}, **{k: r[k] for k in ERROR_KEYS if k in r}}
+                      for r in results]
     return doc
 
 
@@ -81,7 +84,7 @@ def write_json(doc: dict, path: str) -> None:
 def write_csv(results: list[dict], path: str) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=RESULT_KEYS, extrasaction="ignore")
+        w = csv.DictWriter(f, fieldnames=RESULT_KEYS + ERROR_KEYS, extrasaction="ignore", restval="")
         w.writeheader()
         w.writerows(results)
 
@@ -100,9 +103,12 @@ def format_table(results: list[dict]) -> str:
     cols = [("system", "system"), ("mode", "mode"), ("op", "op"), ("dtype", "dtype"), ("tokens", "tokens"),
             ("num_sms", "sms"), ("timing", "timing"), ("time_us", "mean us"), ("median_us", "median us"),
             ("gbps", "GB/s")]
-    rows = [[_fmt(r.get(k)) for k, _ in cols] for r in results]
+    if any(k in r for r in results for k in ERROR_KEYS):
+        cols += [("max_rel_err", "max rel err"), ("mean_rel_err", "mean rel err")]
+    rows = [[(f"{r[k]:.2e}" if k in ERROR_KEYS and r.get(k) is not None else _fmt(r.get(k))) for k, _ in cols]
+            for r in results]
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, (_, h) in enumerate(cols)]
-    numeric = {"tokens", "num_sms", "time_us", "median_us", "gbps"}
+    numeric = {"tokens", "num_sms", "time_us", "median_us", "gbps", *ERROR_KEYS}
 
     def line(cells):
         return "  ".join(c.rjust(w) if cols[i][0] in numeric else c.ljust(w)

@@ -262,7 +262,7 @@ class CudaBackend:
 
     # ---- normal combine ----
     def combine(self, x: torch.Tensor, handle: Handle, topk_weights: Optional[torch.Tensor],
-                previous_event=None, async_finish: bool = False):
+                previous_event=None, async_finish: bool = False, use_fp8: bool = False):
         T, H = handle.num_tokens, x.shape[1]
         K = topk_weights.shape[1] if topk_weights is not None else 0
         caller = self._begin(previous_event)
@@ -272,7 +272,7 @@ class CudaBackend:
                              topk_weights.data_ptr() if topk_weights is not None else 0,
                              handle.recv_src_idx.data_ptr(), handle.count_matrix.data_ptr(),
                              handle.send_pos.data_ptr(), out.data_ptr(), out_w.data_ptr() if out_w is not None else 0,
-                             x.shape[0], T, H, K, self.comm_stream.cuda_stream)
+                             x.shape[0], T, H, K, self.comm_stream.cuda_stream, use_fp8)
         self._end(caller, async_finish, (x, topk_weights, handle.recv_src_idx, handle.count_matrix,
                                          handle.send_pos, out, out_w))
         return out, out_w

@@ -6,6 +6,7 @@ from typing import List, Optional, Tuple, Union
 import torch
 
 from .. import layout
+from ..fp8 import per_token_cast_back, per_token_cast_to_fp8
 from ..handle import Handle
 from .collectives import Comm
 
@@ -59,8 +60,13 @@ def dispatch(comm: Comm, x: Payload, topk_idx: Optional[torch.Tensor], topk_weig
     return recv_x, recv_topk_idx, recv_topk_weights, per_expert, new_handle
 
 
-def combine(comm: Comm, x: torch.Tensor, handle: Handle, topk_weights: Optional[torch.Tensor]):
-    """Returns ``(combined_x, combined_topk_weights)``: per token, the sum over ranks ascending of its rows."""
+def combine(comm: Comm, x: torch.Tensor, handle: Handle, topk_weights: Optional[torch.Tensor],
+            use_fp8: bool = False):
+    """Returns ``(combined_x, combined_topk_weights)``: per token, the sum over ranks ascending of its rows.
+
+    ``use_fp8``: every row travels as ``per_token_cast_to_fp8`` values and fp32 scales and is dequantized
+    (``per_token_cast_back``, one fp32 multiply per element) before the fp32 sum; the rows a rank sends to itself
+    never cross a link and are summed from ``x`` unchanged, as the CUDA kernel does."""
     rank, world = comm.rank, comm.world_size
     counts = handle.count_matrix.tolist()
     # Rows go back to their source ranks (our rows are already grouped by source); we receive, from each
@@ -68,9 +74,17 @@ def combine(comm: Comm, x: torch.Tensor, handle: Handle, topk_weights: Optional[
     send_counts = [counts[src][rank] for src in range(world)]
     recv_counts = counts[rank]
     real = sum(send_counts)  # x may be worst-case sized (num_worst_tokens): rows past the real ones are ignored
-    parts = [x[:real]] + ([topk_weights[:real]] if topk_weights is not None else [])
+    rows = list(per_token_cast_to_fp8(x[:real])) if use_fp8 else [x[:real]]
+    parts = rows + ([topk_weights[:real]] if topk_weights is not None else [])
     received = comm.exchange_rows(parts, send_counts, recv_counts, "combine:payload").wait()
 
+    if use_fp8:
+        got = per_token_cast_back(received[0], received[1])
+        # Rows from ourselves arrive in the same order as our own block of x (source = us, token order).
+        own_x, own_got = sum(send_counts[:rank]), sum(recv_counts[:rank])
+        n_own = counts[rank][rank]
+        got[own_got:own_got + n_own] = x[own_x:own_x + n_own].float()
+        received = [got] + received[2:]
     combined_x = _reduce(received[0], handle, recv_counts, x.dtype)
     combined_w = _reduce(received[1], handle, recv_counts, torch.float32) if topk_weights is not None else None
     return combined_x, combined_w
