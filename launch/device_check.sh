@@ -37,7 +37,8 @@ fi
 
 if [[ "$MODE" == full || "$MODE" == soak || "$MODE" == verify ]]; then
   t0=$(date +%s)
-  timeout 240 python3 -m deepcomm.soak --backend cuda --iterations 10000 --seconds "${SOAK_SECONDS:-120}" \
+  # 10,000 iterations take about 2 minutes on 2 x H200; --seconds stops it early (with its counts) if slower
+  timeout 420 python3 -m deepcomm.soak --backend cuda --iterations 10000 --seconds "${SOAK_SECONDS:-360}" \
     > "$OUT/soak.log" 2>&1
   echo "soak: rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$summary"
   grep -A12 "deepcomm soak" "$OUT/soak.log" | head -30
