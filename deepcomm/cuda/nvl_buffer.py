@@ -82,6 +82,8 @@ class NvlBuffer:
         if self.closed:
             return
         self.closed = True
-        torch.cuda.synchronize(self.device)
-        self.memory.close()
-        self.C.host_mapped_free(self.err_host)
+        try:
+            torch.cuda.synchronize(self.device)
+            self.memory.close()
+        finally:
+            self.C.host_mapped_free(self.err_host)
