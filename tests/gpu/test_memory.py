@@ -15,6 +15,9 @@ MiB = 1 << 20
 # Allowed drift of free device memory over all cycles. The driver may keep a few MiB of pooled pages for small
 # cudaMalloc / IPC mappings after a free; one leaked buffer per cycle would be CYCLES * size_bytes (GiB here).
 SLACK = 16 * MiB
+# Allowed drift of torch.cuda.memory_allocated: torch.distributed's watchdog may still hold the small tensors of the
+# last collectives (all_gather_object, barrier) for a moment; one leaked round's tensors per cycle would be >25 MiB.
+ALLOC_SLACK = 1 * MiB
 # Allowed difference between size_bytes() and the free memory a large Buffer takes: page rounding of the one
 # allocation plus small torch/NCCL scratch of the construction's collectives.
 SIZE_TOLERANCE = 8 * MiB
@@ -102,7 +105,7 @@ def _cycles_worker(rank, world):
         _cycle(i, gen)
     dist.barrier()
     free1, alloc1 = _free(dev), torch.cuda.memory_allocated(dev)
-    assert alloc1 == alloc0, f"rank {rank}: torch.cuda.memory_allocated went from {alloc0} to {alloc1}"
+    assert alloc1 - alloc0 <= ALLOC_SLACK, f"rank {rank}: torch.cuda.memory_allocated went from {alloc0} to {alloc1}"
     assert free0 - free1 <= SLACK, (f"rank {rank}: {(free0 - free1) / MiB:.1f} MiB of device memory not given back "
                                     f"after {CYCLES} Buffer cycles (slack {SLACK // MiB} MiB)")
 
