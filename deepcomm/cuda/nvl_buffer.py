@@ -47,7 +47,11 @@ class NvlBuffer:
         self.ptr = self.memory.ptr
         for r, p in enumerate(self.memory.peer_ptrs):
             self.ctx.set_peer(r, p)
-        self.err_host, self.err_dev = C.host_mapped_alloc(C.error_record_bytes())
+        try:
+            self.err_host, self.err_dev = C.host_mapped_alloc(C.error_record_bytes())
+        except BaseException:
+            self.memory.close()
+            raise
         self.ctx.set_error_record(self.err_dev)
         self.timeout_ns = int(timeout_s * 1e9)
         self.ctx.set_timeout_ns(self.timeout_ns)
