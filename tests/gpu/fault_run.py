@@ -24,16 +24,19 @@ def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _child(rank, world, port, fn, args, results):
+def _child(rank, world, port, fn, args, results, device):
     import torch.distributed as dist
     # What torch's NCCL watchdog does about a dead peer (it may end the process) is not under test here: deepcomm's
     # own report is. The survivors run no collective after the fault anyway.
     os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
     verdict = ("ok", "")
     try:
-        torch.cuda.set_device(rank)
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                device_id=torch.device("cuda", rank))
+        if device == "cuda":
+            torch.cuda.set_device(rank)
+            dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                    device_id=torch.device("cuda", rank))
+        else:  # the runner's own CPU test
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         fn(rank, world, *args)
     except BaseException:  # noqa: BLE001 - every failure goes to the parent
         verdict = ("error", traceback.format_exc())
@@ -41,13 +44,14 @@ def _child(rank, world, port, fn, args, results):
     os._exit(0)
 
 
-def run_with_faults(fn, world: int, *args, killed=(), deadline_s: float = 120.0) -> None:
-    """Run ``fn(rank, world, *args)`` on ``world`` GPUs. Ranks in ``killed`` must die (no verdict, exit by signal);
-    every other rank must return from ``fn`` without an exception before ``deadline_s``."""
+def run_with_faults(fn, world: int, *args, killed=(), deadline_s: float = 120.0, device: str = "cuda") -> None:
+    """Run ``fn(rank, world, *args)`` on ``world`` GPUs (NCCL; ``device="cpu"``: processes joined by gloo). Ranks in
+    ``killed`` must die (no verdict, exit by SIGKILL); every other rank must return from ``fn`` without an exception
+    before ``deadline_s``. Raises AssertionError listing every rank that did otherwise."""
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     port = _free_port()
-    procs = [ctx.Process(target=_child, args=(r, world, port, fn, args, results)) for r in range(world)]
+    procs = [ctx.Process(target=_child, args=(r, world, port, fn, args, results, device)) for r in range(world)]
     for p in procs:
         p.start()
     end = time.monotonic() + deadline_s
