@@ -69,7 +69,8 @@ class NvlBuffer:
     def check_error(self) -> None:
         """Raise CommTimeoutError if a kernel recorded a timed-out wait; the buffer is then unusable."""
         if self.broken:
-            raise RuntimeError("deepcomm: this Buffer had a communication timeout; destroy it and build a new one")
+            raise RuntimeError("deepcomm: this Buffer had a communication timeout; destroy it and build a new one on "
+                               "every rank")
         flag, rank, peer, stage, seq, waited_ns = self.C.read_error(self.err_host)
         if flag and stage in INPUT_ERRORS:
             self.C.clear_error(self.err_host)  # the Buffer stays usable
