@@ -11,6 +11,8 @@
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# few blocks keep the sanitized runs short (read by low-latency kernels that otherwise take one block per SM)
+export DEEPCOMM_LL_NUM_SMS="${DEEPCOMM_LL_NUM_SMS:-8}"
 OUT="${OUT:-$PWD/out}"
 mkdir -p "$OUT"
 SAN="${COMPUTE_SANITIZER:-/usr/local/cuda/bin/compute-sanitizer}"
