@@ -28,7 +28,7 @@ rm -f "$OUT/build.log"  # at most 8 files come back from the device tool
 
 if [[ "$MODE" != bench && "$MODE" != soak && "$MODE" != sanitize ]]; then
   t0=$(date +%s)
-  timeout 420 python3 -m pytest -q -ra -m gpu tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+  timeout 540 python3 -m pytest -q -ra -m gpu tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
   echo "gpu tests: rc=${PIPESTATUS[0]} $(( $(date +%s) - t0 )) s" | tee -a "$summary"
   # the real-MPI launcher test (skips where mpirun or mpi4py is missing) and the example training on the GPUs
   timeout 120 python3 -m pytest -q -ra tests/test_launch.py -k mpirun 2>&1 | tee -a "$OUT/gpu_tests.log" | tail -3
