@@ -4,7 +4,9 @@
 of the per-rank NVLink buffer, csrc/runtime/nvl_layout.hpp) and the CUDA backend's arena size; nothing here
 re-derives offsets. Returns ``None`` when the extension is not built (then no NVLink buffer can exist anyway).
 
-    python -m deepcomm.sizing --ranks 8 --tokens 4096 --hidden 7168
+``ll_buffer_bytes`` does the same for the low-latency buffer (csrc/runtime/ll_layout.hpp).
+
+    python -m deepcomm.sizing --ranks 8 --tokens 4096 --hidden 7168 [--experts 256 --ll-tokens 128]
 """
 from __future__ import annotations
 
@@ -28,6 +30,16 @@ def nvl_buffer_bytes(num_ranks: int, max_tokens_per_rank: int, hidden: int) -> O
             "arena": lay["total"] - lay["arena"], "total": lay["total"]}
 
 
+def ll_buffer_bytes(num_ranks: int, num_experts: int, max_tokens: int, hidden: int) -> Optional[int]:
+    """Bytes of one rank's low-latency buffer, made at the first low-latency call of this (experts, tokens, hidden)
+    shape (``None`` without the extension). ``Buffer.size_bytes()`` counts it once it exists."""
+    C = load_extension()
+    if C is None:
+        return None
+    from .cuda.ll_buffer import TOPK_MAX
+    return C.LlContext(0, num_ranks, num_experts, max_tokens, hidden, TOPK_MAX).layout()["total"]
+
+
 def _fmt(n: int) -> str:
     return f"{n / 2**20:10.1f} MiB" if n >= 2**20 else f"{n / 2**10:10.1f} KiB"
 
@@ -37,6 +49,8 @@ def main(argv=None) -> int:
     p.add_argument("--ranks", type=int, default=8)
     p.add_argument("--tokens", type=int, default=4096, help="max_tokens_per_rank")
     p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--experts", type=int, default=0, help="also the low-latency buffer for this many experts")
+    p.add_argument("--ll-tokens", type=int, default=128, help="num_max_dispatch_tokens_per_rank (low-latency)")
     a = p.parse_args(argv)
     got = nvl_buffer_bytes(a.ranks, a.tokens, a.hidden)
     if got is None:
@@ -45,6 +59,9 @@ def main(argv=None) -> int:
     print(f"ranks={a.ranks} max_tokens_per_rank={a.tokens} hidden={a.hidden}")
     for k in ("signals", "combine_stage", "arena", "total"):
         print(f"  {k:14s}{_fmt(got[k])}")
+    if a.experts:
+        ll = ll_buffer_bytes(a.ranks, a.experts, a.ll_tokens, a.hidden)
+        print(f"low-latency buffer (experts={a.experts}, tokens={a.ll_tokens}): {_fmt(ll).strip()}")
     return 0
 
 

@@ -1,8 +1,9 @@
 """`python -m deepcomm.soak`: randomized dispatch/combine on the chosen backend against the reference, bit for bit.
 
 Every iteration draws a new shape (tokens per rank 0..max, hidden, top-k, experts, -1 masks, FP8/UE8M0/BF16,
-normal or low-latency mode; the normal combine also with use_fp8 where H % 128 == 0), runs it on ``--backend``
-and on the reference backend in the same process group, and compares every output byte. Runs ``--iterations`` or until ``--seconds`` pass, whichever comes first, then prints
+normal or low-latency mode; the normal combine also with use_fp8 where H % 128 == 0; a low-latency (experts, hidden) pair is kept for ``--ll-shape-every`` low-latency
+iterations, since each new pair re-makes the low-latency buffer), runs it on ``--backend`` and on the reference
+backend in the same process group, and compares every output byte. Inputs are drawn on the device. Runs ``--iterations`` or until ``--seconds`` pass, whichever comes first, then prints
 the counts per mode/dtype on rank 0 and exits non-zero on any mismatch. ``--self-check`` flips one output byte in
 one iteration to show the comparison catches it (the run must then fail).
 
@@ -31,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-hidden", type=int, default=4096)
     p.add_argument("--max-ll-tokens", type=int, default=128)
     p.add_argument("--modes", default="normal,low_latency")
+    p.add_argument("--ll-shape-every", type=int, default=50,
+                   help="low-latency iterations per (experts, hidden) shape; a new shape re-makes the low-latency "
+                        "buffer (a collective IPC allocation), so drawing one per iteration would dominate the run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--self-check", action="store_true")
     return p
@@ -58,18 +62,22 @@ def _flip_one_byte(t) -> bool:
 
 
 class Case:
-    """The shape of one iteration; drawn from a generator that every rank seeds the same way."""
+    """The shape of one iteration; drawn from a generator that every rank seeds the same way. A low-latency case
+    takes its (experts, hidden) from ``ll_shape`` (see ``draw_ll_shape``) and draws the rest."""
 
-    def __init__(self, rng: random.Random, world: int, args):
+    def __init__(self, rng: random.Random, world: int, args, ll_shape=None):
         self.mode = rng.choice(args.modes.split(","))
         self.dtype = rng.choice(["bf16", "fp8", "ue8m0"])
-        self.experts = world * rng.choice([1, 2, 4, 8, 32])
-        self.topk = rng.randint(1, min(8, self.experts))
         low_latency = self.mode == "low_latency"
-        step = 128 if (low_latency or self.dtype != "bf16") else 8
-        if self.dtype == "ue8m0" and not low_latency:
-            step = 512  # packed UE8M0 scales need H % 512 == 0
-        self.hidden = step * rng.randint(1, args.max_hidden // step)
+        if low_latency and ll_shape is not None:
+            self.experts, self.hidden = ll_shape
+        else:
+            self.experts = world * rng.choice([1, 2, 4, 8, 32])
+            step = 128 if (low_latency or self.dtype != "bf16") else 8
+            if self.dtype == "ue8m0" and not low_latency:
+                step = 512  # packed UE8M0 scales need H % 512 == 0
+            self.hidden = step * rng.randint(1, args.max_hidden // step)
+        self.topk = rng.randint(1, min(8, self.experts))
         self.mask = rng.choice([0.0, 0.0, 0.2, 0.6])
         self.max_tokens = args.max_ll_tokens if low_latency else args.max_tokens
 
@@ -77,15 +85,23 @@ class Case:
         return f"{self.mode}-{self.dtype}"
 
 
-def _inputs(case: Case, gen, device):
+def draw_ll_shape(rng: random.Random, world: int, args):
+    """``(experts, hidden)`` of the next run of low-latency cases."""
+    return world * rng.choice([1, 2, 4, 8, 32]), 128 * rng.randint(1, args.max_hidden // 128)
+
+
+def _inputs(case: Case, rng: random.Random, gen, device):
+    """Random tensors drawn on ``device`` by ``gen`` (drawing the larger ones on the CPU and copying them cost most
+    of an iteration); the token count comes from this rank's ``rng``, so no device value is read back for it."""
     import torch
-    T = int(torch.randint(0, case.max_tokens + 1, (1,), generator=gen))
-    scores = torch.rand(T, case.experts, generator=gen)
-    idx = scores.topk(case.topk, dim=1).indices if T else torch.zeros(0, case.topk, dtype=torch.int64)
-    idx = torch.where(torch.rand(T, case.topk, generator=gen) < case.mask, torch.full_like(idx, -1), idx)
-    x = (torch.randn(T, case.hidden, generator=gen) * 4).to(torch.bfloat16)
-    w = torch.rand(T, case.topk, generator=gen)
-    return x.to(device), idx.to(device), w.to(device)
+    T = rng.randint(0, case.max_tokens)
+    scores = torch.rand(T, case.experts, generator=gen, device=device)
+    idx = scores.topk(case.topk, dim=1).indices if T else torch.zeros(0, case.topk, dtype=torch.int64, device=device)
+    drop = torch.rand(T, case.topk, generator=gen, device=device) < case.mask
+    idx = torch.where(drop, torch.full_like(idx, -1), idx)
+    x = (torch.randn(T, case.hidden, generator=gen, device=device) * 4).to(torch.bfloat16)
+    w = torch.rand(T, case.topk, generator=gen, device=device)
+    return x, idx, w
 
 
 def _normal(buf, ref, case, x, idx, w, gen, device, corrupt):
@@ -104,8 +120,8 @@ def _normal(buf, ref, case, x, idx, w, gen, device, corrupt):
     ok &= all(_same(getattr(got[4], f), getattr(want[4], f))
               for f in ("is_token_in_rank", "send_pos", "count_matrix", "recv_src_idx", "num_recv"))
     n = got[4].num_recv
-    y = torch.randn(n, case.hidden, generator=gen).to(torch.bfloat16).to(device)
-    rw = torch.rand(n, case.topk, generator=gen).to(device)
+    y = torch.randn(n, case.hidden, generator=gen, device=device).to(torch.bfloat16)
+    rw = torch.rand(n, case.topk, generator=gen, device=device)
     ok &= all(_same(a, b) for a, b in zip(buf.combine(y, got[4], topk_weights=rw),
                                           ref.combine(y, want[4], topk_weights=rw)))
     if case.hidden % 128 == 0:  # the FP8 combine, same rows
@@ -129,7 +145,7 @@ def _low_latency(buf, ref, case, x, idx, w, gen, device, world, corrupt):
         flipped = _flip_one_byte(parts_g[0][int((want[1] > 0).nonzero()[0, 0]), :1])
     for e, n in enumerate(want[1].tolist()):  # rows past the count are undefined
         ok &= all(_same(g[e, :n], v[e, :n]) for g, v in zip(parts_g, parts_w))
-    y = torch.randn(case.experts // world, world * M, case.hidden, generator=gen).to(torch.bfloat16).to(device)
+    y = torch.randn(case.experts // world, world * M, case.hidden, generator=gen, device=device).to(torch.bfloat16)
     ok &= _same(buf.low_latency_combine(y, idx, w, got[2])[0], ref.low_latency_combine(y, idx, w, want[2])[0])
     return ok, flipped
 
@@ -145,17 +161,24 @@ def run_worker(rank: int, world: int, local_rank: int, args, dev_type: str) -> i
     buf = deepcomm.Buffer(backend=args.backend, timeout_s=60, **sizes)
     ref = deepcomm.Buffer(backend="reference", **sizes)
     rng = random.Random(args.seed)  # the same shapes on every rank
+    ll_shape, ll_left = None, 0
+    gen = torch.Generator(device=device)
     counts, failures = Counter(), []
     to_corrupt = args.self_check and rank == 0  # once, in the first iteration past the middle that has data
     start = time.monotonic()
     for it in range(args.iterations):
-        stop = torch.tensor([args.seconds > 0 and time.monotonic() - start > args.seconds], device=device)
-        dist.all_reduce(stop, op=dist.ReduceOp.MAX)  # every rank stops at the same iteration
-        if bool(stop):
-            break
-        case = Case(rng, world, args)
-        gen = torch.Generator().manual_seed(args.seed * 1_000_003 + it * 131 + rank)
-        x, idx, w = _inputs(case, gen, device)
+        if args.seconds > 0:
+            stop = torch.tensor([time.monotonic() - start > args.seconds], device=device)
+            dist.all_reduce(stop, op=dist.ReduceOp.MAX)  # every rank stops at the same iteration
+            if bool(stop):
+                break
+        if ll_left == 0:
+            ll_shape, ll_left = draw_ll_shape(rng, world, args), max(1, args.ll_shape_every)
+        case = Case(rng, world, args, ll_shape)
+        ll_left -= case.mode == "low_latency"
+        seed = args.seed * 1_000_003 + it * 131 + rank  # inputs differ by rank and iteration
+        gen.manual_seed(seed)
+        x, idx, w = _inputs(case, random.Random(seed), gen, device)
         corrupt = to_corrupt and it >= args.iterations // 2
         if case.mode == "normal":
             ok, flipped = _normal(buf, ref, case, x, idx, w, gen, device, corrupt)

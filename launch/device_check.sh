@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One full check on a GPU machine: build, GPU tests, benchmark. Logs and JSON go to $OUT (default ./out).
-#   bash launch/device_check.sh [quick|full|tests|bench|soak|verify]
-#   (default quick; full = tests + soak + bench; verify = tests + soak, no bench)
+#   bash launch/device_check.sh [quick|full|tests|bench|soak|verify|sanitize]
+#   (default quick; full = tests + soak + sanitize + bench; verify = tests + soak, no bench;
+#    sanitize = compute-sanitizer memcheck/racecheck/synccheck on the intranode kernels, launch/sanitize.sh)
 # Used with the device tool on nvidia-h200-x2; every step is bounded by `timeout` so the call always returns.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
@@ -25,9 +26,9 @@ python3 -c 'import deepcomm, deepcomm._C as C; print("extension ok; gpus", C.dev
 echo "build: $(( $(date +%s) - t0 )) s" | tee -a "$summary"
 rm -f "$OUT/build.log"  # at most 8 files come back from the device tool
 
-if [[ "$MODE" != bench && "$MODE" != soak ]]; then
+if [[ "$MODE" != bench && "$MODE" != soak && "$MODE" != sanitize ]]; then
   t0=$(date +%s)
-  timeout 420 python3 -m pytest -q -ra -m gpu tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+  timeout 540 python3 -m pytest -q -ra -m gpu tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
   echo "gpu tests: rc=${PIPESTATUS[0]} $(( $(date +%s) - t0 )) s" | tee -a "$summary"
   # the real-MPI launcher test (skips where mpirun or mpi4py is missing) and the example training on the GPUs
   timeout 120 python3 -m pytest -q -ra tests/test_launch.py -k mpirun 2>&1 | tee -a "$OUT/gpu_tests.log" | tail -3
@@ -37,13 +38,20 @@ fi
 
 if [[ "$MODE" == full || "$MODE" == soak || "$MODE" == verify ]]; then
   t0=$(date +%s)
-  timeout 240 python3 -m deepcomm.soak --backend cuda --iterations 10000 --seconds "${SOAK_SECONDS:-120}" \
+  # 10,000 iterations are meant to take well under 5 minutes; --seconds stops it early (printing its counts) if not
+  timeout 420 python3 -m deepcomm.soak --backend cuda --iterations 10000 --seconds "${SOAK_SECONDS:-360}" \
     > "$OUT/soak.log" 2>&1
   echo "soak: rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$summary"
   grep -A12 "deepcomm soak" "$OUT/soak.log" | head -30
 fi
 
-if [[ "$MODE" != tests && "$MODE" != soak && "$MODE" != verify ]]; then
+if [[ "$MODE" == full || "$MODE" == sanitize ]]; then
+  t0=$(date +%s)
+  OUT="$OUT" timeout 560 bash launch/sanitize.sh
+  echo "sanitize: rc=$? $(( $(date +%s) - t0 )) s (log: sanitize.log)" | tee -a "$summary"
+fi
+
+if [[ "$MODE" != tests && "$MODE" != soak && "$MODE" != verify && "$MODE" != sanitize ]]; then
   t0=$(date +%s)
   bench_args=(--json "$OUT/bench.json" --no-progress)
   if [[ "$MODE" == quick ]]; then bench_args+=(--quick); else bench_args+=(--plots "$OUT"); fi

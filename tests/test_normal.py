@@ -152,3 +152,22 @@ def _gather_pos(src, token, dst, idxs, experts):
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_dispatch_combine_match_single_process(world):
     assert run_ranks(_normal_worker, world) == [True] * world
+
+
+def _one_row_misaligned_worker(rank, world):
+    import deepcomm
+    from deepcomm.fp8 import pack_ue8m0, per_token_cast_to_fp8
+    buf = deepcomm.Buffer(backend="reference", max_tokens_per_rank=4, hidden=512)
+    # FP8 with packed UE8M0 scales: 512 + 4 bytes per row, so the int64 top-k ids that follow in one exchanged row
+    # start at byte 516 (not a multiple of 8); with exactly one row received the unpacked view kept that offset.
+    x = torch.randn(1, 512).to(torch.bfloat16)
+    vals, scales = per_token_cast_to_fp8(x, use_ue8m0=True)
+    idx = torch.tensor([[0 if rank == 1 else 2]])  # each rank sends its one token to the other rank (E=4, R=2)
+    recv_x, recv_idx, _, _, handle = buf.dispatch((vals, pack_ue8m0(scales)), topk_idx=idx, num_experts=4)
+    assert recv_x[0].shape == (1, 512) and handle.num_recv == 1
+    assert recv_idx.tolist() == [[0]]  # the peer's expert, as this rank's local id
+    return True
+
+
+def test_one_received_row_with_misaligned_fields():
+    assert run_ranks(_one_row_misaligned_worker, 2) == [True, True]

@@ -347,8 +347,11 @@ class CudaBackend:
         self.nvl.check_error()
 
     def destroy(self) -> None:
-        if self._ll is not None:
-            torch.cuda.synchronize(self.device)
-            self._ll.close()
-            self._ll = None
-        self.nvl.close()
+        """Local (no collective): safe after a timeout, even with a dead peer."""
+        try:
+            if self._ll is not None:
+                ll, self._ll = self._ll, None
+                torch.cuda.synchronize(self.device)
+                ll.close()
+        finally:
+            self.nvl.close()

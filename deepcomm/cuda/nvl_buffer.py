@@ -52,7 +52,11 @@ class NvlBuffer:
         self.ptr = self.memory.ptr
         for r, p in enumerate(self.memory.peer_ptrs):
             self.ctx.set_peer(r, p)
-        self.err_host, self.err_dev = C.host_mapped_alloc(C.error_record_bytes())
+        try:
+            self.err_host, self.err_dev = C.host_mapped_alloc(C.error_record_bytes())
+        except BaseException:
+            self.memory.close()
+            raise
         self.ctx.set_error_record(self.err_dev)
         self.timeout_ns = int(timeout_s * 1e9)
         self.ctx.set_timeout_ns(self.timeout_ns)
@@ -70,7 +74,8 @@ class NvlBuffer:
     def check_error(self) -> None:
         """Raise CommTimeoutError if a kernel recorded a timed-out wait; the buffer is then unusable."""
         if self.broken:
-            raise RuntimeError("deepcomm: this Buffer had a communication timeout; destroy it and build a new one")
+            raise RuntimeError("deepcomm: this Buffer had a communication timeout; destroy it and build a new one on "
+                               "every rank")
         flag, rank, peer, stage, seq, waited_ns = self.C.read_error(self.err_host)
         if flag and stage in INPUT_ERRORS:
             self.C.clear_error(self.err_host)  # the Buffer stays usable
@@ -87,6 +92,8 @@ class NvlBuffer:
         if self.closed:
             return
         self.closed = True
-        torch.cuda.synchronize(self.device)
-        self.memory.close()
-        self.C.host_mapped_free(self.err_host)
+        try:
+            torch.cuda.synchronize(self.device)
+            self.memory.close()
+        finally:
+            self.C.host_mapped_free(self.err_host)

@@ -13,13 +13,29 @@ class PeerMemory:
     def __init__(self, C, group, rank: int, world_size: int, nbytes: int):
         self.C, self.rank, self.nbytes = C, rank, nbytes
         self.ptr, handle = C.ipc_alloc(nbytes)
-        handles: List[bytes] = [None] * world_size  # type: ignore[list-item]
-        dist.all_gather_object(handles, handle, group=group)
-        self.peer_ptrs = [self.ptr if r == rank else C.ipc_open(handles[r]) for r in range(world_size)]
-        dist.barrier(group=group)  # nobody launches a kernel before every peer has mapped every buffer
+        self.peer_ptrs: List[int] = []
+        try:
+            handles: List[bytes] = [None] * world_size  # type: ignore[list-item]
+            dist.all_gather_object(handles, handle, group=group)
+            for r in range(world_size):
+                self.peer_ptrs.append(self.ptr if r == rank else C.ipc_open(handles[r]))
+            dist.barrier(group=group)  # nobody launches a kernel before every peer has mapped every buffer
+        except BaseException:
+            self.close()  # a failed exchange or mapping must not leak our allocation or the mappings made so far
+            raise
 
     def close(self) -> None:
+        """Unmap every peer and free our allocation; every step is tried even if an earlier one fails."""
+        errors = []
         for r, p in enumerate(self.peer_ptrs):
             if r != self.rank:
-                self.C.ipc_close(p)
-        self.C.device_free(self.ptr)
+                try:
+                    self.C.ipc_close(p)
+                except RuntimeError as e:
+                    errors.append(e)
+        self.peer_ptrs = []
+        if self.ptr:
+            ptr, self.ptr = self.ptr, 0
+            self.C.device_free(ptr)
+        if errors:
+            raise errors[0]

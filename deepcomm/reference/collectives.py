@@ -61,6 +61,8 @@ class Comm:
             for part, nbytes in zip(parts, row_bytes):
                 # flatten before the dtype view: a 1-row slice counts as contiguous but keeps the wide stride
                 chunk = out[:, offset:offset + nbytes].contiguous().reshape(-1)
+                if chunk.storage_offset() % part.element_size():  # that 1-row view may start mid-element: copy
+                    chunk = chunk.clone()
                 tensors.append(chunk.view(part.dtype).reshape(out.shape[0], *part.shape[1:]))
                 offset += nbytes
             return tensors

@@ -1,0 +1,30 @@
+"""deepcomm.sizing reports the layouts the CUDA backend allocates (needs the extension, not a GPU)."""
+import pytest
+
+from deepcomm import sizing
+
+pytestmark = pytest.mark.skipif(sizing.nvl_buffer_bytes(2, 8, 128) is None, reason="deepcomm._C is not built")
+
+
+def test_nvl_buffer_parts_add_up_and_hold_the_outputs():
+    got = sizing.nvl_buffer_bytes(2, 1024, 7168)
+    assert got["signals"] + got["combine_stage"] + got["arena"] <= got["total"]
+    # the arena holds at least four worst-case bf16 outputs: every rank's 1024 tokens, 7168 bf16 each
+    assert got["arena"] >= 4 * 2 * 1024 * 7168 * 2
+    # rows coming back for combine: one per (source rank, token)
+    assert got["combine_stage"] >= 2 * 1024 * 7168 * 2
+
+
+def test_ll_buffer_holds_both_receive_slots_and_grows_with_the_shape():
+    R, E, M, H = 2, 16, 32, 1024
+    got = sizing.ll_buffer_bytes(R, E, M, H)
+    # two slots of bf16 receive rows [E / R experts, R * M rows, H]
+    assert got >= 2 * (E // R) * (R * M) * H * 2
+    assert sizing.ll_buffer_bytes(R, E, M, 2 * H) > got
+    assert sizing.ll_buffer_bytes(R, 2 * E, M, H) > got
+
+
+def test_cli_prints_both_buffers(capsys):
+    assert sizing.main(["--ranks", "2", "--tokens", "64", "--hidden", "1024", "--experts", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "total" in out and "low-latency buffer" in out
