@@ -26,10 +26,7 @@ __global__ void device_qp_init_kernel(uint8_t* base, DeviceQpLayout layout, uint
   __syncthreads();
   const DeviceQp qp = DeviceQp::at(base, layout, 0);
   for (uint32_t i = threadIdx.x; i < qp.cq.size(); i += blockDim.x) qp.cq.cqe(i)[63] = uint8_t(kCqeInvalid << 4);
-  if (threadIdx.x == 0) {
-    qp.poster->reserved = qp.poster->published = qp.poster->retired = start;
-    qp.db.dbrec[kSndDbr] = dbrec_value(start);
-  }
+  if (threadIdx.x == 0) qp_init_counters(qp, start);
 }
 
 __global__ void qp_encode_kernel(uint8_t* base, DeviceQpLayout layout, uint32_t qpn, const QpTestWqe* specs, int n,
@@ -38,6 +35,7 @@ __global__ void qp_encode_kernel(uint8_t* base, DeviceQpLayout layout, uint32_t 
   if (i >= n) return;
   const WaitCtx ctx = ctx_in.resolved();
   const DeviceQp qp = DeviceQp::at(base, layout, qpn);
+  const DeviceWaiter waiter{ctx, -1};
   const QpTestWqe s = specs[i];
   WqeCtrl c;
   c.fm_ce_se = s.fm_ce_se;
@@ -47,43 +45,19 @@ __global__ void qp_encode_kernel(uint8_t* base, DeviceQpLayout layout, uint32_t 
   switch (s.kind) {
     case kQpTestWrite:
     case kQpTestWriteImm:
-      qp_post_write(qp, RdmaWrite{s.laddr, s.lkey, s.raddr, s.rkey, s.bytes}, c, s.kind == kQpTestWriteImm, ctx, -1,
-                    &index);
+      qp_post_write(qp, RdmaWrite{s.laddr, s.lkey, s.raddr, s.rkey, s.bytes}, c, s.kind == kQpTestWriteImm, waiter, &index);
       break;
     case kQpTestInline:
-      qp_post_write_inline(qp, s.payload, s.bytes, s.raddr, s.rkey, c, ctx, -1, &index);
+      qp_post_write_inline(qp, s.payload, s.bytes, s.raddr, s.rkey, c, waiter, &index);
       break;
     default:
-      qp_post_fetch_add(qp, FetchAdd{s.laddr, s.lkey, s.raddr, s.rkey, s.add}, c, ctx, -1, &index);
+      qp_post_fetch_add(qp, FetchAdd{s.laddr, s.lkey, s.raddr, s.rkey, s.add}, c, waiter, &index);
   }
   indices[i] = index;
 }
 
 __device__ void traffic_poster(const QpTrafficArgs& a, int c, const WaitCtx& ctx, int peer) {
-  const DeviceQp qp = DeviceQp::at(a.qp_base, a.layout, a.qpn);
-  WqeCtrl unsignaled;
-  unsignaled.fm_ce_se = 0;
-  const WqeCtrl signaled;  // kCtrlCqUpdate: every signal completes, so slots are retired at least every 5 WQEBBs
-  bool ok = true;
-  uint32_t end = 0;
-  for (int m = 0; m < a.messages && ok; ++m) {
-    const uint64_t off = (uint64_t(c) * a.messages + m) * a.slot_bytes;
-    const uint32_t bytes = qp_test_message_bytes(c, m, a.slot_bytes, a.inline_every);
-    if (qp_test_is_inline(m, a.inline_every)) {
-      ok = qp_post_write_inline(qp, reinterpret_cast<const uint8_t*>(a.local_src_addr + off), bytes,
-                                a.remote_recv_addr + off, a.rkey, unsignaled, ctx, peer);
-    } else {
-      ok = qp_post_write(qp, RdmaWrite{a.local_src_addr + off, a.lkey, a.remote_recv_addr + off, a.rkey, bytes},
-                         unsignaled, false, ctx, peer);
-    }
-    uint32_t index = 0;
-    const uint64_t slot = uint64_t(c) * a.messages + m;
-    ok = ok && qp_post_fetch_add(qp, FetchAdd{a.local_fa_old_addr + slot * 8, a.lkey,
-                                              a.remote_counter_addr + uint64_t(c) * 8, a.rkey, 1},
-                                 signaled, ctx, peer, &index);
-    end = index + wqebbs_of_ds(kDsFetchAdd);
-  }
-  if (ok && a.messages > 0) qp_quiet(qp, end, ctx, peer);
+  qp_traffic_post(a, c, DeviceWaiter{ctx, peer});
   ptx::atom_add_release_gpu_u32(a.posters_done, 1u);  // even on failure: the NIC must not wait for us
 }
 

@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "../runtime/error_record.cuh"
-#include "../transport/device_qp_layout.hpp"
+#include "../transport/qp_poster.hpp"
 
 namespace dc {
 
@@ -68,5 +68,52 @@ DC_HD uint32_t qp_test_message_bytes(int c, int m, int slot_bytes, int inline_ev
 DC_HD bool qp_test_is_inline(int m, int inline_every) {
   return inline_every > 0 && m % inline_every == 0;
 }
+
+// Channel c's side of the traffic (one thread, GPU or CPU): per message a write (or inline write), unsignaled,
+// then a signaled fetch-add; then wait until all of them completed. False on timeout or error CQE.
+template <typename Waiter>
+DC_HD bool qp_traffic_post(const QpTrafficArgs& a, int c, const Waiter& waiter) {
+  const transport::DeviceQp qp = transport::DeviceQp::at(a.qp_base, a.layout, a.qpn);
+  transport::WqeCtrl unsignaled;
+  unsignaled.fm_ce_se = 0;
+  const transport::WqeCtrl signaled;  // kCtrlCqUpdate: every signal completes, retiring the WQEs before it
+  bool ok = true;
+  uint32_t end = 0;
+  for (int m = 0; m < a.messages && ok; ++m) {
+    const uint64_t off = (uint64_t(c) * a.messages + m) * a.slot_bytes;
+    const uint32_t bytes = qp_test_message_bytes(c, m, a.slot_bytes, a.inline_every);
+    if (qp_test_is_inline(m, a.inline_every)) {
+      ok = transport::qp_post_write_inline(qp, reinterpret_cast<const uint8_t*>(a.local_src_addr + off), bytes,
+                                           a.remote_recv_addr + off, a.rkey, unsignaled, waiter);
+    } else {
+      ok = transport::qp_post_write(
+          qp, transport::RdmaWrite{a.local_src_addr + off, a.lkey, a.remote_recv_addr + off, a.rkey, bytes},
+          unsignaled, false, waiter);
+    }
+    uint32_t index = 0;
+    const uint64_t slot = uint64_t(c) * a.messages + m;
+    ok = ok && transport::qp_post_fetch_add(qp, transport::FetchAdd{a.local_fa_old_addr + slot * 8, a.lkey,
+                                                                    a.remote_counter_addr + uint64_t(c) * 8, a.rkey, 1},
+                                            signaled, waiter, &index);
+    end = index + transport::wqebbs_of_ds(transport::kDsFetchAdd);
+  }
+  if (ok && a.messages > 0) ok = transport::qp_quiet(qp, end, waiter);
+  return ok;
+}
+
+// The same traffic on the host: `channels` CPU threads post through qp_traffic_post into a queue pair in host
+// memory and a CpuProxy drains it into a second host buffer ("remote"). Synchronous.
+struct QpHostRun {
+  std::vector<uint8_t> recv;          // [channels][messages][slot_bytes]
+  std::vector<uint64_t> counters;     // [channels]
+  std::vector<uint64_t> fa_old;       // [channels][messages]
+  transport::QpPosterState poster;
+  uint32_t proxy_consumed, dbrec;
+  uint64_t wqes_executed;
+  uint8_t queue_error;
+  int failed_stage;                   // 0, or the WaitStage of the first failed wait
+};
+QpHostRun run_qp_traffic_on_host(int channels, int messages, int slot_bytes, int inline_every, uint32_t log_wqebbs,
+                                 uint32_t start, const std::vector<uint8_t>& src, double timeout_s);
 
 }  // namespace dc

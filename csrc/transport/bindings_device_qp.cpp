@@ -108,4 +108,27 @@ void bind_device_qp(py::module_& m) {
   }, py::arg("args"), py::arg("keys"), py::arg("err_dev"), py::arg("timeout_s"), py::arg("rank"), py::arg("seq_ptr"),
      py::arg("peer"), py::arg("stream"),
      "Launch the device-QP traffic kernel (posters, device NIC, receive checkers); see csrc/kernels/qp_selftest.hpp.");
+
+  m.def("qp_traffic_on_host", [](int channels, int messages, int slot_bytes, int inline_every, uint32_t log_wqebbs,
+                                 uint32_t start, py::bytes src, double timeout_s) {
+    checked_layout(log_wqebbs, log_wqebbs);
+    const std::string s = src;
+    const std::vector<uint8_t> v(s.begin(), s.end());
+    QpHostRun r;
+    {
+      py::gil_scoped_release nogil;
+      r = run_qp_traffic_on_host(channels, messages, slot_bytes, inline_every, log_wqebbs, start, v, timeout_s);
+    }
+    py::dict d;
+    d["recv"] = py::bytes(reinterpret_cast<const char*>(r.recv.data()), r.recv.size());
+    d["counters"] = r.counters;
+    d["fa_old"] = r.fa_old;
+    d["reserved"] = r.poster.reserved; d["published"] = r.poster.published; d["retired"] = r.poster.retired;
+    d["cqes_seen"] = r.poster.cqes_seen; d["error_cqes"] = r.poster.error_cqes;
+    d["proxy_consumed"] = r.proxy_consumed; d["wqes_executed"] = r.wqes_executed; d["queue_error"] = r.queue_error;
+    d["failed_stage"] = r.failed_stage; d["dbrec"] = r.dbrec;
+    return d;
+  }, py::arg("channels"), py::arg("messages"), py::arg("slot_bytes"), py::arg("inline_every"), py::arg("log_wqebbs"),
+     py::arg("start"), py::arg("src"), py::arg("timeout_s"),
+     "The device-QP traffic with CPU threads as posters (same poster code) and a CpuProxy as the NIC.");
 }
