@@ -1,6 +1,6 @@
 """The device queue pair's poster protocol (csrc/transport/qp_poster.hpp: reserve, wait for room, encode, ring in
-order, retire from CQEs) run by CPU threads against a CpuProxy: the same code the GPU posters run, with real
-concurrency, on machines without a GPU. The GPU run of the same traffic is tests/gpu/test_device_qp.py."""
+order, retire from CQEs) and the NIC loop (nic_serve.hpp), run by CPU threads: the same code the GPU posters and
+the device NIC run, with real concurrency, on machines without a GPU. The GPU run is tests/gpu/test_device_qp.py."""
 from __future__ import annotations
 
 import random
@@ -14,6 +14,7 @@ T = getattr(C, "transport", None)
 pytestmark = pytest.mark.skipif(T is None or not hasattr(T, "qp_traffic_on_host"),
                                 reason="deepcomm._C (with the device queue pair) is not built")
 STAGE_QP_ROOM = 20
+STAGE_NIC_DOORBELL = 23
 
 
 def _wqebbs(nbytes, inline):
@@ -22,10 +23,10 @@ def _wqebbs(nbytes, inline):
     return (2 + (4 + nbytes + 15) // 16 + 3) // 4
 
 
-def _run(channels, messages, slot, inline_every, log_wqebbs, start, timeout_s=20.0):
+def _run(channels, messages, slot, inline_every, log_wqebbs, start, timeout_s=20.0, nic_extra=0):
     rng = random.Random(channels * 1000 + messages)
     src = bytes(rng.getrandbits(8) for _ in range(channels * messages * slot))
-    r = T.qp_traffic_on_host(channels, messages, slot, inline_every, log_wqebbs, start, src, timeout_s)
+    r = T.qp_traffic_on_host(channels, messages, slot, inline_every, log_wqebbs, start, src, timeout_s, nic_extra)
     sizes = [[T.qp_test_message_bytes(c, m, slot, inline_every) for m in range(messages)] for c in range(channels)]
     return src, r, sizes
 
@@ -43,9 +44,9 @@ def _check_delivered(src, r, sizes, slot, upto=None):
     (3, 200, 230, 2, 5, 2**32 - 150),    # across the 32-bit wrap of the free-running counters
     (1, 400, 64, 0, 2, 0),               # one poster, a 4-WQEBB ring, no inline writes
 ])
-def test_threads_post_through_cpu_proxy(channels, messages, slot, inline_every, log_wqebbs, start):
+def test_threads_post_through_nic_thread(channels, messages, slot, inline_every, log_wqebbs, start):
     src, r, sizes = _run(channels, messages, slot, inline_every, log_wqebbs, start)
-    assert r["failed_stage"] == 0 and r["queue_error"] == 0 and r["error_cqes"] == 0, r
+    assert r["failed_stage"] == 0 and r["nic_error"] == 0 and r["error_cqes"] == 0, r
     _check_delivered(src, r, sizes, slot)
     assert r["counters"] == [messages] * channels
     assert r["fa_old"] == [m for _ in range(channels) for m in range(messages)], "signals out of posting order"
@@ -53,8 +54,9 @@ def test_threads_post_through_cpu_proxy(channels, messages, slot, inline_every, 
                 for row in sizes for m, n in enumerate(row))
     assert total >= 8 * (1 << log_wqebbs), "the ring must wrap many times"
     end = (start + total) % 2**32
-    assert (r["reserved"], r["published"], r["retired"], r["proxy_consumed"]) == (end, end, end, end)
-    assert r["cqes_seen"] == channels * messages and r["wqes_executed"] == 2 * channels * messages
+    assert (r["reserved"], r["published"], r["retired"], r["nic_consumed"]) == (end, end, end, end)
+    assert r["cqes_seen"] == r["nic_cqes"] == channels * messages and r["nic_wqes"] == 2 * channels * messages
+    assert r["nic_stopped"] == 1
     assert r["dbrec"] == T.dbrec_value(end)
 
 
@@ -68,3 +70,12 @@ def test_unsignaled_wqes_larger_than_the_ring_time_out_waiting_for_room():
     assert r["failed_stage"] == STAGE_QP_ROOM
     assert r["counters"] == [first_big]
     _check_delivered(src, r, [sizes], slot, upto=first_big)
+
+
+def test_nic_waiting_for_an_absent_poster_times_out():
+    """The NIC is told to wait for one poster more than there are: it reports nic:doorbell after its timeout,
+    once every real message was delivered and completed."""
+    src, r, sizes = _run(2, 40, 100, 4, 4, 0, timeout_s=0.3, nic_extra=1)
+    assert r["failed_stage"] == STAGE_NIC_DOORBELL and r["nic_stopped"] == 1
+    _check_delivered(src, r, sizes, 100)
+    assert r["counters"] == [40, 40] and r["cqes_seen"] == 80

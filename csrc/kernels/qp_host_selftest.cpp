@@ -1,14 +1,14 @@
-// The traffic check of qp_selftest.cu with CPU threads as posters and a CpuProxy as the NIC: the same poster
-// code (qp_poster.hpp) and the same nic_drain, on host memory, so the reservation / turn / retirement protocol
-// is exercised with real concurrency on machines without a GPU (tests/test_transport_wqe.py).
+// The traffic check of qp_selftest.cu with CPU threads as posters and as the NIC: the same poster code
+// (qp_poster.hpp) and the same nic_serve loop, on host memory, so the reservation / turn / retirement protocol
+// and the NIC's stop rule run with real concurrency on machines without a GPU (tests/test_qp_poster_host.py).
 #include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <stdexcept>
 #include <thread>
 
-#include "../transport/cpu_proxy.hpp"
 #include "../transport/host_waiter.hpp"
+#include "../transport/nic_serve.hpp"
 #include "qp_selftest.hpp"
 
 namespace dc {
@@ -33,7 +33,7 @@ HostBytes alloc_zeroed(size_t bytes) {
 }  // namespace
 
 QpHostRun run_qp_traffic_on_host(int channels, int messages, int slot_bytes, int inline_every, uint32_t log_wqebbs,
-                                 uint32_t start, const std::vector<uint8_t>& src, double timeout_s) {
+                                 uint32_t start, const std::vector<uint8_t>& src, double timeout_s, int nic_extra) {
   const size_t area = size_t(channels) * messages * slot_bytes;
   if (channels < 1 || messages < 0 || slot_bytes < 1 || src.size() != area)
     throw std::invalid_argument("run_qp_traffic_on_host: channels >= 1, messages >= 0, slot_bytes >= 1, "
@@ -72,12 +72,19 @@ QpHostRun run_qp_traffic_on_host(int channels, int messages, int slot_bytes, int
 
   std::atomic<int> failed_stage{0};
   const HostWaiter waiter{uint64_t(timeout_s * 1e9), &failed_stage};
-  CpuProxy proxy(qp.nic_view(start), keys);
-  proxy.start();
+  uint32_t posters_done = 0;
+  NicQueue nic_queue = qp.nic_view(start);
+  std::thread nic([&] {
+    nic_serve(nic_queue, keys, &posters_done, uint32_t(channels + nic_extra), waiter, qp.nic_stats);
+  });
   std::vector<std::thread> posters;
-  for (int c = 0; c < channels; ++c) posters.emplace_back([&, c] { qp_traffic_post(a, c, waiter); });
+  for (int c = 0; c < channels; ++c)
+    posters.emplace_back([&, c] {
+      qp_traffic_post(a, c, waiter);
+      __atomic_fetch_add(&posters_done, 1u, __ATOMIC_RELEASE);  // even on failure: the NIC must not wait for us
+    });
   for (auto& t : posters) t.join();
-  proxy.stop();
+  nic.join();
 
   QpHostRun r;
   r.recv.assign(remote.get(), remote.get() + area);
@@ -86,9 +93,7 @@ QpHostRun run_qp_traffic_on_host(int channels, int messages, int slot_bytes, int
   r.fa_old.resize(size_t(channels) * messages);
   std::memcpy(r.fa_old.data(), local.get() + area, fa_bytes);
   r.poster = *qp.poster;
-  r.proxy_consumed = proxy.consumed();
-  r.wqes_executed = proxy.wqes_executed();
-  r.queue_error = proxy.queue_error();
+  r.nic = *qp.nic_stats;
   r.failed_stage = failed_stage.load();
   r.dbrec = qp.db.dbrec[kSndDbr];
   return r;

@@ -7,8 +7,8 @@
 
 #include "../runtime/cuda_check.hpp"
 #include "../runtime/wait.cuh"
-#include "../transport/device_nic.cuh"
 #include "../transport/device_qp.cuh"
+#include "../transport/nic_serve.hpp"
 #include "qp_selftest.hpp"
 
 namespace dc {
@@ -85,7 +85,7 @@ __global__ void qp_traffic_kernel(QpTrafficArgs a, KeyTable keys, WaitCtx ctx_in
     if (threadIdx.x == 0) {
       const DeviceQp qp = DeviceQp::at(a.qp_base, a.layout, a.qpn);
       NicQueue q = qp.nic_view(a.start);
-      nic_serve(q, keys, a.posters_done, a.nic_stop_target, ctx, peer, qp.nic_stats);
+      nic_serve(q, keys, a.posters_done, a.nic_stop_target, DeviceWaiter{ctx, peer}, qp.nic_stats);
     }
   } else {
     traffic_checker(a, b - a.channels - 1, ctx, peer);

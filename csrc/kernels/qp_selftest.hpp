@@ -102,18 +102,18 @@ DC_HD bool qp_traffic_post(const QpTrafficArgs& a, int c, const Waiter& waiter) 
 }
 
 // The same traffic on the host: `channels` CPU threads post through qp_traffic_post into a queue pair in host
-// memory and a CpuProxy drains it into a second host buffer ("remote"). Synchronous.
+// memory and one more thread runs nic_serve into a second host buffer ("remote"); the NIC waits for
+// channels + nic_extra posters. Synchronous.
 struct QpHostRun {
   std::vector<uint8_t> recv;          // [channels][messages][slot_bytes]
   std::vector<uint64_t> counters;     // [channels]
   std::vector<uint64_t> fa_old;       // [channels][messages]
   transport::QpPosterState poster;
-  uint32_t proxy_consumed, dbrec;
-  uint64_t wqes_executed;
-  uint8_t queue_error;
+  transport::NicStats nic;
+  uint32_t dbrec;
   int failed_stage;                   // 0, or the WaitStage of the first failed wait
 };
 QpHostRun run_qp_traffic_on_host(int channels, int messages, int slot_bytes, int inline_every, uint32_t log_wqebbs,
-                                 uint32_t start, const std::vector<uint8_t>& src, double timeout_s);
+                                 uint32_t start, const std::vector<uint8_t>& src, double timeout_s, int nic_extra);
 
 }  // namespace dc

@@ -110,14 +110,15 @@ void bind_device_qp(py::module_& m) {
      "Launch the device-QP traffic kernel (posters, device NIC, receive checkers); see csrc/kernels/qp_selftest.hpp.");
 
   m.def("qp_traffic_on_host", [](int channels, int messages, int slot_bytes, int inline_every, uint32_t log_wqebbs,
-                                 uint32_t start, py::bytes src, double timeout_s) {
+                                 uint32_t start, py::bytes src, double timeout_s, int nic_extra) {
     checked_layout(log_wqebbs, log_wqebbs);
     const std::string s = src;
     const std::vector<uint8_t> v(s.begin(), s.end());
     QpHostRun r;
     {
       py::gil_scoped_release nogil;
-      r = run_qp_traffic_on_host(channels, messages, slot_bytes, inline_every, log_wqebbs, start, v, timeout_s);
+      r = run_qp_traffic_on_host(channels, messages, slot_bytes, inline_every, log_wqebbs, start, v, timeout_s,
+                                 nic_extra);
     }
     py::dict d;
     d["recv"] = py::bytes(reinterpret_cast<const char*>(r.recv.data()), r.recv.size());
@@ -125,10 +126,11 @@ void bind_device_qp(py::module_& m) {
     d["fa_old"] = r.fa_old;
     d["reserved"] = r.poster.reserved; d["published"] = r.poster.published; d["retired"] = r.poster.retired;
     d["cqes_seen"] = r.poster.cqes_seen; d["error_cqes"] = r.poster.error_cqes;
-    d["proxy_consumed"] = r.proxy_consumed; d["wqes_executed"] = r.wqes_executed; d["queue_error"] = r.queue_error;
+    d["nic_consumed"] = r.nic.consumed; d["nic_wqes"] = r.nic.wqes; d["nic_cqes"] = r.nic.cqes;
+    d["nic_error"] = r.nic.error; d["nic_stopped"] = r.nic.stopped;
     d["failed_stage"] = r.failed_stage; d["dbrec"] = r.dbrec;
     return d;
   }, py::arg("channels"), py::arg("messages"), py::arg("slot_bytes"), py::arg("inline_every"), py::arg("log_wqebbs"),
-     py::arg("start"), py::arg("src"), py::arg("timeout_s"),
-     "The device-QP traffic with CPU threads as posters (same poster code) and a CpuProxy as the NIC.");
+     py::arg("start"), py::arg("src"), py::arg("timeout_s"), py::arg("nic_extra") = 0,
+     "The device-QP traffic with CPU threads as posters and as the NIC (the same qp_traffic_post and nic_serve).");
 }
