@@ -17,7 +17,7 @@ enum WaitStage : int {
   kStageLlCounts = 7,          // low-latency dispatch: waiting for a peer's per-expert counts
   kStageLlDispatchData = 8,    // low-latency dispatch: waiting for a peer's entries
   kStageLlCombineData = 9,     // low-latency combine: waiting for a peer's expert outputs
-  // Device queue pairs and the device emulated NIC (csrc/transport/device_qp.cuh, device_nic.cuh).
+  // Device queue pairs and the device emulated NIC (csrc/transport/qp_poster.hpp, nic_serve.hpp).
   kStageQpRoom = 20,           // a poster waiting for send-queue slots to be completed (CQEs)
   kStageQpTurn = 21,           // a poster waiting for earlier posts to ring the doorbell
   kStageQpQuiet = 22,          // waiting for every posted WQE up to an index to complete

@@ -1,6 +1,6 @@
 """A queue pair in GPU memory (csrc/transport/device_qp_layout.hpp): send ring, CQ, doorbell records and the
 posters' shared counters, plus the mapped-host error record its device waits report to. GPU threads post into it
-(csrc/transport/device_qp.cuh); a device emulated NIC (device_nic.cuh) or, on a cluster, a ConnectX drains it."""
+(csrc/transport/qp_poster.hpp); a device emulated NIC (nic_serve.hpp) or, on a cluster, a ConnectX drains it."""
 from __future__ import annotations
 
 from typing import Dict
