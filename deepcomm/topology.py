@@ -55,7 +55,7 @@ class Topology:
         return [self.rank_of(node, g) for g in range(self.gpus_per_node)]
 
     def rail_peers(self, rank: int) -> List[int]:
-        """The ranks with ``rank``'s local index on every node (``rank`` included), ascending: whom it talks to over RDMA."""
+        """The ranks with ``rank``'s local index on every node (``rank`` included), ascending: its RDMA peers."""
         return [self.rank_of(n, self.local_index(rank)) for n in range(self.num_nodes)]
 
     def _check_rank(self, rank: int) -> None:

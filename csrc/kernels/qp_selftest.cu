@@ -45,7 +45,8 @@ __global__ void qp_encode_kernel(uint8_t* base, DeviceQpLayout layout, uint32_t 
   switch (s.kind) {
     case kQpTestWrite:
     case kQpTestWriteImm:
-      qp_post_write(qp, RdmaWrite{s.laddr, s.lkey, s.raddr, s.rkey, s.bytes}, c, s.kind == kQpTestWriteImm, waiter, &index);
+      qp_post_write(qp, RdmaWrite{s.laddr, s.lkey, s.raddr, s.rkey, s.bytes}, c, s.kind == kQpTestWriteImm, waiter,
+                    &index);
       break;
     case kQpTestInline:
       qp_post_write_inline(qp, s.payload, s.bytes, s.raddr, s.rkey, c, waiter, &index);

@@ -53,7 +53,8 @@ void bind_device_qp(py::module_& m) {
   m.def("qp_test_is_inline", &qp_test_is_inline, py::arg("message"), py::arg("inline_every"));
 
   m.def("qp_encode_selftest", [](uintptr_t base, uint32_t log_wqebbs, uint32_t log_cqes, uint32_t qpn,
-                                 const std::vector<py::dict>& specs, uintptr_t err_dev, double timeout_s, uintptr_t seq_ptr) {
+                                 const std::vector<py::dict>& specs, uintptr_t err_dev, double timeout_s,
+                                 uintptr_t seq_ptr) {
     std::vector<QpTestWqe> v;
     for (const py::dict& d : specs) {
       QpTestWqe w{};
@@ -68,7 +69,8 @@ void bind_device_qp(py::module_& m) {
       w.laddr = get("laddr"); w.raddr = get("raddr"); w.add = get("add");
       w.lkey = uint32_t(get("lkey")); w.rkey = uint32_t(get("rkey")); w.bytes = uint32_t(get("bytes"));
       w.payload = reinterpret_cast<const uint8_t*>(get("payload"));
-      if (w.kind == kQpTestInline && w.bytes > kMaxInlineBytes) throw std::invalid_argument("specs: inline bytes > 220");
+      if (w.kind == kQpTestInline && w.bytes > kMaxInlineBytes)
+        throw std::invalid_argument("specs: inline bytes > 220");
       v.push_back(w);
     }
     py::gil_scoped_release nogil;
