@@ -161,11 +161,15 @@ PYBIND11_MODULE(_C, m) {
       .def("layout", [](const LlContext& c) {
         const LlLayout& l = c.layout;
         py::dict d;
-        d["seq_counter"] = l.seq_counter; d["count_flag"] = l.count_flag; d["data_flag"] = l.data_flag;
-        d["comb_flag"] = l.comb_flag; d["counts"] = l.counts; d["recv_src"] = l.recv_src; d["recv_x"] = l.recv_x;
-        d["recv_scales"] = l.recv_scales; d["comb_recv"] = l.comb_recv; d["total"] = l.total;
-        d["recv_x_slot"] = py::make_tuple(l.recv_x_at(0), l.recv_x_at(1));
-        d["recv_scales_slot"] = py::make_tuple(l.recv_scales_at(0), l.recv_scales_at(1));
+        d["total"] = l.total;
+        d["signal_bytes"] = l.signal_bytes();
+        auto per_slot = [&](auto at) { return py::make_tuple(at(0), at(1)); };
+        d["recv_x_slot"] = per_slot([&](int s) { return l.recv_x_at(s); });
+        d["recv_scales_slot"] = per_slot([&](int s) { return l.recv_scales_at(s); });
+        d["out_count_slot"] = per_slot([&](int s) { return l.out_count_at(s); });
+        d["out_layout_slot"] = per_slot([&](int s) { return l.out_layout_at(s); });
+        d["out_src_info_slot"] = per_slot([&](int s) { return l.out_src_info_at(s); });
+        d["out_recv_pos_slot"] = per_slot([&](int s) { return l.out_recv_pos_at(s); });
         return d;
       })
       .def("set_peer", [](LlContext& c, int r, uintptr_t base) {
@@ -174,25 +178,23 @@ PYBIND11_MODULE(_C, m) {
       })
       .def("set_error_record", [](LlContext& c, uintptr_t dev) { c.err_device = ptr<ErrorRecord>(dev); })
       .def("set_timeout_ns", [](LlContext& c, uint64_t ns) { c.timeout_ns = ns; })
-      .def("bump_seq", [](const LlContext& c, uintptr_t stream) { launch_bump_seq(c.seq_counter(), stream_of(stream)); })
-      .def("dispatch_send", [](const LlContext& c, int num_blocks, uintptr_t x, uintptr_t topk_idx, uintptr_t recv_pos,
-                               int T, int K, int slot, bool use_fp8, bool use_ue8m0, uintptr_t stream) {
-        LlDispatchArgs a{ptr<const void>(x), ptr<const int64_t>(topk_idx), ptr<int>(recv_pos), T, K, slot, use_fp8,
-                         use_ue8m0};
+      .def("dispatch_send", [](const LlContext& c, int num_blocks, uintptr_t x, uintptr_t topk_idx, int T, int K,
+                               int slot, bool use_fp8, bool use_ue8m0, uintptr_t stream) {
+        LlDispatchArgs a{ptr<const void>(x), ptr<const int64_t>(topk_idx), T, K, slot, use_fp8, use_ue8m0};
         launch_ll_dispatch_send(a, num_blocks, c.layout, c.peers, c.wait_ctx(), stream_of(stream));
       })
-      .def("dispatch_recv", [](const LlContext& c, int slot, int K, int num_send_blocks, uintptr_t recv_count,
-                               uintptr_t layout_out, uintptr_t src_info, uintptr_t stream) {
-        launch_ll_dispatch_recv(slot, K, num_send_blocks, ptr<int>(recv_count), ptr<int>(layout_out),
-                                ptr<int>(src_info), c.layout, c.peers, c.wait_ctx(), stream_of(stream));
+      .def("dispatch_recv", [](const LlContext& c, int num_blocks, int slot, int K, bool use_fp8, uintptr_t stream) {
+        launch_ll_dispatch_recv(slot, K, use_fp8, num_blocks, num_blocks, c.layout, c.peers, c.wait_ctx(),
+                                stream_of(stream));
       })
-      .def("combine_send", [](const LlContext& c, int num_blocks, uintptr_t x, int K, int slot, uintptr_t stream) {
-        launch_ll_combine_send(ptr<const void>(x), K, slot, num_blocks, c.layout, c.peers, c.wait_ctx(),
-                               stream_of(stream));
+      .def("combine_send", [](const LlContext& c, int num_blocks, uintptr_t x, uintptr_t topk_weights, int T, int K,
+                              int slot, uintptr_t stream) {
+        LlCombineArgs a{ptr<const void>(x), ptr<const float>(topk_weights), nullptr, nullptr, T, K, slot};
+        launch_ll_combine_send(a, num_blocks, c.layout, c.peers, c.wait_ctx(), stream_of(stream));
       })
-      .def("combine_recv", [](const LlContext& c, uintptr_t topk_idx, uintptr_t topk_weights, uintptr_t out, int T,
-                              int K, int slot, int num_send_blocks, uintptr_t stream) {
-        launch_ll_combine_recv(ptr<const int64_t>(topk_idx), ptr<const float>(topk_weights), ptr<void>(out), T, K,
-                               slot, num_send_blocks, c.layout, c.peers, c.wait_ctx(), stream_of(stream));
+      .def("combine_recv", [](const LlContext& c, int num_blocks, uintptr_t topk_idx, uintptr_t out, int T, int K,
+                              int slot, uintptr_t stream) {
+        LlCombineArgs a{nullptr, nullptr, ptr<const int64_t>(topk_idx), ptr<void>(out), T, K, slot};
+        launch_ll_combine_recv(a, num_blocks, num_blocks, c.layout, c.peers, c.wait_ctx(), stream_of(stream));
       });
 }

@@ -169,7 +169,8 @@ class Buffer:
         backend = self._live()
         v.check_low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
                                      use_ue8m0, self._world_size, self._device, self.config.hidden,
-                                     self.config.num_max_low_latency_tokens)
+                                     self.config.num_max_low_latency_tokens,
+                                     check_values=not getattr(backend, "checks_expert_ids_on_device", False))
         self._check_hook_flag(return_recv_hook)
         recv_x, recv_count, handle, hook = backend.low_latency_dispatch(
             x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, use_ue8m0, return_recv_hook)

@@ -170,7 +170,8 @@ def check_combine_x(x, handle: Handle, device: torch.device, dtypes: Sequence[to
 
 def check_low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
                                use_ue8m0, world_size: int, device: torch.device, max_hidden: int,
-                               max_low_latency_tokens: int) -> None:
+                               max_low_latency_tokens: int, check_values: bool = True) -> None:
+    """``check_values=False``: the backend checks expert ids (range, duplicates) on the device, without a sync."""
     check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1,
               maximum=max_low_latency_tokens)
     check_num_experts(num_experts, world_size)
@@ -184,7 +185,7 @@ def check_low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, nu
     num_tokens, hidden = x.shape
     check_hidden("x", hidden, BLOCK, max_hidden)
     check_num_tokens("x", num_tokens, num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank")
-    check_topk_idx(topk_idx, num_tokens, num_experts, device, forbid_duplicates=True)
+    check_topk_idx(topk_idx, num_tokens, num_experts, device, forbid_duplicates=True, check_values=check_values)
 
 
 def check_low_latency_combine(x, topk_idx, topk_weights, handle: LowLatencyHandle, world_size: int,

@@ -75,33 +75,36 @@ struct CombineArgs {
 void launch_combine(const CombineArgs& args, int num_blocks, const NvlLayout& layout, const Peers& peers,
                     const WaitCtx& ctx, cudaStream_t stream);
 
-// ---- low-latency mode (csrc/runtime/ll_layout.hpp) ----
-// Dispatch, send half: count exchange, then every (token, slot) naming an expert is stored (bf16, or cast to
-// e4m3 + fp32 scales inside the kernel) into its owner's receive rows for that expert, at
-//   row = entries of lower ranks for that expert + entries of ours before it in (token, slot) order.
-// recv_pos [T][K] gets that row (-1 for -1 slots). Returns without waiting for anyone's data.
+// ---- low-latency mode (csrc/runtime/ll_layout.hpp, csrc/kernels/ll_common.cuh) ----
+// Dispatch, send half: each token goes once to every rank holding one of its experts (bf16, or cast to e4m3 +
+// fp32 scales inside the kernel), with the per-slot keys the receiver needs. Waits for nothing.
 struct LlDispatchArgs {
   const void* x;           // bf16 [T][H]
-  const int64_t* topk_idx; // [T][K]
-  int* recv_pos;           // [T][K]
+  const int64_t* topk_idx; // [T][K]; ids outside [-1, E) count as -1 and are reported (stage kStageLlInvalidIds)
   int num_tokens, topk, slot;
   bool use_fp8, use_ue8m0;
 };
 void launch_ll_dispatch_send(const LlDispatchArgs& args, int num_blocks, const LlLayout& layout, const Peers& peers,
                              const WaitCtx& ctx, cudaStream_t stream);
-// Dispatch, receive half: wait for every rank's entries, then write recv_count [L], layout [L][R][2]
-// (begin, count per source rank) and src_info [L][R*M] (source token, -1 past the count).
-void launch_ll_dispatch_recv(int slot, int topk, int num_send_blocks, int* recv_count, int* layout_out, int* src_info,
+// Dispatch, receive half: wait for every rank's tokens, fan them out into the packed expert rows recv_x [L][R*M],
+// and write the slot's out_count [L], out_layout [L][R][2] (begin, count per source rank), out_src_info [L][R*M]
+// (source token, -1 past the count) and out_recv_pos [T][K] (row of each of our entries at its expert).
+void launch_ll_dispatch_recv(int slot, int topk, bool use_fp8, int num_send_blocks, int num_blocks,
                              const LlLayout& layout, const Peers& peers, const WaitCtx& ctx, cudaStream_t stream);
 
-// Combine, send half: every received entry's expert output row (x bf16 [L][R*M][H]) goes back to its source's
-// comb_recv[slot][token][k].
-void launch_ll_combine_send(const void* x, int topk, int slot, int num_blocks, const LlLayout& layout, const Peers& peers,
+// Combine. x: expert outputs bf16 [L][R*M][H] in the layout of the slot's dispatch; topk_idx/topk_weights: ours.
+struct LlCombineArgs {
+  const void* x;
+  const float* topk_weights;  // [T][K]
+  const int64_t* topk_idx;    // [T][K]
+  void* out;                  // bf16 [T][H]
+  int num_tokens, topk, slot;
+};
+// Send half: publish our weights, wait for everyone's, then send one fp32 partial per (token, source rank).
+void launch_ll_combine_send(const LlCombineArgs& args, int num_blocks, const LlLayout& layout, const Peers& peers,
                             const WaitCtx& ctx, cudaStream_t stream);
-// Combine, receive half: wait for every rank's rows, then out[t] = sum over ranks ascending of (sum over slots
-// ascending on that rank of w*x, products rounded on their own), fp32, one rounding to bf16.
-void launch_ll_combine_recv(const int64_t* topk_idx, const float* topk_weights, void* out, int num_tokens,
-                            int topk, int slot, int num_send_blocks, const LlLayout& layout, const Peers& peers,
-                            const WaitCtx& ctx, cudaStream_t stream);
+// Receive half: out[t] = sum over the ranks holding t's experts, ascending, of their partials; fp32, one rounding.
+void launch_ll_combine_recv(const LlCombineArgs& args, int num_send_blocks, int num_blocks, const LlLayout& layout,
+                            const Peers& peers, const WaitCtx& ctx, cudaStream_t stream);
 
 }  // namespace dc

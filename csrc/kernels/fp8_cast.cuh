@@ -16,23 +16,26 @@ __device__ __forceinline__ float ue8m0_round_up(float scale) {
   return __uint_as_float((exponent + up) << 23);
 }
 
-// One warp quantizes one 128-element block: lane l holds elements [4l, 4l+4) as fp32 and gets back 4 e4m3 bytes
-// (packed little-endian in a uint32) and the block's scale.
-__device__ __forceinline__ uint32_t quantize_block_e4m3(const float (&v)[4], bool use_ue8m0, float* scale_out) {
-  float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+// Half a warp quantizes one 128-element block: each lane holds 8 consecutive elements as fp32 and gets back their
+// 8 e4m3 bytes (packed little-endian) and the block's scale. Every lane of the warp must call it (the amax
+// reduction shuffles within each 16-lane half); lanes past the row pass zeros and ignore the result.
+__device__ __forceinline__ uint2 quantize8_e4m3(const float (&v)[8], bool use_ue8m0, float* scale_out) {
+  float amax = 0.0f;
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+  for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(v[j]));
+#pragma unroll
+  for (int off = 8; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
   amax = fmaxf(amax, 1e-4f);
   float scale = __fdiv_rn(amax, 448.0f);
   if (use_ue8m0) scale = ue8m0_round_up(scale);
-  uint32_t packed = 0;
+  uint32_t packed[2] = {0u, 0u};
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
+  for (int j = 0; j < 8; ++j) {
     const __nv_fp8_storage_t q = __nv_cvt_float_to_fp8(__fdiv_rn(v[j], scale), __NV_SATFINITE, __NV_E4M3);
-    packed |= uint32_t(q) << (8 * j);
+    packed[j / 4] |= uint32_t(q) << (8 * (j % 4));
   }
   *scale_out = scale;
-  return packed;
+  return make_uint2(packed[0], packed[1]);
 }
 
 }  // namespace dc

@@ -1,159 +1,236 @@
 // Low-latency dispatch over NVLink, in two launches so hook mode holds no SM between them:
-//   send: count exchange (every rank broadcasts its per-expert entry counts), then each warp takes a
-//         (token, slot) entry and stores it, cast to e4m3 inside the kernel when asked, straight into the owner's
-//         receive rows; one done flag per block at every rank. It never waits for anyone's data.
-//   recv: waits for every rank's done flags, then writes recv_count, layout and src_info.
+//   send: each token goes once to every rank that holds any of its experts (cast to e4m3 once, inside the kernel,
+//         when asked), into that rank's staging rows for us, with one int per slot telling the receiver which of
+//         its experts the slot names and the entry's rank there. Nothing is waited for: no count exchange precedes
+//         the data, and the counts travel with it, covered by the same per-block done flags.
+//   recv: waits for every rank's flags, then fans each staged token out to the packed rows of its local experts
+//         (source ranks ascending, then the sender's entry order) and writes recv_count, layout, src_info and
+//         recv_pos as views the host hands out.
 #include <cuda_bf16.h>
 
 #include "../runtime/cuda_check.hpp"
-#include "../runtime/wait.cuh"
 #include "api.hpp"
 #include "block_flags.cuh"
 #include "fp8_cast.cuh"
-#include "warp_copy.cuh"
+#include "ll_common.cuh"
 
 namespace dc {
 
 namespace {
 
-constexpr int kLlThreads = 512;
-constexpr int kLlUnroll = 8;  // 16-byte vectors (BF16) or 128-element blocks (FP8) each lane has in flight
+constexpr int kSendUnroll = 4;                            // 8-element vectors per lane per item
+constexpr int kSendChunk = 32 * 8 * kSendUnroll;          // elements of a row one warp sends per item
+constexpr int kCopyUnroll = 4;                            // 16-byte vectors per lane per item
+constexpr int kCopyChunkBytes = 32 * 16 * kCopyUnroll;    // bytes of a staged row one warp fans out per item
 
-__global__ void __launch_bounds__(kLlThreads, 1)
-    ll_dispatch_send_kernel(LlDispatchArgs a, LlLayout layout, Peers peers, WaitCtx ctx_in) {
-  const WaitCtx ctx = ctx_in.resolved();
-  extern __shared__ int smem[];
-  const int R = layout.num_ranks, E = layout.num_experts, L = layout.local_experts(), rank = ctx.rank;
-  const int K = a.topk, P = a.num_tokens * K, tid = threadIdx.x, lane = tid & 31;
-  const int64_t rows = layout.rows_per_expert();
-  int* experts = smem;          // [P] expert of each entry, -1 for empty slots
-  int* rank_in = smem + P;      // [P] entries of ours before it for the same expert (only this block's entries)
-  int* counts = smem + 2 * P;   // [E] our entries per expert (block 0)
-  int* base = smem + 2 * P + E; // [E] entries of lower ranks per expert
-  __shared__ int ok;
-  const int warps = kLlThreads / 32, total_warps = gridDim.x * warps;
-  const int first_warp = blockIdx.x * warps;
-
-  for (int i = tid; i < P; i += blockDim.x) {
-    const int64_t e = a.topk_idx[i];
-    experts[i] = (e >= 0 && e < E) ? int(e) : -1;
-  }
-  for (int i = tid; i < E; i += blockDim.x) counts[i] = 0;
-  if (tid == 0) ok = 1;
-  __syncthreads();
-  // Ranks among same-expert entries, in (token, slot) order, for the entries this block sends.
-  for (int p = tid; p < P; p += blockDim.x) {
-    const int e = experts[p];
-    const bool mine = ((p % total_warps) / warps) == int(blockIdx.x);
-    if (e >= 0 && (mine || blockIdx.x == 0)) {
-      int r = 0;
-      for (int j = 0; j < p; ++j) r += experts[j] == e;
-      rank_in[p] = r;
-    }
-    if (blockIdx.x == 0 && e >= 0) atomicAdd(&counts[e], 1);
-  }
-  __syncthreads();
-
-  uint8_t* self = peers.base[rank];
-  if (blockIdx.x == 0) {
-    for (int i = tid; i < R * E; i += blockDim.x) {
-      int* dst = reinterpret_cast<int*>(peers.base[i / E] + layout.counts_at(a.slot));
-      dst[rank * E + i % E] = counts[i % E];
-    }
-    __syncthreads();
-    if (tid < R) {
-      ptx::fence_acq_rel_sys();
-      ptx::st_release_sys_u64(reinterpret_cast<uint64_t*>(peers.base[tid] + layout.count_flag) + rank, ctx.seq);
-    }
-  }
-  if (tid < R) {
-    const auto* flag = reinterpret_cast<const uint64_t*>(self + layout.count_flag) + tid;
-    if (!wait_flag_geq(flag, ctx.seq, ctx, tid, kStageLlCounts)) ok = 0;
-  }
-  __syncthreads();
-  if (!ok) return;
-  const int* all_counts = reinterpret_cast<const int*>(self + layout.counts_at(a.slot));
-  for (int e = tid; e < E; e += blockDim.x) {
-    int b = 0;
-    for (int s = 0; s < rank; ++s) b += ptx::ld_volatile_s32(all_counts + s * E + e);
-    base[e] = b;
-  }
-  __syncthreads();
-  if (blockIdx.x == 0)
-    for (int p = tid; p < P; p += blockDim.x) a.recv_pos[p] = experts[p] >= 0 ? base[experts[p]] + rank_in[p] : -1;
-
-  const int64_t H = layout.hidden, row_stride = a.use_fp8 ? H : H * 2, blocks128 = H / 128;
-  for (int p = first_warp + (tid >> 5); p < P; p += total_warps) {
-    const int e = experts[p];
-    if (e < 0) continue;
-    const int d = e / L, le = e % L, t = p / K;
-    const int64_t entry = int64_t(le) * rows + base[e] + rank_in[p];
-    uint8_t* dst = peers.base[d] + layout.recv_x_at(a.slot) + entry * row_stride;
-    const auto* src = static_cast<const __nv_bfloat16*>(a.x) + int64_t(t) * H;
-    if (!a.use_fp8) {
-      warp_copy_v4<kLlUnroll>(reinterpret_cast<const int4*>(src), reinterpret_cast<int4*>(dst), H / 8, lane);
-    } else {
-      float* scales = reinterpret_cast<float*>(peers.base[d] + layout.recv_scales_at(a.slot)) + entry * blocks128;
-      for (int64_t blk0 = 0; blk0 < blocks128; blk0 += kLlUnroll) {
-        uint2 raw[kLlUnroll];
+// One warp: elements [c * kSendChunk, ...) of token t go to every rank in `dests`.
+__device__ __forceinline__ void send_token_chunk(const LlDispatchArgs& a, const LlLayout& l, const Peers& peers,
+                                                 int rank, int t, int c, uint32_t dests, int lane) {
+  const int64_t H = l.hidden;
+  const auto* src = static_cast<const __nv_bfloat16*>(a.x) + int64_t(t) * H;
+  int4 v[kSendUnroll];
 #pragma unroll
-        for (int u = 0; u < kLlUnroll; ++u)
-          if (blk0 + u < blocks128) raw[u] = __ldg(reinterpret_cast<const uint2*>(src + (blk0 + u) * 128) + lane);
+  for (int u = 0; u < kSendUnroll; ++u) {
+    const int64_t idx = int64_t(c) * kSendChunk + u * 256 + lane * 8;
+    v[u] = idx < H ? ptx::ld_nc_na_v4(reinterpret_cast<const int4*>(src + idx)) : make_int4(0, 0, 0, 0);
+  }
+  if (!a.use_fp8) {
+    for (uint32_t m = dests; m; m &= m - 1) {
+      uint8_t* row = peers.base[__ffs(m) - 1] + l.stage_x_at(a.slot, rank, t);
 #pragma unroll
-        for (int u = 0; u < kLlUnroll; ++u) {
-          if (blk0 + u >= blocks128) break;
-          const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[u].x));
-          const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[u].y));
-          const float v[4] = {lo.x, lo.y, hi.x, hi.y};
-          float scale;
-          const uint32_t q = quantize_block_e4m3(v, a.use_ue8m0, &scale);
-          reinterpret_cast<uint32_t*>(dst + (blk0 + u) * 128)[lane] = q;
-          if (lane == 0) scales[blk0 + u] = scale;
-        }
+      for (int u = 0; u < kSendUnroll; ++u) {
+        const int64_t idx = int64_t(c) * kSendChunk + u * 256 + lane * 8;
+        if (idx < H) ptx::st_na_v4(reinterpret_cast<int4*>(row + idx * 2), v[u]);
       }
     }
-    if (lane == 0) reinterpret_cast<int*>(peers.base[d] + layout.recv_src_at(a.slot))[entry] = p;
+    return;
   }
-  __syncthreads();
-  signal_block_done(peers, layout.data_flag, R, ctx);
+  uint2 q[kSendUnroll];
+  float scale[kSendUnroll];
+#pragma unroll
+  for (int u = 0; u < kSendUnroll; ++u) {
+    float f[8];
+    const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v[u]);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 p = __bfloat1622float2(h[j]);
+      f[2 * j] = p.x;
+      f[2 * j + 1] = p.y;
+    }
+    q[u] = quantize8_e4m3(f, a.use_ue8m0, &scale[u]);
+  }
+  for (uint32_t m = dests; m; m &= m - 1) {
+    const int d = __ffs(m) - 1;
+    uint8_t* row = peers.base[d] + l.stage_x_at(a.slot, rank, t);
+    auto* scales = reinterpret_cast<float*>(peers.base[d] + l.stage_scales_at(a.slot, rank, t));
+#pragma unroll
+    for (int u = 0; u < kSendUnroll; ++u) {
+      const int64_t idx = int64_t(c) * kSendChunk + u * 256 + lane * 8;
+      if (idx >= H) continue;
+      ptx::st_na_u64(reinterpret_cast<uint64_t*>(row + idx), (uint64_t(q[u].y) << 32) | q[u].x);
+      if ((lane & 15) == 0) scales[idx / 128] = scale[u];
+    }
+  }
 }
 
-__global__ void ll_dispatch_recv_kernel(int slot, int topk, int num_send_blocks, int* recv_count, int* layout_out,
-                                        int* src_info, LlLayout layout, Peers peers, WaitCtx ctx_in) {
-  const WaitCtx ctx = ctx_in.resolved();
-  const int R = layout.num_ranks, E = layout.num_experts, L = layout.local_experts(), rank = ctx.rank;
-  const int le = blockIdx.x, tid = threadIdx.x;
-  const int64_t rows = layout.rows_per_expert();
+__global__ void __launch_bounds__(kLlThreads, 1)
+    ll_dispatch_send_kernel(LlDispatchArgs a, LlLayout l, Peers peers, WaitCtx ctx) {
+  const int R = l.num_ranks, E = l.num_experts, L = l.local_experts(), rank = ctx.rank;
+  const int K = a.topk, T = a.num_tokens, P = T * K, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   uint8_t* self = peers.base[rank];
-  __shared__ int ok, total;
-  if (!wait_all_blocks_done(self, layout.data_flag, R, num_send_blocks, ctx, kStageLlDispatchData, &ok)) return;
-  const int* counts = reinterpret_cast<const int*>(self + layout.counts_at(slot));
-  if (tid == 0) {
-    int begin = 0;
-    for (int s = 0; s < R; ++s) {
-      const int c = ptx::ld_volatile_s32(counts + s * E + rank * L + le);
-      layout_out[(le * R + s) * 2] = begin;
-      layout_out[(le * R + s) * 2 + 1] = c;
-      begin += c;
-    }
-    recv_count[le] = begin;
-    total = begin;
+  ctx.seq = ll_send_seq(self, l, kLlDispatch);
+  extern __shared__ int smem[];
+  int* experts = smem;          // [P] expert of each entry, -1 for empty (or invalid) slots
+  int* rank_in = smem + P;      // [P] rank of the entry among ours of the same expert
+  int* counts = smem + 2 * P;   // [E] our entries per expert
+  __shared__ int bad_id, dup_id;
+  if (tid == 0) bad_id = dup_id = 0;
+  for (int i = tid; i < E; i += blockDim.x) counts[i] = 0;
+  __syncthreads();
+  for (int i = tid; i < P; i += blockDim.x) {
+    const int64_t e = a.topk_idx[i];
+    if (e < -1 || e >= E) bad_id = 1;
+    experts[i] = (e >= 0 && e < E) ? int(e) : -1;
   }
   __syncthreads();
-  const int* src = reinterpret_cast<const int*>(self + layout.recv_src_at(slot)) + le * rows;
-  for (int64_t row = tid; row < rows; row += blockDim.x)
-    src_info[le * rows + row] = row < total ? ptx::ld_volatile_s32(src + row) / topk : -1;
+  if (warp == 0) ll_rank_entries(experts, P, rank_in, counts, lane);
+
+  // The rows: warps take (token, chunk) items; the data does not need the entry ranks.
+  const int nchunks = int((l.hidden + kSendChunk - 1) / kSendChunk);
+  const int total_warps = gridDim.x * kLlWarps;
+  for (int item = blockIdx.x * kLlWarps + warp; item < T * nchunks; item += total_warps) {
+    const int t = item / nchunks;
+    const uint32_t dests = ll_rank_mask(lane < K ? experts[t * K + lane] : -1, L);
+    if (dests) send_token_chunk(a, l, peers, rank, t, item % nchunks, dests, lane);
+  }
+  __syncthreads();
+
+  // Per-slot keys for every rank (it scans all our tokens), our own keys for recv_pos, counts and token count.
+  const int gtid = blockIdx.x * blockDim.x + tid, gthreads = gridDim.x * blockDim.x;
+  for (int i = gtid; i < R * P; i += gthreads) {
+    const int d = i / P, p = i % P, e = experts[p];
+    reinterpret_cast<int*>(peers.base[d] + l.meta_at(a.slot, rank, p / K))[p % K] =
+        (e >= 0 && e / L == d) ? ((e % L) << 16 | rank_in[p]) : -1;
+  }
+  int* keys = reinterpret_cast<int*>(self + l.entry_key_at(a.slot));
+  for (int p = gtid; p < P; p += gthreads) keys[p] = experts[p] >= 0 ? (experts[p] << 16 | rank_in[p]) : -1;
+  if (blockIdx.x == 0) {
+    for (int i = tid; i < R * E; i += blockDim.x)
+      reinterpret_cast<int*>(peers.base[i / E] + l.counts_at(a.slot))[rank * E + i % E] = counts[i % E];
+    if (tid < R) reinterpret_cast<int*>(peers.base[tid] + l.ntok_at(a.slot))[rank] = T;
+    for (int t = tid; t < T; t += blockDim.x)
+      for (int k = 1; k < K; ++k)
+        for (int j = 0; j < k; ++j)
+          if (experts[t * K + k] >= 0 && experts[t * K + k] == experts[t * K + j]) dup_id = 1;
+    __syncthreads();
+    // Input problems are reported, not waited on: the call still completes on every rank (bad slots count as -1).
+    if (tid == 0 && bad_id) report_input_error(ctx, rank, kStageLlInvalidIds);
+    if (tid == 0 && dup_id && !bad_id) report_input_error(ctx, rank, kStageLlDuplicateIds);
+  }
+  __syncthreads();
+  signal_block_done(peers, l.data_flag, R, ctx);
+  ll_finish_send(self, l, kLlDispatch, a.slot, ctx.seq);
+}
+
+__global__ void __launch_bounds__(kLlThreads, 1)
+    ll_dispatch_recv_kernel(int slot, int topk, bool use_fp8, int num_send_blocks, LlLayout l, Peers peers,
+                            WaitCtx ctx) {
+  const int R = l.num_ranks, E = l.num_experts, L = l.local_experts(), M = l.max_tokens, rank = ctx.rank;
+  const int K = topk, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int64_t rows = l.rows_per_expert();
+  uint8_t* self = peers.base[rank];
+  ctx.seq = ll_recv_seq(self, l, kLlDispatch, slot);
+  extern __shared__ int smem[];
+  int* base = smem;           // [L][R]
+  int* total = smem + L * R;  // [L]
+  __shared__ int ok;
+  if (!wait_all_blocks_done(self, l.data_flag, R, num_send_blocks, ctx, kStageLlDispatchData, &ok)) return;
+  const int* counts = reinterpret_cast<const int*>(self + l.counts_at(slot));
+  const int* ntok = reinterpret_cast<const int*>(self + l.ntok_at(slot));
+  ll_expert_bases(counts, l, rank, base, total);
+
+  const int gtid = blockIdx.x * blockDim.x + tid, gthreads = gridDim.x * blockDim.x;
+  if (blockIdx.x == 0) {
+    int* out_count = reinterpret_cast<int*>(self + l.out_count_at(slot));
+    int* out_layout = reinterpret_cast<int*>(self + l.out_layout_at(slot));
+    for (int i = tid; i < L * R; i += blockDim.x) {
+      const int le = i / R, s = i % R;
+      out_layout[2 * i] = base[i];
+      out_layout[2 * i + 1] = ptx::ld_volatile_s32(counts + s * E + rank * L + le);
+      if (s == 0) out_count[le] = total[le];
+    }
+  }
+  int* src_info = reinterpret_cast<int*>(self + l.out_src_info_at(slot));
+  for (int64_t i = gtid; i < L * rows; i += gthreads)
+    if (i % rows >= total[i / rows]) src_info[i] = -1;
+  // recv_pos of our own entries: rows of lower ranks at the owner, plus the entry's rank among ours.
+  const int* keys = reinterpret_cast<const int*>(self + l.entry_key_at(slot));
+  int* recv_pos = reinterpret_cast<int*>(self + l.out_recv_pos_at(slot));
+  const int P = ptx::ld_volatile_s32(ntok + rank) * K;
+  for (int p = gtid; p < P; p += gthreads) {
+    const int key = keys[p];
+    int pos = -1;
+    if (key >= 0) {
+      pos = key & 0xffff;
+      for (int s = 0; s < rank; ++s) pos += ptx::ld_volatile_s32(counts + s * E + (key >> 16));
+    }
+    recv_pos[p] = pos;
+  }
+
+  // Fan-out: warps take (source rank, token, chunk) items and copy the staged row to each of its entries here.
+  const int64_t x_bytes = use_fp8 ? l.hidden : l.hidden * 2, spr = l.scales_per_row();
+  const int nchunks = int((x_bytes + kCopyChunkBytes - 1) / kCopyChunkBytes);
+  uint8_t* recv_x = self + l.recv_x_at(slot);
+  auto* recv_scales = reinterpret_cast<float*>(self + l.recv_scales_at(slot));
+  const int total_warps = gridDim.x * kLlWarps;
+  for (int item = blockIdx.x * kLlWarps + warp; item < R * M * nchunks; item += total_warps) {
+    const int s = item / (M * nchunks), t = (item / nchunks) % M, c = item % nchunks;
+    if (t >= ptx::ld_volatile_s32(ntok + s)) continue;
+    const int key = lane < K ? ptx::ld_volatile_s32(reinterpret_cast<const int*>(self + l.meta_at(slot, s, t)) + lane)
+                             : -1;
+    const int64_t entry = key >= 0 ? (key >> 16) * rows + base[(key >> 16) * R + s] + (key & 0xffff) : -1;
+    const uint32_t mine = __ballot_sync(0xffffffffu, key >= 0);
+    if (!mine) continue;
+    const auto* src = reinterpret_cast<const int4*>(self + l.stage_x_at(slot, s, t));
+    const int64_t n16 = x_bytes / 16;
+    int4 v[kCopyUnroll];
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      const int64_t i = int64_t(c) * (kCopyChunkBytes / 16) + u * 32 + lane;
+      if (i < n16) v[u] = ptx::ld_relaxed_gpu_v4(src + i);
+    }
+    for (uint32_t m = mine; m; m &= m - 1) {
+      const int64_t e = __shfl_sync(0xffffffffu, entry, __ffs(m) - 1);
+      auto* dst = reinterpret_cast<int4*>(recv_x + e * x_bytes);
+#pragma unroll
+      for (int u = 0; u < kCopyUnroll; ++u) {
+        const int64_t i = int64_t(c) * (kCopyChunkBytes / 16) + u * 32 + lane;
+        if (i < n16) ptx::st_na_v4(dst + i, v[u]);
+      }
+    }
+    if (c != 0) continue;
+    if (key >= 0) src_info[entry] = t;
+    if (use_fp8) {
+      const auto* sc = reinterpret_cast<const int*>(self + l.stage_scales_at(slot, s, t));
+      for (uint32_t m = mine; m; m &= m - 1) {
+        const int64_t e = __shfl_sync(0xffffffffu, entry, __ffs(m) - 1);
+        for (int j = lane; j < spr; j += 32) recv_scales[e * spr + j] = __int_as_float(ptx::ld_volatile_s32(sc + j));
+      }
+    }
+  }
 }
 
 }  // namespace
 
 void launch_ll_dispatch_send(const LlDispatchArgs& args, int num_blocks, const LlLayout& layout, const Peers& peers,
                              const WaitCtx& ctx, cudaStream_t stream) {
-  DC_HOST_ASSERT(num_blocks >= 1 && num_blocks <= kMaxBlocks, "low_latency_dispatch: num_sms out of range");
+  DC_HOST_ASSERT(num_blocks >= 1 && num_blocks <= kMaxBlocks, "low_latency_dispatch: block count out of range");
   DC_HOST_ASSERT(args.num_tokens <= layout.max_tokens && args.topk <= layout.topk_max,
                  "low_latency_dispatch: tokens or topk over the buffer's maximum");
   DC_HOST_ASSERT(layout.hidden % 128 == 0, "low_latency_dispatch: hidden must be a multiple of 128");
-  const int smem = (2 * args.num_tokens * args.topk + 2 * layout.num_experts) * int(sizeof(int));
+  DC_HOST_ASSERT(layout.max_tokens <= 0xffff && layout.num_experts <= 0x7fff,
+                 "low_latency_dispatch: entry keys pack 16-bit ranks and 15-bit experts");
+  const int smem = (2 * args.num_tokens * args.topk + layout.num_experts) * int(sizeof(int));
   DC_HOST_ASSERT(smem <= 200 * 1024, "low_latency_dispatch: tokens * topk too large for one block's shared memory");
   if (smem > 48 * 1024)
     DC_CUDA_CHECK(cudaFuncSetAttribute(ll_dispatch_send_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
@@ -161,10 +238,13 @@ void launch_ll_dispatch_send(const LlDispatchArgs& args, int num_blocks, const L
   DC_CUDA_CHECK(cudaGetLastError());
 }
 
-void launch_ll_dispatch_recv(int slot, int topk, int num_send_blocks, int* recv_count, int* layout_out, int* src_info,
+void launch_ll_dispatch_recv(int slot, int topk, bool use_fp8, int num_send_blocks, int num_blocks,
                              const LlLayout& layout, const Peers& peers, const WaitCtx& ctx, cudaStream_t stream) {
-  ll_dispatch_recv_kernel<<<layout.local_experts(), 256, 0, stream>>>(slot, topk, num_send_blocks, recv_count,
-                                                                      layout_out, src_info, layout, peers, ctx);
+  DC_HOST_ASSERT(num_blocks >= 1 && num_blocks <= kMaxBlocks, "low_latency_dispatch: block count out of range");
+  const int smem = (layout.local_experts() * (layout.num_ranks + 1)) * int(sizeof(int));
+  DC_HOST_ASSERT(smem <= 48 * 1024, "low_latency_dispatch: too many local experts");
+  ll_dispatch_recv_kernel<<<num_blocks, kLlThreads, smem, stream>>>(slot, topk, use_fp8, num_send_blocks, layout,
+                                                                    peers, ctx);
   DC_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -14,9 +14,10 @@ enum WaitStage : int {
   kStageCombineReady = 4,      // waiting for a peer to be ready for combine rows
   kStageCombineToken = 5,      // waiting for a peer's chunk of combine rows
   kStageBarrier = 6,           // a plain device barrier across ranks
-  kStageLlCounts = 7,          // low-latency dispatch: waiting for a peer's per-expert counts
+  kStageLlCounts = 7,          // (retired: low-latency dispatch no longer exchanges counts before its data)
   kStageLlDispatchData = 8,    // low-latency dispatch: waiting for a peer's entries
-  kStageLlCombineData = 9,     // low-latency combine: waiting for a peer's expert outputs
+  kStageLlCombineData = 9,     // low-latency combine: waiting for a peer's partial sums
+  kStageLlCombineWeights = 10, // low-latency combine: waiting for a peer's top-k weights
   // Device queue pairs and the device emulated NIC (csrc/transport/qp_poster.hpp, nic_serve.hpp).
   kStageQpRoom = 20,           // a poster waiting for send-queue slots to be completed (CQEs)
   kStageQpTurn = 21,           // a poster waiting for earlier posts to ring the doorbell
@@ -28,6 +29,10 @@ enum WaitStage : int {
   // stays usable and the host raises ValueError.
   kStageInvalidIds = 100,      // some rank's topk_idx had ids outside [-1, E) (no host sync to catch it earlier)
   kStageOverflow = 101,        // a receiver's worst-case output (num_worst_tokens) is smaller than its rows
+  // Found by low-latency dispatch, which never waits on the host: the call completed (bad slots as -1) and the
+  // host raises at its next look at the record (the next call, a hook, or synchronize()).
+  kStageLlInvalidIds = 102,
+  kStageLlDuplicateIds = 103,
 };
 
 struct ErrorRecord {

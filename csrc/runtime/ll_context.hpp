@@ -19,8 +19,8 @@ struct LlContext {
   LlContext(int rank_, int num_ranks, int num_experts, int max_tokens, int64_t hidden, int topk_max)
       : layout(num_ranks, num_experts, max_tokens, hidden, topk_max), rank(rank_) {}
 
-  uint64_t* seq_counter() const { return reinterpret_cast<uint64_t*>(peers.base[rank] + layout.seq_counter); }
-  WaitCtx wait_ctx() const { return WaitCtx{err_device, timeout_ns, rank, 0, seq_counter()}; }
+  // The low-latency kernels keep their own call numbers in the buffer (csrc/kernels/ll_common.cuh).
+  WaitCtx wait_ctx() const { return WaitCtx{err_device, timeout_ns, rank, 0, nullptr}; }
 };
 
 }  // namespace dc

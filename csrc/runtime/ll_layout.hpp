@@ -1,16 +1,32 @@
 // The one description of a rank's low-latency buffer (a second IPC allocation, made at the first low-latency
-// call for a given shape). Receive regions are double-buffered by `slot` (the call's parity) so two
-// micro-batches can be in flight; flags hold the device-side sequence number, never reset.
+// call for a given shape). Everything a call touches is double-buffered by `slot` (the dispatch's parity) so two
+// micro-batches can be in flight; flags hold sequence numbers, never reset.
 //
-//   seq_counter  u64   [1]                          our low-latency sequence number
-//   count_flag   u64   [R]                          dispatch: rank s wrote its per-expert counts
-//   data_flag    u64   [R][kMaxBlocks]              dispatch: block b of rank s wrote its entries
-//   comb_flag    u64   [R][kMaxBlocks]              combine: block b of rank r wrote our rows back
-//   counts       int32 [2][R][E]                    per slot: entries rank s sends to every expert
-//   recv_src     int32 [2][L][R*M]                  per slot: t*K + k of each received entry
-//   recv_x       bytes [2][L][R*M][H*2]             per slot: entries (bf16, or e4m3 in the first H bytes)
-//   recv_scales  f32   [2][L][R*M][H/128]           per slot: FP8 scales
-//   comb_recv    bytes [2][M][K][H*2]               per slot: expert outputs coming back, bf16, by (token, slot)
+// Dispatch sends each token once per destination rank into that rank's staging rows (no count exchange first);
+// the receiver fans the token out to the packed rows of its local experts. Combine sends one fp32 partial sum per
+// (token, rank) back instead of one row per (token, expert).
+//
+//   seq          u64   [2]                 our latest dispatch / combine sequence number
+//   slot_seq     u64   [2][2]              sequence number of the last dispatch / combine send of each slot
+//   done_count   u32   [2]                 blocks of the running dispatch / combine send that finished
+//   data_flag    u64   [R][kMaxBlocks]     dispatch: block b of rank s finished its stores into us
+//   weight_flag  u64   [R]                 combine: rank s wrote its top-k weights into us
+//   comb_flag    u64   [R][kMaxBlocks]     combine: block b of rank r finished its partial sums for us
+//   counts       int32 [2][R][E]           per slot: entries rank s sends to every expert
+//   ntok         int32 [2][R]              per slot: tokens rank s dispatched
+//   meta         int32 [2][R][M][K]        per slot: for slot k of token t of rank s: (local expert << 16 | entry
+//                                          rank among rank s's entries of that expert), -1 when not ours
+//   weights      f32   [2][R][M][K]        per slot: rank s's combine weights
+//   stage_x      bytes [2][R][M][H*2]      per slot: rank s's tokens (bf16, or e4m3 in the first H bytes)
+//   stage_scales f32   [2][R][M][H/128]    per slot: their FP8 scales
+//   recv_x       bytes [2][L][R*M][H*2]    per slot: packed expert rows (the dispatch output)
+//   recv_scales  f32   [2][L][R*M][H/128]
+//   partials     f32   [2][R][M][H]        per slot: rank d's fp32 partial sum for each of our tokens
+//   entry_key    int32 [2][M][K]           per slot: our own entries, (expert << 16 | rank among ours), -1 empty
+//   out_count    int32 [2][L]              dispatch outputs returned to the caller as views:
+//   out_layout   int32 [2][L][R][2]          recv_count, layout (begin, count), src_info, recv_pos
+//   out_src_info int32 [2][L][R*M]
+//   out_recv_pos int32 [2][M][K]
 #pragma once
 #include <cstdint>
 
@@ -18,42 +34,84 @@
 
 namespace dc {
 
+enum LlKind : int { kLlDispatch = 0, kLlCombine = 1 };
+
 struct LlLayout {
   int num_ranks, num_experts, max_tokens, topk_max;
   int64_t hidden;
-  int64_t seq_counter, count_flag, data_flag, comb_flag, counts, recv_src, recv_x, recv_scales, comb_recv, total;
+  int64_t seq, slot_seq, done_count, data_flag, weight_flag, comb_flag, counts, ntok, meta, weights, stage_x,
+      stage_scales, recv_x, recv_scales, partials, entry_key, out_count, out_layout, out_src_info, out_recv_pos,
+      total;
 
   DC_HD int local_experts() const { return num_experts / num_ranks; }
   DC_HD int64_t rows_per_expert() const { return int64_t(num_ranks) * max_tokens; }
   DC_HD int64_t row_bytes() const { return hidden * 2; }
+  DC_HD int64_t scales_per_row() const { return hidden / 128; }
 
   DC_HD LlLayout(int ranks, int experts, int max_tok, int64_t hidden_, int topk)
       : num_ranks(ranks), num_experts(experts), max_tokens(max_tok), topk_max(topk), hidden(hidden_) {
-    const int64_t L = experts / ranks, rows = int64_t(ranks) * max_tok;
+    const int64_t R = ranks, L = experts / ranks, M = max_tok, K = topk, rows = R * M;
     int64_t off = 0;
-    seq_counter = off; off = align_up(off + 8, kAlign);
-    count_flag = off;  off = align_up(off + int64_t(ranks) * 8, kAlign);
-    data_flag = off;   off = align_up(off + int64_t(ranks) * kMaxBlocks * 8, kAlign);
-    comb_flag = off;   off = align_up(off + int64_t(ranks) * kMaxBlocks * 8, kAlign);
-    counts = off;      off = align_up(off + 2 * int64_t(ranks) * experts * 4, kAlign);
-    recv_src = off;    off = align_up(off + 2 * L * rows * 4, kAlign);
-    recv_x = off;      off = align_up(off + 2 * L * rows * hidden_ * 2, kAlign);
-    recv_scales = off; off = align_up(off + 2 * L * rows * (hidden_ / 128) * 4, kAlign);
-    comb_recv = off;   off = align_up(off + 2 * int64_t(max_tok) * topk * hidden_ * 2, kAlign);
+    auto take = [&](int64_t bytes) {
+      const int64_t at = off;
+      off = align_up(off + bytes, kAlign);
+      return at;
+    };
+    seq = take(2 * 8);
+    slot_seq = take(4 * 8);
+    done_count = take(2 * 4);
+    data_flag = take(R * kMaxBlocks * 8);
+    weight_flag = take(R * 8);
+    comb_flag = take(R * kMaxBlocks * 8);
+    counts = take(2 * R * experts * 4);
+    ntok = take(2 * R * 4);
+    meta = take(2 * R * M * K * 4);
+    weights = take(2 * R * M * K * 4);
+    stage_x = take(2 * R * M * hidden_ * 2);
+    stage_scales = take(2 * R * M * (hidden_ / 128) * 4);
+    recv_x = take(2 * L * rows * hidden_ * 2);
+    recv_scales = take(2 * L * rows * (hidden_ / 128) * 4);
+    partials = take(2 * R * M * hidden_ * 4);
+    entry_key = take(2 * M * K * 4);
+    out_count = take(2 * L * 4);
+    out_layout = take(2 * L * R * 2 * 4);
+    out_src_info = take(2 * L * rows * 4);
+    out_recv_pos = take(2 * M * K * 4);
     total = off;
   }
+  // Bytes that must start zeroed (sequence numbers, counters and flags).
   DC_HD int64_t signal_bytes() const { return counts; }
 
   // Per-slot addresses inside one rank's buffer.
   DC_HD int64_t counts_at(int slot) const { return counts + int64_t(slot) * num_ranks * num_experts * 4; }
-  DC_HD int64_t recv_src_at(int slot) const { return recv_src + int64_t(slot) * local_experts() * rows_per_expert() * 4; }
-  DC_HD int64_t recv_x_at(int slot) const {
-    return recv_x + int64_t(slot) * local_experts() * rows_per_expert() * row_bytes();
+  DC_HD int64_t ntok_at(int slot) const { return ntok + int64_t(slot) * num_ranks * 4; }
+  // meta / weights of source rank s, token t: K consecutive values
+  DC_HD int64_t meta_at(int slot, int s, int t) const {
+    return meta + ((int64_t(slot) * num_ranks + s) * max_tokens + t) * topk_max * 4;
   }
+  DC_HD int64_t weights_at(int slot, int s, int t) const {
+    return weights + ((int64_t(slot) * num_ranks + s) * max_tokens + t) * topk_max * 4;
+  }
+  DC_HD int64_t stage_x_at(int slot, int s, int t) const {
+    return stage_x + ((int64_t(slot) * num_ranks + s) * max_tokens + t) * row_bytes();
+  }
+  DC_HD int64_t stage_scales_at(int slot, int s, int t) const {
+    return stage_scales + ((int64_t(slot) * num_ranks + s) * max_tokens + t) * scales_per_row() * 4;
+  }
+  DC_HD int64_t recv_x_at(int slot) const { return recv_x + int64_t(slot) * local_experts() * rows_per_expert() * row_bytes(); }
   DC_HD int64_t recv_scales_at(int slot) const {
-    return recv_scales + int64_t(slot) * local_experts() * rows_per_expert() * (hidden / 128) * 4;
+    return recv_scales + int64_t(slot) * local_experts() * rows_per_expert() * scales_per_row() * 4;
   }
-  DC_HD int64_t comb_recv_at(int slot) const { return comb_recv + int64_t(slot) * max_tokens * topk_max * row_bytes(); }
+  DC_HD int64_t partials_at(int slot, int d, int t) const {
+    return partials + ((int64_t(slot) * num_ranks + d) * max_tokens + t) * hidden * 4;
+  }
+  DC_HD int64_t entry_key_at(int slot) const { return entry_key + int64_t(slot) * max_tokens * topk_max * 4; }
+  DC_HD int64_t out_count_at(int slot) const { return out_count + int64_t(slot) * local_experts() * 4; }
+  DC_HD int64_t out_layout_at(int slot) const { return out_layout + int64_t(slot) * local_experts() * num_ranks * 8; }
+  DC_HD int64_t out_src_info_at(int slot) const {
+    return out_src_info + int64_t(slot) * local_experts() * rows_per_expert() * 4;
+  }
+  DC_HD int64_t out_recv_pos_at(int slot) const { return out_recv_pos + int64_t(slot) * max_tokens * topk_max * 4; }
 };
 
 }  // namespace dc

@@ -6,21 +6,32 @@
 
 namespace dc {
 
+__device__ __forceinline__ void write_record(const WaitCtx& ctx, int peer, int stage, uint64_t waited) {
+  ctx.err->rank = ctx.rank;
+  ctx.err->peer = peer;
+  ctx.err->stage = stage;
+  ctx.err->seq = ctx.seq;
+  ctx.err->waited_ns = waited;
+  ptx::st_release_sys_u32(reinterpret_cast<uint32_t*>(&ctx.err->flag), 1u);
+}
+
+// The first failure wins (flag: 0 = none, 2 = being written, 1 = complete); a timeout also replaces a recorded
+// input error (stage >= kStageInvalidIds), which is only a ValueError waiting for the host.
 __device__ __forceinline__ void report_timeout(const WaitCtx& ctx, int peer, int stage, uint64_t waited) {
   auto* flag = reinterpret_cast<uint32_t*>(&ctx.err->flag);
-  if (ptx::atom_cas_acquire_sys_u32(flag, 0u, 2u) == 0u) {  // 2 = being written, 1 = complete
-    ctx.err->rank = ctx.rank;
-    ctx.err->peer = peer;
-    ctx.err->stage = stage;
-    ctx.err->seq = ctx.seq;
-    ctx.err->waited_ns = waited;
-    ptx::st_release_sys_u32(flag, 1u);
+  if (ptx::atom_cas_acquire_sys_u32(flag, 0u, 2u) == 0u) {
+    write_record(ctx, peer, stage, waited);
+  } else if (stage < kStageInvalidIds && ptx::ld_volatile_s32(&ctx.err->stage) >= kStageInvalidIds &&
+             ptx::atom_cas_acquire_sys_u32(flag, 1u, 2u) == 1u) {
+    write_record(ctx, peer, stage, waited);
   }
 }
 
-// Another thread already gave up: stop waiting at once instead of burning the whole timeout again.
+// Another thread already timed out: stop waiting at once instead of burning the whole timeout again. Recorded
+// input errors do not stop waits: those calls still complete on every rank.
 __device__ __forceinline__ bool someone_failed(const WaitCtx& ctx) {
-  return ptx::ld_acquire_sys_u32(reinterpret_cast<const uint32_t*>(&ctx.err->flag)) != 0u;
+  return ptx::ld_acquire_sys_u32(reinterpret_cast<const uint32_t*>(&ctx.err->flag)) == 1u &&
+         ptx::ld_volatile_s32(&ctx.err->stage) < kStageInvalidIds;
 }
 
 template <typename Done>

@@ -18,6 +18,7 @@ from deepcomm.local_launch import device_type, init_rank, launch
 GPU_TOKENS = [128, 512, 1024, 2048, 4096, 8192]
 CPU_TOKENS = [128, 512]
 GPU_NUM_SMS = [4, 8, 16, 24, 32]
+GPU_LL_TOKENS = [1, 32, 128, 256]
 SYSTEMS = ["deepcomm", "a2a", "moe-layer"]
 
 
@@ -48,7 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "(BENCHMARK.md). Defaults: GPU = the full BENCHMARK.md workload; CPU = a short run.")
     p.add_argument("--tokens", type=_int_list, default=None,
                    help="tokens per rank, normal mode (default GPU 128,512,1024,2048,4096,8192; CPU 128,512)")
-    p.add_argument("--ll-tokens", type=int, default=128, help="tokens per rank, low-latency mode (default 128)")
+    p.add_argument("--ll-tokens", type=_int_list, default=None,
+                   help="tokens per rank, low-latency mode (default GPU 1,32,128,256; CPU 128); the largest sizes "
+                        "the buffer")
     p.add_argument("--hidden", type=int, default=None, help="hidden size (default 7168; 1024 with --quick on CPU)")
     p.add_argument("--topk", type=int, default=8, help="experts per token (default 8)")
     p.add_argument("--experts", type=int, default=256,
@@ -95,11 +98,15 @@ def resolve_defaults(args: argparse.Namespace, device_type: str) -> argparse.Nam
         args.warmup = 20 if gpu else (2 if args.quick else 5)
     if args.iters is None:
         args.iters = 50 if gpu else (5 if args.quick else 20)
+    if args.ll_tokens is None:
+        args.ll_tokens = [128] if (args.quick or not gpu) else GPU_LL_TOKENS
     if args.num_sms is None and gpu:
         args.num_sms = [8, 24] if args.quick else GPU_NUM_SMS
     if args.sweep_tokens not in args.tokens:
         args.sweep_tokens = max(args.tokens)
-    for name in ("hidden", "topk", "experts", "ll_tokens", "iters"):
+    if min(args.ll_tokens) <= 0:
+        raise SystemExit("--ll-tokens: must be positive")
+    for name in ("hidden", "topk", "experts", "iters"):
         if getattr(args, name) <= 0:
             raise SystemExit(f"--{name.replace('_', '-')}: must be positive")
     if args.warmup < 0:
@@ -122,13 +129,19 @@ def _make_cases(args, systems, dc):
 
     cases = []
     for mode in args.modes:
-        token_list = args.tokens if mode == "normal" else [args.ll_tokens]
+        token_list = args.tokens if mode == "normal" else args.ll_tokens
         for T in token_list:
             for sys_ in systems:
                 cases += [Case(sys_.name, mode, op, dt, T) for op, dt in op_dtypes()
                           if sys_.supports(mode, op, dt)]
             if mode == "normal" and dc is not None and dc.uses_sms and args.num_sms and T == args.sweep_tokens:
                 cases += [Case(dc.name, mode, op, dt, T, n) for n in args.num_sms for op, dt in op_dtypes()]
+            if mode == "low_latency" and dc is not None:
+                # the decoding step (dispatch + combine), and on GPUs the kernels' own time through CUDA graphs
+                both = [("dispatch+combine", d) for d in args.dtypes] if len(args.ops) == 2 else []
+                cases += [Case(dc.name, mode, op, dt, T) for op, dt in both]
+                if dc.uses_sms:
+                    cases += [Case(dc.name, mode, op, dt, T, timing="cuda-graph") for op, dt in op_dtypes() + both]
     return cases
 
 
@@ -148,7 +161,7 @@ def run_worker(rank: int, world_size: int, local_rank: int, args, device_type: s
 
     systems, dc = [], None
     if "deepcomm" in args.systems:
-        dc = peers.Deepcomm(ctx, max_tokens=max(args.tokens), ll_tokens=args.ll_tokens, backend=args.backend)
+        dc = peers.Deepcomm(ctx, max_tokens=max(args.tokens), ll_tokens=max(args.ll_tokens), backend=args.backend)
         systems.append(dc)
     if "a2a" in args.systems:
         systems.append(peers.AllToAll(ctx))
@@ -177,13 +190,19 @@ def run_worker(rank: int, world_size: int, local_rank: int, args, device_type: s
                         "tokens": case.tokens, "hidden": args.hidden, "topk": args.topk,
                         "experts": args.experts, "num_sms": by_name[case.system].reported_num_sms(case),
                         "time_us": round(mean_us, 2), "median_us": round(median_us, 2),
-                        "gbps": round(-neg_gbps, 2)})
+                        "gbps": round(-neg_gbps, 2) if "+" not in case.op else None, "timing": case.timing})
         progress.step(case.label())
         if device_type == "cuda":
             torch.cuda.empty_cache()
 
+    overlap = None
+    if dc is not None and dc.uses_sms and "low_latency" in args.modes:
+        wl = Workload(128, args.hidden, args.topk, args.experts, args.seed)
+        overlap = dc.hook_overlap(make_inputs(wl, rank, world_size, device), args.dtypes[0])
     if rank == 0:
         doc = report.make_document(results, device_type, world_size, dc.backend_name if dc else None)
+        if overlap is not None:
+            doc["hook_overlap"] = dict(overlap, tokens=128, dtype=args.dtypes[0], matmul="8192x8192 bf16")
         report.print_report(doc)
         if args.json:
             report.write_json(doc, args.json)

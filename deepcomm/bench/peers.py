@@ -32,10 +32,12 @@ class Case:
     dtype: str           # fp8 | bf16
     tokens: int
     num_sms: Optional[int] = None   # None = the system's default
+    timing: str = "eager"           # eager: back-to-back calls; cuda-graph: replays of one captured call
 
     def label(self) -> str:
         sms = f" sms={self.num_sms}" if self.num_sms is not None else ""
-        return f"{self.system} {self.mode} {self.op} {self.dtype} T={self.tokens}{sms}"
+        graph = " graph" if self.timing == "cuda-graph" else ""
+        return f"{self.system} {self.mode} {self.op} {self.dtype} T={self.tokens}{sms}{graph}"
 
 
 @dataclass
@@ -194,11 +196,60 @@ class Deepcomm:
             recv_x, _, _, _, handle = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
             return lambda: buf.combine(recv_x, handle)
         M = self.ll_tokens
+        fp8 = case.dtype == "fp8"
         if case.op == "dispatch":
-            fp8 = case.dtype == "fp8"
-            return lambda: buf.low_latency_dispatch(x, idx, M, E, use_fp8=fp8)
-        recv_x, _, handle, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
-        return lambda: buf.low_latency_combine(recv_x, idx, w, handle)
+            fn = lambda: buf.low_latency_dispatch(x, idx, M, E, use_fp8=fp8)  # noqa: E731
+        elif case.op == "combine":
+            recv_x, _, handle, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+            fn = lambda: buf.low_latency_combine(recv_x, idx, w, handle)  # noqa: E731
+        else:  # dispatch+combine: the decoding step's communication, expert outputs standing in as bf16
+            L, R = E // self.ctx.world_size, self.ctx.world_size
+            y = torch.randn(L, R * M, self.ctx.hidden, device=self.ctx.device).to(torch.bfloat16)
+
+            def fn():
+                _, _, h, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=fp8)
+                return buf.low_latency_combine(y, idx, w, h)
+        return replay_graph(fn) if case.timing == "cuda-graph" else fn
+
+    def hook_overlap(self, inp: Inputs, dtype: str) -> dict:
+        """A matmul launched between a low-latency dispatch's send and its hook, timed alone and in that spot.
+        Equal times mean the pending dispatch holds no SM."""
+        buf = self._buffer(None)
+        M, E, dev = self.ll_tokens, self.ctx.experts, self.ctx.device
+        a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+        fp8 = dtype == "fp8"
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+        def timed(with_dispatch: bool) -> float:
+            times = []
+            for _ in range(10):
+                hook = None
+                if with_dispatch:
+                    hook = buf.low_latency_dispatch(inp.x, inp.topk_idx, M, E, use_fp8=fp8, return_recv_hook=True)[3]
+                start.record()
+                a @ a
+                end.record()
+                if hook is not None:
+                    hook()
+                torch.cuda.synchronize(dev)
+                times.append(start.elapsed_time(end) * 1e3)
+            return sorted(times)[len(times) // 2]
+        timed(False), timed(True)  # warm-up
+        return {"compute_alone_us": timed(False), "compute_with_send_pending_us": timed(True)}
+
+
+def replay_graph(fn: Callable[[], object]) -> Callable[[], object]:
+    """Capture one call of ``fn`` in a CUDA graph (after a warm-up on a side stream) and return its replay:
+    the kernels' time without the host's."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 def check_against_moe_layer(dc: Deepcomm, moe: MoELayer, inp: Inputs) -> None:

@@ -2,7 +2,7 @@
 
 - bandwidth_vs_tokens.png   normal mode, GB/s per (system, op, dtype) at default num_sms
 - bandwidth_vs_num_sms.png  deepcomm's num_sms sweep, GB/s per (op, dtype)
-- latency_vs_tokens.png     mean time in us per (system, mode, op, dtype)
+- latency_vs_tokens.png     low-latency mode: mean time in us per (system, op, dtype, timing)
 """
 from __future__ import annotations
 
@@ -39,8 +39,9 @@ def write_plots(doc: dict, out_dir: str) -> list[str]:
          _series(results, lambda r: r["system"] == "deepcomm" and r["mode"] == "normal",
                  lambda r: f"{r['op']} {r['dtype']} T={r['tokens']}", "num_sms", "gbps")),
         ("latency_vs_tokens.png", "tokens per rank", "time per call (us)", "tokens", "time_us", True,
-         _series(default_rows, lambda r: True,
-                 lambda r: f"{r['system']} {r['mode']} {r['op']} {r['dtype']}", "tokens", "time_us")),
+         _series(default_rows, lambda r: r["mode"] == "low_latency",
+                 lambda r: f"{r['system']} {r['op']} {r['dtype']}" + (" (graph)" if r.get("timing") == "cuda-graph"
+                                                                      else ""), "tokens", "time_us")),
     ]
     written = []
     for name, xlabel, ylabel, _, y, logx, series in plans:
@@ -72,6 +73,7 @@ def write_plots(doc: dict, out_dir: str) -> list[str]:
 def _is_default(r, results) -> bool:
     """A deepcomm row at its default num_sms: the first row of its (mode, op, dtype, tokens) group."""
     for other in results:
-        if other["system"] == "deepcomm" and all(other[k] == r[k] for k in ("mode", "op", "dtype", "tokens")):
+        if other["system"] == "deepcomm" and all(other.get(k) == r.get(k)
+                                                 for k in ("mode", "op", "dtype", "tokens", "timing")):
             return other is r
     return False

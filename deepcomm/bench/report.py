@@ -12,7 +12,7 @@ import sys
 
 # Keys of one result, in BENCHMARK.md's order; `median_us` is the one addition (the protocol asks for both).
 RESULT_KEYS = ["system", "mode", "op", "dtype", "tokens", "hidden", "topk", "experts", "num_sms",
-               "time_us", "median_us", "gbps"]
+               "time_us", "median_us", "gbps", "timing"]
 
 
 def _run(cmd: list[str], cwd: str | None = None) -> str:
@@ -98,7 +98,8 @@ def _fmt(v) -> str:
 
 def format_table(results: list[dict]) -> str:
     cols = [("system", "system"), ("mode", "mode"), ("op", "op"), ("dtype", "dtype"), ("tokens", "tokens"),
-            ("num_sms", "sms"), ("time_us", "mean us"), ("median_us", "median us"), ("gbps", "GB/s")]
+            ("num_sms", "sms"), ("timing", "timing"), ("time_us", "mean us"), ("median_us", "median us"),
+            ("gbps", "GB/s")]
     rows = [[_fmt(r.get(k)) for k, _ in cols] for r in results]
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, (_, h) in enumerate(cols)]
     numeric = {"tokens", "num_sms", "time_us", "median_us", "gbps"}
@@ -118,6 +119,11 @@ def print_report(doc: dict, stream=None) -> None:
         head += f" | deepcomm backend {doc['backend']}"
     print(head, file=stream)
     print(format_table(doc["results"]), file=stream)
+    if doc.get("hook_overlap"):
+        o = doc["hook_overlap"]
+        print(f"hook overlap ({o['matmul']} between a {o['tokens']}-token {o['dtype']} low-latency send and its "
+              f"hook): {o['compute_alone_us']:.1f} us alone, {o['compute_with_send_pending_us']:.1f} us with the "
+              f"send pending", file=stream)
     stream.flush()
 
 

@@ -4,11 +4,13 @@ Same method signatures and results as ``deepcomm.reference.ReferenceBackend``; t
 before calling in. Every call runs on a communication stream that first waits for the caller's stream (or for
 ``previous_event``); unless ``async_finish`` is set, the caller's stream then waits for the communication
 stream, so results are ready in stream order. ``self.event`` is recorded at the end of every call.
-Low-latency mode uses its own double-buffered buffer (deepcomm/cuda/ll_buffer.py): receive tensors are views
-of it, valid until the same slot is used again two low-latency dispatches later.
+Low-latency mode uses its own double-buffered buffer (deepcomm/cuda/ll_buffer.py) and runs on the caller's stream:
+everything a dispatch returns is a view of that buffer, valid until the same slot is used again two low-latency
+dispatches later.
 """
 from __future__ import annotations
 
+import os
 from typing import List, Optional, Tuple, Union
 
 import torch
@@ -48,11 +50,24 @@ def arena_sizes(C, world_size: int, max_tokens: int, hidden: int) -> Tuple[int, 
     return ARENA_OUTPUTS * worst, worst
 
 
+def low_latency_blocks(C, device: torch.device) -> int:
+    """Blocks of every low-latency kernel: one per SM (they are short, and hook mode holds none while waiting),
+    at most the flag capacity; DEEPCOMM_LL_NUM_SMS overrides it (every rank must use the same number)."""
+    env = os.environ.get("DEEPCOMM_LL_NUM_SMS")
+    if env:
+        n = int(env)
+        if not 1 <= n <= C.MAX_BLOCKS:
+            raise ValueError(f"DEEPCOMM_LL_NUM_SMS: expected 1..{C.MAX_BLOCKS}, got {env}")
+        return n
+    return min(torch.cuda.get_device_properties(device).multi_processor_count, C.MAX_BLOCKS)
+
+
 class CudaBackend:
     name = "cuda"
     x_dtypes = (torch.bfloat16,)  # non-FP8 x of normal dispatch/combine
-    # Expert-id ranges of a fresh dispatch are checked inside the notify kernel (no extra host sync); the
-    # Buffer then skips its own min/max check.
+    # Expert ids (range; duplicates in low-latency mode) are checked on the device, without a host sync: inside
+    # the notify kernel for a fresh dispatch, inside the send kernel in low-latency mode. The Buffer then skips its
+    # own value checks.
     checks_expert_ids_on_device = True
 
     def __init__(self, group, config, rank: int, world_size: int, device: torch.device):
@@ -73,18 +88,19 @@ class CudaBackend:
         self.bounce_offset = arena
         self.event: Optional[torch.cuda.Event] = None
         self._ll: Optional[LlBuffer] = None
+        self.ll_blocks = low_latency_blocks(C, device)
 
     # ---- plumbing ----
-    def _begin(self, previous_event: Optional[torch.cuda.Event], seq_owner=None) -> torch.cuda.Stream:
+    def _begin(self, previous_event: Optional[torch.cuda.Event]) -> torch.cuda.Stream:
         """Order the communication stream after the caller's work and start a new collective: bump the device
-        sequence number of ``seq_owner`` (the NVLink context by default, the low-latency one in that mode)."""
+        sequence number of the NVLink context."""
         self.nvl.check_error()
         caller = torch.cuda.current_stream(self.device)
         if previous_event is not None:
             self.comm_stream.wait_event(previous_event)
         else:
             self.comm_stream.wait_stream(caller)
-        (seq_owner or self.nvl.ctx).bump_seq(self.comm_stream.cuda_stream)
+        self.nvl.ctx.bump_seq(self.comm_stream.cuda_stream)
         return caller
 
     def _end(self, caller: torch.cuda.Stream, async_finish: bool, inputs) -> None:
@@ -275,65 +291,59 @@ class CudaBackend:
                                     max_tokens, hidden, self.nvl.err_dev, self.nvl.timeout_ns)
         return self._ll
 
-    def _hook(self, launch):
-        """Run ``launch(stream)`` now, or return a hook that runs it once when called (hook mode)."""
+    def _ll_hook(self, launch):
+        """A hook that runs ``launch(stream)`` once, on the stream current when it is called."""
         done = []
 
         def hook() -> None:
             if done:
                 return
             done.append(True)
-            caller = torch.cuda.current_stream(self.device)
-            self.comm_stream.wait_stream(caller)
-            launch(self.comm_stream.cuda_stream)
-            self.event = self.comm_stream.record_event()
-            caller.wait_stream(self.comm_stream)
+            self.nvl.check_error()
+            launch(torch.cuda.current_stream(self.device).cuda_stream)
         return hook
 
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, use_ue8m0,
                              return_recv_hook):
+        # Runs on the caller's stream with no host sync (so it can be captured in a CUDA graph): expert ids are
+        # checked by the kernel, and a bad id raises ValueError at the next look at the error record.
         T, H = x.shape
-        K, R, M = topk_idx.shape[1], self.world_size, num_max_dispatch_tokens_per_rank
-        L = num_experts // R
+        K, M = topk_idx.shape[1], num_max_dispatch_tokens_per_rank
         ll = self._ll_buffer(num_experts, M, H)
-        slot = ll.calls % 2
+        self.nvl.check_error()
+        slot = ll.calls & 1
         ll.calls += 1
-        recv_pos = torch.empty(T, K, dtype=torch.int32, device=self.device)
-        recv_count = torch.empty(L, dtype=torch.int32, device=self.device)
-        layout = torch.empty(L, R, 2, dtype=torch.int32, device=self.device)
-        src_info = torch.empty(L, R * M, dtype=torch.int32, device=self.device)
-        caller = self._begin(None, ll.ctx)
-        ll.ctx.dispatch_send(self.config.num_sms, x.data_ptr(), topk_idx.data_ptr(), recv_pos.data_ptr(), T, K, slot,
-                             use_fp8, use_ue8m0, self.comm_stream.cuda_stream)
-        num_blocks = self.config.num_sms
-        hook = self._hook(lambda stream: ll.ctx.dispatch_recv(slot, K, num_blocks, recv_count.data_ptr(),
-                                                              layout.data_ptr(), src_info.data_ptr(), stream))
-        self._end(caller, False, ())
+        blocks = self.ll_blocks
+        ll.ctx.dispatch_send(blocks, x.data_ptr(), topk_idx.data_ptr(), T, K, slot, use_fp8, use_ue8m0,
+                             torch.cuda.current_stream(self.device).cuda_stream)
+        hook = self._ll_hook(lambda stream: ll.ctx.dispatch_recv(blocks, slot, K, use_fp8, stream))
         if not return_recv_hook:
             hook()
-        recv_x = ll.receive_views(slot, use_fp8, L, R * M, H)
-        handle = LowLatencyHandle(src_info=src_info, layout=layout, recv_pos=recv_pos, num_experts=num_experts,
-                                  num_max_dispatch_tokens_per_rank=M, hidden=H, buffer_id=-1, slot=slot)
+        recv_x, recv_count, layout, src_info = ll.outputs(slot, use_fp8)
+        handle = LowLatencyHandle(src_info=src_info, layout=layout, recv_pos=ll.recv_pos(slot, T, K),
+                                  num_experts=num_experts, num_max_dispatch_tokens_per_rank=M, hidden=H,
+                                  buffer_id=-1, slot=slot)
         return recv_x, recv_count, handle, (hook if return_recv_hook else _noop)
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, return_recv_hook):
         T, K = topk_idx.shape
         H = x.shape[2]
         ll = self._ll_buffer(handle.num_experts, handle.num_max_dispatch_tokens_per_rank, handle.hidden)
+        self.nvl.check_error()
         out = torch.empty(T, H, dtype=torch.bfloat16, device=self.device)
-        caller = self._begin(None, ll.ctx)
-        ll.ctx.combine_send(self.config.num_sms, x.data_ptr(), K, handle.slot, self.comm_stream.cuda_stream)
-        num_blocks = self.config.num_sms
-        hook = self._hook(lambda stream: ll.ctx.combine_recv(topk_idx.data_ptr(), topk_weights.data_ptr(),
-                                                             out.data_ptr(), T, K, handle.slot, num_blocks, stream))
-        self._end(caller, False, ())
+        blocks, slot = self.ll_blocks, handle.slot
+        ll.ctx.combine_send(blocks, x.data_ptr(), topk_weights.data_ptr(), T, K, slot,
+                            torch.cuda.current_stream(self.device).cuda_stream)
+        hook = self._ll_hook(lambda stream: ll.ctx.combine_recv(blocks, topk_idx.data_ptr(), out.data_ptr(), T, K,
+                                                               slot, stream))
         if not return_recv_hook:
             hook()
         return out, (hook if return_recv_hook else _noop)
 
     # ---- lifetime ----
     def synchronize(self) -> None:
-        self.comm_stream.synchronize()
+        # low-latency kernels run on the caller's streams, normal mode on the communication stream: wait for all
+        torch.cuda.synchronize(self.device)
         self.nvl.check_error()
 
     def destroy(self) -> None:

@@ -1,6 +1,11 @@
 """A rank's low-latency buffer (csrc/runtime/ll_layout.hpp): made at the first low-latency call of a shape,
-mapped into every rank, sharing the NVLink buffer's error record and timeout."""
+mapped into every rank, sharing the NVLink buffer's error record and timeout.
+
+Everything a dispatch returns (recv_x, recv_count and the handle's tensors) is a view of this buffer, made once
+per slot and handed out again on every call: valid until the same slot is used again two dispatches later."""
 from __future__ import annotations
+
+from typing import Dict, Tuple
 
 import torch
 
@@ -21,20 +26,43 @@ class LlBuffer:
             self.ctx.set_peer(r, p)
         self.ctx.set_error_record(err_dev)
         self.ctx.set_timeout_ns(timeout_ns)
-        # One uint8 view of our whole buffer; receive tensors are slices of it (valid until the slot is reused).
         self.bytes = as_device_bytes(self.memory.ptr, self.layout["total"], device)
         self.calls = 0
+        L, R, M, H = num_experts // world_size, world_size, max_tokens, hidden
+        self._recv_pos: Dict[Tuple[int, int, int], torch.Tensor] = {}
+        self._slots = []
+        for slot in range(2):
+            x0 = self.layout["recv_x_slot"][slot]
+            s0 = self.layout["recv_scales_slot"][slot]
+            bf16 = self._view(x0, L * R * M * H * 2, torch.bfloat16).view(L, R * M, H)
+            fp8 = (self._view(x0, L * R * M * H, torch.float8_e4m3fn).view(L, R * M, H),
+                   self._view(s0, L * R * M * (H // 128) * 4, torch.float32).view(L, R * M, H // 128))
+            self._slots.append(dict(
+                bf16=bf16, fp8=fp8,
+                count=self._view(self.layout["out_count_slot"][slot], L * 4, torch.int32),
+                layout=self._view(self.layout["out_layout_slot"][slot], L * R * 8, torch.int32).view(L, R, 2),
+                src_info=self._view(self.layout["out_src_info_slot"][slot], L * R * M * 4, torch.int32).view(L, R * M),
+            ))
 
-    def receive_views(self, slot: int, use_fp8: bool, num_local: int, rows: int, hidden: int):
-        """``recv_x`` of one slot: bf16 ``[L, rows, H]``, or (e4m3 ``[L, rows, H]``, fp32 ``[L, rows, H/128]``)."""
-        x0 = self.layout["recv_x_slot"][slot]
-        if not use_fp8:
-            return self.bytes[x0:x0 + num_local * rows * hidden * 2].view(torch.bfloat16).view(num_local, rows, hidden)
-        s0 = self.layout["recv_scales_slot"][slot]
-        values = self.bytes[x0:x0 + num_local * rows * hidden].view(torch.float8_e4m3fn).view(num_local, rows, hidden)
-        scales = self.bytes[s0:s0 + num_local * rows * hidden // 128 * 4].view(torch.float32)
-        return values, scales.view(num_local, rows, hidden // 128)
+    def _view(self, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.bytes[offset:offset + nbytes].view(dtype)
+
+    def outputs(self, slot: int, use_fp8: bool):
+        """``(recv_x, recv_count, layout, src_info)`` of one slot."""
+        s = self._slots[slot]
+        return (s["fp8"] if use_fp8 else s["bf16"]), s["count"], s["layout"], s["src_info"]
+
+    def recv_pos(self, slot: int, num_tokens: int, topk: int) -> torch.Tensor:
+        key = (slot, num_tokens, topk)
+        view = self._recv_pos.get(key)
+        if view is None:
+            view = self._view(self.layout["out_recv_pos_slot"][slot], num_tokens * topk * 4,
+                              torch.int32).view(num_tokens, topk)
+            self._recv_pos[key] = view
+        return view
 
     def close(self) -> None:
+        self._slots = []
+        self._recv_pos.clear()
         self.bytes = None
         self.memory.close()

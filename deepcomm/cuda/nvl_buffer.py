@@ -18,9 +18,10 @@ STAGES = {
     4: "combine:ready",
     5: "combine:token",
     6: "barrier",
-    7: "low_latency_dispatch:counts",
+    7: "low_latency_dispatch:counts",  # retired (kept so the numbers stay stable)
     8: "low_latency_dispatch:data",
     9: "low_latency_combine:data",
+    10: "low_latency_combine:weights",
     20: "qp:room (send queue full, no completions)",
     21: "qp:turn (an earlier post never rang the doorbell)",
     22: "qp:quiet (posted WQEs not completed)",
@@ -32,6 +33,10 @@ STAGES = {
 INPUT_ERRORS = {
     100: "topk_idx: expert ids outside [-1, num_experts) on rank {peer_or_some}; nothing was dispatched",
     101: "num_worst_tokens: rank {peer} receives more rows than num_worst_tokens; rows past it were dropped",
+    # low-latency dispatch checks on the device and raises at the next call, hook or synchronize()
+    102: "topk_idx: an earlier low_latency_dispatch on rank {peer} had expert ids outside [-1, num_experts); "
+         "those slots were dropped (sent nowhere)",
+    103: "topk_idx: an earlier low_latency_dispatch on rank {peer} had a token naming the same expert twice",
 }
 
 

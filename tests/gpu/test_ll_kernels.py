@@ -1,5 +1,6 @@
 """Low-latency kernels against the reference backend, bit for bit: 1..256 tokens, -1 slots, all tokens to one
-expert, hidden 2048/5120/7168, BF16/FP8/UE8M0, hook mode, two micro-batches in flight, CUDA-graph replay."""
+expert, hidden 2048/5120/7168, BF16/FP8/UE8M0, hook mode, two micro-batches in flight (also interleaved with a
+combine), bad ids found on the device, CUDA-graph replay."""
 import pytest
 import torch
 
@@ -79,6 +80,33 @@ def _worker(rank, world):
     out, hook = cuda.low_latency_combine(y, idx, w, got[2], return_recv_hook=True)
     hook()
     assert torch.equal(out, ref.low_latency_combine(y, idx, w, want[2])[0]), "hook combine"
+
+    # two micro-batches interleaved as in decoding: batch 2's dispatch is received after batch 1's combine was sent
+    x1 = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(dev)
+    idx1, w1 = _routing(gen, T, E, K, "masked", dev)
+    x2 = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(dev)
+    idx2, _ = _routing(gen, T, E, K, "random", dev)
+    d1 = cuda.low_latency_dispatch(x1, idx1, M, E, use_fp8=False)
+    want1 = ref.low_latency_dispatch(x1, idx1, M, E, use_fp8=False)
+    d2 = cuda.low_latency_dispatch(x2, idx2, M, E, use_fp8=True, return_recv_hook=True)
+    y1 = torch.randn(E // world, world * M, H, generator=gen).to(torch.bfloat16).to(dev)
+    out1, hook1 = cuda.low_latency_combine(y1, idx1, w1, d1[2], return_recv_hook=True)
+    d2[3]()
+    hook1()
+    _check_dispatch(d2, ref.low_latency_dispatch(x2, idx2, M, E, use_fp8=True), "interleaved dispatch")
+    assert torch.equal(out1, ref.low_latency_combine(y1, idx1, w1, want1[2])[0]), "interleaved combine"
+
+    # expert ids are checked on the device: the call completes everywhere, the next look raises, the Buffer lives on
+    for fault in ("out_of_range", "duplicate"):
+        idx, _ = _routing(gen, 16, 64, 4, "random", dev)
+        idx[3, 1] = 64 + rank if fault == "out_of_range" else idx[3, 0]
+        cuda.low_latency_dispatch(torch.randn(16, 2048, device=dev).to(torch.bfloat16), idx, M, 64, use_fp8=False)
+        with pytest.raises(ValueError, match="topk_idx"):
+            cuda.synchronize()
+        idx, w = _routing(gen, 16, 64, 4, "random", dev)
+        x = torch.randn(16, 2048, generator=gen).to(torch.bfloat16).to(dev)
+        _check_dispatch(cuda.low_latency_dispatch(x, idx, M, 64, use_fp8=False),
+                        ref.low_latency_dispatch(x, idx, M, 64, use_fp8=False), f"after {fault}")
 
     # CUDA graph: dispatch + combine captured once, replayed with new inputs
     xs = torch.zeros(T, H, dtype=torch.bfloat16, device=dev)
