@@ -51,6 +51,10 @@ def make_backend(requested: str, group, config: Config, rank: int, world_size: i
     name = requested
     if requested != "reference":
         reason = cuda_unavailable_reason(group)
+        gpn = config.gpus_per_node
+        if reason is None and gpn is not None and gpn < world_size:
+            reason = (f"the topology has {world_size // gpn} nodes x {gpn} GPUs and the internode kernels are not "
+                      "built yet (docs/internode.md)")
         if reason is not None and requested == "cuda":
             raise RuntimeError(f"deepcomm: backend='cuda' cannot run here: {reason}")
         name = "cuda" if reason is None else "reference"

@@ -12,6 +12,7 @@ from . import validation as v
 from .backends import group_device, make_backend
 from .config import DEFAULT_HIDDEN, DEFAULT_TIMEOUT_S, Config, default_num_sms
 from .handle import Handle, LowLatencyHandle
+from .topology import resolve_topology
 
 _buffer_ids = itertools.count(1)
 
@@ -21,7 +22,7 @@ class Buffer:
 
     def __init__(self, group=None, max_tokens_per_rank: int = 4096, hidden: Optional[int] = None,
                  num_sms: Optional[int] = None, backend: str = "auto", num_max_low_latency_tokens: int = 128,
-                 timeout_s: Optional[float] = None):
+                 timeout_s: Optional[float] = None, gpus_per_node: Optional[int] = None):
         self._backend = None
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("deepcomm.Buffer: torch.distributed is not initialized "
@@ -29,6 +30,7 @@ class Buffer:
         self._group = dist.group.WORLD if group is None else group
         self._rank = dist.get_rank(self._group)
         self._world_size = dist.get_world_size(self._group)
+        self.topology = resolve_topology(self._world_size, gpus_per_node)  # ValueError naming the bad source
         if backend not in ("auto", "cuda", "reference"):
             v.fail("backend", f"expected 'auto', 'cuda' or 'reference', got {backend!r}")
         self._device = group_device(self._group)
@@ -40,7 +42,8 @@ class Buffer:
                              timeout_s=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s,
                              max_tokens_per_rank=max_tokens_per_rank,
                              hidden=DEFAULT_HIDDEN if hidden is None else hidden,
-                             num_max_low_latency_tokens=num_max_low_latency_tokens)
+                             num_max_low_latency_tokens=num_max_low_latency_tokens,
+                             gpus_per_node=self.topology.gpus_per_node)
         self.buffer_id = next(_buffer_ids)
         self._backend, self._backend_name = make_backend(backend, self._group, self.config, self._rank,
                                                          self._world_size, self._device)

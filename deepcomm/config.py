@@ -39,12 +39,15 @@ class Config:
     max_tokens_per_rank: int = 4096
     hidden: int = DEFAULT_HIDDEN
     num_max_low_latency_tokens: int = 128
+    gpus_per_node: Optional[int] = None  # None: one node (Buffer fills it in from deepcomm.topology)
 
     def __post_init__(self) -> None:
         _check_positive_int("num_sms", self.num_sms)
         _check_positive_int("max_tokens_per_rank", self.max_tokens_per_rank)
         _check_positive_int("hidden", self.hidden)
         _check_positive_int("num_max_low_latency_tokens", self.num_max_low_latency_tokens)
+        if self.gpus_per_node is not None:
+            _check_positive_int("gpus_per_node", self.gpus_per_node)
         if self.hidden % 8 != 0:
             raise ValueError(f"hidden: expected a multiple of 8, got {self.hidden}")
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)):

@@ -65,15 +65,24 @@ def gather_rows(rows, tensors):
     return torch.stack([tensors[s][t] for s, t in rows])
 
 
-def combine(src, ys, rows_at, idxs, num_experts, out_dtype):
-    """Rank ``src``'s combined output: per token, sum over ranks ascending of its row there, one rounding."""
+def combine(src, ys, rows_at, idxs, num_experts, out_dtype, gpus_per_node=None):
+    """Rank ``src``'s combined output: per token, the sum of its rows, one rounding. Within each node (ranks
+    ascending) first, then the nodes' partials ascending; with one node that is the sum over ranks ascending."""
     world = len(ys)
+    gpn = gpus_per_node or world
     acc_dtype = torch.float64 if out_dtype == torch.float64 else torch.float32
     out = []
     for t in range(idxs[src].shape[0]):
         acc = torch.zeros(ys[0].shape[1:], dtype=acc_dtype)
-        for d in ranks_of(idxs[src][t], num_experts, world):
-            acc = acc + ys[d][rows_at[d].index((src, t))].to(acc_dtype)
+        dests = ranks_of(idxs[src][t], num_experts, world)
+        for node in range(world // gpn):
+            mine = [d for d in dests if d // gpn == node]
+            if not mine:
+                continue
+            part = torch.zeros(ys[0].shape[1:], dtype=acc_dtype)
+            for d in mine:
+                part = part + ys[d][rows_at[d].index((src, t))].to(acc_dtype)
+            acc = acc + part
         out.append(acc.to(out_dtype))
     return torch.stack(out) if out else torch.zeros(0, *ys[0].shape[1:], dtype=out_dtype)
 

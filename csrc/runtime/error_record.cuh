@@ -18,6 +18,13 @@ enum WaitStage : int {
   kStageLlDispatchData = 8,    // low-latency dispatch: waiting for a peer's entries
   kStageLlCombineData = 9,     // low-latency combine: waiting for a peer's partial sums
   kStageLlCombineWeights = 10, // low-latency combine: waiting for a peer's top-k weights
+  // Device queue pairs and the device emulated NIC (csrc/transport/qp_poster.hpp, nic_serve.hpp).
+  kStageQpRoom = 20,           // a poster waiting for send-queue slots to be completed (CQEs)
+  kStageQpTurn = 21,           // a poster waiting for earlier posts to ring the doorbell
+  kStageQpQuiet = 22,          // waiting for every posted WQE up to an index to complete
+  kStageNicDoorbell = 23,      // the device NIC waiting for WQEs (or a free CQE) while posters still run
+  kStageQpErrorCqe = 24,       // not a wait: an error CQE (queue in error); the syndrome is in the poster state
+  kStageQpSignal = 25,         // waiting for a signal (fetch-add) a peer's NIC delivers
   // Not timeouts: input problems found on the device. Every rank stops the call consistently, so the Buffer
   // stays usable and the host raises ValueError.
   kStageInvalidIds = 100,      // some rank's topk_idx had ids outside [-1, E) (no host sync to catch it earlier)

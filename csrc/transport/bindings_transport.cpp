@@ -257,4 +257,6 @@ void bind_transport(py::module_& parent) {
          "Block until the proxy consumed every WQEBB before producer index pi; TimeoutError or RuntimeError if not.")
       .def("__enter__", [](CpuProxy& p) -> CpuProxy& { p.start(); return p; }, py::return_value_policy::reference)
       .def("__exit__", [](CpuProxy& p, py::args) { p.stop(); });
+
+  bind_device_qp(m);
 }

@@ -4,3 +4,6 @@
 #include <pybind11/pybind11.h>
 
 void bind_transport(pybind11::module_& m);
+
+// The device queue pair part of deepcomm._C.transport (csrc/transport/bindings_device_qp.cpp).
+void bind_device_qp(pybind11::module_& m);

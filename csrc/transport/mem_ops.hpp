@@ -59,6 +59,25 @@ DC_HD uint64_t fetch_add_release_u64(uint64_t* p, uint64_t v) {
 #endif
 }
 
+// The posters' shared counters (device queue pairs, csrc/transport/qp_poster.hpp).
+DC_HD uint32_t fetch_add_relaxed_u32(uint32_t* p, uint32_t v) {
+#if defined(__CUDA_ARCH__)
+  return atomicAdd(p, v);
+#else
+  return __atomic_fetch_add(p, v, __ATOMIC_RELAXED);
+#endif
+}
+
+// Returns the old value; on success (old == expected) later loads see what the last releaser of *p published.
+DC_HD uint32_t cas_acquire_u32(uint32_t* p, uint32_t expected, uint32_t desired) {
+#if defined(__CUDA_ARCH__)
+  return ptx::atom_cas_acquire_sys_u32(p, expected, desired);
+#else
+  __atomic_compare_exchange_n(p, &expected, desired, false, __ATOMIC_ACQUIRE, __ATOMIC_ACQUIRE);
+  return expected;
+#endif
+}
+
 // WQE and CQE memory is read and written as 8-byte words (segments are 16-byte aligned).
 DC_HD uint64_t load_u64(const uint8_t* p) { return *reinterpret_cast<const uint64_t*>(p); }
 DC_HD void store_u64(uint8_t* p, uint64_t v) { *reinterpret_cast<uint64_t*>(p) = v; }

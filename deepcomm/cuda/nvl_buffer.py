@@ -22,6 +22,12 @@ STAGES = {
     8: "low_latency_dispatch:data",
     9: "low_latency_combine:data",
     10: "low_latency_combine:weights",
+    20: "qp:room (send queue full, no completions)",
+    21: "qp:turn (an earlier post never rang the doorbell)",
+    22: "qp:quiet (posted WQEs not completed)",
+    23: "nic:doorbell (device NIC waiting for WQEs)",
+    24: "qp:error_cqe (a WQE completed with an error)",
+    25: "qp:signal (waiting for a peer's fetch-add signal)",
 }
 # Input problems found on the device (not timeouts): every rank stopped the call consistently.
 INPUT_ERRORS = {

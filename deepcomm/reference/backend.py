@@ -37,7 +37,7 @@ class ReferenceBackend:
         return normal.pad_to_worst(out, num_worst_tokens, handle is not None) if num_worst_tokens else out
 
     def combine(self, x, handle, topk_weights, previous_event=None, async_finish=False, use_fp8=False):
-        return normal.combine(self.comm, x, handle, topk_weights, use_fp8)
+        return normal.combine(self.comm, x, handle, topk_weights, use_fp8, self.config.gpus_per_node)
 
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
                              use_ue8m0, return_recv_hook):

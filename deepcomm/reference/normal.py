@@ -61,8 +61,11 @@ def dispatch(comm: Comm, x: Payload, topk_idx: Optional[torch.Tensor], topk_weig
 
 
 def combine(comm: Comm, x: torch.Tensor, handle: Handle, topk_weights: Optional[torch.Tensor],
-            use_fp8: bool = False):
-    """Returns ``(combined_x, combined_topk_weights)``: per token, the sum over ranks ascending of its rows.
+            use_fp8: bool = False, gpus_per_node: Optional[int] = None):
+    """Returns ``(combined_x, combined_topk_weights)``: per token, the fp32 sum of its rows, grouped as the
+    hierarchical path adds them: within each node over its ranks ascending, then the node partials over nodes
+    ascending (docs/internode.md). One node (``gpus_per_node`` None or the world size) or one GPU per node both
+    give the flat sum over ranks ascending.
 
     ``use_fp8``: every row travels as ``per_token_cast_to_fp8`` values and fp32 scales and is dequantized
     (``per_token_cast_back``, one fp32 multiply per element) before the fp32 sum; the rows a rank sends to itself
@@ -85,21 +88,35 @@ def combine(comm: Comm, x: torch.Tensor, handle: Handle, topk_weights: Optional[
         n_own = counts[rank][rank]
         got[own_got:own_got + n_own] = x[own_x:own_x + n_own].float()
         received = [got] + received[2:]
-    combined_x = _reduce(received[0], handle, recv_counts, x.dtype)
-    combined_w = _reduce(received[1], handle, recv_counts, torch.float32) if topk_weights is not None else None
+    gpn = gpus_per_node or world
+    combined_x = _reduce(received[0], handle, recv_counts, x.dtype, gpn)
+    combined_w = _reduce(received[1], handle, recv_counts, torch.float32, gpn) if topk_weights is not None else None
     return combined_x, combined_w
 
 
-def _reduce(rows: torch.Tensor, handle: Handle, recv_counts: List[int], out_dtype: torch.dtype) -> torch.Tensor:
+def _reduce(rows: torch.Tensor, handle: Handle, recv_counts: List[int], out_dtype: torch.dtype,
+            gpus_per_node: int) -> torch.Tensor:
     acc_dtype = torch.float64 if out_dtype == torch.float64 else torch.float32
+    begins = [sum(recv_counts[:d]) for d in range(len(recv_counts))]
+
+    def node_sum(ranks: List[int]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The node's partial sums (ranks ascending, from +0) and which tokens it holds."""
+        part = torch.zeros(handle.num_tokens, *rows.shape[1:], dtype=acc_dtype, device=rows.device)
+        for dst in ranks:
+            if recv_counts[dst]:
+                tokens = handle.is_token_in_rank[:, dst].nonzero()[:, 0]
+                # each token appears at most once per rank, so this is one exact add per element
+                part.index_add_(0, tokens, rows[begins[dst]:begins[dst] + recv_counts[dst]].to(acc_dtype))
+        return part, handle.is_token_in_rank[:, ranks].any(dim=1)
+
+    world = len(recv_counts)
+    if gpus_per_node >= world:
+        return node_sum(list(range(world)))[0].to(out_dtype)
     acc = torch.zeros(handle.num_tokens, *rows.shape[1:], dtype=acc_dtype, device=rows.device)
-    begin = 0
-    for dst, count in enumerate(recv_counts):
-        if count:
-            tokens = handle.is_token_in_rank[:, dst].nonzero()[:, 0]
-            # each token appears at most once per rank, so this is one exact add per element, ranks ascending
-            acc.index_add_(0, tokens, rows[begin:begin + count].to(acc_dtype))
-        begin += count
+    for first in range(0, world, gpus_per_node):
+        part, held = node_sum(list(range(first, first + gpus_per_node)))
+        tokens = held.nonzero()[:, 0]  # a node adds its partial only for the tokens it holds (no +0 added)
+        acc.index_add_(0, tokens, part[tokens])
     return acc.to(out_dtype)
 
 
