@@ -35,8 +35,9 @@ def _round(buf, low_latency: bool, gen) -> None:
     dev = buf.device
     idx = torch.rand(T, E, generator=gen).topk(K, dim=1).indices.to(dev)
     x = torch.randn(T, 1024, generator=gen).to(torch.bfloat16).to(dev)
-    if low_latency:
-        w = torch.rand(T, K, generator=gen).to(dev)
+    if low_latency:  # at most M tokens per rank in low-latency mode
+        x, idx = x[:M], idx[:M]
+        w = torch.rand(M, K, generator=gen).to(dev)
         recv_x, _, handle, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
         out, _ = buf.low_latency_combine(recv_x, idx, w, handle)
     else:
