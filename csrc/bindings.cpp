@@ -13,6 +13,7 @@
 #include "runtime/ll_context.hpp"
 #include "runtime/nvl_context.hpp"
 #include "runtime/nvl_layout.hpp"
+#include "transport/bindings_nvshmem.hpp"
 #include "transport/bindings_transport.hpp"
 
 namespace py = pybind11;
@@ -37,6 +38,7 @@ py::dict layout_dict(const NvlLayout& l) {
 
 PYBIND11_MODULE(_C, m) {
   bind_transport(m);
+  bind_nvshmem(m);
   m.doc() = "deepcomm CUDA core (raw pointers and streams; no libtorch)";
   m.attr("MAX_RANKS") = kMaxRanks;
   m.attr("MAX_BLOCKS") = kMaxBlocks;
