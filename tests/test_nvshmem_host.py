@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from deepcomm.config import Config, resolve_low_latency_memory
-from deepcomm.cuda import nvshmem_session as ns
+from deepcomm.cuda import nvshmem_library as nl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -45,39 +45,39 @@ def test_library_candidates_in_order(tmp_path, monkeypatch):
     home, wheel, empty = tmp_path / "home", tmp_path / "wheel", tmp_path / "empty"
     for d in (home / "lib", wheel / "lib", empty / "lib"):
         d.mkdir(parents=True)
-    (home / "lib" / ns.LIB_NAME).write_bytes(b"")
-    (wheel / "lib" / ns.LIB_NAME).write_bytes(b"")
+    (home / "lib" / nl.LIB_NAME).write_bytes(b"")
+    (wheel / "lib" / nl.LIB_NAME).write_bytes(b"")
     monkeypatch.setenv("NVSHMEM_HOME", str(home))
-    monkeypatch.setattr(ns, "package_lib_dirs", lambda: [str(empty / "lib"), str(wheel / "lib")])
-    assert ns.library_candidates() == [str(home / "lib" / ns.LIB_NAME), str(wheel / "lib" / ns.LIB_NAME), ns.LIB_NAME]
+    monkeypatch.setattr(nl, "package_lib_dirs", lambda: [str(empty / "lib"), str(wheel / "lib")])
+    assert nl.library_candidates() == [str(home / "lib" / nl.LIB_NAME), str(wheel / "lib" / nl.LIB_NAME), nl.LIB_NAME]
     monkeypatch.delenv("NVSHMEM_HOME")
-    monkeypatch.setattr(ns, "package_lib_dirs", lambda: [])
-    assert ns.library_candidates() == [ns.LIB_NAME]
+    monkeypatch.setattr(nl, "package_lib_dirs", lambda: [])
+    assert nl.library_candidates() == [nl.LIB_NAME]
 
 
 def test_missing_extension_support_is_named(monkeypatch):
     class BuiltWithoutHeaders:
         NVSHMEM_MISSING = "deepcomm._C was built without NVSHMEM support: the NVSHMEM headers were not found"
 
-    monkeypatch.setattr(ns, "load_extension", lambda: BuiltWithoutHeaders())
-    with pytest.raises(ns.NvshmemUnavailableError, match="built without NVSHMEM support"):
-        ns.load_library()
-    monkeypatch.setattr(ns, "load_extension", lambda: None)
-    monkeypatch.setattr(ns, "extension_error", lambda: "ModuleNotFoundError: No module named 'deepcomm._C'")
-    with pytest.raises(ns.NvshmemUnavailableError, match="needs the extension deepcomm._C"):
-        ns.load_library()
+    monkeypatch.setattr(nl, "load_extension", lambda: BuiltWithoutHeaders())
+    with pytest.raises(nl.NvshmemUnavailableError, match="built without NVSHMEM support"):
+        nl.load_library()
+    monkeypatch.setattr(nl, "load_extension", lambda: None)
+    monkeypatch.setattr(nl, "extension_error", lambda: "ModuleNotFoundError: No module named 'deepcomm._C'")
+    with pytest.raises(nl.NvshmemUnavailableError, match="needs the extension deepcomm._C"):
+        nl.load_library()
 
 
 @pytest.mark.skipif(not _extension_has_nvshmem(), reason="deepcomm._C built without the NVSHMEM headers")
 def test_missing_library_names_every_place_tried(tmp_path):
     p = _python(f"""
-        from deepcomm.cuda import nvshmem_session as ns
+        from deepcomm.cuda import nvshmem_library as nl
         if "libnvshmem_host" in open("/proc/self/maps").read():
             print("PRELOADED")  # torch's own NVSHMEM support loaded it: the bare name would find it
-        ns.package_lib_dirs = lambda: []
+        nl.package_lib_dirs = lambda: []
         try:
-            ns.load_library()
-        except ns.NvshmemUnavailableError as exc:
+            nl.load_library()
+        except nl.NvshmemUnavailableError as exc:
             print(exc)
         """, NVSHMEM_HOME=str(tmp_path), LD_LIBRARY_PATH=str(tmp_path))
     if "PRELOADED" in p.stdout:
@@ -88,13 +88,13 @@ def test_missing_library_names_every_place_tried(tmp_path):
 
 
 @pytest.mark.skipif(not _extension_has_nvshmem(), reason="deepcomm._C built without the NVSHMEM headers")
-@pytest.mark.skipif(ns.library_candidates() == [ns.LIB_NAME],
+@pytest.mark.skipif(nl.library_candidates() == [nl.LIB_NAME],
                     reason="no NVSHMEM here (set NVSHMEM_HOME or pip install nvidia-nvshmem-cu13)")
 def test_real_library_loads_and_makes_a_unique_id():
     p = _python("""
         import os
-        from deepcomm.cuda import nvshmem_session as ns
-        n = ns.load_library()
+        from deepcomm.cuda import nvshmem_library as nl
+        n = nl.load_library()
         print("path", n.loaded_path())
         print("plugin", os.environ["NVSHMEM_BOOTSTRAP_UID_PLUGIN"])
         print("versions", n.library_version(), n.header_version())
@@ -107,7 +107,7 @@ def test_real_library_loads_and_makes_a_unique_id():
         """)
     out = p.stdout
     assert p.returncode == 0, out
-    lib_dir = os.path.dirname(ns.library_candidates()[0])
+    lib_dir = os.path.dirname(nl.library_candidates()[0])
     assert f"path {lib_dir}/libnvshmem_host.so.3" in out, out
     assert f"plugin {lib_dir}/nvshmem_bootstrap_uid.so.3" in out, out
     assert "versions (3, " in out and "status 0" in out and "uid 128 128" in out, out

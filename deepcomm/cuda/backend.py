@@ -77,7 +77,7 @@ class CudaBackend:
         self.C, self.group, self.config = C, group, config
         self.rank, self.world_size, self.device = rank, world_size, device
         if config.low_latency_memory == "nvshmem":  # fail at construction, before any collective, if it is missing
-            from .nvshmem_session import load_library
+            from .nvshmem_library import load_library
             load_library()
         arena, worst = arena_sizes(C, world_size, config.max_tokens_per_rank, config.hidden)
         with torch.cuda.device(device):
