@@ -24,7 +24,10 @@ class NvshmemMemory:
         try:
             self.peer_ptrs: List[int] = nvshmem_session.peer_ptrs(self.ptr, world_size)
             device = torch.device("cuda", torch.cuda.current_device())
-            as_device_bytes(self.ptr, nbytes, device).zero_()  # flags and sequence numbers start at 0
+            view = as_device_bytes(self.ptr, nbytes, device)
+            if view.data_ptr() != self.ptr:  # torch placed the pointer on another device and copied it
+                raise RuntimeError(f"deepcomm: torch does not see NVSHMEM's symmetric memory as memory of {device}")
+            view.zero_()  # flags and sequence numbers start at 0
             torch.cuda.synchronize(device)
         except BaseException:
             nvshmem_session.release(self.block)

@@ -35,6 +35,7 @@ def _pattern(seed, nbytes, dev):
 def _symmetric_worker(rank, world):
     import torch.distributed as dist
 
+    from deepcomm._ext import load_extension
     from deepcomm.cuda import nvshmem_session as ns
     from deepcomm.cuda.arena import as_device_bytes
     dev = torch.device("cuda", rank)
@@ -46,22 +47,29 @@ def _symmetric_worker(rank, world):
     assert session.how == "torch.distributed" and session.ranks == tuple(range(world))
     assert (n.my_pe(), n.n_pes()) == (rank, world) and n.init_status() >= 2
 
-    # each rank writes a pattern into its block; after a barrier everyone reads every block through nvshmem_ptr
+    # each rank writes a pattern into its block; after a barrier everyone reads every block through nvshmem_ptr.
+    # Peer mappings are copied with cudaMemcpy (C.copy_bytes): a torch view of one would be placed on the owner's
+    # device by torch's pointer lookup, and copied.
+    C = load_extension()
+    stream = torch.cuda.current_stream(dev).cuda_stream
     nbytes = (1 << 20) + 4096
     block, ptr = ns.allocate(group, nbytes)
     peers = ns.peer_ptrs(ptr, world)
     assert peers[rank] == ptr and len(set(peers)) == world, peers
     mine = as_device_bytes(ptr, nbytes, dev)
+    assert mine.data_ptr() == ptr  # a view of our own block, not a copy
     mine.copy_(_pattern(rank, nbytes, dev))
     torch.cuda.synchronize(dev)
     ns.barrier()
     for r in range(world):
-        seen = as_device_bytes(peers[r], nbytes, dev).clone()
+        seen = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+        C.copy_bytes(seen.data_ptr(), peers[r], nbytes, stream)
         torch.cuda.synchronize(dev)
         assert torch.equal(seen, _pattern(r, nbytes, dev)), f"rank {rank} read rank {r}'s block wrong"
     ns.barrier()
     # and writes into the next rank's block through its mapping
-    as_device_bytes(peers[(rank + 1) % world], nbytes, dev).copy_(_pattern(10 + rank, nbytes, dev))
+    src = _pattern(10 + rank, nbytes, dev)
+    C.copy_bytes(peers[(rank + 1) % world], src.data_ptr(), nbytes, stream)
     torch.cuda.synchronize(dev)
     ns.barrier()
     assert torch.equal(mine, _pattern(10 + (rank - 1) % world, nbytes, dev)), "a peer's write did not land"
