@@ -16,8 +16,6 @@ class NvshmemMemory:
     at ``rank``). Collective: every rank of the group constructs it with the same size, at the same time. The
     first one in a process initializes NVSHMEM over the group (see nvshmem_session)."""
 
-    kind = "nvshmem"
-
     def __init__(self, C, group, rank: int, world_size: int, nbytes: int):
         self.rank, self.nbytes = rank, nbytes
         self.block, self.ptr = nvshmem_session.allocate(group, nbytes)

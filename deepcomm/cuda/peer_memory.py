@@ -10,8 +10,6 @@ class PeerMemory:
     """``ptr``: our allocation (zero-filled); ``peer_ptrs[r]``: rank r's allocation as mapped here (ours at
     ``rank``). Collective: every rank of the group constructs it with the same size, at the same time."""
 
-    kind = "ipc"
-
     def __init__(self, C, group, rank: int, world_size: int, nbytes: int):
         self.C, self.rank, self.nbytes = C, rank, nbytes
         self.ptr, handle = C.ipc_alloc(nbytes)
