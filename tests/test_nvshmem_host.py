@@ -76,12 +76,13 @@ def test_missing_library_names_every_place_tried(tmp_path):
             print("PRELOADED")  # torch's own NVSHMEM support loaded it: the bare name would find it
         nl.package_lib_dirs = lambda: []
         try:
-            nl.load_library()
+            print("LOADED", nl.load_library().loaded_path())
         except nl.NvshmemUnavailableError as exc:
             print(exc)
         """, NVSHMEM_HOME=str(tmp_path), LD_LIBRARY_PATH=str(tmp_path))
-    if "PRELOADED" in p.stdout:
-        pytest.skip("libnvshmem_host.so.3 is already loaded by torch in a fresh process")
+    if "LOADED" in p.stdout:  # also PRELOADED
+        pytest.skip("libnvshmem_host.so.3 is reachable here by its bare name (already loaded by torch, or installed "
+                    "system-wide): nothing is missing to report")
     assert "NVSHMEM not found" in p.stdout, p.stdout
     assert "libnvshmem_host.so.3: cannot open shared object file" in p.stdout, p.stdout
     assert "pip install nvidia-nvshmem-cu13" in p.stdout and "DEEPCOMM_LL_MEMORY=ipc" in p.stdout, p.stdout
