@@ -4,6 +4,7 @@ the symmetric heap (DEEPCOMM_LL_MEMORY=nvshmem) against the reference; and the m
 import importlib.util
 import os
 import shutil
+import signal
 import subprocess
 
 import pytest
@@ -138,7 +139,14 @@ def test_mpirun_bootstraps_nvshmem_through_mpi():
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     script = os.path.join(ROOT, "tests", "gpu", "nvshmem_mpi_check.py")
-    p = subprocess.run(["bash", os.path.join(ROOT, "launch", "mpirun.sh"), script], cwd=ROOT, env=env,
-                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=240)
-    assert p.returncode == 0, p.stdout
-    assert p.stdout.count("NVSHMEM over MPI: OK") == 2, p.stdout
+    # its own session, so a hang past the deadline takes mpirun and both ranks down with it
+    p = subprocess.Popen(["bash", os.path.join(ROOT, "launch", "mpirun.sh"), script], cwd=ROOT, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        pytest.fail(f"mpirun did not finish within 240 s:\n{out}")
+    assert p.returncode == 0, out
+    assert out.count("NVSHMEM over MPI: OK") == 2, out
