@@ -70,7 +70,7 @@ def test_missing_extension_support_is_named(monkeypatch):
 
 @pytest.mark.skipif(not _extension_has_nvshmem(), reason="deepcomm._C built without the NVSHMEM headers")
 def test_missing_library_names_every_place_tried(tmp_path):
-    p = _python(f"""
+    p = _python("""
         from deepcomm.cuda import nvshmem_library as nl
         if "libnvshmem_host" in open("/proc/self/maps").read():
             print("PRELOADED")  # torch's own NVSHMEM support loaded it: the bare name would find it
