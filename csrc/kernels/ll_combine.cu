@@ -9,7 +9,6 @@
 
 #include "../runtime/cuda_check.hpp"
 #include "api.hpp"
-#include "block_flags.cuh"
 #include "ll_common.cuh"
 
 namespace dc {
@@ -109,7 +108,7 @@ __global__ void __launch_bounds__(kLlThreads, 1)
       }
     }
     __syncthreads();
-    signal_block_done(peers, l.comb_flag, R, ctx);
+    ll_signal_arrival(peers, l, kLlCombine, a.slot, rank);
   }
   ll_finish_send(self, l, kLlCombine, a.slot, ctx.seq);
 }
@@ -122,7 +121,7 @@ __global__ void __launch_bounds__(kLlThreads, 1)
   uint8_t* self = peers.base[rank];
   ctx.seq = ll_recv_seq(self, l, kLlCombine, a.slot);
   __shared__ int ok;
-  if (!wait_all_blocks_done(self, l.comb_flag, R, num_send_blocks, ctx, kStageLlCombineData, &ok)) return;
+  if (!ll_wait_arrivals(self, l, kLlCombine, a.slot, num_send_blocks, ctx, kStageLlCombineData, &ok)) return;
   const int nchunks = int((H + kChunk - 1) / kChunk);
   const int total_warps = gridDim.x * kLlWarps;
   for (int item = blockIdx.x * kLlWarps + warp; item < T * nchunks; item += total_warps) {

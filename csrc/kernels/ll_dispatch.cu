@@ -10,7 +10,6 @@
 
 #include "../runtime/cuda_check.hpp"
 #include "api.hpp"
-#include "block_flags.cuh"
 #include "fp8_cast.cuh"
 #include "ll_common.cuh"
 
@@ -128,7 +127,7 @@ __global__ void __launch_bounds__(kLlThreads, 1)
     if (tid == 0 && dup_id && !bad_id) report_input_error(ctx, rank, kStageLlDuplicateIds);
   }
   __syncthreads();
-  signal_block_done(peers, l.data_flag, R, ctx);
+  ll_signal_arrival(peers, l, kLlDispatch, a.slot, rank);
   ll_finish_send(self, l, kLlDispatch, a.slot, ctx.seq);
 }
 
@@ -144,7 +143,7 @@ __global__ void __launch_bounds__(kLlThreads, 1)
   int* base = smem;           // [L][R]
   int* total = smem + L * R;  // [L]
   __shared__ int ok;
-  if (!wait_all_blocks_done(self, l.data_flag, R, num_send_blocks, ctx, kStageLlDispatchData, &ok)) return;
+  if (!ll_wait_arrivals(self, l, kLlDispatch, slot, num_send_blocks, ctx, kStageLlDispatchData, &ok)) return;
   const int* counts = reinterpret_cast<const int*>(self + l.counts_at(slot));
   const int* ntok = reinterpret_cast<const int*>(self + l.ntok_at(slot));
   ll_expert_bases(counts, l, rank, base, total);
