@@ -79,17 +79,23 @@ __global__ void __launch_bounds__(kLlThreads, 1)
       for (int u = 0; u < kUnroll; ++u)
 #pragma unroll
         for (int j = 0; j < 8; ++j) acc[u][j] = 0.0f;
-      for (uint32_t m = mine; m; m &= m - 1) {  // slots ascending
-        const int k = __ffs(m) - 1;
-        const int64_t e = __shfl_sync(0xffffffffu, entry, k);
-        const float wk = __shfl_sync(0xffffffffu, w, k);
+      // Slots ascending; the next slot's row is loaded while this one is accumulated (two rows in flight).
+      int4 v[kUnroll], next[kUnroll];
+      auto load = [&](uint32_t m, int4 (&dst)[kUnroll]) {
+        const int64_t e = __shfl_sync(0xffffffffu, entry, __ffs(m) - 1);
         const auto* row = static_cast<const __nv_bfloat16*>(a.x) + e * H;
-        int4 v[kUnroll];
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
           const int64_t idx = int64_t(c) * kChunk + u * 256 + lane * 8;
-          v[u] = idx < H ? ptx::ld_nc_na_v4(reinterpret_cast<const int4*>(row + idx)) : make_int4(0, 0, 0, 0);
+          dst[u] = idx < H ? ptx::ld_nc_na_v4(reinterpret_cast<const int4*>(row + idx)) : make_int4(0, 0, 0, 0);
         }
+      };
+      load(mine, next);
+      for (uint32_t m = mine; m; m &= m - 1) {
+        const float wk = __shfl_sync(0xffffffffu, w, __ffs(m) - 1);
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) v[u] = next[u];
+        if (m & (m - 1)) load(m & (m - 1), next);
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
           float f[8];

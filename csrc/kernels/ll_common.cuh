@@ -45,8 +45,8 @@ __device__ __forceinline__ void ll_finish_send(uint8_t* self, const LlLayout& l,
 // 0..R-1 each add 1 to one rank's arrival counter for (kind, slot), with release ordering at system scope.
 __device__ __forceinline__ void ll_signal_arrival(const Peers& peers, const LlLayout& l, LlKind kind, int slot,
                                                   int rank) {
+  // The release add is cumulative: it publishes every store the barrier ordered before it, from all threads.
   if (threadIdx.x < l.num_ranks) {
-    ptx::fence_acq_rel_sys();
     auto* counter = reinterpret_cast<uint64_t*>(peers.base[threadIdx.x] + l.arrivals_at(kind, slot)) + rank;
     ptx::atom_add_release_sys_u64(counter, 1);
   }
