@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -13,19 +12,10 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "gpu"))
 from nccl_run import run_on_gpus  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(__file__))
+from profile_intranode import _timed  # noqa: E402
+
 E, H, K, M = 256, 7168, 8, 128
-
-
-def _host_us(fn, iters=50):
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    host = (time.perf_counter() - t0) / iters * 1e6
-    torch.cuda.synchronize()
-    return host
 
 
 def worker(rank, world):
@@ -45,7 +35,7 @@ def worker(rank, world):
             "dispatch bf16": lambda: buf.low_latency_dispatch(x, idx, M, E, use_fp8=False),
             "combine": lambda: buf.low_latency_combine(y, idx, w, h),
         }
-        host = {k: _host_us(fn) for k, fn in calls.items()}
+        host = {k: _timed(fn, 50, wait_for_device=False) for k, fn in calls.items()}
         dist.barrier()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(20):

@@ -9,6 +9,7 @@
 
 #include "../runtime/cuda_check.hpp"
 #include "api.hpp"
+#include "bf16_vec.cuh"
 #include "ll_common.cuh"
 
 namespace dc {
@@ -17,16 +18,6 @@ namespace {
 
 constexpr int kUnroll = 4;                    // 8-element vectors per lane per item
 constexpr int kChunk = 32 * 8 * kUnroll;      // elements of a row one warp handles per item
-
-__device__ __forceinline__ void unpack_bf16x8(const int4& v, float (&f)[8]) {
-  const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const float2 p = __bfloat1622float2(h[j]);
-    f[2 * j] = p.x;
-    f[2 * j + 1] = p.y;
-  }
-}
 
 __global__ void __launch_bounds__(kLlThreads, 1)
     ll_combine_send_kernel(LlCombineArgs a, LlLayout l, Peers peers, WaitCtx ctx) {

@@ -10,6 +10,7 @@
 
 #include "../runtime/cuda_check.hpp"
 #include "api.hpp"
+#include "bf16_vec.cuh"
 #include "fp8_cast.cuh"
 #include "ll_common.cuh"
 
@@ -49,13 +50,7 @@ __device__ __forceinline__ void send_token_chunk(const LlDispatchArgs& a, const 
 #pragma unroll
   for (int u = 0; u < kSendUnroll; ++u) {
     float f[8];
-    const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v[u]);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 p = __bfloat1622float2(h[j]);
-      f[2 * j] = p.x;
-      f[2 * j + 1] = p.y;
-    }
+    unpack_bf16x8(v[u], f);
     q[u] = quantize8_e4m3(f, a.use_ue8m0, &scale[u]);
   }
   for (uint32_t m = dests; m; m &= m - 1) {
