@@ -197,6 +197,32 @@ class Buffer:
         self._check_hook_flag(return_recv_hook)
         return backend.low_latency_combine(x, topk_idx, topk_weights, handle, return_recv_hook)
 
+    # ---- masking lost ranks (low-latency mode) ----------------------------------------------------------
+    def mask_ranks(self, ranks) -> None:
+        """Go on in low-latency mode without ``ranks`` (e.g. the peer a ``CommTimeoutError`` named, after its
+        process died): from the next call on nothing is sent to them or awaited from them, and slots naming their
+        experts count as -1 (dropped from dispatch, absent from combine). Local, no collective: each survivor calls
+        it, with the same ranks. A timeout waiting for a masked peer is cleared, and the Buffer works again in
+        low-latency mode for shapes it has already run; normal mode refuses to run while ranks are masked."""
+        backend = self._live()
+        if isinstance(ranks, int) or not hasattr(ranks, "__iter__"):
+            v.fail("ranks", f"expected an iterable of ranks, got {type(ranks).__name__}")
+        ranks = list(ranks)
+        for r in ranks:
+            v.check_int("ranks", r, minimum=0, maximum=self._world_size - 1)
+            if r == self._rank:
+                v.fail("ranks", f"cannot mask this rank ({r}) itself")
+        backend.mask_ranks(frozenset(ranks))
+
+    def unmask_ranks(self) -> None:
+        """Every rank takes part again. Collective: every rank of the group calls it, with no low-latency call in
+        flight (masked ranks missed calls, so the kernels' call numbers restart everywhere)."""
+        self._live().unmask_ranks()
+
+    @property
+    def masked_ranks(self) -> list:
+        return sorted(self._live().masked)
+
     # ---- lifetime ---------------------------------------------------------------------------------------
     def synchronize(self) -> None:
         """Wait until this Buffer's outstanding device work is done."""

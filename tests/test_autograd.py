@@ -27,7 +27,6 @@ def _data(rank, world):
 
 
 def _dense_grads(world, all_data):
-    experts = PER_RANK * world
     xs = [d[0].clone().requires_grad_() for d in all_data]
     wts = [d[2].clone().requires_grad_() for d in all_data]
     loss = 0

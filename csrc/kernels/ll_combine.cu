@@ -26,6 +26,7 @@ __global__ void __launch_bounds__(kLlThreads, 1)
   const int64_t H = l.hidden, rows = l.rows_per_expert();
   uint8_t* self = peers.base[rank];
   ctx.seq = ll_send_seq(self, l, kLlCombine);
+  const uint32_t alive = ll_alive_ranks(self, l, rank);
   extern __shared__ int smem[];
   int* base = smem;           // [L][R]
   int* total = smem + L * R;  // [L]
@@ -35,16 +36,16 @@ __global__ void __launch_bounds__(kLlThreads, 1)
   if (blockIdx.x == 0) {
     for (int i = tid; i < R * T * K; i += blockDim.x) {
       const int d = i / (T * K), j = i % (T * K);
+      if (!ll_is_alive(alive, d)) continue;
       reinterpret_cast<float*>(peers.base[d] + l.weights_at(a.slot, rank, j / K))[j % K] = a.topk_weights[j];
     }
     __syncthreads();
-    if (tid < R) {
-      ptx::fence_acq_rel_sys();
+    if (tid < R && ll_is_alive(alive, tid)) {
       ptx::st_release_sys_u64(reinterpret_cast<uint64_t*>(peers.base[tid] + l.weight_flag) + rank, ctx.seq);
     }
   }
-  ll_expert_bases(reinterpret_cast<const int*>(self + l.counts_at(a.slot)), l, rank, base, total);
-  if (tid < R) {
+  ll_expert_bases(reinterpret_cast<const int*>(self + l.counts_at(a.slot)), l, rank, alive, base, total);
+  if (tid < R && ll_is_alive(alive, tid)) {
     const auto* flag = reinterpret_cast<const uint64_t*>(self + l.weight_flag) + tid;
     if (!wait_flag_geq(flag, ctx.seq, ctx, tid, kStageLlCombineWeights)) ok = 0;
   }
@@ -56,7 +57,7 @@ __global__ void __launch_bounds__(kLlThreads, 1)
     const int total_warps = gridDim.x * kLlWarps;
     for (int item = blockIdx.x * kLlWarps + warp; item < R * M * nchunks; item += total_warps) {
       const int s = item / (M * nchunks), t = (item / nchunks) % M, c = item % nchunks;
-      if (t >= ptx::ld_volatile_s32(ntok + s)) continue;
+      if (!ll_is_alive(alive, s) || t >= ptx::ld_volatile_s32(ntok + s)) continue;
       const int key =
           lane < K ? ptx::ld_volatile_s32(reinterpret_cast<const int*>(self + l.meta_at(a.slot, s, t)) + lane) : -1;
       const uint32_t mine = __ballot_sync(0xffffffffu, key >= 0);
@@ -105,26 +106,27 @@ __global__ void __launch_bounds__(kLlThreads, 1)
       }
     }
     __syncthreads();
-    ll_signal_arrival(peers, l, kLlCombine, a.slot, rank);
+    ll_signal_arrival(peers, l, kLlCombine, a.slot, rank, alive);
   }
   ll_finish_send(self, l, kLlCombine, a.slot, ctx.seq);
 }
 
 __global__ void __launch_bounds__(kLlThreads, 1)
     ll_combine_recv_kernel(LlCombineArgs a, int num_send_blocks, LlLayout l, Peers peers, WaitCtx ctx) {
-  const int R = l.num_ranks, E = l.num_experts, L = l.local_experts(), rank = ctx.rank;
+  const int E = l.num_experts, L = l.local_experts(), rank = ctx.rank;
   const int K = a.topk, T = a.num_tokens, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t H = l.hidden;
   uint8_t* self = peers.base[rank];
   ctx.seq = ll_recv_seq(self, l, kLlCombine, a.slot);
+  const uint32_t alive = ll_alive_ranks(self, l, rank);
   __shared__ int ok;
-  if (!ll_wait_arrivals(self, l, kLlCombine, a.slot, num_send_blocks, ctx, kStageLlCombineData, &ok)) return;
+  if (!ll_wait_arrivals(self, l, kLlCombine, a.slot, num_send_blocks, alive, ctx, kStageLlCombineData, &ok)) return;
   const int nchunks = int((H + kChunk - 1) / kChunk);
   const int total_warps = gridDim.x * kLlWarps;
   for (int item = blockIdx.x * kLlWarps + warp; item < T * nchunks; item += total_warps) {
     const int t = item / nchunks, c = item % nchunks;
     const int64_t e = lane < K ? a.topk_idx[int64_t(t) * K + lane] : -1;
-    const uint32_t owners = ll_rank_mask(e >= 0 && e < E ? int(e) : -1, L);
+    const uint32_t owners = ll_rank_mask(e >= 0 && e < E ? int(e) : -1, L) & alive;
     float acc[kUnroll][8];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)

@@ -12,6 +12,17 @@ namespace dc {
 constexpr int kLlThreads = 256;
 constexpr int kLlWarps = kLlThreads / 32;
 
+// Bit r set when rank r is not masked (csrc/runtime/ll_layout.hpp "mask"); we are always alive.
+__device__ __forceinline__ uint32_t ll_alive_ranks(const uint8_t* self, const LlLayout& l, int rank) {
+  const int* mask = reinterpret_cast<const int*>(self + l.mask);
+  uint32_t alive = 1u << rank;
+  for (int r = 0; r < l.num_ranks; ++r)
+    if (ptx::ld_volatile_s32(mask + r) == 0) alive |= 1u << r;
+  return alive;
+}
+
+__device__ __forceinline__ bool ll_is_alive(uint32_t alive, int r) { return (alive >> r) & 1u; }
+
 // A send kernel's call number: one more than the last one of its kind. Every block reads the counter at entry;
 // the last block to finish (ll_finish_send) stores the new value, so no block can read it early. No separate
 // launch is needed, and CUDA-graph replays advance it too.
@@ -44,9 +55,9 @@ __device__ __forceinline__ void ll_finish_send(uint8_t* self, const LlLayout& l,
 // A send block is done with its stores into every rank: after the __syncthreads() that ends them, threads
 // 0..R-1 each add 1 to one rank's arrival counter for (kind, slot), with release ordering at system scope.
 __device__ __forceinline__ void ll_signal_arrival(const Peers& peers, const LlLayout& l, LlKind kind, int slot,
-                                                  int rank) {
+                                                  int rank, uint32_t alive) {
   // The release add is cumulative: it publishes every store the barrier ordered before it, from all threads.
-  if (threadIdx.x < l.num_ranks) {
+  if (threadIdx.x < l.num_ranks && ll_is_alive(alive, threadIdx.x)) {
     auto* counter = reinterpret_cast<uint64_t*>(peers.base[threadIdx.x] + l.arrivals_at(kind, slot)) + rank;
     ptx::atom_add_release_sys_u64(counter, 1);
   }
@@ -55,10 +66,11 @@ __device__ __forceinline__ void ll_signal_arrival(const Peers& peers, const LlLa
 // The whole block waits until every rank's send blocks of this slot's latest call have arrived: the counter of
 // rank s reaches (our sends in this slot so far) * blocks per send. False for every thread after a timeout.
 __device__ __forceinline__ bool ll_wait_arrivals(const uint8_t* self, const LlLayout& l, LlKind kind, int slot,
-                                                 int num_send_blocks, const WaitCtx& ctx, int stage, int* ok) {
+                                                 int num_send_blocks, uint32_t alive, const WaitCtx& ctx, int stage,
+                                                 int* ok) {
   if (threadIdx.x == 0) *ok = 1;
   __syncthreads();
-  if (threadIdx.x < l.num_ranks) {
+  if (threadIdx.x < l.num_ranks && ll_is_alive(alive, threadIdx.x)) {
     const uint64_t calls = ptx::ld_relaxed_sys_u64(reinterpret_cast<const uint64_t*>(self + l.slot_calls) + kind * 2 + slot);
     const auto* counter = reinterpret_cast<const uint64_t*>(self + l.arrivals_at(kind, slot)) + threadIdx.x;
     if (!wait_flag_geq(counter, calls * uint64_t(num_send_blocks), ctx, threadIdx.x, stage)) *ok = 0;
@@ -85,23 +97,29 @@ __device__ __forceinline__ void ll_rank_entries(const int* experts, int n, int* 
   }
 }
 
+// Entries rank s sends to expert e, as it wrote them; 0 for masked ranks (their area may hold anything).
+__device__ __forceinline__ int ll_count(const int* counts, const LlLayout& l, uint32_t alive, int s, int e) {
+  return ll_is_alive(alive, s) ? ptx::ld_volatile_s32(counts + s * l.num_experts + e) : 0;
+}
+
 // Packed rows of our local experts: rows of local expert le coming from rank s start at base[le * R + s];
 // total[le] rows in all. counts: [R][E] as the senders wrote them. Whole block; ends with __syncthreads.
-__device__ __forceinline__ void ll_expert_bases(const int* counts, const LlLayout& l, int rank, int* base,
-                                                int* total) {
-  const int R = l.num_ranks, E = l.num_experts, L = l.local_experts();
+__device__ __forceinline__ void ll_expert_bases(const int* counts, const LlLayout& l, int rank, uint32_t alive,
+                                                int* base, int* total) {
+  const int R = l.num_ranks, L = l.local_experts();
   for (int le = threadIdx.x; le < L; le += blockDim.x) {
     int acc = 0;
     for (int s = 0; s < R; ++s) {
       base[le * R + s] = acc;
-      acc += ptx::ld_volatile_s32(counts + s * E + rank * L + le);
+      acc += ll_count(counts, l, alive, s, rank * L + le);
     }
     total[le] = acc;
   }
   __syncthreads();
 }
 
-// Bit d set when any of the token's slots names an expert of rank d. Lane k < K holds slot k's expert.
+// Bit d set when any of the token's slots names an expert of rank d. Lane k < K holds slot k's expert (-1 for
+// none; callers have already dropped experts of masked ranks).
 __device__ __forceinline__ uint32_t ll_rank_mask(int expert, int experts_per_rank) {
   return __reduce_or_sync(0xffffffffu, expert >= 0 ? 1u << (expert / experts_per_rank) : 0u);
 }

@@ -73,8 +73,9 @@ __global__ void __launch_bounds__(kLlThreads, 1)
   const int K = a.topk, T = a.num_tokens, P = T * K, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   uint8_t* self = peers.base[rank];
   ctx.seq = ll_send_seq(self, l, kLlDispatch);
+  const uint32_t alive = ll_alive_ranks(self, l, rank);
   extern __shared__ int smem[];
-  int* experts = smem;          // [P] expert of each entry, -1 for empty (or invalid) slots
+  int* experts = smem;          // [P] expert of each entry, -1 for empty, invalid or masked slots
   int* rank_in = smem + P;      // [P] rank of the entry among ours of the same expert
   int* counts = smem + 2 * P;   // [E] our entries per expert
   __shared__ int bad_id, dup_id;
@@ -84,7 +85,7 @@ __global__ void __launch_bounds__(kLlThreads, 1)
   for (int i = tid; i < P; i += blockDim.x) {
     const int64_t e = a.topk_idx[i];
     if (e < -1 || e >= E) bad_id = 1;
-    experts[i] = (e >= 0 && e < E) ? int(e) : -1;
+    experts[i] = (e >= 0 && e < E && ll_is_alive(alive, int(e) / L)) ? int(e) : -1;
   }
   __syncthreads();
   if (warp == 0) ll_rank_entries(experts, P, rank_in, counts, lane);
@@ -103,6 +104,7 @@ __global__ void __launch_bounds__(kLlThreads, 1)
   const int gtid = blockIdx.x * blockDim.x + tid, gthreads = gridDim.x * blockDim.x;
   for (int i = gtid; i < R * P; i += gthreads) {
     const int d = i / P, p = i % P, e = experts[p];
+    if (!ll_is_alive(alive, d)) continue;
     reinterpret_cast<int*>(peers.base[d] + l.meta_at(a.slot, rank, p / K))[p % K] =
         (e >= 0 && e / L == d) ? ((e % L) << 16 | rank_in[p]) : -1;
   }
@@ -110,8 +112,9 @@ __global__ void __launch_bounds__(kLlThreads, 1)
   for (int p = gtid; p < P; p += gthreads) keys[p] = experts[p] >= 0 ? (experts[p] << 16 | rank_in[p]) : -1;
   if (blockIdx.x == 0) {
     for (int i = tid; i < R * E; i += blockDim.x)
-      reinterpret_cast<int*>(peers.base[i / E] + l.counts_at(a.slot))[rank * E + i % E] = counts[i % E];
-    if (tid < R) reinterpret_cast<int*>(peers.base[tid] + l.ntok_at(a.slot))[rank] = T;
+      if (ll_is_alive(alive, i / E))
+        reinterpret_cast<int*>(peers.base[i / E] + l.counts_at(a.slot))[rank * E + i % E] = counts[i % E];
+    if (tid < R && ll_is_alive(alive, tid)) reinterpret_cast<int*>(peers.base[tid] + l.ntok_at(a.slot))[rank] = T;
     for (int t = tid; t < T; t += blockDim.x)
       for (int k = 1; k < K; ++k)
         for (int j = 0; j < k; ++j)
@@ -122,26 +125,27 @@ __global__ void __launch_bounds__(kLlThreads, 1)
     if (tid == 0 && dup_id && !bad_id) report_input_error(ctx, rank, kStageLlDuplicateIds);
   }
   __syncthreads();
-  ll_signal_arrival(peers, l, kLlDispatch, a.slot, rank);
+  ll_signal_arrival(peers, l, kLlDispatch, a.slot, rank, alive);
   ll_finish_send(self, l, kLlDispatch, a.slot, ctx.seq);
 }
 
 __global__ void __launch_bounds__(kLlThreads, 1)
     ll_dispatch_recv_kernel(int slot, int topk, bool use_fp8, int num_send_blocks, LlLayout l, Peers peers,
                             WaitCtx ctx) {
-  const int R = l.num_ranks, E = l.num_experts, L = l.local_experts(), M = l.max_tokens, rank = ctx.rank;
+  const int R = l.num_ranks, L = l.local_experts(), M = l.max_tokens, rank = ctx.rank;
   const int K = topk, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t rows = l.rows_per_expert();
   uint8_t* self = peers.base[rank];
   ctx.seq = ll_recv_seq(self, l, kLlDispatch, slot);
+  const uint32_t alive = ll_alive_ranks(self, l, rank);
   extern __shared__ int smem[];
   int* base = smem;           // [L][R]
   int* total = smem + L * R;  // [L]
   __shared__ int ok;
-  if (!ll_wait_arrivals(self, l, kLlDispatch, slot, num_send_blocks, ctx, kStageLlDispatchData, &ok)) return;
+  if (!ll_wait_arrivals(self, l, kLlDispatch, slot, num_send_blocks, alive, ctx, kStageLlDispatchData, &ok)) return;
   const int* counts = reinterpret_cast<const int*>(self + l.counts_at(slot));
   const int* ntok = reinterpret_cast<const int*>(self + l.ntok_at(slot));
-  ll_expert_bases(counts, l, rank, base, total);
+  ll_expert_bases(counts, l, rank, alive, base, total);
 
   const int gtid = blockIdx.x * blockDim.x + tid, gthreads = gridDim.x * blockDim.x;
   if (blockIdx.x == 0) {
@@ -150,7 +154,7 @@ __global__ void __launch_bounds__(kLlThreads, 1)
     for (int i = tid; i < L * R; i += blockDim.x) {
       const int le = i / R, s = i % R;
       out_layout[2 * i] = base[i];
-      out_layout[2 * i + 1] = ptx::ld_volatile_s32(counts + s * E + rank * L + le);
+      out_layout[2 * i + 1] = ll_count(counts, l, alive, s, rank * L + le);
       if (s == 0) out_count[le] = total[le];
     }
   }
@@ -166,7 +170,7 @@ __global__ void __launch_bounds__(kLlThreads, 1)
     int pos = -1;
     if (key >= 0) {
       pos = key & 0xffff;
-      for (int s = 0; s < rank; ++s) pos += ptx::ld_volatile_s32(counts + s * E + (key >> 16));
+      for (int s = 0; s < rank; ++s) pos += ll_count(counts, l, alive, s, key >> 16);
     }
     recv_pos[p] = pos;
   }
@@ -179,7 +183,7 @@ __global__ void __launch_bounds__(kLlThreads, 1)
   const int total_warps = gridDim.x * kLlWarps;
   for (int item = blockIdx.x * kLlWarps + warp; item < R * M * nchunks; item += total_warps) {
     const int s = item / (M * nchunks), t = (item / nchunks) % M, c = item % nchunks;
-    if (t >= ptx::ld_volatile_s32(ntok + s)) continue;
+    if (!ll_is_alive(alive, s) || t >= ptx::ld_volatile_s32(ntok + s)) continue;
     const int key = lane < K ? ptx::ld_volatile_s32(reinterpret_cast<const int*>(self + l.meta_at(slot, s, t)) + lane)
                              : -1;
     const int64_t entry = key >= 0 ? (key >> 16) * rows + base[(key >> 16) * R + s] + (key & 0xffff) : -1;

@@ -13,6 +13,8 @@
 //   arrivals     u64   [2][2][R]           per kind and slot: send blocks of rank s that finished their stores
 //                                          into us (each adds 1, so a receive waits for calls * blocks)
 //   weight_flag  u64   [R]                 combine: rank s wrote its top-k weights into us
+//   mask         int32 [R]                 ranks this rank treats as gone (written by the host): nothing is sent
+//                                          to them, nothing awaited from them, their experts count as absent
 //   counts       int32 [2][R][E]           per slot: entries rank s sends to every expert
 //   ntok         int32 [2][R]              per slot: tokens rank s dispatched
 //   meta         int32 [2][R][M][K]        per slot: for slot k of token t of rank s: (local expert << 16 | entry
@@ -40,7 +42,7 @@ enum LlKind : int { kLlDispatch = 0, kLlCombine = 1 };
 struct LlLayout {
   int num_ranks, num_experts, max_tokens, topk_max;
   int64_t hidden;
-  int64_t seq, slot_seq, slot_calls, done_count, arrivals, weight_flag, counts, ntok, meta, weights, stage_x,
+  int64_t seq, slot_seq, slot_calls, done_count, arrivals, weight_flag, mask, counts, ntok, meta, weights, stage_x,
       stage_scales, recv_x, recv_scales, partials, entry_key, out_count, out_layout, out_src_info, out_recv_pos,
       total;
 
@@ -64,6 +66,7 @@ struct LlLayout {
     done_count = take(2 * 4);
     arrivals = take(4 * R * 8);
     weight_flag = take(R * 8);
+    mask = take(R * 4);
     counts = take(2 * R * experts * 4);
     ntok = take(2 * R * 4);
     meta = take(2 * R * M * K * 4);

@@ -14,6 +14,7 @@ import os
 from typing import List, Optional, Tuple, Union
 
 import torch
+import torch.distributed as dist
 
 from .._ext import load_extension
 from ..handle import Handle, LowLatencyHandle
@@ -298,6 +299,8 @@ class CudaBackend:
                 self._ll = LlBuffer(self.C, self.group, self.rank, self.world_size, self.device, num_experts,
                                     max_tokens, hidden, self.nvl.err_dev, self.nvl.timeout_ns,
                                     self.config.low_latency_memory)
+                if self.nvl.masked:
+                    self._ll.write_mask(self.nvl.masked)
         return self._ll
 
     def _ll_hook(self, launch):
@@ -308,7 +311,7 @@ class CudaBackend:
             if done:
                 return
             done.append(True)
-            self.nvl.check_error()
+            self.nvl.check_error(low_latency=True)
             launch(torch.cuda.current_stream(self.device).cuda_stream)
         return hook
 
@@ -319,7 +322,7 @@ class CudaBackend:
         T, H = x.shape
         K, M = topk_idx.shape[1], num_max_dispatch_tokens_per_rank
         ll = self._ll_buffer(num_experts, M, H)
-        self.nvl.check_error()
+        self.nvl.check_error(low_latency=True)
         slot = ll.calls & 1
         ll.calls += 1
         blocks = self.ll_blocks
@@ -338,7 +341,7 @@ class CudaBackend:
         T, K = topk_idx.shape
         H = x.shape[2]
         ll = self._ll_buffer(handle.num_experts, handle.num_max_dispatch_tokens_per_rank, handle.hidden)
-        self.nvl.check_error()
+        self.nvl.check_error(low_latency=True)
         out = torch.empty(T, H, dtype=torch.bfloat16, device=self.device)
         blocks, slot = self.ll_blocks, handle.slot
         ll.ctx.combine_send(blocks, x.data_ptr(), topk_weights.data_ptr(), T, K, slot,
@@ -349,11 +352,34 @@ class CudaBackend:
             hook()
         return out, (hook if return_recv_hook else _noop)
 
+    @property
+    def masked(self) -> frozenset:
+        return self.nvl.masked
+
+    def mask_ranks(self, ranks: frozenset) -> None:
+        """Leave ``ranks`` out of low-latency mode from the next call on (no collective: survivors of a lost peer
+        call it on their own)."""
+        masked = self.nvl.masked | ranks
+        self.nvl.set_masked(masked)
+        if self._ll is not None:
+            self._ll.write_mask(masked)
+
+    def unmask_ranks(self) -> None:
+        """Every rank again; collective (every rank calls it, with no low-latency call in flight): the kernels'
+        call numbers and counters restart from zero everywhere, since masked ranks missed calls."""
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)
+        if self._ll is not None:
+            self._ll.reset_signals()
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)
+        self.nvl.set_masked(frozenset())
+
     # ---- lifetime ----
     def synchronize(self) -> None:
         # low-latency kernels run on the caller's streams, normal mode on the communication stream: wait for all
         torch.cuda.synchronize(self.device)
-        self.nvl.check_error()
+        self.nvl.check_error(low_latency=True)
 
     def destroy(self) -> None:
         """Local (no collective): safe after a timeout, even with a dead peer."""

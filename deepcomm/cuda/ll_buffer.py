@@ -31,6 +31,7 @@ class LlBuffer:
         self.ctx.set_timeout_ns(timeout_ns)
         self.bytes = as_device_bytes(self.memory.ptr, self.layout["total"], device)
         self.calls = 0
+        self.world_size = world_size
         L, R, M, H = num_experts // world_size, world_size, max_tokens, hidden
         self._recv_pos: Dict[Tuple[int, int, int], torch.Tensor] = {}
         self._slots = []
@@ -63,6 +64,17 @@ class LlBuffer:
                               torch.int32).view(num_tokens, topk)
             self._recv_pos[key] = view
         return view
+
+    def write_mask(self, masked) -> None:
+        """Ranks the kernels leave out (csrc/runtime/ll_layout.hpp "mask"), on the current stream."""
+        flags = [1 if r in masked else 0 for r in range(self.world_size)]
+        self._view(self.layout["mask"], 4 * self.world_size, torch.int32).copy_(
+            torch.tensor(flags, dtype=torch.int32), non_blocking=False)
+
+    def reset_signals(self) -> None:
+        """Zero the call numbers, counters and flags (and the mask): every rank at once, with no kernel running."""
+        self.bytes[:self.layout["signal_bytes"]].zero_()
+        self.calls = 0
 
     def close(self) -> None:
         self._slots = []

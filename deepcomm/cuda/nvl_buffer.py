@@ -67,6 +67,8 @@ class NvlBuffer:
         self.timeout_ns = int(timeout_s * 1e9)
         self.ctx.set_timeout_ns(self.timeout_ns)
         self.broken = False
+        self.broken_peer = None
+        self.masked: frozenset = frozenset()  # ranks low-latency mode leaves out (Buffer.mask_ranks)
         self.closed = False
 
     @property
@@ -77,19 +79,35 @@ class NvlBuffer:
     def size_bytes(self) -> int:
         return self.layout["total"]
 
-    def check_error(self) -> None:
-        """Raise CommTimeoutError if a kernel recorded a timed-out wait; the buffer is then unusable."""
+    def check_error(self, low_latency: bool = False) -> None:
+        """Raise CommTimeoutError if a kernel recorded a timed-out wait; the buffer is then unusable (until the
+        peer it waited for is masked, for low-latency mode). Normal mode needs every rank: it refuses to run while
+        ranks are masked."""
         if self.broken:
             raise RuntimeError("deepcomm: this Buffer had a communication timeout; destroy it and build a new one on "
-                               "every rank")
+                               "every rank, or mask the lost peer (Buffer.mask_ranks) to go on in low-latency mode")
+        if self.masked and not low_latency:
+            raise RuntimeError(f"deepcomm: ranks {sorted(self.masked)} are masked; normal mode needs every rank "
+                               "(unmask them on every rank, or build a new Buffer)")
         flag, rank, peer, stage, seq, waited_ns = self.C.read_error(self.err_host)
         if flag and stage in INPUT_ERRORS:
             self.C.clear_error(self.err_host)  # the Buffer stays usable
             raise ValueError(INPUT_ERRORS[stage].format(peer=peer, peer_or_some="some rank" if peer < 0 else peer))
         if flag:
-            self.broken = True
+            self.broken, self.broken_peer = True, peer
             raise CommTimeoutError(rank, peer, STAGES.get(stage, f"stage {stage}"),
                                    f"call #{seq}, waited {waited_ns / 1e9:.3f} s")
+
+    def set_masked(self, ranks: frozenset) -> None:
+        """After a timeout waiting for a peer that is now masked, the record is cleared and work may go on."""
+        torch.cuda.synchronize(self.device)  # queued kernels gave up at once after the record was set
+        flag, _, peer, stage, _, _ = self.C.read_error(self.err_host)
+        if flag and stage not in INPUT_ERRORS and not self.broken:
+            self.broken, self.broken_peer = True, peer
+        if self.broken and self.broken_peer in ranks:
+            self.C.clear_error(self.err_host)
+            self.broken, self.broken_peer = False, None
+        self.masked = ranks
 
     def close(self) -> None:
         """Unmap the peers and free our memory. No collective: it is safe from __del__ on one rank alone, because

@@ -6,6 +6,7 @@ Buffer; this class does no checking of its own.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from .. import layout
 from ..config import Config
@@ -23,6 +24,25 @@ class ReferenceBackend:
     def __init__(self, group, config: Config, rank: int, world_size: int, device: torch.device):
         self.config = config
         self.comm = Comm(group, rank, world_size, device, config.timeout_s)
+        self.masked: frozenset = frozenset()
+
+    def _without_masked(self, topk_idx, num_experts):
+        """Low-latency mode without masked ranks: slots naming their experts count as -1. (Here every rank is
+        alive and runs the collectives; masks must agree among the unmasked ranks, as on the CUDA backend.)"""
+        if not self.masked:
+            return topk_idx
+        owner = topk_idx.clamp(min=0) // (num_experts // self.comm.world_size)
+        gone = torch.zeros_like(topk_idx, dtype=torch.bool)
+        for r in self.masked:
+            gone |= owner == r
+        return torch.where(gone, torch.full_like(topk_idx, -1), topk_idx)
+
+    def mask_ranks(self, ranks: frozenset) -> None:
+        self.masked = self.masked | ranks
+
+    def unmask_ranks(self) -> None:
+        dist.barrier(group=self.comm.group)  # collective on every backend, like the CUDA one
+        self.masked = frozenset()
 
     def get_dispatch_layout(self, topk_idx, num_experts):
         return layout.get_dispatch_layout(topk_idx, num_experts, self.comm.world_size)
@@ -41,10 +61,12 @@ class ReferenceBackend:
 
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
                              use_ue8m0, return_recv_hook):
+        topk_idx = self._without_masked(topk_idx, num_experts)
         return low_latency.dispatch(self.comm, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                                     use_fp8, use_ue8m0, return_recv_hook)
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, return_recv_hook):
+        topk_idx = self._without_masked(topk_idx, handle.num_experts)
         return low_latency.combine(self.comm, x, topk_idx, topk_weights, handle, return_recv_hook)
 
     def set_num_sms(self, num_sms: int) -> None:
