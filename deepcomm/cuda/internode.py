@@ -151,13 +151,14 @@ class NicTransport:
                 self._aux_ptr(i), self._aux_ptr(i) + 64,
             ])
         assert len(rows[0]) == self.T.INTERNODE_PEER_FIELDS
-        stream = torch.cuda.current_stream(self.device)
-        table = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=False)
-        self.seq.fill_(self.round)
-        self.T.internode_exchange(table.data_ptr(), len(self.peers), self.lkey, self.round, CHUNK_BYTES, LOG_WQEBBS,
-                                  LOG_WQEBBS, self.keys, self.err_dev, self.timeout_s, me, self.seq.data_ptr(),
-                                  stream.cuda_stream)
-        stream.synchronize()
+        with torch.cuda.device(self.device):  # the launcher uses the current device
+            stream = torch.cuda.current_stream(self.device)
+            table = torch.tensor(rows, dtype=torch.int64).to(self.device)
+            self.seq.fill_(self.round)
+            self.T.internode_exchange(table.data_ptr(), len(self.peers), self.lkey, self.round, CHUNK_BYTES,
+                                      LOG_WQEBBS, LOG_WQEBBS, self.keys, self.err_dev, self.timeout_s, me,
+                                      self.seq.data_ptr(), stream.cuda_stream)
+            stream.synchronize()
         self.check_error()
 
     def check_error(self) -> None:
