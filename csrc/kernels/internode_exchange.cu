@@ -18,6 +18,16 @@ namespace {
 
 constexpr int kThreads = 256;
 
+// The signal after the block (same queue: it executes after the writes), then wait for all our WQEs.
+__device__ bool signal_and_quiet(const InternodeExchangeArgs& a, const InternodePeer& p, const DeviceQp& qp,
+                                 const DeviceWaiter& waiter) {
+  const WqeCtrl signaled;
+  uint32_t index = 0;
+  return qp_post_fetch_add(qp, FetchAdd{p.fa_old_addr + 8, a.lkey, p.signal_addr, uint32_t(p.rkey), 1}, signaled,
+                           waiter, &index) &&
+         qp_quiet(qp, index + wqebbs_of_ds(kDsFetchAdd), waiter);
+}
+
 __device__ bool post_round(const InternodeExchangeArgs& a, const InternodePeer& p, const DeviceQp& qp,
                            const DeviceWaiter& waiter) {
   const int peer = int(p.rank);
@@ -26,16 +36,20 @@ __device__ bool post_round(const InternodeExchangeArgs& a, const InternodePeer& 
   bool ok = qp_post_fetch_add(qp, FetchAdd{p.fa_old_addr, a.lkey, p.credit_addr, rkey, 1}, signaled, waiter);
   ok = ok && wait_flag_geq(reinterpret_cast<const uint64_t*>(p.credit_ptr), a.round, waiter.ctx, peer,
                            kStageInternodeCredit);
+  if (ok && p.send_bytes != 0 && p.send_bytes <= kMaxInlineBytes) {
+    // Small blocks (the count exchange) travel inside the WQE. Our send area is registered at its own address,
+    // so the WQE address is also our pointer to the payload.
+    return qp_post_write_inline(qp, reinterpret_cast<const uint8_t*>(p.send_addr), uint32_t(p.send_bytes),
+                                p.recv_addr, rkey, signaled, waiter) &&
+           signal_and_quiet(a, p, qp, waiter);
+  }
   for (uint64_t off = 0; ok && off < p.send_bytes; off += a.chunk_bytes) {
     const uint64_t left = p.send_bytes - off;
     const uint32_t n = uint32_t(left < a.chunk_bytes ? left : a.chunk_bytes);
     ok = qp_post_write(qp, RdmaWrite{p.send_addr + off, a.lkey, p.recv_addr + off, rkey, n}, signaled, false,
                        waiter);
   }
-  uint32_t index = 0;
-  ok = ok && qp_post_fetch_add(qp, FetchAdd{p.fa_old_addr + 8, a.lkey, p.signal_addr, rkey, 1}, signaled, waiter,
-                               &index);
-  return ok && qp_quiet(qp, index + wqebbs_of_ds(kDsFetchAdd), waiter);
+  return ok && signal_and_quiet(a, p, qp, waiter);
 }
 
 __global__ void __launch_bounds__(kThreads) internode_exchange_kernel(InternodeExchangeArgs a, KeyTable keys,

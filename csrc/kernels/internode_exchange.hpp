@@ -6,7 +6,8 @@
 //   1. credit: a signaled fetch-add of 1 on p's credit[me]: "my receive slot for you is free" (this round's
 //      launch is ordered after our last read of it);
 //   2. wait until our credit[p] >= round: p's slot for us is free;
-//   3. RDMA writes of our block, in chunks of chunk_bytes, into p's receive slot for us;
+//   3. RDMA writes of our block, in chunks of chunk_bytes, into p's receive slot for us (one inline write when
+//      the block fits in a WQE, kMaxInlineBytes: the count exchange);
 //   4. signal: a signaled fetch-add of 1 on p's signal[me], after the writes on the same queue, so it never
 //      overtakes them;
 //   5. quiet (all our WQEs completed), then wait until our signal[p] >= round: p's block has landed here.
