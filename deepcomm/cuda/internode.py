@@ -33,8 +33,6 @@ LOG_WQEBBS = 8         # 256 WQEBBs per send queue; every WQE is signaled, so po
 CHUNK_BYTES = 1 << 20  # bytes per RDMA write WQE
 LKEY_BASE, RKEY_BASE = 0x1000, 0x2000
 
-STAGES.setdefault(26, "internode:credit (a peer has not freed its receive slot for us)")
-
 
 def _up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
