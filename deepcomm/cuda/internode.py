@@ -14,7 +14,7 @@ sync that reads the error record, and rows are packed and unpacked by torch copi
 from __future__ import annotations
 
 import socket
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Sequence
 
 import torch
 import torch.distributed as dist
@@ -78,32 +78,37 @@ class NicTransport:
             at = _up(at + nbytes, 256)
         self.offsets, self.region_bytes = off, at
         self.mem = PeerMemory(C, group, rank, world_size, at)
-        self.region = as_device_bytes(self.mem.ptr, at, device, owner=self.mem)
-        bases: List[int] = [None] * R  # type: ignore[list-item]
-        dist.all_gather_object(bases, self.mem.ptr, group=group)  # what WQEs name: each owner's own address
-        self.bases = bases
-        self.lkey = LKEY_BASE + rank
-        self.keys = self.T.KeyTable()
-        self.keys.add(self.lkey, self.mem.ptr, at, self.mem.ptr)
-        self.peers = [p for p in range(R) if p != rank]
-        for p in self.peers:
-            self.keys.add(RKEY_BASE + p, bases[p], at, self.mem.peer_ptrs[p])  # the peer "node", over NVLink
+        self.err_host = 0
+        try:
+            self.region = as_device_bytes(self.mem.ptr, at, device, owner=self.mem)
+            bases: List[int] = [None] * R  # type: ignore[list-item]
+            dist.all_gather_object(bases, self.mem.ptr, group=group)  # what WQEs name: each owner's own address
+            self.bases = bases
+            self.lkey = LKEY_BASE + rank
+            self.keys = self.T.KeyTable()
+            self.keys.add(self.lkey, self.mem.ptr, at, self.mem.ptr)
+            self.peers = [p for p in range(R) if p != rank]
+            for p in self.peers:
+                self.keys.add(RKEY_BASE + p, bases[p], at, self.mem.peer_ptrs[p])  # the peer "node", over NVLink
 
-        # queue pairs, then per queue a u32 stop word (64 B) and NicTotals (64 B)
-        self.qp_layout = self.T.device_qp_layout(LOG_WQEBBS, LOG_WQEBBS)
-        self.qp_bytes = _up(self.qp_layout["total"], 256)
-        P = len(self.peers)
-        self.qp_mem = torch.zeros(P * self.qp_bytes + P * 128, dtype=torch.uint8, device=device)
-        stream = torch.cuda.current_stream(device).cuda_stream
-        for i in range(P):
-            self.T.device_qp_init(self.qp_ptr(i), LOG_WQEBBS, LOG_WQEBBS, 0, stream)
-        self.seq = torch.zeros(1, dtype=torch.int64, device=device)
-        self.err_host, self.err_dev = C.host_mapped_alloc(C.error_record_bytes())
-        C.clear_error(self.err_host)
-        self.round = 0
-        self.broken = False
-        torch.cuda.synchronize(device)
-        dist.barrier(group=group)  # every queue pair and region is initialised before any peer writes to us
+            # queue pairs, then per queue a u32 stop word (64 B) and NicTotals (64 B)
+            self.qp_layout = self.T.device_qp_layout(LOG_WQEBBS, LOG_WQEBBS)
+            self.qp_bytes = _up(self.qp_layout["total"], 256)
+            P = len(self.peers)
+            self.qp_mem = torch.zeros(P * self.qp_bytes + P * 128, dtype=torch.uint8, device=device)
+            stream = torch.cuda.current_stream(device).cuda_stream
+            for i in range(P):
+                self.T.device_qp_init(self.qp_ptr(i), LOG_WQEBBS, LOG_WQEBBS, 0, stream)
+            self.seq = torch.zeros(1, dtype=torch.int64, device=device)
+            self.err_host, self.err_dev = C.host_mapped_alloc(C.error_record_bytes())
+            C.clear_error(self.err_host)
+            self.round = 0
+            self.broken = False
+            torch.cuda.synchronize(device)
+            dist.barrier(group=group)  # every queue pair and region is initialised before any peer writes to us
+        except BaseException:
+            self.close()  # a failed set-up must not leak the registered memory or the error record
+            raise
 
     # ---- addresses ----
     def qp_ptr(self, i: int) -> int:
@@ -190,8 +195,8 @@ class NicTransport:
         return out
 
     def close(self) -> None:
+        torch.cuda.synchronize(self.device)
         if self.err_host:
-            torch.cuda.synchronize(self.device)
             self.C.host_mapped_free(self.err_host)
             self.err_host = 0
         self.region = None
