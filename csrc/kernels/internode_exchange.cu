@@ -1,5 +1,5 @@
 // One round of the internode exchange (contract in internode_exchange.hpp): blocks [0, P) post, one thread
-// each; blocks [P, 2P) are the NICs of the P queue pairs (nic_serve_block.cuh).
+// each (internode_round.hpp); blocks [P, 2P) are the NICs of the P queue pairs (nic_serve_block.cuh).
 #include <cuda_runtime.h>
 
 #include <string>
@@ -9,6 +9,7 @@
 #include "../transport/device_qp.cuh"
 #include "../transport/nic_serve_block.cuh"
 #include "internode_exchange.hpp"
+#include "internode_round.hpp"
 
 namespace dc {
 
@@ -17,40 +18,6 @@ using namespace transport;
 namespace {
 
 constexpr int kThreads = 256;
-
-// The signal after the block (same queue: it executes after the writes), then wait for all our WQEs.
-__device__ bool signal_and_quiet(const InternodeExchangeArgs& a, const InternodePeer& p, const DeviceQp& qp,
-                                 const DeviceWaiter& waiter) {
-  const WqeCtrl signaled;
-  uint32_t index = 0;
-  return qp_post_fetch_add(qp, FetchAdd{p.fa_old_addr + 8, a.lkey, p.signal_addr, uint32_t(p.rkey), 1}, signaled,
-                           waiter, &index) &&
-         qp_quiet(qp, index + wqebbs_of_ds(kDsFetchAdd), waiter);
-}
-
-__device__ bool post_round(const InternodeExchangeArgs& a, const InternodePeer& p, const DeviceQp& qp,
-                           const DeviceWaiter& waiter) {
-  const int peer = int(p.rank);
-  const uint32_t rkey = uint32_t(p.rkey);
-  const WqeCtrl signaled;  // every WQE completes: retirement never waits on a later signal
-  bool ok = qp_post_fetch_add(qp, FetchAdd{p.fa_old_addr, a.lkey, p.credit_addr, rkey, 1}, signaled, waiter);
-  ok = ok && wait_flag_geq(reinterpret_cast<const uint64_t*>(p.credit_ptr), a.round, waiter.ctx, peer,
-                           kStageInternodeCredit);
-  if (ok && p.send_bytes != 0 && p.send_bytes <= kMaxInlineBytes) {
-    // Small blocks (the count exchange) travel inside the WQE. Our send area is registered at its own address,
-    // so the WQE address is also our pointer to the payload.
-    return qp_post_write_inline(qp, reinterpret_cast<const uint8_t*>(p.send_addr), uint32_t(p.send_bytes),
-                                p.recv_addr, rkey, signaled, waiter) &&
-           signal_and_quiet(a, p, qp, waiter);
-  }
-  for (uint64_t off = 0; ok && off < p.send_bytes; off += a.chunk_bytes) {
-    const uint64_t left = p.send_bytes - off;
-    const uint32_t n = uint32_t(left < a.chunk_bytes ? left : a.chunk_bytes);
-    ok = qp_post_write(qp, RdmaWrite{p.send_addr + off, a.lkey, p.recv_addr + off, rkey, n}, signaled, false,
-                       waiter);
-  }
-  return ok && signal_and_quiet(a, p, qp, waiter);
-}
 
 __global__ void __launch_bounds__(kThreads) internode_exchange_kernel(InternodeExchangeArgs a, KeyTable keys,
                                                                       WaitCtx ctx_in) {
@@ -66,10 +33,10 @@ __global__ void __launch_bounds__(kThreads) internode_exchange_kernel(InternodeE
     return;
   }
   if (threadIdx.x != 0) return;
-  post_round(a, p, qp, waiter);
+  internode_post_round(a, p, qp, waiter);
   ptx::atom_add_release_gpu_u32(stop, 1u);  // even after a failure: our NIC must not wait for more posts
   // The peer's block for us: its NIC raised our signal after writing it.
-  wait_flag_geq(reinterpret_cast<const uint64_t*>(p.signal_ptr), a.round, ctx, int(p.rank), kStageQpSignal);
+  internode_wait_counter(reinterpret_cast<const uint64_t*>(p.signal_ptr), a.round, waiter, kStageQpSignal);
 }
 
 }  // namespace
