@@ -1,7 +1,7 @@
-"""Internode normal mode on 2 GPUs posing as 2 nodes x 1 GPU: dispatch and combine on the CUDA backend, whose
-bytes between ranks travel as GPU-posted mlx5 WQEs executed by the device emulated NIC, against the reference
-backend bit for bit; the NIC's counters equal the WQEs and bytes the exchanges had to post; a missing peer gives
-CommTimeoutError, not a hang."""
+"""Internode normal mode on GPUs posing as nodes (2 GPUs: 2 nodes x 1 GPU; with 4 GPUs also 2 x 2): dispatch and
+combine on the CUDA backend, whose bytes between ranks travel as GPU-posted mlx5 WQEs executed by the device
+emulated NIC, against the reference backend bit for bit; the NIC's counters equal the WQEs and bytes the exchanges
+had to post; a missing peer gives CommTimeoutError, not a hang."""
 from __future__ import annotations
 
 import pytest
@@ -11,7 +11,7 @@ from nccl_run import gpu_count, run_on_gpus
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_count() < 2, reason="needs 2 GPUs with peer access")]
 
-WORLD, E, K, M = 2, 16, 4, 128
+E, K, M = 16, 4, 128
 CHUNK = 1 << 20  # deepcomm.cuda.internode.CHUNK_BYTES, restated: the test computes the WQEs independently
 
 
@@ -49,10 +49,10 @@ def _same_handle(a, b, what):
 
 def _expected(round_bytes):
     """NIC totals for rounds that sent these byte counts to one peer: per round a credit and a signal fetch-add
-    (8 bytes each) and one write WQE per started megabyte."""
+    (8 bytes each), and one inline write for a block of 1..220 bytes, else one write WQE per started megabyte."""
     wqes = writes = nbytes = atomics = 0
     for b in round_bytes:
-        n = (b + CHUNK - 1) // CHUNK
+        n = 1 if 0 < b <= 220 else (b + CHUNK - 1) // CHUNK
         wqes += n + 2
         writes += n
         atomics += 2
@@ -68,16 +68,16 @@ def _row(*byte_counts):
     return (sum(byte_counts) + 15) // 16 * 16
 
 
-def _internode_worker(rank, world):
+def _internode_worker(rank, world, gpn):
     import deepcomm
     from deepcomm.fp8 import per_token_cast_to_fp8
     from deepcomm.topology import Topology
 
     dev = torch.device("cuda", rank)
-    peer = 1 - rank
-    ref = deepcomm.Buffer(max_tokens_per_rank=M, hidden=7168, backend="reference", gpus_per_node=1, timeout_s=30)
-    nic = deepcomm.Buffer(max_tokens_per_rank=M, hidden=7168, backend="cuda", gpus_per_node=1, timeout_s=30)
-    assert nic.topology == Topology(2, 1) and nic.backend_name == "cuda"
+    peers = [p for p in range(world) if p != rank]
+    ref = deepcomm.Buffer(max_tokens_per_rank=M, hidden=7168, backend="reference", gpus_per_node=gpn, timeout_s=30)
+    nic = deepcomm.Buffer(max_tokens_per_rank=M, hidden=7168, backend="cuda", gpus_per_node=gpn, timeout_s=30)
+    assert nic.topology == Topology(world // gpn, gpn) and nic.backend_name == "cuda"
     backend = nic._backend
     assert type(backend).__name__ == "InternodeBackend"
     gen = torch.Generator().manual_seed(70 + rank)
@@ -90,41 +90,48 @@ def _internode_worker(rank, world):
         x16 = (torch.randn(T, H, generator=gen) * 3).to(torch.bfloat16).to(dev)
         x = per_token_cast_to_fp8(x16) if fp8 else x16
 
-        before = backend.nic_totals()[peer]
+        before = backend.nic_totals()
         out_r = ref.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
         out_n = nic.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
         for i, name in enumerate(("recv_x", "recv_topk_idx", "recv_topk_weights", "per_expert")):
             _same(out_n[i], out_r[i], f"{what}: {name}")
         _same_handle(out_n[4], out_r[4], what)
-        # The WQEs were real: exactly the counts round (one 16-byte row) and the payload round (our rows for the
-        # peer, each x [+ scales] + int64 ids + int32 source index + fp32 weights, padded to 16 bytes).
-        sent = int(out_n[4].count_matrix[rank, peer])
+        # The WQEs were real: exactly the counts round (one row of R int32, padded to 16 bytes, inline) and the
+        # payload round (our rows for the peer, each x [+ scales] + int64 ids + int32 source index + fp32
+        # weights, padded to 16 bytes).
+        counts = out_n[4].count_matrix.tolist()
         x_bytes = H + H // 128 * 4 if fp8 else 2 * H
-        got = _delta(backend.nic_totals()[peer], before)
-        assert got == _expected([16, sent * _row(x_bytes, 8 * K, 4, 4 * K)]), f"{what}: NIC totals {got}"
+        after = backend.nic_totals()
+        for peer in peers:
+            got = _delta(after[peer], before[peer])
+            want = _expected([_row(4 * world), counts[rank][peer] * _row(x_bytes, 8 * K, 4, 4 * K)])
+            assert got == want, f"{what}: NIC totals to {peer}: {got}, expected {want}"
 
         # cached re-dispatch (no ids: weights travel as given)
         x2 = (torch.randn(T, H, generator=gen)).to(torch.bfloat16).to(dev)
         x2 = per_token_cast_to_fp8(x2) if fp8 else x2
         w2 = torch.rand(T, K, generator=gen).to(dev)
-        before = backend.nic_totals()[peer]
+        before = backend.nic_totals()
         again_r = ref.dispatch(x2, handle=out_r[4], topk_weights=w2)
         again_n = nic.dispatch(x2, handle=out_n[4], topk_weights=w2)
         for i, name in enumerate(("recv_x", "recv_topk_idx", "recv_topk_weights", "per_expert")):
             _same(again_n[i], again_r[i], f"{what}: cached {name}")
-        got = _delta(backend.nic_totals()[peer], before)
-        assert got == _expected([sent * _row(x_bytes, 4 * K)]), f"{what}: cached NIC totals {got}"
+        after = backend.nic_totals()
+        for peer in peers:
+            got = _delta(after[peer], before[peer])
+            assert got == _expected([counts[rank][peer] * _row(x_bytes, 4 * K)]), f"{what}: cached, {peer}: {got}"
 
         # combine (expert outputs and weights), then the FP8 combine
         n = out_n[4].num_recv
         y = torch.randn(n, H, generator=gen).to(torch.bfloat16).to(dev)
         yw = torch.rand(n, K, generator=gen).to(dev)
-        back = int(out_n[4].count_matrix[peer, rank])
-        before = backend.nic_totals()[peer]
+        before = backend.nic_totals()
         _same(nic.combine(y, out_n[4], topk_weights=yw), ref.combine(y, out_r[4], topk_weights=yw),
               f"{what}: combine")
-        got = _delta(backend.nic_totals()[peer], before)
-        assert got == _expected([back * _row(2 * H, 4 * K)]), f"{what}: combine NIC totals {got}"
+        after = backend.nic_totals()
+        for peer in peers:  # rows go back to their source
+            got = _delta(after[peer], before[peer])
+            assert got == _expected([counts[peer][rank] * _row(2 * H, 4 * K)]), f"{what}: combine, {peer}: {got}"
         _same(nic.combine(y, out_n[4], use_fp8=True), ref.combine(y, out_r[4], use_fp8=True),
               f"{what}: fp8 combine")
 
@@ -159,9 +166,14 @@ def _missing_peer_worker(rank, world):
     buf.destroy()
 
 
-def test_internode_against_reference():
-    run_on_gpus(_internode_worker, WORLD)
+def test_internode_2x1_against_reference():
+    run_on_gpus(_internode_worker, 2, 1)
+
+
+@pytest.mark.skipif(gpu_count() < 4, reason="2 nodes x 2 GPUs needs 4 GPUs")
+def test_internode_2x2_against_reference():
+    run_on_gpus(_internode_worker, 4, 2)
 
 
 def test_internode_missing_peer_times_out():
-    run_on_gpus(_missing_peer_worker, WORLD)
+    run_on_gpus(_missing_peer_worker, 2)
