@@ -17,7 +17,7 @@ using namespace transport;
 
 namespace {
 
-constexpr int kThreads = 256;
+constexpr int kThreads = 512;  // the NIC blocks copy with all of them; posting uses one
 
 __global__ void __launch_bounds__(kThreads) internode_exchange_kernel(InternodeExchangeArgs a, KeyTable keys,
                                                                       WaitCtx ctx_in) {
