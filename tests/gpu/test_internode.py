@@ -121,7 +121,7 @@ def _internode_worker(rank, world, gpn):
             got = _delta(after[peer], before[peer])
             assert got == _expected([counts[rank][peer] * _row(x_bytes, 4 * K)]), f"{what}: cached, {peer}: {got}"
 
-        # combine (expert outputs and weights), then the FP8 combine
+        # combine (expert outputs and weights), then the FP8 combine where H allows it
         n = out_n[4].num_recv
         y = torch.randn(n, H, generator=gen).to(torch.bfloat16).to(dev)
         yw = torch.rand(n, K, generator=gen).to(dev)
@@ -132,8 +132,9 @@ def _internode_worker(rank, world, gpn):
         for peer in peers:  # rows go back to their source
             got = _delta(after[peer], before[peer])
             assert got == _expected([counts[peer][rank] * _row(2 * H, 4 * K)]), f"{what}: combine, {peer}: {got}"
-        _same(nic.combine(y, out_n[4], use_fp8=True), ref.combine(y, out_r[4], use_fp8=True),
-              f"{what}: fp8 combine")
+        if H % 128 == 0:  # the FP8 combine needs whole 128-value blocks
+            _same(nic.combine(y, out_n[4], use_fp8=True), ref.combine(y, out_r[4], use_fp8=True),
+                  f"{what}: fp8 combine")
 
     # Nothing went wrong on any queue: no error CQE, the NIC consumed everything the posters published.
     for d, s in backend.transport.nic_stats().items():
