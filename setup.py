@@ -3,6 +3,8 @@
 The extension is compiled and linked by nvcc alone (sm_90, static cudart, pybind11 headers). It never includes or
 links libtorch or libcuda, so one build serves any torch version and links on machines without a GPU driver.
 Set DEEPCOMM_NO_CUDA=1 to force a Python-only install, DEEPCOMM_CUDA_ARCH to change the target (default 90).
+NVSHMEM is never linked (its host library is opened at run time); its headers, from NVSHMEM_HOME or the
+nvidia-nvshmem wheel, are needed to compile csrc/transport/nvshmem_*.cpp, which are skipped when absent.
 """
 import os
 import shutil
@@ -31,6 +33,26 @@ def find_nvcc():
     return str(default) if default.exists() else None
 
 
+def find_nvshmem_include():
+    """The NVSHMEM include directory (NVSHMEM_HOME, else the nvidia-nvshmem wheel), or None."""
+    homes = [os.environ.get("NVSHMEM_HOME")]
+    try:
+        import importlib.util
+        spec = importlib.util.find_spec("nvidia.nvshmem")
+        homes += list(spec.submodule_search_locations or []) if spec else []
+    except (ImportError, ValueError):
+        pass
+    for home in homes:
+        if home and (Path(home) / "include" / "nvshmem_host.h").exists():
+            return Path(home) / "include"
+    return None
+
+
+def is_nvshmem_source(rel):
+    """Sources that include NVSHMEM headers: skipped without them."""
+    return Path(rel).name.startswith("nvshmem_")
+
+
 def cuda_home(nvcc):
     for home in (os.environ.get("CUDA_HOME"), str(Path(nvcc).resolve().parent.parent), "/usr/local/cuda"):
         if home and (Path(home) / "include" / "cuda_runtime.h").exists():
@@ -57,6 +79,14 @@ class NvccBuild(build_ext):
         ]
         common = ["-std=c++17", "-O3", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden"]
         common += [f"-I{p}" for p in includes]
+        nvshmem_include = find_nvshmem_include()
+        sources = list(ext.sources)
+        if nvshmem_include is None:
+            print("deepcomm: NVSHMEM headers not found (pip install nvidia-nvshmem-cu13, or set NVSHMEM_HOME): "
+                  "building without NVSHMEM support; DEEPCOMM_LL_MEMORY=nvshmem will raise", file=sys.stderr)
+            sources = [s for s in sources if not is_nvshmem_source(s)]
+        else:
+            print(f"deepcomm: NVSHMEM headers from {nvshmem_include} (the library is loaded at run time)")
         cu_flags = [f"-gencode=arch=compute_{arch},code=sm_{arch}", "-lineinfo", "--expt-relaxed-constexpr"]
         build_tmp = Path(self.build_temp) / "deepcomm"
         build_tmp.mkdir(parents=True, exist_ok=True)
@@ -66,6 +96,8 @@ class NvccBuild(build_ext):
             obj = build_tmp / (rel.replace("/", "_") + ".o")
             dep, stamp = obj.with_suffix(".d"), obj.with_suffix(".cmd")
             flags = common + (cu_flags if src.endswith(".cu") else ["-x", "c++"])
+            if nvshmem_include is not None and "nvshmem" in Path(rel).name:  # incl. bindings_nvshmem.cpp
+                flags = flags + [f"-I{nvshmem_include}", "-DDEEPCOMM_WITH_NVSHMEM=1"]
             cmd = [nvcc, *flags, "-c", src, "-o", str(obj)]
             if up_to_date(obj, dep, stamp, " ".join(cmd)):
                 return str(obj)
@@ -76,7 +108,7 @@ class NvccBuild(build_ext):
 
         jobs = int(os.environ.get("DEEPCOMM_BUILD_JOBS", os.cpu_count() or 2))
         with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-            objects = list(pool.map(compile_one, ext.sources))
+            objects = list(pool.map(compile_one, sources))
         out = Path(self.get_ext_fullpath(ext.name))
         out.parent.mkdir(parents=True, exist_ok=True)
         link = [nvcc, "-shared", f"-gencode=arch=compute_{arch},code=sm_{arch}", *objects, "-o", str(out),

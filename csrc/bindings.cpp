@@ -13,6 +13,7 @@
 #include "runtime/ll_context.hpp"
 #include "runtime/nvl_context.hpp"
 #include "runtime/nvl_layout.hpp"
+#include "transport/bindings_nvshmem.hpp"
 #include "transport/bindings_transport.hpp"
 
 namespace py = pybind11;
@@ -37,6 +38,7 @@ py::dict layout_dict(const NvlLayout& l) {
 
 PYBIND11_MODULE(_C, m) {
   bind_transport(m);
+  bind_nvshmem(m);
   m.doc() = "deepcomm CUDA core (raw pointers and streams; no libtorch)";
   m.attr("MAX_RANKS") = kMaxRanks;
   m.attr("MAX_BLOCKS") = kMaxBlocks;
@@ -62,6 +64,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("ipc_open", [](py::bytes h) { return ipc_open(std::string(h)); });
   m.def("ipc_close", &ipc_close);
   m.def("device_free", &device_free);
+  m.def("copy_bytes", [](uintptr_t dst, uintptr_t src, int64_t bytes, uintptr_t stream) {  // any mapped pointers
+    DC_CUDA_CHECK(cudaMemcpyAsync(ptr<void>(dst), ptr<const void>(src), size_t(bytes), cudaMemcpyDefault,
+                                  stream_of(stream)));
+  });
   m.def("host_mapped_alloc", [](int64_t bytes) {
     uintptr_t dev = 0;
     uintptr_t host = host_mapped_alloc(bytes, &dev);

@@ -22,7 +22,8 @@ class Buffer:
 
     def __init__(self, group=None, max_tokens_per_rank: int = 4096, hidden: Optional[int] = None,
                  num_sms: Optional[int] = None, backend: str = "auto", num_max_low_latency_tokens: int = 128,
-                 timeout_s: Optional[float] = None, gpus_per_node: Optional[int] = None):
+                 timeout_s: Optional[float] = None, gpus_per_node: Optional[int] = None,
+                 low_latency_memory: Optional[str] = None):
         self._backend = None
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("deepcomm.Buffer: torch.distributed is not initialized "
@@ -43,7 +44,8 @@ class Buffer:
                              max_tokens_per_rank=max_tokens_per_rank,
                              hidden=DEFAULT_HIDDEN if hidden is None else hidden,
                              num_max_low_latency_tokens=num_max_low_latency_tokens,
-                             gpus_per_node=self.topology.gpus_per_node)
+                             gpus_per_node=self.topology.gpus_per_node,
+                             low_latency_memory=low_latency_memory)
         self.buffer_id = next(_buffer_ids)
         self._backend, self._backend_name = make_backend(backend, self._group, self.config, self._rank,
                                                          self._world_size, self._device)
@@ -83,6 +85,12 @@ class Buffer:
     def size_bytes(self) -> int:
         """Bytes of communication buffers the backend holds (0 for the reference backend)."""
         return self._live().size_bytes()
+
+    def low_latency_buffer_info(self) -> dict:
+        """``{"memory": "ipc" | "nvshmem", "bytes": n}``: where the CUDA backend's low-latency buffer lives and its
+        size (0 before the first low-latency call); ``memory`` is None on the reference backend, which has none."""
+        info = getattr(self._live(), "low_latency_buffer_info", None)
+        return info() if info is not None else {"memory": None, "bytes": 0}
 
     # ---- normal mode ------------------------------------------------------------------------------------
     def get_dispatch_layout(self, topk_idx, num_experts):

@@ -1,11 +1,30 @@
 """Buffer configuration and its analytic defaults."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
 DEFAULT_HIDDEN = 7168
 DEFAULT_TIMEOUT_S = 100.0
+LL_MEMORY_KINDS = ("ipc", "nvshmem")
+LL_MEMORY_ENV = "DEEPCOMM_LL_MEMORY"
+
+
+def resolve_low_latency_memory(value: Optional[str]) -> str:
+    """Where the CUDA backend puts its low-latency buffer: ``value`` when given, else ``$DEEPCOMM_LL_MEMORY``, else
+    "ipc" (cudaMalloc + CUDA IPC). "nvshmem" uses NVSHMEM's symmetric heap. ``ValueError`` names the source."""
+    if value is None:
+        env = os.environ.get(LL_MEMORY_ENV, "").strip()
+        if not env:
+            return "ipc"
+        if env.lower() not in LL_MEMORY_KINDS:
+            raise ValueError(f"{LL_MEMORY_ENV}: expected one of {', '.join(LL_MEMORY_KINDS)}, got {env!r}")
+        return env.lower()
+    if value not in LL_MEMORY_KINDS:
+        raise ValueError(f"low_latency_memory: expected one of {', '.join(map(repr, LL_MEMORY_KINDS))} or None, "
+                         f"got {value!r}")
+    return value
 
 
 def default_num_sms(sm_count: Optional[int]) -> int:
@@ -40,8 +59,10 @@ class Config:
     hidden: int = DEFAULT_HIDDEN
     num_max_low_latency_tokens: int = 128
     gpus_per_node: Optional[int] = None  # None: one node (Buffer fills it in from deepcomm.topology)
+    low_latency_memory: Optional[str] = None  # "ipc" | "nvshmem"; None: $DEEPCOMM_LL_MEMORY, else "ipc"
 
     def __post_init__(self) -> None:
+        self.low_latency_memory = resolve_low_latency_memory(self.low_latency_memory)
         _check_positive_int("num_sms", self.num_sms)
         _check_positive_int("max_tokens_per_rank", self.max_tokens_per_rank)
         _check_positive_int("hidden", self.hidden)

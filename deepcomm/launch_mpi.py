@@ -11,6 +11,8 @@ address (``MASTER_ADDR`` if set, else the IP its hostname resolves to) and a fre
 GPUs, initialises the default process group (NCCL on GPUs, gloo otherwise; ``--backend``) and runs the target
 with ``runpy`` as ``__main__``. Targets that call ``init_process_group`` only when ``not dist.is_initialized()``
 (deepcomm.bench, examples/train_moe.py) reuse that group; others still see the torchrun variables.
+With ``DEEPCOMM_LL_MEMORY=nvshmem`` and GPUs, NVSHMEM is bootstrapped through MPI as well (its unique id sent with
+``comm.bcast``; PE = MPI rank = torch.distributed rank), and finalized after a target that exits cleanly.
 """
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+
+from .config import resolve_low_latency_memory
 
 
 def _free_port() -> int:
@@ -82,6 +86,9 @@ def init_from_mpi(comm=None, backend: str = "auto", master_port: Optional[int] =
             kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    if use_cuda and resolve_low_latency_memory(None) == "nvshmem":
+        from .cuda import nvshmem_session
+        nvshmem_session.init_with_mpi(comm, torch.cuda.current_device())
     return rank, world, local_rank
 
 
@@ -143,12 +150,16 @@ def main(argv: Optional[List[str]] = None, comm=None) -> int:
     if not target:
         p.error("give -m MODULE or a script to run")
     init_from_mpi(comm, args.backend, args.master_port, args.timeout)
-    code = 0
+    code = 1  # stays 1 when the target raises
     try:
         run_target(target)
+        code = 0
     except SystemExit as exc:
         code = _exit_code(exc)
     finally:
+        nvshmem = sys.modules.get("deepcomm.cuda.nvshmem_session")
+        if code == 0 and nvshmem is not None and nvshmem.is_initialized():
+            nvshmem.finalize()  # collective; after a failure the other ranks may never arrive, so skipped then
         if dist.is_initialized():
             dist.destroy_process_group()
     return code

@@ -49,7 +49,8 @@ args=(-np "$NP")
 [[ -n "$HOSTFILE" ]] && args+=(--hostfile "$HOSTFILE")
 # pass the environment this job needs to every rank (Open MPI: -x NAME; MPICH/Hydra: -genvlist)
 envs=()
-for e in NCCL_NVLS_ENABLE NVSHMEM_DISABLE_NVLS TORCH_SYMM_MEM_DISABLE_MULTICAST PATH PYTHONPATH VIRTUAL_ENV; do
+for e in NCCL_NVLS_ENABLE NVSHMEM_DISABLE_NVLS TORCH_SYMM_MEM_DISABLE_MULTICAST PATH PYTHONPATH VIRTUAL_ENV \
+         DEEPCOMM_LL_MEMORY NVSHMEM_HOME NVSHMEM_SYMMETRIC_SIZE; do
     [[ -n "${!e:-}" ]] && envs+=("$e")
 done
 if mpirun --version 2>&1 | grep -qi "open mpi\|open-rte"; then

@@ -13,15 +13,20 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "gpu")
 from nccl_run import run_on_gpus  # noqa: E402
 
 
-def _timed(fn, iters=30):
+def _timed(fn, iters=30, wait_for_device=True):
+    """Host microseconds per call; with ``wait_for_device=False`` only the launch side (the device catches up
+    after the clock stops)."""
     for _ in range(5):
         fn()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(iters):
         fn()
+    if wait_for_device:
+        torch.cuda.synchronize()
+    elapsed = (time.perf_counter() - t0) / iters * 1e6
     torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters * 1e6
+    return elapsed
 
 
 def worker(rank, world, tokens, hidden, num_sms):

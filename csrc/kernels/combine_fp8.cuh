@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "../../ptx/ptx.cuh"
+#include "bf16_vec.cuh"
 #include "fp8_cast.cuh"
 
 namespace dc {
@@ -32,15 +33,9 @@ __device__ __forceinline__ void warp_store_row_e4m3(const int4* src, uint8_t* ds
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t i = base + u * 32 + lane;
       float f[8];
-      const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v[u]);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float2 p = __bfloat1622float2(h[j]);
-        f[2 * j] = p.x;
-        f[2 * j + 1] = p.y;
-      }
+      unpack_bf16x8(v[u], f);
       float scale;
-      const uint2 q = quantize_half_warp_block_e4m3(f, &scale);
+      const uint2 q = quantize8_e4m3(f, false, &scale);
       if (i < n16) {
         ptx::st_na_u64(values + i, (uint64_t(q.y) << 32) | q.x);
         if ((lane & 15) == 0) ptx::st_na_u32(scales + i / 16, __float_as_uint(scale));

@@ -38,25 +38,4 @@ __device__ __forceinline__ uint2 quantize8_e4m3(const float (&v)[8], bool use_ue
   return make_uint2(packed[0], packed[1]);
 }
 
-// Sixteen lanes quantize one 128-element block (fp32 scales, no UE8M0): lane l holds elements [8l, 8l+8) of its
-// half-warp's block and gets back their 8 e4m3 bytes (little-endian) and the block's scale. Every lane of the warp
-// must call it (the amax is shuffled); the two half-warps are independent blocks.
-__device__ __forceinline__ uint2 quantize_half_warp_block_e4m3(const float (&v)[8], float* scale_out) {
-  float amax = 0.0f;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(v[j]));
-#pragma unroll
-  for (int off = 8; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-  amax = fmaxf(amax, 1e-4f);
-  const float scale = __fdiv_rn(amax, 448.0f);
-  uint32_t packed[2] = {0u, 0u};
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const __nv_fp8_storage_t q = __nv_cvt_float_to_fp8(__fdiv_rn(v[j], scale), __NV_SATFINITE, __NV_E4M3);
-    packed[j / 4] |= uint32_t(q) << (8 * (j % 4));
-  }
-  *scale_out = scale;
-  return make_uint2(packed[0], packed[1]);
-}
-
 }  // namespace dc

@@ -9,7 +9,7 @@
 
 #include "../runtime/cuda_check.hpp"
 #include "api.hpp"
-#include "block_flags.cuh"
+#include "bf16_vec.cuh"
 #include "ll_common.cuh"
 
 namespace dc {
@@ -18,16 +18,6 @@ namespace {
 
 constexpr int kUnroll = 4;                    // 8-element vectors per lane per item
 constexpr int kChunk = 32 * 8 * kUnroll;      // elements of a row one warp handles per item
-
-__device__ __forceinline__ void unpack_bf16x8(const int4& v, float (&f)[8]) {
-  const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const float2 p = __bfloat1622float2(h[j]);
-    f[2 * j] = p.x;
-    f[2 * j + 1] = p.y;
-  }
-}
 
 __global__ void __launch_bounds__(kLlThreads, 1)
     ll_combine_send_kernel(LlCombineArgs a, LlLayout l, Peers peers, WaitCtx ctx) {
@@ -80,17 +70,23 @@ __global__ void __launch_bounds__(kLlThreads, 1)
       for (int u = 0; u < kUnroll; ++u)
 #pragma unroll
         for (int j = 0; j < 8; ++j) acc[u][j] = 0.0f;
-      for (uint32_t m = mine; m; m &= m - 1) {  // slots ascending
-        const int k = __ffs(m) - 1;
-        const int64_t e = __shfl_sync(0xffffffffu, entry, k);
-        const float wk = __shfl_sync(0xffffffffu, w, k);
+      // Slots ascending; the next slot's row is loaded while this one is accumulated (two rows in flight).
+      int4 v[kUnroll], next[kUnroll];
+      auto load = [&](uint32_t m, int4 (&dst)[kUnroll]) {
+        const int64_t e = __shfl_sync(0xffffffffu, entry, __ffs(m) - 1);
         const auto* row = static_cast<const __nv_bfloat16*>(a.x) + e * H;
-        int4 v[kUnroll];
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
           const int64_t idx = int64_t(c) * kChunk + u * 256 + lane * 8;
-          v[u] = idx < H ? ptx::ld_nc_na_v4(reinterpret_cast<const int4*>(row + idx)) : make_int4(0, 0, 0, 0);
+          dst[u] = idx < H ? ptx::ld_nc_na_v4(reinterpret_cast<const int4*>(row + idx)) : make_int4(0, 0, 0, 0);
         }
+      };
+      load(mine, next);
+      for (uint32_t m = mine; m; m &= m - 1) {
+        const float wk = __shfl_sync(0xffffffffu, w, __ffs(m) - 1);
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) v[u] = next[u];
+        if (m & (m - 1)) load(m & (m - 1), next);
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
           float f[8];
@@ -109,7 +105,7 @@ __global__ void __launch_bounds__(kLlThreads, 1)
       }
     }
     __syncthreads();
-    signal_block_done(peers, l.comb_flag, R, ctx);
+    ll_signal_arrival(peers, l, kLlCombine, a.slot, rank);
   }
   ll_finish_send(self, l, kLlCombine, a.slot, ctx.seq);
 }
@@ -122,7 +118,7 @@ __global__ void __launch_bounds__(kLlThreads, 1)
   uint8_t* self = peers.base[rank];
   ctx.seq = ll_recv_seq(self, l, kLlCombine, a.slot);
   __shared__ int ok;
-  if (!wait_all_blocks_done(self, l.comb_flag, R, num_send_blocks, ctx, kStageLlCombineData, &ok)) return;
+  if (!ll_wait_arrivals(self, l, kLlCombine, a.slot, num_send_blocks, ctx, kStageLlCombineData, &ok)) return;
   const int nchunks = int((H + kChunk - 1) / kChunk);
   const int total_warps = gridDim.x * kLlWarps;
   for (int item = blockIdx.x * kLlWarps + warp; item < T * nchunks; item += total_warps) {

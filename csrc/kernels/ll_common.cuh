@@ -35,9 +35,36 @@ __device__ __forceinline__ void ll_finish_send(uint8_t* self, const LlLayout& l,
       *done = 0u;
       reinterpret_cast<uint64_t*>(self + l.seq)[kind] = seq;
       reinterpret_cast<uint64_t*>(self + l.slot_seq)[kind * 2 + slot] = seq;
+      reinterpret_cast<uint64_t*>(self + l.slot_calls)[kind * 2 + slot] += 1;
       __threadfence();
     }
   }
+}
+
+// A send block is done with its stores into every rank: after the __syncthreads() that ends them, threads
+// 0..R-1 each add 1 to one rank's arrival counter for (kind, slot), with release ordering at system scope.
+__device__ __forceinline__ void ll_signal_arrival(const Peers& peers, const LlLayout& l, LlKind kind, int slot,
+                                                  int rank) {
+  // The release add is cumulative: it publishes every store the barrier ordered before it, from all threads.
+  if (threadIdx.x < l.num_ranks) {
+    auto* counter = reinterpret_cast<uint64_t*>(peers.base[threadIdx.x] + l.arrivals_at(kind, slot)) + rank;
+    ptx::atom_add_release_sys_u64(counter, 1);
+  }
+}
+
+// The whole block waits until every rank's send blocks of this slot's latest call have arrived: the counter of
+// rank s reaches (our sends in this slot so far) * blocks per send. False for every thread after a timeout.
+__device__ __forceinline__ bool ll_wait_arrivals(const uint8_t* self, const LlLayout& l, LlKind kind, int slot,
+                                                 int num_send_blocks, const WaitCtx& ctx, int stage, int* ok) {
+  if (threadIdx.x == 0) *ok = 1;
+  __syncthreads();
+  if (threadIdx.x < l.num_ranks) {
+    const uint64_t calls = ptx::ld_relaxed_sys_u64(reinterpret_cast<const uint64_t*>(self + l.slot_calls) + kind * 2 + slot);
+    const auto* counter = reinterpret_cast<const uint64_t*>(self + l.arrivals_at(kind, slot)) + threadIdx.x;
+    if (!wait_flag_geq(counter, calls * uint64_t(num_send_blocks), ctx, threadIdx.x, stage)) *ok = 0;
+  }
+  __syncthreads();
+  return *ok != 0;
 }
 
 // One warp walks entries [0, n) in order and gives each valid one (expert >= 0) its rank among the earlier

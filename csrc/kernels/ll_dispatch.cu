@@ -10,7 +10,7 @@
 
 #include "../runtime/cuda_check.hpp"
 #include "api.hpp"
-#include "block_flags.cuh"
+#include "bf16_vec.cuh"
 #include "fp8_cast.cuh"
 #include "ll_common.cuh"
 
@@ -50,13 +50,7 @@ __device__ __forceinline__ void send_token_chunk(const LlDispatchArgs& a, const 
 #pragma unroll
   for (int u = 0; u < kSendUnroll; ++u) {
     float f[8];
-    const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v[u]);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 p = __bfloat1622float2(h[j]);
-      f[2 * j] = p.x;
-      f[2 * j + 1] = p.y;
-    }
+    unpack_bf16x8(v[u], f);
     q[u] = quantize8_e4m3(f, a.use_ue8m0, &scale[u]);
   }
   for (uint32_t m = dests; m; m &= m - 1) {
@@ -128,7 +122,7 @@ __global__ void __launch_bounds__(kLlThreads, 1)
     if (tid == 0 && dup_id && !bad_id) report_input_error(ctx, rank, kStageLlDuplicateIds);
   }
   __syncthreads();
-  signal_block_done(peers, l.data_flag, R, ctx);
+  ll_signal_arrival(peers, l, kLlDispatch, a.slot, rank);
   ll_finish_send(self, l, kLlDispatch, a.slot, ctx.seq);
 }
 
@@ -144,7 +138,7 @@ __global__ void __launch_bounds__(kLlThreads, 1)
   int* base = smem;           // [L][R]
   int* total = smem + L * R;  // [L]
   __shared__ int ok;
-  if (!wait_all_blocks_done(self, l.data_flag, R, num_send_blocks, ctx, kStageLlDispatchData, &ok)) return;
+  if (!ll_wait_arrivals(self, l, kLlDispatch, slot, num_send_blocks, ctx, kStageLlDispatchData, &ok)) return;
   const int* counts = reinterpret_cast<const int*>(self + l.counts_at(slot));
   const int* ntok = reinterpret_cast<const int*>(self + l.ntok_at(slot));
   ll_expert_bases(counts, l, rank, base, total);

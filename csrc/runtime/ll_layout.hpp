@@ -8,10 +8,11 @@
 //
 //   seq          u64   [2]                 our latest dispatch / combine sequence number
 //   slot_seq     u64   [2][2]              sequence number of the last dispatch / combine send of each slot
+//   slot_calls   u64   [2][2]              dispatch / combine sends so far in each slot
 //   done_count   u32   [2]                 blocks of the running dispatch / combine send that finished
-//   data_flag    u64   [R][kMaxBlocks]     dispatch: block b of rank s finished its stores into us
+//   arrivals     u64   [2][2][R]           per kind and slot: send blocks of rank s that finished their stores
+//                                          into us (each adds 1, so a receive waits for calls * blocks)
 //   weight_flag  u64   [R]                 combine: rank s wrote its top-k weights into us
-//   comb_flag    u64   [R][kMaxBlocks]     combine: block b of rank r finished its partial sums for us
 //   counts       int32 [2][R][E]           per slot: entries rank s sends to every expert
 //   ntok         int32 [2][R]              per slot: tokens rank s dispatched
 //   meta         int32 [2][R][M][K]        per slot: for slot k of token t of rank s: (local expert << 16 | entry
@@ -39,7 +40,7 @@ enum LlKind : int { kLlDispatch = 0, kLlCombine = 1 };
 struct LlLayout {
   int num_ranks, num_experts, max_tokens, topk_max;
   int64_t hidden;
-  int64_t seq, slot_seq, done_count, data_flag, weight_flag, comb_flag, counts, ntok, meta, weights, stage_x,
+  int64_t seq, slot_seq, slot_calls, done_count, arrivals, weight_flag, counts, ntok, meta, weights, stage_x,
       stage_scales, recv_x, recv_scales, partials, entry_key, out_count, out_layout, out_src_info, out_recv_pos,
       total;
 
@@ -59,10 +60,10 @@ struct LlLayout {
     };
     seq = take(2 * 8);
     slot_seq = take(4 * 8);
+    slot_calls = take(4 * 8);
     done_count = take(2 * 4);
-    data_flag = take(R * kMaxBlocks * 8);
+    arrivals = take(4 * R * 8);
     weight_flag = take(R * 8);
-    comb_flag = take(R * kMaxBlocks * 8);
     counts = take(2 * R * experts * 4);
     ntok = take(2 * R * 4);
     meta = take(2 * R * M * K * 4);
@@ -81,6 +82,8 @@ struct LlLayout {
   }
   // Bytes that must start zeroed (sequence numbers, counters and flags).
   DC_HD int64_t signal_bytes() const { return counts; }
+
+  DC_HD int64_t arrivals_at(int kind, int slot) const { return arrivals + int64_t(kind * 2 + slot) * num_ranks * 8; }
 
   // Per-slot addresses inside one rank's buffer.
   DC_HD int64_t counts_at(int slot) const { return counts + int64_t(slot) * num_ranks * num_experts * 4; }

@@ -76,6 +76,9 @@ class CudaBackend:
             raise RuntimeError("the CUDA extension deepcomm._C is not built")
         self.C, self.group, self.config = C, group, config
         self.rank, self.world_size, self.device = rank, world_size, device
+        if config.low_latency_memory == "nvshmem":  # fail at construction, before any collective, if it is missing
+            from .nvshmem_library import load_library
+            load_library()
         arena, worst = arena_sizes(C, world_size, config.max_tokens_per_rank, config.hidden)
         with torch.cuda.device(device):
             self.nvl = NvlBuffer(C, group, rank, world_size, device, LOCAL_EXPERTS_CAP, config.max_tokens_per_rank,
@@ -123,6 +126,11 @@ class CudaBackend:
     def size_bytes(self) -> int:
         """Device bytes this rank holds: the NVLink buffer, plus the low-latency buffer once one was made."""
         return self.nvl.size_bytes + (self._ll.layout["total"] if self._ll is not None else 0)
+
+    def low_latency_buffer_info(self) -> dict:
+        """Which memory the low-latency buffer uses and its bytes (0 until the first low-latency call)."""
+        return {"memory": self.config.low_latency_memory,
+                "bytes": self._ll.layout["total"] if self._ll is not None else 0}
 
     # ---- layout ----
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
@@ -288,7 +296,8 @@ class CudaBackend:
                 self._ll = None
             with torch.cuda.device(self.device):
                 self._ll = LlBuffer(self.C, self.group, self.rank, self.world_size, self.device, num_experts,
-                                    max_tokens, hidden, self.nvl.err_dev, self.nvl.timeout_ns)
+                                    max_tokens, hidden, self.nvl.err_dev, self.nvl.timeout_ns,
+                                    self.config.low_latency_memory)
         return self._ll
 
     def _ll_hook(self, launch):

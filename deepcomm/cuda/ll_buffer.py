@@ -1,5 +1,6 @@
 """A rank's low-latency buffer (csrc/runtime/ll_layout.hpp): made at the first low-latency call of a shape,
-mapped into every rank, sharing the NVLink buffer's error record and timeout.
+mapped into every rank, sharing the NVLink buffer's error record and timeout. Its memory is a CUDA IPC allocation
+(``memory="ipc"``) or a block of NVSHMEM's symmetric heap (``"nvshmem"``); the kernels see peer pointers either way.
 
 Everything a dispatch returns (recv_x, recv_count and the handle's tensors) is a view of this buffer, made once
 per slot and handed out again on every call: valid until the same slot is used again two dispatches later."""
@@ -10,18 +11,20 @@ from typing import Dict, Tuple
 import torch
 
 from .arena import as_device_bytes
+from .nvshmem_memory import NvshmemMemory
 from .peer_memory import PeerMemory
 
 TOPK_MAX = 32
+MEMORY = {"ipc": PeerMemory, "nvshmem": NvshmemMemory}  # deepcomm.config.LL_MEMORY_KINDS
 
 
 class LlBuffer:
     def __init__(self, C, group, rank: int, world_size: int, device: torch.device, num_experts: int,
-                 max_tokens: int, hidden: int, err_dev: int, timeout_ns: int):
+                 max_tokens: int, hidden: int, err_dev: int, timeout_ns: int, memory: str = "ipc"):
         self.key = (num_experts, max_tokens, hidden)
         self.ctx = C.LlContext(rank, world_size, num_experts, max_tokens, hidden, TOPK_MAX)
         self.layout = self.ctx.layout()
-        self.memory = PeerMemory(C, group, rank, world_size, self.layout["total"])
+        self.memory = MEMORY[memory](C, group, rank, world_size, self.layout["total"])
         for r, p in enumerate(self.memory.peer_ptrs):
             self.ctx.set_peer(r, p)
         self.ctx.set_error_record(err_dev)

@@ -39,16 +39,8 @@ def _check_dispatch(got, want, what):
             assert torch.equal(_bytes(g[e, :n]), _bytes(w[e, :n])), f"{what}: recv_x part {i} expert {e}"
 
 
-def _worker(rank, world):
-    import deepcomm
-    dev = torch.device("cuda", rank)
-    gen = torch.Generator().manual_seed(300 + rank)
-    cuda = deepcomm.Buffer(max_tokens_per_rank=256, hidden=7168, backend="cuda", num_max_low_latency_tokens=M,
-                           num_sms=16, timeout_s=20)
-    ref = deepcomm.Buffer(max_tokens_per_rank=256, hidden=7168, backend="reference", num_max_low_latency_tokens=M)
-    cases = [(1, 7168, 256, 8, "random", "bf16"), (7, 2048, 64, 4, "masked", "fp8"),
-             (128, 7168, 256, 8, "random", "fp8"), (256, 5120, 32, 6, "masked", "ue8m0"),
-             (128, 7168, 256, 8, "one_expert", "bf16"), (0 if rank == 0 else 5, 2048, 64, 4, "random", "fp8")]
+def check_cases(cuda, ref, cases, gen, dev, world):
+    """Dispatch and combine of each (T, H, E, K, routing mode, dtype) case on ``cuda``, bit for bit against ``ref``."""
     for T, H, E, K, mode, dtype in cases:
         what = f"T={T} H={H} E={E} K={K} {mode} {dtype}"
         idx, w = _routing(gen, T, E, K, mode, dev)
@@ -61,6 +53,19 @@ def _worker(rank, world):
         out, _ = cuda.low_latency_combine(y, idx, w, got[2])
         ref_out, _ = ref.low_latency_combine(y, idx, w, want[2])
         assert torch.equal(out, ref_out), f"{what}: combine"
+
+
+def _worker(rank, world):
+    import deepcomm
+    dev = torch.device("cuda", rank)
+    gen = torch.Generator().manual_seed(300 + rank)
+    cuda = deepcomm.Buffer(max_tokens_per_rank=256, hidden=7168, backend="cuda", num_max_low_latency_tokens=M,
+                           num_sms=16, timeout_s=20)
+    ref = deepcomm.Buffer(max_tokens_per_rank=256, hidden=7168, backend="reference", num_max_low_latency_tokens=M)
+    cases = [(1, 7168, 256, 8, "random", "bf16"), (7, 2048, 64, 4, "masked", "fp8"),
+             (128, 7168, 256, 8, "random", "fp8"), (256, 5120, 32, 6, "masked", "ue8m0"),
+             (128, 7168, 256, 8, "one_expert", "bf16"), (0 if rank == 0 else 5, 2048, 64, 4, "random", "fp8")]
+    check_cases(cuda, ref, cases, gen, dev, world)
 
     # hook mode, with two micro-batches in flight (both slots) before either is received
     T, H, E, K = 128, 7168, 256, 8

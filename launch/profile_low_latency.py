@@ -1,0 +1,54 @@
+"""Where the time of a low-latency dispatch/combine goes: host time per eager call, and device time per kernel
+(torch.profiler) for 1 and 128 tokens. A diagnostic for kernel work, not the benchmark:
+`python launch/profile_low_latency.py` on 2 GPUs."""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "gpu"))
+from nccl_run import run_on_gpus  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from profile_intranode import _timed  # noqa: E402
+
+E, H, K, M = 256, 7168, 8, 128
+
+
+def worker(rank, world):
+    import deepcomm
+    from torch.profiler import ProfilerActivity, profile
+    dev = torch.device("cuda", rank)
+    buf = deepcomm.Buffer(max_tokens_per_rank=M, hidden=H, backend="cuda", num_max_low_latency_tokens=M)
+    g = torch.Generator(device=dev).manual_seed(rank)
+    for T in (1, M):
+        idx = torch.rand(T, E, device=dev, generator=g).topk(K, dim=1).indices
+        w = torch.rand(T, K, device=dev, generator=g)
+        x = torch.randn(T, H, device=dev, generator=g).to(torch.bfloat16)
+        y = torch.randn(E // world, world * M, H, device=dev, generator=g).to(torch.bfloat16)
+        _, _, h, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+        calls = {
+            "dispatch fp8": lambda: buf.low_latency_dispatch(x, idx, M, E, use_fp8=True),
+            "dispatch bf16": lambda: buf.low_latency_dispatch(x, idx, M, E, use_fp8=False),
+            "combine": lambda: buf.low_latency_combine(y, idx, w, h),
+        }
+        host = {k: _timed(fn, 50, wait_for_device=False) for k, fn in calls.items()}
+        dist.barrier()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(20):
+                for fn in calls.values():
+                    fn()
+            torch.cuda.synchronize()
+        if rank == 0:
+            print(f"--- tokens {T}: host us per eager call (launch side, no sync): "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in host.items()))
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=10))
+        dist.barrier()
+    buf.destroy()
+
+
+if __name__ == "__main__":
+    run_on_gpus(worker, 2)
