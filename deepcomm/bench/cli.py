@@ -225,7 +225,8 @@ def run_worker(rank: int, world_size: int, local_rank: int, args, device_type: s
         nbytes = metrics.logical_bytes(inp.num_recv_rows(rank), args.hidden, case.op.split("+")[0], case.dtype)
         mean_us, median_us, neg_gbps = timing.slowest_rank(
             [t.mean_us, t.median_us, -metrics.gbps(nbytes, t.mean_us)], device)
-        results.append({"system": case.system, "mode": peers.reported_mode(case, dc), "op": case.op, "dtype": case.dtype,
+        results.append({"system": case.system, "mode": peers.reported_mode(case, dc), "op": case.op,
+                        "dtype": case.dtype,
                         "tokens": case.tokens, "hidden": args.hidden, "topk": args.topk,
                         "experts": args.experts, "num_sms": by_name[case.system].reported_num_sms(case),
                         "time_us": round(mean_us, 2), "median_us": round(median_us, 2),
