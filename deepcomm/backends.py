@@ -49,17 +49,32 @@ def make_backend(requested: str, group, config: Config, rank: int, world_size: i
     if requested not in BACKENDS:
         raise ValueError(f"backend: expected one of {', '.join(map(repr, BACKENDS))}, got {requested!r}")
     name = requested
+    internode = config.gpus_per_node is not None and config.gpus_per_node < world_size
     if requested != "reference":
         reason = cuda_unavailable_reason(group)
-        gpn = config.gpus_per_node
-        if reason is None and gpn is not None and gpn < world_size:
-            reason = (f"the topology has {world_size // gpn} nodes x {gpn} GPUs and the internode kernels are not "
-                      "built yet (docs/internode.md)")
+        if reason is None and internode:
+            reason = internode_unavailable_reason(group, world_size)
         if reason is not None and requested == "cuda":
             raise RuntimeError(f"deepcomm: backend='cuda' cannot run here: {reason}")
         name = "cuda" if reason is None else "reference"
+    if name == "cuda" and internode:
+        from .cuda.internode import InternodeBackend
+        return InternodeBackend(group, config, rank, world_size, device, load_extension()), name
     if name == "cuda":
         from .cuda.backend import CudaBackend
         return CudaBackend(group, config, rank, world_size, device), name
     from .reference import ReferenceBackend
     return ReferenceBackend(group, config, rank, world_size, device), name
+
+
+def internode_unavailable_reason(group, world_size: int) -> Optional[str]:
+    """``None`` when the internode CUDA backend can run. Collective over ``group`` (it compares host names):
+    its WQEs are executed by the device emulated NIC, which reaches the "remote" GPU over NVLink, so every
+    rank must be on one host; a real NIC transport is not built yet (docs/internode.md)."""
+    from .cuda.internode import MAX_RANKS, hosts_of
+    if world_size > MAX_RANKS:
+        return f"the internode transport takes at most {MAX_RANKS} ranks, the group has {world_size}"
+    if len(set(hosts_of(group))) > 1:
+        return ("the ranks span several hosts; the internode CUDA backend runs only on one host posing as several "
+                "nodes (emulated NIC), a real NIC transport is not built yet")
+    return None

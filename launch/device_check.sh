@@ -57,4 +57,9 @@ if [[ "$MODE" != tests && "$MODE" != soak && "$MODE" != verify && "$MODE" != san
   if [[ "$MODE" == quick ]]; then bench_args+=(--quick); else bench_args+=(--plots "$OUT"); fi
   timeout 480 python3 -m deepcomm.bench "${bench_args[@]}" 2>&1 | tee "$OUT/bench.log" | tail -60
   echo "bench: rc=${PIPESTATUS[0]} $(( $(date +%s) - t0 )) s" | tee -a "$summary"
+  # the GPUs posing as nodes of 1 GPU: internode normal mode over GPU-posted WQEs and the device emulated NIC
+  t0=$(date +%s)
+  timeout 240 python3 -m deepcomm.bench --modes internode --gpus-per-node 1 --tokens 512,4096 --no-progress \
+    --json "$OUT/bench_internode.json" 2>&1 | tail -30 | tee -a "$OUT/bench.log"
+  echo "bench internode: rc=${PIPESTATUS[0]} $(( $(date +%s) - t0 )) s" | tee -a "$summary"
 fi

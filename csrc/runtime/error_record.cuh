@@ -25,6 +25,7 @@ enum WaitStage : int {
   kStageNicDoorbell = 23,      // the device NIC waiting for WQEs (or a free CQE) while posters still run
   kStageQpErrorCqe = 24,       // not a wait: an error CQE (queue in error); the syndrome is in the poster state
   kStageQpSignal = 25,         // waiting for a signal (fetch-add) a peer's NIC delivers
+  kStageInternodeCredit = 26,  // internode exchange: waiting for a peer to free its receive slot for us
   // Not timeouts: input problems found on the device. Every rank stops the call consistently, so the Buffer
   // stays usable and the host raises ValueError.
   kStageInvalidIds = 100,      // some rank's topk_idx had ids outside [-1, E) (no host sync to catch it earlier)

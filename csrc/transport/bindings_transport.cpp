@@ -259,4 +259,5 @@ void bind_transport(py::module_& parent) {
       .def("__exit__", [](CpuProxy& p, py::args) { p.stop(); });
 
   bind_device_qp(m);
+  bind_internode(m);
 }

@@ -7,3 +7,6 @@ void bind_transport(pybind11::module_& m);
 
 // The device queue pair part of deepcomm._C.transport (csrc/transport/bindings_device_qp.cpp).
 void bind_device_qp(pybind11::module_& m);
+
+// The internode exchange round (csrc/transport/bindings_internode.cpp).
+void bind_internode(pybind11::module_& m);

@@ -40,6 +40,14 @@ struct NicStats {
   uint32_t stopped;   // 1 once it returned
 };
 
+// What a block NIC (nic_serve_block.cuh) has executed, accumulated over its launches.
+struct NicTotals {
+  uint64_t wqes;     // WQEs consumed (executed, failed or flushed)
+  uint64_t bytes;    // payload bytes of successful writes, plus 8 per successful fetch-add
+  uint64_t writes;   // successful RDMA writes (inline included)
+  uint64_t atomics;  // successful fetch-adds
+};
+
 struct DeviceQpLayout {
   uint32_t log_wqebbs, log_cqes;
   uint64_t ring, cqes, dbrec, doorbell, cq_dbrec, poster, nic, total;

@@ -37,6 +37,15 @@ struct DrainResult {
   DrainStatus status;
 };
 
+// Where a (non-inline) RDMA write reads and writes, through the key table; its error syndrome otherwise.
+DC_HD uint8_t nic_translate_write(const DecodedWqe& w, const KeyTable& keys, uint8_t** remote, const uint8_t** local) {
+  *remote = keys.translate(w.rkey, w.raddr, w.bytes);
+  if (*remote == nullptr) return kSyndromeRemoteAccess;
+  *local = keys.translate(w.lkey, w.laddr, w.bytes);
+  if (*local == nullptr) return kSyndromeLocalProt;
+  return kSyndromeNone;
+}
+
 // Execute one decoded WQE; returns its error syndrome (kSyndromeNone on success).
 DC_HD uint8_t nic_execute(const SqRing& sq, const DecodedWqe& w, const KeyTable& keys) {
   if (w.opcode == kOpAtomicFetchAdd) {
@@ -48,20 +57,58 @@ DC_HD uint8_t nic_execute(const SqRing& sq, const DecodedWqe& w, const KeyTable&
     memcpy(local, &old, 8);
     return kSyndromeNone;
   }
-  uint8_t* remote = keys.translate(w.rkey, w.raddr, w.bytes);
-  if (remote == nullptr) return kSyndromeRemoteAccess;
   if (w.is_inline) {
+    uint8_t* remote = keys.translate(w.rkey, w.raddr, w.bytes);
+    if (remote == nullptr) return kSyndromeRemoteAccess;
     copy_inline_payload(sq, w.wqe_index, remote, w.bytes);
     return kSyndromeNone;
   }
-  const uint8_t* local = keys.translate(w.lkey, w.laddr, w.bytes);
-  if (local == nullptr) return kSyndromeLocalProt;
-  memcpy(remote, local, w.bytes);
-  return kSyndromeNone;
+  uint8_t* remote;
+  const uint8_t* local;
+  const uint8_t syndrome = nic_translate_write(w, keys, &remote, &local);
+  if (syndrome == kSyndromeNone) memcpy(remote, local, w.bytes);
+  return syndrome;
 }
 
 DC_HD uint8_t syndrome_of_decode(DecodeStatus s) {
   return s == kDecodeBadOpcode ? kSyndromeRemoteInvReq : kSyndromeLocalQpOp;
+}
+
+// The WQE at the consumer index, decoded and checked against the doorbell (pi), before anything executes.
+struct NicStep {
+  DecodedWqe w;
+  uint8_t syndrome;  // kSyndromeNone: execute it; otherwise it completes with this error, no memory effects
+  uint32_t step;     // WQEBBs to consume
+};
+
+DC_HD NicStep nic_decode_next(const NicQueue& q, uint16_t pi) {
+  NicStep s;
+  DecodeStatus ds = decode_wqe(q.sq, q.ci, &s.w);
+  const bool consistent = s.w.wqe_index == uint16_t(q.ci) && s.w.qpn == q.sq.qpn &&
+                          s.w.wqebbs() <= wqebbs_pending(pi, q.ci);  // not past what the doorbell announced
+  if (ds == kDecodeOk && !consistent) ds = kDecodeBadSize;
+  s.step = ds == kDecodeOk ? s.w.wqebbs() : 1u;  // an unparsable WQE has no trustworthy size
+  s.syndrome = kSyndromeNone;
+  if (q.error != kSyndromeNone) s.syndrome = kSyndromeWrFlush;
+  else if (ds != kDecodeOk) s.syndrome = syndrome_of_decode(ds);
+  return s;
+}
+
+// After execution (syndrome = the step's, or what executing it returned): error state, CQE, consumer index.
+DC_HD void nic_complete(NicQueue& q, const NicStep& s, uint8_t syndrome) {
+  if (syndrome != kSyndromeNone && q.error == kSyndromeNone) q.error = syndrome;
+  if (syndrome != kSyndromeNone || (s.w.fm_ce_se & kCtrlCqUpdate)) {
+    Completion c{};
+    c.wqe_counter = uint16_t(q.ci);
+    c.wqe_opcode = s.w.opcode;
+    c.cqe_opcode = syndrome == kSyndromeNone ? kCqeReq : kCqeReqErr;
+    c.syndrome = syndrome;
+    c.qpn = q.sq.qpn;
+    c.byte_count = syndrome == kSyndromeNone ? s.w.bytes : 0;
+    cq_write(q.cq, q.cq_pi, c);
+    ++q.cq_pi;
+  }
+  q.ci += s.step;
 }
 
 // Consume up to max_wqes WQEs announced by the doorbell record.
@@ -71,31 +118,9 @@ DC_HD DrainResult nic_drain(NicQueue& q, const KeyTable& keys, uint32_t max_wqes
   while (wqebbs_pending(pi, q.ci) != 0) {
     if (r.wqes == max_wqes) return DrainResult{r.wqes, kDrainBudget};
     if (cq_room(q.cq, q.cq_pi) == 0) return DrainResult{r.wqes, kDrainCqFull};
-    DecodedWqe w;
-    DecodeStatus ds = decode_wqe(q.sq, q.ci, &w);
-    const bool consistent = w.wqe_index == uint16_t(q.ci) && w.qpn == q.sq.qpn &&
-                            w.wqebbs() <= wqebbs_pending(pi, q.ci);  // not past what the doorbell announced
-    if (ds == kDecodeOk && !consistent) ds = kDecodeBadSize;
-    const uint32_t step = ds == kDecodeOk ? w.wqebbs() : 1u;  // an unparsable WQE has no trustworthy size
-
-    uint8_t syndrome = kSyndromeNone;
-    if (q.error != kSyndromeNone) syndrome = kSyndromeWrFlush;
-    else if (ds != kDecodeOk) syndrome = syndrome_of_decode(ds);
-    else syndrome = nic_execute(q.sq, w, keys);
-    if (syndrome != kSyndromeNone && q.error == kSyndromeNone) q.error = syndrome;
-
-    if (syndrome != kSyndromeNone || (w.fm_ce_se & kCtrlCqUpdate)) {
-      Completion c{};
-      c.wqe_counter = uint16_t(q.ci);
-      c.wqe_opcode = w.opcode;
-      c.cqe_opcode = syndrome == kSyndromeNone ? kCqeReq : kCqeReqErr;
-      c.syndrome = syndrome;
-      c.qpn = q.sq.qpn;
-      c.byte_count = syndrome == kSyndromeNone ? w.bytes : 0;
-      cq_write(q.cq, q.cq_pi, c);
-      ++q.cq_pi;
-    }
-    q.ci += step;
+    const NicStep s = nic_decode_next(q, pi);
+    const uint8_t syndrome = s.syndrome != kSyndromeNone ? s.syndrome : nic_execute(q.sq, s.w, keys);
+    nic_complete(q, s, syndrome);
     ++r.wqes;
   }
   return r;

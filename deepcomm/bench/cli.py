@@ -60,8 +60,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="num_sms sweep for deepcomm's CUDA backend (default 4,8,16,24,32; none on reference)")
     p.add_argument("--sweep-tokens", type=int, default=4096,
                    help="tokens at which num_sms is swept (default 4096, else the largest --tokens)")
-    p.add_argument("--modes", type=_choice_list(["normal", "low_latency"]), default=["normal", "low_latency"],
-                   help="comma-separated: normal, low_latency (default both)")
+    p.add_argument("--modes", type=_choice_list(["normal", "low_latency", "internode"]),
+                   default=["normal", "low_latency"],
+                   help="comma-separated: normal, low_latency (default both); or internode alone: normal-mode "
+                        "workloads on a topology of several nodes (--gpus-per-node), reported as mode "
+                        "internode-emulated (GPU-posted WQEs executed by the device emulated NIC)")
+    p.add_argument("--gpus-per-node", type=int, default=None,
+                   help="topology of deepcomm's Buffer (default: DEEPCOMM_GPUS_PER_NODE, else LOCAL_WORLD_SIZE, "
+                        "else one node); --modes internode needs fewer GPUs per node than ranks")
     p.add_argument("--dtypes", type=_choice_list(["fp8", "bf16"]), default=["fp8", "bf16"],
                    help="dtypes of dispatch and of the normal-mode combine (fp8 combine = use_fp8=True, "
                         "reported with its error against the BF16 combine); low-latency combine is BF16")
@@ -112,6 +118,13 @@ def resolve_defaults(args: argparse.Namespace, device_type: str) -> argparse.Nam
             raise SystemExit(f"--{name.replace('_', '-')}: must be positive")
     if args.warmup < 0:
         raise SystemExit("--warmup: must be >= 0")
+    if "internode" in args.modes:
+        if len(args.modes) > 1:
+            raise SystemExit("--modes: internode runs alone (its Buffer has a multi-node topology)")
+        if not gpu:
+            raise SystemExit("--modes internode: needs --device cuda (the emulated NIC runs on GPUs)")
+    if args.gpus_per_node is not None and args.gpus_per_node <= 0:
+        raise SystemExit("--gpus-per-node: must be positive")
     if "fp8" in args.dtypes and args.hidden % 128:
         raise SystemExit(f"--hidden: FP8 needs a multiple of 128, got {args.hidden}")
     return args
@@ -130,7 +143,7 @@ def _make_cases(args, systems, dc):
 
     cases = []
     for mode in args.modes:
-        token_list = args.tokens if mode == "normal" else args.ll_tokens
+        token_list = args.ll_tokens if mode == "low_latency" else args.tokens
         for T in token_list:
             for sys_ in systems:
                 cases += [Case(sys_.name, mode, op, dt, T) for op, dt in op_dtypes()
@@ -178,7 +191,13 @@ def run_worker(rank: int, world_size: int, local_rank: int, args, device_type: s
 
     systems, dc = [], None
     if "deepcomm" in args.systems:
-        dc = peers.Deepcomm(ctx, max_tokens=max(args.tokens), ll_tokens=max(args.ll_tokens), backend=args.backend)
+        dc = peers.Deepcomm(ctx, max_tokens=max(args.tokens), ll_tokens=max(args.ll_tokens), backend=args.backend,
+                            gpus_per_node=args.gpus_per_node)
+        if "internode" in args.modes and not dc.is_internode:
+            raise SystemExit("--modes internode: the Buffer's topology has one node; pass --gpus-per-node (e.g. 1 "
+                             "on 2 GPUs: 2 nodes x 1 GPU) or set DEEPCOMM_GPUS_PER_NODE")
+        if "internode" not in args.modes and dc.is_internode:
+            raise SystemExit("--modes: the Buffer's topology has several nodes; use --modes internode")
         systems.append(dc)
     if "a2a" in args.systems:
         systems.append(peers.AllToAll(ctx))
@@ -206,7 +225,8 @@ def run_worker(rank: int, world_size: int, local_rank: int, args, device_type: s
         nbytes = metrics.logical_bytes(inp.num_recv_rows(rank), args.hidden, case.op.split("+")[0], case.dtype)
         mean_us, median_us, neg_gbps = timing.slowest_rank(
             [t.mean_us, t.median_us, -metrics.gbps(nbytes, t.mean_us)], device)
-        results.append({"system": case.system, "mode": case.mode, "op": case.op, "dtype": case.dtype,
+        results.append({"system": case.system, "mode": peers.reported_mode(case, dc), "op": case.op,
+                        "dtype": case.dtype,
                         "tokens": case.tokens, "hidden": args.hidden, "topk": args.topk,
                         "experts": args.experts, "num_sms": by_name[case.system].reported_num_sms(case),
                         "time_us": round(mean_us, 2), "median_us": round(median_us, 2),

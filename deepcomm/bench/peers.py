@@ -27,7 +27,7 @@ from deepcomm.bench.workloads import Inputs, token_in_rank
 @dataclass(frozen=True)
 class Case:
     system: str
-    mode: str            # normal | low_latency
+    mode: str            # normal | low_latency | internode (normal-mode workloads, multi-node topology)
     op: str              # dispatch | combine
     dtype: str           # fp8 | bf16
     tokens: int
@@ -139,15 +139,20 @@ class MoELayer:
 class Deepcomm:
     name = "deepcomm"
 
-    def __init__(self, ctx: Context, max_tokens: int, ll_tokens: int, backend: str):
+    def __init__(self, ctx: Context, max_tokens: int, ll_tokens: int, backend: str,
+                 gpus_per_node: Optional[int] = None):
         import deepcomm  # noqa: F401  (fails here, not mid-run, when the package is missing)
 
         self.ctx = ctx
         self.ll_tokens = ll_tokens
         self._kwargs = dict(max_tokens_per_rank=max_tokens, hidden=ctx.hidden, backend=backend,
                             num_max_low_latency_tokens=ll_tokens)
+        if gpus_per_node is not None:
+            self._kwargs["gpus_per_node"] = gpus_per_node
         self.buf = deepcomm.Buffer(ctx.group, num_sms=None, **self._kwargs)
         self.backend_name = getattr(self.buf, "backend_name", backend)
+        topology = getattr(self.buf, "topology", None)
+        self.is_internode = bool(topology is not None and topology.is_internode)
         self.default_num_sms = getattr(self.buf, "num_sms", None)
         self._sweep_bufs = {}
 
@@ -165,7 +170,7 @@ class Deepcomm:
         return not (mode == "low_latency" and op == "combine" and dtype == "fp8")
 
     def reported_num_sms(self, case: Case):
-        if not self.uses_sms:
+        if not self.uses_sms or case.mode == "internode":  # internode: one posting and one NIC block per peer
             return None
         return case.num_sms if case.num_sms is not None else self.default_num_sms
 
@@ -190,7 +195,7 @@ class Deepcomm:
         buf = self._buffer(case.num_sms)
         E = self.ctx.experts
         x, idx, w = inp.x, inp.topk_idx, inp.topk_weights
-        if case.mode == "normal":
+        if case.mode in ("normal", "internode"):
             if case.op == "dispatch":
                 x_in = per_token_cast_to_fp8(x) if case.dtype == "fp8" else x
                 return lambda: buf.dispatch(x_in, topk_idx=idx, topk_weights=w, num_experts=E)
@@ -252,6 +257,16 @@ class Deepcomm:
         got, _ = buf.combine(y, handle, use_fp8=True)
         want, _ = buf.combine(y, handle)
         return combine_errors(got, want)
+
+
+def reported_mode(case: Case, dc: Optional[Deepcomm]) -> str:
+    """The result's `mode` (BENCHMARK.md): deepcomm's internode runs on the CUDA backend are
+    "internode-emulated"; the peers in such a run are plain NCCL collectives, reported as "normal"."""
+    if case.mode != "internode":
+        return case.mode
+    if case.system == "deepcomm" and dc is not None and dc.backend_name == "cuda":
+        return "internode-emulated"
+    return "normal" if case.system != "deepcomm" else "internode-reference"
 
 
 GRAPH_CALLS = 10  # calls captured back to back in one graph: the graph's own launch cost is spread over them

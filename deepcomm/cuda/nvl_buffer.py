@@ -28,6 +28,7 @@ STAGES = {
     23: "nic:doorbell (device NIC waiting for WQEs)",
     24: "qp:error_cqe (a WQE completed with an error)",
     25: "qp:signal (waiting for a peer's fetch-add signal)",
+    26: "internode:credit (a peer has not freed its receive slot for us)",
 }
 # Input problems found on the device (not timeouts): every rank stopped the call consistently.
 INPUT_ERRORS = {

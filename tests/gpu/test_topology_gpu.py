@@ -1,5 +1,6 @@
 """Topology on 2 GPUs: posing as 2 nodes x 1 GPU (argument or DEEPCOMM_GPUS_PER_NODE), which backend a Buffer
-gets, and the reference's hierarchical combine at 1 GPU per node equal, bit for bit, to the NVLink kernels."""
+gets (the internode CUDA backend for 2 x 1), and the reference's hierarchical combine at 1 GPU per node equal,
+bit for bit, to the NVLink kernels."""
 from __future__ import annotations
 
 import os
@@ -17,11 +18,15 @@ def _topology_worker(rank, world):
     from deepcomm.topology import Topology
 
     dev = torch.device("cuda", rank)
-    with pytest.raises(RuntimeError, match="internode kernels are not built"):
-        deepcomm.Buffer(max_tokens_per_rank=64, hidden=2880, backend="cuda", gpus_per_node=1)
+    inter = deepcomm.Buffer(max_tokens_per_rank=64, hidden=2880, backend="cuda", gpus_per_node=1, timeout_s=20)
+    assert type(inter._backend).__name__ == "InternodeBackend"  # the emulated-NIC path (tests/gpu/test_internode.py)
+    inter.destroy()
     os.environ["DEEPCOMM_GPUS_PER_NODE"] = "1"
-    nodes = deepcomm.Buffer(max_tokens_per_rank=64, hidden=2880, backend="auto", timeout_s=20)
+    auto = deepcomm.Buffer(max_tokens_per_rank=64, hidden=2880, backend="auto", timeout_s=20)
+    nodes = deepcomm.Buffer(max_tokens_per_rank=64, hidden=2880, backend="reference", timeout_s=20)
     del os.environ["DEEPCOMM_GPUS_PER_NODE"]
+    assert auto.topology == Topology(2, 1) and auto.backend_name == "cuda"
+    auto.destroy()
     assert nodes.topology == Topology(2, 1) and nodes.backend_name == "reference"
     flat = deepcomm.Buffer(max_tokens_per_rank=64, hidden=2880, backend="cuda", timeout_s=20)
     assert flat.topology == Topology(1, 2) and flat.backend_name == "cuda"

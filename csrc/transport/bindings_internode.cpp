@@ -1,0 +1,69 @@
+// deepcomm._C.transport, internode part: one round of the internode exchange (csrc/kernels/internode_exchange.hpp)
+// and the record layouts the Python side reads. Pointers are ints; streams are ints.
+#include <pybind11/stl.h>
+
+#include "../kernels/internode_exchange.hpp"
+#include "../kernels/internode_host_selftest.hpp"
+#include "../runtime/cuda_check.hpp"
+#include "bindings_transport.hpp"
+#include "device_qp_layout.hpp"
+
+namespace py = pybind11;
+using namespace dc;
+using namespace dc::transport;
+
+void bind_internode(py::module_& m) {
+  m.attr("INTERNODE_PEER_FIELDS") = kInternodePeerFields;
+  m.attr("NIC_TOTALS_FIELDS") = py::make_tuple("wqes", "bytes", "writes", "atomics");
+  m.attr("NIC_TOTALS_BYTES") = sizeof(NicTotals);
+  m.def("internode_exchange", [](uintptr_t peers, int num_peers, uint32_t lkey, uint64_t round, uint32_t chunk_bytes,
+                                 uint32_t log_wqebbs, uint32_t log_cqes, const KeyTable& keys, uintptr_t err_dev,
+                                 double timeout_s, int rank, uintptr_t seq_ptr, uintptr_t stream) {
+    if (log_wqebbs < 2 || log_wqebbs > kMaxLogWqebbs || log_cqes < log_wqebbs || log_cqes > kMaxLogCqes)
+      throw std::invalid_argument("log_wqebbs must be in [2, 15] and log_cqes in [log_wqebbs, 16]");
+    InternodeExchangeArgs a{};
+    a.peers = reinterpret_cast<const InternodePeer*>(peers);
+    a.num_peers = num_peers;
+    a.lkey = lkey;
+    a.round = round;
+    a.chunk_bytes = chunk_bytes;
+    a.log_wqebbs = log_wqebbs;
+    a.log_cqes = log_cqes;
+    WaitCtx c{};
+    c.err = reinterpret_cast<ErrorRecord*>(err_dev);
+    c.timeout_ns = uint64_t(timeout_s * 1e9);
+    c.rank = rank;
+    c.seq_ptr = reinterpret_cast<const uint64_t*>(seq_ptr);
+    launch_internode_exchange(a, keys, c, reinterpret_cast<cudaStream_t>(stream));
+  }, py::arg("peers"), py::arg("num_peers"), py::arg("lkey"), py::arg("round"), py::arg("chunk_bytes"),
+     py::arg("log_wqebbs"), py::arg("log_cqes"), py::arg("keys"), py::arg("err_dev"), py::arg("timeout_s"),
+     py::arg("rank"), py::arg("seq_ptr"), py::arg("stream"),
+     "Launch one exchange round; peers: device int64 [num_peers][INTERNODE_PEER_FIELDS] (InternodePeer).");
+
+  m.def("internode_test_byte", &internode_test_byte, py::arg("rank"), py::arg("round"), py::arg("offset"));
+  m.def("internode_rounds_on_host", [](const std::vector<std::vector<uint64_t>>& sizes, uint32_t chunk_bytes,
+                                       uint32_t log_wqebbs, double timeout_s) {
+    if (log_wqebbs < 2 || log_wqebbs > kMaxLogWqebbs) throw std::invalid_argument("log_wqebbs must be in [2, 15]");
+    InternodeHostRun r;
+    {
+      py::gil_scoped_release nogil;
+      r = run_internode_rounds_on_host(sizes, chunk_bytes, log_wqebbs, timeout_s);
+    }
+    py::list ranks;
+    for (const InternodeHostRank& k : r.rank) {
+      py::dict d;
+      d["mismatched_rounds"] = k.mismatched_rounds; d["rounds_done"] = k.rounds_done; d["fa_old"] = k.fa_old;
+      d["credit"] = k.credit; d["signal"] = k.signal;
+      d["reserved"] = k.poster.reserved; d["published"] = k.poster.published; d["retired"] = k.poster.retired;
+      d["cqes_seen"] = k.poster.cqes_seen; d["error_cqes"] = k.poster.error_cqes;
+      d["nic_consumed"] = k.nic.consumed; d["nic_wqes"] = k.nic.wqes; d["nic_cqes"] = k.nic.cqes;
+      d["nic_error"] = k.nic.error; d["nic_stopped"] = k.nic.stopped;
+      ranks.append(d);
+    }
+    py::dict out;
+    out["ranks"] = ranks;
+    out["failed_stage"] = r.failed_stage;
+    return out;
+  }, py::arg("sizes"), py::arg("chunk_bytes"), py::arg("log_wqebbs"), py::arg("timeout_s"),
+     "Synchronous: two ranks of CPU threads run internode exchange rounds (csrc/kernels/internode_host_selftest.hpp).");
+}

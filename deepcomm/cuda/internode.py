@@ -1,0 +1,324 @@
+"""Normal dispatch and combine for topologies of several nodes, with every byte between ranks carried by
+GPU-posted mlx5 RDMA-write and fetch-add WQEs (csrc/kernels/internode_exchange.hpp).
+
+Where there is no NIC (one host posing as several nodes) the WQEs are executed by the device emulated NIC, a block
+of the same grid that decodes them and performs the writes over NVLink peer pointers; a ConnectX would execute
+the same bytes. Routing, packing, placement and the (hierarchical) combine sum are the reference backend's
+torch code (deepcomm/reference/normal.py) running on the GPU over this transport, so the results equal the
+reference's bit for bit by construction; what is new here is the transport.
+
+First version, simple rather than fast (docs/internode.md): every rank has one queue pair to every other rank
+(ranks of its own node included: no NVLink forwarding yet), each exchange is one kernel launch followed by a host
+sync that reads the error record, and rows are packed and unpacked by torch copies.
+"""
+from __future__ import annotations
+
+import socket
+from typing import Dict, List, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..config import Config
+from ..errors import CommTimeoutError
+from ..reference import normal
+from ..reference.collectives import Comm, PendingRows
+from .arena import as_device_bytes
+from .nvl_buffer import STAGES
+from .peer_memory import PeerMemory
+
+TOPK_MAX = 32          # top-k slots a row has room for
+MAX_RANKS = 32         # the key table holds 32 regions: ours and one per peer
+LOG_WQEBBS = 8         # 256 WQEBBs per send queue; every WQE is signaled, so posters never wait on a later one
+CHUNK_BYTES = 1 << 20  # bytes per RDMA write WQE
+LKEY_BASE, RKEY_BASE = 0x1000, 0x2000
+
+
+def _up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def max_row_bytes(hidden: int) -> int:
+    """Widest row an exchange carries: bf16 x (FP8 values + scales are narrower), int64 top-k ids, fp32 top-k
+    weights and an int32 source index, padded to 16 bytes."""
+    return _up(2 * hidden + TOPK_MAX * 12 + 4, 16)
+
+
+def hosts_of(group) -> List[str]:
+    names: List[str] = [None] * dist.get_world_size(group)  # type: ignore[list-item]
+    dist.all_gather_object(names, socket.gethostname(), group=group)
+    return names
+
+
+class NicTransport:
+    """This rank's registered memory (one IPC allocation: counters, send staging, receive slots), one device
+    queue pair per peer, the key table the emulated NICs translate through, and the exchange round counter.
+
+    Registered memory, 64-byte aligned parts:
+        signal  u64 [R]            signal[s]: rounds whose block from s has landed here
+        credit  u64 [R]            credit[s]: rounds for which s has freed its receive slot for us
+        fa_old  u64 [R][2]         old values returned by our fetch-adds to peer s
+        send    bytes [R * slot]   our packed rows, grouped by destination
+        recv    bytes [R][slot]    recv[s]: the block rank s sent us this round
+    """
+
+    def __init__(self, C, group, rank: int, world_size: int, device: torch.device, max_tokens: int, hidden: int,
+                 timeout_s: float):
+        if not 2 <= world_size <= MAX_RANKS:
+            raise ValueError(f"world_size: the internode transport takes 2..{MAX_RANKS} ranks, got {world_size}")
+        self.C, self.T = C, C.transport
+        self.rank, self.world_size, self.device, self.timeout_s = rank, world_size, device, timeout_s
+        R = world_size
+        self.slot_bytes = _up(max_tokens * max_row_bytes(hidden), 64)
+        off: Dict[str, int] = {}
+        at = 0
+        for name, nbytes in (("signal", 8 * R), ("credit", 8 * R), ("fa_old", 16 * R), ("send", R * self.slot_bytes),
+                             ("recv", R * self.slot_bytes)):
+            off[name] = at
+            at = _up(at + nbytes, 256)
+        self.offsets, self.region_bytes = off, at
+        self.mem = PeerMemory(C, group, rank, world_size, at)
+        self.err_host = 0
+        try:
+            self.region = as_device_bytes(self.mem.ptr, at, device, owner=self.mem)
+            bases: List[int] = [None] * R  # type: ignore[list-item]
+            dist.all_gather_object(bases, self.mem.ptr, group=group)  # what WQEs name: each owner's own address
+            self.bases = bases
+            self.lkey = LKEY_BASE + rank
+            self.keys = self.T.KeyTable()
+            self.keys.add(self.lkey, self.mem.ptr, at, self.mem.ptr)
+            self.peers = [p for p in range(R) if p != rank]
+            for p in self.peers:
+                self.keys.add(RKEY_BASE + p, bases[p], at, self.mem.peer_ptrs[p])  # the peer "node", over NVLink
+
+            # queue pairs, then per queue a u32 stop word (64 B) and NicTotals (64 B)
+            self.qp_layout = self.T.device_qp_layout(LOG_WQEBBS, LOG_WQEBBS)
+            self.qp_bytes = _up(self.qp_layout["total"], 256)
+            P = len(self.peers)
+            self.qp_mem = torch.zeros(P * self.qp_bytes + P * 128, dtype=torch.uint8, device=device)
+            stream = torch.cuda.current_stream(device).cuda_stream
+            for i in range(P):
+                self.T.device_qp_init(self.qp_ptr(i), LOG_WQEBBS, LOG_WQEBBS, 0, stream)
+            self.seq = torch.zeros(1, dtype=torch.int64, device=device)
+            self.err_host, self.err_dev = C.host_mapped_alloc(C.error_record_bytes())
+            C.clear_error(self.err_host)
+            self.round = 0
+            self.broken = False
+            torch.cuda.synchronize(device)
+            dist.barrier(group=group)  # every queue pair and region is initialised before any peer writes to us
+        except BaseException:
+            self.close()  # a failed set-up must not leak the registered memory or the error record
+            raise
+
+    # ---- addresses ----
+    def qp_ptr(self, i: int) -> int:
+        return self.qp_mem.data_ptr() + i * self.qp_bytes
+
+    def _aux_ptr(self, i: int) -> int:
+        return self.qp_mem.data_ptr() + len(self.peers) * self.qp_bytes + i * 128
+
+    def send_view(self, rows: int, stride: int) -> torch.Tensor:
+        o = self.offsets["send"]
+        return self.region[o:o + rows * stride].view(rows, stride)
+
+    def recv_view(self, src: int, rows: int, stride: int) -> torch.Tensor:
+        o = self.offsets["recv"] + src * self.slot_bytes
+        return self.region[o:o + rows * stride].view(rows, stride)
+
+    # ---- one round ----
+    def exchange(self, send_bytes: Sequence[int], send_begin: Sequence[int]) -> None:
+        """Send bytes [send_begin[d], + send_bytes[d]) of the send area to every peer d, into d's receive slot
+        for us; return once every peer's block for us has landed (synchronizes the device, then raises
+        CommTimeoutError if a wait timed out). Collective: every rank calls it the same number of times."""
+        if self.broken:
+            raise RuntimeError("deepcomm: this Buffer timed out earlier; destroy it and build a new one on every rank")
+        me, R = self.rank, self.world_size
+        for d in self.peers:
+            if send_bytes[d] > self.slot_bytes:
+                raise ValueError(f"x: {send_bytes[d]} bytes for rank {d} exceed the receive slot ({self.slot_bytes} "
+                                 "bytes); raise max_tokens_per_rank or hidden of the Buffer")
+        self.round += 1
+        rows = []
+        for i, d in enumerate(self.peers):
+            peer_base = self.bases[d]
+            rows.append([
+                d, self.qp_ptr(i), 0x100 + me * R + d,
+                self.mem.ptr + self.offsets["send"] + send_begin[d], send_bytes[d],
+                peer_base + self.offsets["recv"] + me * self.slot_bytes,
+                peer_base + self.offsets["signal"] + 8 * me,
+                peer_base + self.offsets["credit"] + 8 * me,
+                RKEY_BASE + d,
+                self.mem.ptr + self.offsets["fa_old"] + 16 * d,
+                self.mem.ptr + self.offsets["signal"] + 8 * d,
+                self.mem.ptr + self.offsets["credit"] + 8 * d,
+                self._aux_ptr(i), self._aux_ptr(i) + 64,
+            ])
+        assert len(rows[0]) == self.T.INTERNODE_PEER_FIELDS
+        with torch.cuda.device(self.device):  # the launcher uses the current device
+            stream = torch.cuda.current_stream(self.device)
+            table = torch.tensor(rows, dtype=torch.int64).to(self.device)
+            self.seq.fill_(self.round)
+            self.T.internode_exchange(table.data_ptr(), len(self.peers), self.lkey, self.round, CHUNK_BYTES,
+                                      LOG_WQEBBS, LOG_WQEBBS, self.keys, self.err_dev, self.timeout_s, me,
+                                      self.seq.data_ptr(), stream.cuda_stream)
+            stream.synchronize()
+        self.check_error()
+
+    def check_error(self) -> None:
+        flag, rank, peer, stage, seq, waited_ns = self.C.read_error(self.err_host)
+        if flag:
+            self.broken = True
+            raise CommTimeoutError(rank, None if peer < 0 else peer, STAGES.get(stage, f"stage {stage}"),
+                                   f"exchange round #{seq}, waited {waited_ns / 1e9:.3f} s")
+
+    # ---- statistics ----
+    def nic_totals(self) -> Dict[int, Dict[str, int]]:
+        """Per peer: what our NIC for that queue pair executed so far (wqes, bytes, writes, atomics)."""
+        names = self.T.NIC_TOTALS_FIELDS
+        out = {}
+        for i, d in enumerate(self.peers):
+            o = len(self.peers) * self.qp_bytes + i * 128 + 64
+            vals = self.qp_mem[o:o + 8 * len(names)].view(torch.int64).tolist()
+            out[d] = dict(zip(names, vals))
+        return out
+
+    def nic_stats(self) -> Dict[int, Dict[str, int]]:
+        """Per peer: the queue's NIC record (consumer index, WQEs, CQEs, error syndrome) and poster counters."""
+        out = {}
+        for i, d in enumerate(self.peers):
+            base = i * self.qp_bytes
+            def fields(part):
+                names = self.qp_layout[part + "_fields"]
+                o = base + self.qp_layout[part]
+                return dict(zip(names, self.qp_mem[o:o + 4 * len(names)].view(torch.int32).tolist()))
+            out[d] = {"nic": fields("nic"), "poster": fields("poster")}
+        return out
+
+    def close(self) -> None:
+        torch.cuda.synchronize(self.device)
+        if self.err_host:
+            self.C.host_mapped_free(self.err_host)
+            self.err_host = 0
+        self.region = None
+        self.mem.close()
+
+
+class NicComm(Comm):
+    """The reference backend's collectives (``all_gather``, ``exchange_rows``) carried by the NIC transport."""
+
+    def __init__(self, transport: NicTransport, group, rank: int, world_size: int, device: torch.device,
+                 timeout_s: float):
+        super().__init__(group, rank, world_size, device, timeout_s)
+        self.transport = transport
+
+    def all_gather(self, t: torch.Tensor, stage: str) -> torch.Tensor:
+        R = self.world_size
+        row = t.contiguous().reshape(1, -1)
+        got = self.exchange_rows([row.expand(R, -1).contiguous()], [1] * R, [1] * R, stage).wait()[0]
+        return got.reshape(R, *t.shape)
+
+    def exchange_rows(self, parts: Sequence[torch.Tensor], send_counts: Sequence[int],
+                      recv_counts: Sequence[int], stage: str) -> PendingRows:
+        """As ``Comm.exchange_rows``: rows grouped by destination in, rows grouped by source out."""
+        tr, me = self.transport, self.rank
+        num_send = sum(send_counts)
+        row_bytes = [_row_bytes(p) for p in parts]
+        stride = _up(sum(row_bytes), 16)  # 16-byte rows: the NIC copies whole vectors
+        if stride * max(max(send_counts), max(recv_counts)) > tr.slot_bytes:
+            raise ValueError(f"x: rows of {stride} bytes do not fit the receive slot ({tr.slot_bytes} bytes); "
+                             "raise max_tokens_per_rank or hidden of the Buffer")
+        send = tr.send_view(num_send, stride)
+        col = 0
+        for p, nbytes in zip(parts, row_bytes):
+            send[:, col:col + nbytes].copy_(p.contiguous().reshape(-1).view(torch.uint8).reshape(num_send, nbytes))
+            col += nbytes
+        begins = [sum(send_counts[:d]) for d in range(self.world_size)]
+        tr.exchange([send_counts[d] * stride for d in range(self.world_size)], [b * stride for b in begins])
+        out = torch.empty(sum(recv_counts), stride, dtype=torch.uint8, device=self.device)
+        at = 0
+        for s in range(self.world_size):
+            n = recv_counts[s]
+            if n:
+                src = send[begins[me]:begins[me] + n] if s == me else tr.recv_view(s, n, stride)
+                out[at:at + n].copy_(src)
+            at += n
+
+        def unpack() -> List[torch.Tensor]:
+            tensors, offset = [], 0
+            for part, nbytes in zip(parts, row_bytes):
+                chunk = out[:, offset:offset + nbytes].contiguous().reshape(-1)
+                if chunk.storage_offset() % part.element_size():  # a 1-row view may start mid-element: copy
+                    chunk = chunk.clone()
+                tensors.append(chunk.view(part.dtype).reshape(out.shape[0], *part.shape[1:]))
+                offset += nbytes
+            return tensors
+
+        return PendingRows(unpack)
+
+
+def _row_bytes(t: torch.Tensor) -> int:
+    n = t.element_size()
+    for s in t.shape[1:]:
+        n *= s
+    return n
+
+
+class InternodeBackend:
+    """Normal-mode backend for topologies of several nodes (same interface as the other backends)."""
+
+    name = "cuda"
+    x_dtypes = (torch.bfloat16,)
+
+    def __init__(self, group, config: Config, rank: int, world_size: int, device: torch.device, C):
+        self.config, self.rank, self.world_size, self.device = config, rank, world_size, device
+        with torch.cuda.device(device):
+            self.transport = NicTransport(C, group, rank, world_size, device, config.max_tokens_per_rank,
+                                          config.hidden, config.timeout_s)
+        self.comm = NicComm(self.transport, group, rank, world_size, device, config.timeout_s)
+
+    def get_dispatch_layout(self, topk_idx, num_experts):
+        from .. import layout
+        return layout.get_dispatch_layout(topk_idx, num_experts, self.world_size)
+
+    def _check_topk(self, k: int) -> None:
+        if k > TOPK_MAX:
+            raise ValueError(f"topk_idx: at most {TOPK_MAX} experts per token on the internode backend, got {k}")
+
+    # previous_event / async_finish: every exchange synchronizes before it returns (first version), so there is
+    # nothing to overlap; accepted so code runs unchanged on every backend.
+    def dispatch(self, x, topk_idx, topk_weights, num_experts, handle, expert_alignment, num_worst_tokens=0,
+                 previous_event=None, async_finish=False):
+        for t in (topk_idx, topk_weights):
+            if t is not None:
+                self._check_topk(t.shape[1])
+        if handle is not None and torch.is_tensor(handle.num_recv_tokens_per_expert):
+            num_worst_tokens = handle.num_recv
+        out = normal.dispatch(self.comm, x, topk_idx, topk_weights, num_experts, handle, expert_alignment)
+        return normal.pad_to_worst(out, num_worst_tokens, handle is not None) if num_worst_tokens else out
+
+    def combine(self, x, handle, topk_weights, previous_event=None, async_finish=False, use_fp8=False):
+        if topk_weights is not None:
+            self._check_topk(topk_weights.shape[1])
+        return normal.combine(self.comm, x, handle, topk_weights, use_fp8, self.config.gpus_per_node)
+
+    def low_latency_dispatch(self, *args, **kwargs):
+        raise RuntimeError("deepcomm: low-latency mode is not built for multi-node topologies on the CUDA backend "
+                           "(docs/internode.md); use backend='reference'")
+
+    low_latency_combine = low_latency_dispatch
+
+    def nic_totals(self):
+        return self.transport.nic_totals()
+
+    def set_num_sms(self, num_sms: int) -> None:
+        return None  # one posting block and one NIC block per peer, whatever num_sms says
+
+    def size_bytes(self) -> int:
+        return self.transport.region_bytes + self.transport.qp_mem.numel()
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+        self.transport.check_error()
+
+    def destroy(self) -> None:
+        self.transport.close()
