@@ -9,6 +9,7 @@
 #include <stdexcept>
 #include <thread>
 
+#include "../transport/host_bytes.hpp"
 #include "../transport/host_waiter.hpp"
 #include "../transport/nic_serve.hpp"
 #include "internode_round.hpp"
@@ -18,19 +19,6 @@ namespace dc {
 using namespace transport;
 
 namespace {
-
-struct FreeDeleter {
-  void operator()(uint8_t* p) const { std::free(p); }
-};
-using HostBytes = std::unique_ptr<uint8_t, FreeDeleter>;
-
-HostBytes alloc_zeroed(size_t bytes) {
-  bytes = (bytes + 63) / 64 * 64;
-  auto* p = static_cast<uint8_t*>(std::aligned_alloc(64, bytes));
-  if (p == nullptr) throw std::bad_alloc();
-  std::memset(p, 0, bytes);
-  return HostBytes(p);
-}
 
 // One rank's registered memory: signal u64 [2] | credit u64 [2] | fa_old u64 [2] | send [slot] | recv [slot]
 struct Region {

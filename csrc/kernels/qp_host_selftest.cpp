@@ -7,6 +7,7 @@
 #include <stdexcept>
 #include <thread>
 
+#include "../transport/host_bytes.hpp"
 #include "../transport/host_waiter.hpp"
 #include "../transport/nic_serve.hpp"
 #include "qp_selftest.hpp"
@@ -14,23 +15,6 @@
 namespace dc {
 
 using namespace transport;
-
-namespace {
-
-struct FreeDeleter {
-  void operator()(uint8_t* p) const { std::free(p); }
-};
-using HostBytes = std::unique_ptr<uint8_t, FreeDeleter>;
-
-HostBytes alloc_zeroed(size_t bytes) {
-  bytes = (bytes + 63) / 64 * 64;
-  auto* p = static_cast<uint8_t*>(std::aligned_alloc(64, bytes));
-  if (p == nullptr) throw std::bad_alloc();
-  std::memset(p, 0, bytes);
-  return HostBytes(p);
-}
-
-}  // namespace
 
 QpHostRun run_qp_traffic_on_host(int channels, int messages, int slot_bytes, int inline_every, uint32_t log_wqebbs,
                                  uint32_t start, const std::vector<uint8_t>& src, double timeout_s, int nic_extra) {
