@@ -72,5 +72,11 @@ def capture_graph(step):
     return graph, out
 
 
+def ranks_for_tests() -> int:
+    """Ranks of the main correctness tests: DEEPCOMM_TEST_WORLD (e.g. 4 or 8 on a larger machine), default 2,
+    never more than the visible GPUs."""
+    return max(2, min(int(os.environ.get("DEEPCOMM_TEST_WORLD", "2")), gpu_count()))
+
+
 def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0

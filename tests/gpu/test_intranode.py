@@ -4,12 +4,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nccl_run import gpu_count, run_on_gpus
+from nccl_run import gpu_count, ranks_for_tests, run_on_gpus
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(gpu_count() < 2, reason="needs 2 GPUs with peer access")]
 
-WORLD = 2
+WORLD = ranks_for_tests()
 
 
 def _routing(gen, T, E, K, mode, device):

@@ -4,7 +4,7 @@ combine), bad ids found on the device, CUDA-graph replay."""
 import pytest
 import torch
 
-from nccl_run import capture_graph, gpu_count, run_on_gpus
+from nccl_run import capture_graph, gpu_count, ranks_for_tests, run_on_gpus
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_count() < 2, reason="needs 2 GPUs with peer access")]
 
@@ -141,4 +141,4 @@ def _worker(rank, world):
 
 
 def test_low_latency_matches_reference():
-    run_on_gpus(_worker, 2)
+    run_on_gpus(_worker, ranks_for_tests())
