@@ -196,13 +196,13 @@ PYBIND11_MODULE(_C, m) {
                                 stream_of(stream));
       })
       .def("combine_send", [](const LlContext& c, int num_blocks, uintptr_t x, uintptr_t topk_weights, int T, int K,
-                              int slot, uintptr_t stream) {
-        LlCombineArgs a{ptr<const void>(x), ptr<const float>(topk_weights), nullptr, nullptr, T, K, slot};
+                              int slot, bool use_fp8, uintptr_t stream) {
+        LlCombineArgs a{ptr<const void>(x), ptr<const float>(topk_weights), nullptr, nullptr, T, K, slot, use_fp8};
         launch_ll_combine_send(a, num_blocks, c.layout, c.peers, c.wait_ctx(), stream_of(stream));
       })
       .def("combine_recv", [](const LlContext& c, int num_blocks, uintptr_t topk_idx, uintptr_t out, int T, int K,
-                              int slot, uintptr_t stream) {
-        LlCombineArgs a{nullptr, nullptr, ptr<const int64_t>(topk_idx), ptr<void>(out), T, K, slot};
+                              int slot, bool use_fp8, uintptr_t stream) {
+        LlCombineArgs a{nullptr, nullptr, ptr<const int64_t>(topk_idx), ptr<void>(out), T, K, slot, use_fp8};
         launch_ll_combine_recv(a, num_blocks, num_blocks, c.layout, c.peers, c.wait_ctx(), stream_of(stream));
       });
 }

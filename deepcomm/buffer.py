@@ -188,13 +188,18 @@ class Buffer:
         handle.buffer_id = self.buffer_id
         return recv_x, recv_count, handle, hook
 
-    def low_latency_combine(self, x, topk_idx, topk_weights, handle, return_recv_hook=False):
-        """``(combined_x, hook)``: bf16 ``[T, H]``, the weighted sum of each token's expert outputs."""
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, return_recv_hook=False, use_fp8=False):
+        """``(combined_x, hook)``: bf16 ``[T, H]``, the weighted sum of each token's expert outputs.
+        ``use_fp8``: the partial sums that cross to another rank travel as e4m3 + fp32 scales (off by default)."""
         backend = self._live()
         v.check_handle(handle, LowLatencyHandle, self.buffer_id)
         v.check_low_latency_combine(x, topk_idx, topk_weights, handle, self._world_size, self._device,
                                     self.config.hidden)
         self._check_hook_flag(return_recv_hook)
+        if not isinstance(use_fp8, bool):
+            v.fail("use_fp8", f"expected a bool, got {type(use_fp8).__name__}")
+        if use_fp8:
+            return backend.low_latency_combine(x, topk_idx, topk_weights, handle, return_recv_hook, use_fp8=True)
         return backend.low_latency_combine(x, topk_idx, topk_weights, handle, return_recv_hook)
 
     # ---- masking lost ranks (low-latency mode) ----------------------------------------------------------

@@ -4,7 +4,7 @@ Inputs of all ranks are lists indexed by rank: xs[s] [T_s, H], idxs[s] [T_s, K],
 """
 import torch
 
-from deepcomm.fp8 import per_token_cast_to_fp8
+from deepcomm.fp8 import per_token_cast_back, per_token_cast_to_fp8
 
 
 def make_topk(gen, num_tokens, num_slots, num_experts, p_empty=0.2):
@@ -129,8 +129,9 @@ def ll_recv_pos(src, idxs, num_experts):
     return pos
 
 
-def ll_combine(src, ys, idxs, ws, num_experts):
-    """out[t] = sum over ranks d ascending of (sum over slots k ascending on d of w*y), fp32, one bf16 rounding."""
+def ll_combine(src, ys, idxs, ws, num_experts, use_fp8=False):
+    """out[t] = sum over ranks d ascending of (sum over slots k ascending on d of w*y), fp32, one bf16 rounding.
+    ``use_fp8``: a partial from another rank is quantized per 128 values and dequantized before it is added."""
     world = len(ys)
     per_rank = num_experts // world
     pos = ll_recv_pos(src, idxs, num_experts)
@@ -144,6 +145,8 @@ def ll_combine(src, ys, idxs, ws, num_experts):
                 e = int(idxs[src][t, k])
                 if e >= 0 and e // per_rank == d:
                     partial = partial + ws[src][t, k] * ys[d][e % per_rank, pos[t, k]].float()
+            if use_fp8 and d != src:
+                partial = per_token_cast_back(*per_token_cast_to_fp8(partial[None]))[0]
             acc = acc + partial
         out[t] = acc.to(torch.bfloat16)
     return out

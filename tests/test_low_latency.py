@@ -60,6 +60,13 @@ def _ll_worker(rank, world):
         combined, chook = buf.low_latency_combine(y, idx, w, handle, return_recv_hook=hook_mode)
         chook()
         _equal(combined, bf.ll_combine(rank, ys, idxs, ws, experts), f"{what} combined")
+        combined8, chook = buf.low_latency_combine(y, idx, w, handle, return_recv_hook=hook_mode, use_fp8=True)
+        chook()
+        _equal(combined8, bf.ll_combine(rank, ys, idxs, ws, experts, use_fp8=True), f"{what} combined fp8")
+        if ((idx >= 0) & (idx // per_rank != rank)).any():  # some partial crossed ranks: FP8 must show
+            assert not torch.equal(combined8, combined), f"{what}: the FP8 combine changed nothing"
+        with pytest.raises(ValueError, match="^use_fp8"):
+            buf.low_latency_combine(y, idx, w, handle, use_fp8=1)
     buf.destroy()
     return True
 

@@ -102,6 +102,7 @@ struct LlCombineArgs {
   const int64_t* topk_idx;    // [T][K]
   void* out;                  // bf16 [T][H]
   int num_tokens, topk, slot;
+  bool use_fp8;               // partials that cross to another rank travel as e4m3 + fp32 scales per 128
 };
 // Send half: publish our weights, wait for everyone's, then send one fp32 partial per (token, source rank).
 void launch_ll_combine_send(const LlCombineArgs& args, int num_blocks, const LlLayout& layout, const Peers& peers,

@@ -10,6 +10,8 @@
 #include "../runtime/cuda_check.hpp"
 #include "api.hpp"
 #include "bf16_vec.cuh"
+#include "combine_fp8.cuh"
+#include "fp8_cast.cuh"
 #include "ll_common.cuh"
 
 namespace dc {
@@ -96,13 +98,26 @@ __global__ void __launch_bounds__(kLlThreads, 1)
           for (int j = 0; j < 8; ++j) acc[u][j] = __fadd_rn(acc[u][j], __fmul_rn(wk, f[j]));
         }
       }
-      auto* dst = reinterpret_cast<float*>(peers.base[s] + l.partials_at(a.slot, rank, t));
+      uint8_t* dst = peers.base[s] + l.partials_at(a.slot, rank, t);
+      if (a.use_fp8 && s != rank) {  // FP8 on the wire: e4m3 [H] then fp32 scales [H/128] in the partial's row
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t idx = int64_t(c) * kChunk + u * 256 + lane * 8;
-        if (idx >= H) continue;
-        ptx::st_na_v4(reinterpret_cast<int4*>(dst + idx), *reinterpret_cast<const int4*>(&acc[u][0]));
-        ptx::st_na_v4(reinterpret_cast<int4*>(dst + idx + 4), *reinterpret_cast<const int4*>(&acc[u][4]));
+        for (int u = 0; u < kUnroll; ++u) {
+          const int64_t idx = int64_t(c) * kChunk + u * 256 + lane * 8;
+          float scale;
+          const uint2 q = quantize8_e4m3(acc[u], false, &scale);  // every lane: the amax is shuffled
+          if (idx >= H) continue;
+          ptx::st_na_u64(reinterpret_cast<uint64_t*>(dst + idx), (uint64_t(q.y) << 32) | q.x);
+          if ((lane & 15) == 0) reinterpret_cast<float*>(dst + H)[idx / 128] = scale;
+        }
+      } else {
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int64_t idx = int64_t(c) * kChunk + u * 256 + lane * 8;
+          if (idx >= H) continue;
+          auto* row = reinterpret_cast<float*>(dst);
+          ptx::st_na_v4(reinterpret_cast<int4*>(row + idx), *reinterpret_cast<const int4*>(&acc[u][0]));
+          ptx::st_na_v4(reinterpret_cast<int4*>(row + idx + 4), *reinterpret_cast<const int4*>(&acc[u][4]));
+        }
       }
     }
     __syncthreads();
@@ -133,19 +148,31 @@ __global__ void __launch_bounds__(kLlThreads, 1)
 #pragma unroll
       for (int j = 0; j < 8; ++j) acc[u][j] = 0.0f;
     for (uint32_t m = owners; m; m &= m - 1) {  // ranks ascending
-      const auto* part = reinterpret_cast<const int4*>(self + l.partials_at(a.slot, __ffs(m) - 1, t));
+      const int d = __ffs(m) - 1;
+      const uint8_t* row = self + l.partials_at(a.slot, d, t);
+      const bool fp8 = a.use_fp8 && d != rank;
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t idx = int64_t(c) * kChunk + u * 256 + lane * 8;
         if (idx >= H) continue;
-        const int4 lo = ptx::ld_relaxed_gpu_v4(part + idx / 4), hi = ptx::ld_relaxed_gpu_v4(part + idx / 4 + 1);
-        const float* f0 = reinterpret_cast<const float*>(&lo);
-        const float* f1 = reinterpret_cast<const float*>(&hi);
+        float p[8];
+        if (fp8) {  // dequantize (one rounded multiply each), then add
+          const uint2 raw = ptx::ld_relaxed_gpu_v2(reinterpret_cast<const uint2*>(row + idx));
+          const float scale = __int_as_float(ptx::ld_volatile_s32(reinterpret_cast<const int*>(row + H) + idx / 128));
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          acc[u][j] = __fadd_rn(acc[u][j], f0[j]);
-          acc[u][4 + j] = __fadd_rn(acc[u][4 + j], f1[j]);
+          for (int j = 0; j < 8; ++j) p[j] = 0.0f;
+          accumulate_e4m3x8(p, raw, scale);
+        } else {
+          const auto* part = reinterpret_cast<const int4*>(row);
+          const int4 lo = ptx::ld_relaxed_gpu_v4(part + idx / 4), hi = ptx::ld_relaxed_gpu_v4(part + idx / 4 + 1);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            p[j] = reinterpret_cast<const float*>(&lo)[j];
+            p[4 + j] = reinterpret_cast<const float*>(&hi)[j];
+          }
         }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[u][j] = __fadd_rn(acc[u][j], p[j]);
       }
     }
     auto* out = static_cast<__nv_bfloat16*>(a.out) + int64_t(t) * H;

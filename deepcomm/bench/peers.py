@@ -167,7 +167,7 @@ class Deepcomm:
         return self.backend_name != "reference"
 
     def supports(self, mode: str, op: str, dtype: str) -> bool:
-        return not (mode == "low_latency" and op == "combine" and dtype == "fp8")
+        return True
 
     def reported_num_sms(self, case: Case):
         if not self.uses_sms or case.mode == "internode":  # internode: one posting and one NIC block per peer
@@ -208,7 +208,7 @@ class Deepcomm:
             fn = lambda: buf.low_latency_dispatch(x, idx, M, E, use_fp8=fp8)  # noqa: E731
         elif case.op == "combine":
             recv_x, _, handle, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
-            fn = lambda: buf.low_latency_combine(recv_x, idx, w, handle)  # noqa: E731
+            fn = lambda: buf.low_latency_combine(recv_x, idx, w, handle, use_fp8=fp8)  # noqa: E731
         else:  # dispatch+combine: the decoding step's communication, expert outputs standing in as bf16
             L, R = E // self.ctx.world_size, self.ctx.world_size
             y = torch.randn(L, R * M, self.ctx.hidden, device=self.ctx.device).to(torch.bfloat16)
@@ -250,6 +250,14 @@ class Deepcomm:
         from deepcomm.bench.metrics import combine_errors
 
         buf = self._buffer(case.num_sms)
+        if case.mode == "low_latency":
+            M, E = self.ll_tokens, self.ctx.experts
+            recv_x, _, handle, _ = buf.low_latency_dispatch(inp.x, inp.topk_idx, M, E, use_fp8=False)
+            y = (recv_x.float() * torch.linspace(0.5, 2.0, recv_x.shape[1], device=recv_x.device)[None, :, None])
+            y = y.to(torch.bfloat16)
+            got, _ = buf.low_latency_combine(y, inp.topk_idx, inp.topk_weights, handle, use_fp8=True)
+            want, _ = buf.low_latency_combine(y, inp.topk_idx, inp.topk_weights, handle)
+            return combine_errors(got, want)
         recv_x, _, _, _, handle = buf.dispatch(inp.x, topk_idx=inp.topk_idx, topk_weights=inp.topk_weights,
                                                num_experts=self.ctx.experts)
         y = (recv_x.float() * torch.linspace(0.5, 2.0, recv_x.shape[0], device=recv_x.device)[:, None])

@@ -337,17 +337,17 @@ class CudaBackend:
                                   buffer_id=-1, slot=slot)
         return recv_x, recv_count, handle, (hook if return_recv_hook else _noop)
 
-    def low_latency_combine(self, x, topk_idx, topk_weights, handle, return_recv_hook):
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, return_recv_hook, use_fp8=False):
         T, K = topk_idx.shape
         H = x.shape[2]
         ll = self._ll_buffer(handle.num_experts, handle.num_max_dispatch_tokens_per_rank, handle.hidden)
         self.nvl.check_error(low_latency=True)
         out = torch.empty(T, H, dtype=torch.bfloat16, device=self.device)
         blocks, slot = self.ll_blocks, handle.slot
-        ll.ctx.combine_send(blocks, x.data_ptr(), topk_weights.data_ptr(), T, K, slot,
+        ll.ctx.combine_send(blocks, x.data_ptr(), topk_weights.data_ptr(), T, K, slot, use_fp8,
                             torch.cuda.current_stream(self.device).cuda_stream)
         hook = self._ll_hook(lambda stream: ll.ctx.combine_recv(blocks, topk_idx.data_ptr(), out.data_ptr(), T, K,
-                                                               slot, stream))
+                                                               slot, use_fp8, stream))
         if not return_recv_hook:
             hook()
         return out, (hook if return_recv_hook else _noop)

@@ -65,9 +65,9 @@ class ReferenceBackend:
         return low_latency.dispatch(self.comm, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                                     use_fp8, use_ue8m0, return_recv_hook)
 
-    def low_latency_combine(self, x, topk_idx, topk_weights, handle, return_recv_hook):
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, return_recv_hook, use_fp8=False):
         topk_idx = self._without_masked(topk_idx, handle.num_experts)
-        return low_latency.combine(self.comm, x, topk_idx, topk_weights, handle, return_recv_hook)
+        return low_latency.combine(self.comm, x, topk_idx, topk_weights, handle, return_recv_hook, use_fp8)
 
     def set_num_sms(self, num_sms: int) -> None:
         # Recorded in the Buffer's Config; collectives have no SM budget to apply it to.

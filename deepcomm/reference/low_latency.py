@@ -11,7 +11,7 @@ from typing import Callable, List
 import torch
 
 from .. import layout
-from ..fp8 import BLOCK, per_token_cast_to_fp8
+from ..fp8 import BLOCK, per_token_cast_back, per_token_cast_to_fp8
 from ..handle import LowLatencyHandle
 from .collectives import Comm
 
@@ -100,8 +100,12 @@ def dispatch(comm: Comm, x: torch.Tensor, topk_idx: torch.Tensor, max_tokens: in
 
 
 def combine(comm: Comm, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-            handle: LowLatencyHandle, return_recv_hook: bool):
-    """Returns ``(combined_x, hook)``; ``combined_x`` is bf16 ``[T, H]``."""
+            handle: LowLatencyHandle, return_recv_hook: bool, use_fp8: bool = False):
+    """Returns ``(combined_x, hook)``; ``combined_x`` is bf16 ``[T, H]``.
+
+    ``use_fp8``: each rank's fp32 partial sum of a token, when that rank is not this one, travels as
+    ``per_token_cast_to_fp8`` values and scales and is dequantized (``per_token_cast_back``) before the rank-ordered
+    fp32 sum; our own partial is used as is."""
     world, device = comm.world_size, comm.device
     num_local, rows_per_expert, hidden = x.shape
     num_tokens, num_slots = topk_idx.shape
@@ -138,6 +142,8 @@ def combine(comm: Comm, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: t
             for k in range(num_slots):
                 sel = ((owner == dst) & (slots == k)).nonzero()[:, 0]
                 partial.index_add_(0, tokens[sel], products[sel])
+            if use_fp8 and dst != comm.rank:
+                partial = per_token_cast_back(*per_token_cast_to_fp8(partial))
             acc += partial
         combined_x.copy_(acc.to(torch.bfloat16))
 

@@ -1,6 +1,6 @@
 """Low-latency kernels against the reference backend, bit for bit: 1..256 tokens, -1 slots, all tokens to one
 expert, hidden 2048/5120/7168, BF16/FP8/UE8M0, hook mode, two micro-batches in flight (also interleaved with a
-combine), bad ids found on the device, CUDA-graph replay."""
+combine), bad ids found on the device, CUDA-graph replay; the optional FP8 combine against the reference's FP8 math."""
 import pytest
 import torch
 
@@ -53,6 +53,8 @@ def check_cases(cuda, ref, cases, gen, dev, world):
         out, _ = cuda.low_latency_combine(y, idx, w, got[2])
         ref_out, _ = ref.low_latency_combine(y, idx, w, want[2])
         assert torch.equal(out, ref_out), f"{what}: combine"
+        out8, _ = cuda.low_latency_combine(y, idx, w, got[2], use_fp8=True)
+        assert torch.equal(out8, ref.low_latency_combine(y, idx, w, want[2], use_fp8=True)[0]), f"{what}: fp8 combine"
 
 
 def _worker(rank, world):
