@@ -22,7 +22,7 @@ import torch.distributed as dist
 from ..config import Config
 from ..errors import CommTimeoutError
 from ..reference import normal
-from ..reference.collectives import Comm, PendingRows
+from ..reference.collectives import Comm, PendingRows, as_byte_rows, part_row_bytes, unpack_rows
 from .arena import as_device_bytes
 from .nvl_buffer import STAGES
 from .peer_memory import PeerMemory
@@ -222,7 +222,7 @@ class NicComm(Comm):
         """As ``Comm.exchange_rows``: rows grouped by destination in, rows grouped by source out."""
         tr, me = self.transport, self.rank
         num_send = sum(send_counts)
-        row_bytes = [_row_bytes(p) for p in parts]
+        row_bytes = [part_row_bytes(p) for p in parts]
         stride = _up(sum(row_bytes), 16)  # 16-byte rows: the NIC copies whole vectors
         if stride * max(max(send_counts), max(recv_counts)) > tr.slot_bytes:
             raise ValueError(f"x: rows of {stride} bytes do not fit the receive slot ({tr.slot_bytes} bytes); "
@@ -230,7 +230,7 @@ class NicComm(Comm):
         send = tr.send_view(num_send, stride)
         col = 0
         for p, nbytes in zip(parts, row_bytes):
-            send[:, col:col + nbytes].copy_(p.contiguous().reshape(-1).view(torch.uint8).reshape(num_send, nbytes))
+            send[:, col:col + nbytes].copy_(as_byte_rows(p, num_send, nbytes))
             col += nbytes
         begins = [sum(send_counts[:d]) for d in range(self.world_size)]
         tr.exchange([send_counts[d] * stride for d in range(self.world_size)], [b * stride for b in begins])
@@ -243,24 +243,7 @@ class NicComm(Comm):
                 out[at:at + n].copy_(src)
             at += n
 
-        def unpack() -> List[torch.Tensor]:
-            tensors, offset = [], 0
-            for part, nbytes in zip(parts, row_bytes):
-                chunk = out[:, offset:offset + nbytes].contiguous().reshape(-1)
-                if chunk.storage_offset() % part.element_size():  # a 1-row view may start mid-element: copy
-                    chunk = chunk.clone()
-                tensors.append(chunk.view(part.dtype).reshape(out.shape[0], *part.shape[1:]))
-                offset += nbytes
-            return tensors
-
-        return PendingRows(unpack)
-
-
-def _row_bytes(t: torch.Tensor) -> int:
-    n = t.element_size()
-    for s in t.shape[1:]:
-        n *= s
-    return n
+        return PendingRows(lambda: unpack_rows(out, parts, row_bytes))
 
 
 class InternodeBackend:

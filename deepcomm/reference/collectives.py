@@ -49,23 +49,15 @@ class Comm:
         trailing shape). Call ``.wait()`` on the returned object for the tensors.
         """
         num_send = sum(send_counts)
-        row_bytes = [_row_bytes(p) for p in parts]
-        packed = torch.cat([_as_bytes(p, num_send, b) for p, b in zip(parts, row_bytes)], dim=1)
+        row_bytes = [part_row_bytes(p) for p in parts]
+        packed = torch.cat([as_byte_rows(p, num_send, b) for p, b in zip(parts, row_bytes)], dim=1)
         out = torch.empty(sum(recv_counts), sum(row_bytes), dtype=torch.uint8, device=self.device)
         work = dist.all_to_all_single(out, packed.contiguous(), output_split_sizes=list(recv_counts),
                                       input_split_sizes=list(send_counts), group=self.group, async_op=True)
 
         def unpack() -> List[torch.Tensor]:
             self.wait(work, stage)
-            tensors, offset = [], 0
-            for part, nbytes in zip(parts, row_bytes):
-                # flatten before the dtype view: a 1-row slice counts as contiguous but keeps the wide stride
-                chunk = out[:, offset:offset + nbytes].contiguous().reshape(-1)
-                if chunk.storage_offset() % part.element_size():  # that 1-row view may start mid-element: copy
-                    chunk = chunk.clone()
-                tensors.append(chunk.view(part.dtype).reshape(out.shape[0], *part.shape[1:]))
-                offset += nbytes
-            return tensors
+            return unpack_rows(out, parts, row_bytes)
 
         return PendingRows(unpack)
 
@@ -83,11 +75,27 @@ class PendingRows:
         return self._result
 
 
-def _row_bytes(t: torch.Tensor) -> int:
+def part_row_bytes(t: torch.Tensor) -> int:
+    """Bytes of one row of ``t`` (everything after its first dimension)."""
     return math.prod(t.shape[1:]) * t.element_size()
 
 
-def _as_bytes(t: torch.Tensor, rows: int, nbytes: int) -> torch.Tensor:
+def as_byte_rows(t: torch.Tensor, rows: int, nbytes: int) -> torch.Tensor:
+    """``t`` as uint8 ``[rows, nbytes]``."""
     if t.shape[0] != rows:
         raise RuntimeError(f"exchange_rows: part has {t.shape[0]} rows, expected {rows}")
     return t.contiguous().reshape(-1).view(torch.uint8).reshape(rows, nbytes)
+
+
+def unpack_rows(out: torch.Tensor, parts: Sequence[torch.Tensor], row_bytes: Sequence[int]) -> List[torch.Tensor]:
+    """Split uint8 rows ``out`` (the parts side by side, in order, from byte 0) back into one tensor per part, with
+    each part's dtype and trailing shape."""
+    tensors, offset = [], 0
+    for part, nbytes in zip(parts, row_bytes):
+        # flatten before the dtype view: a 1-row slice counts as contiguous but keeps the wide stride
+        chunk = out[:, offset:offset + nbytes].contiguous().reshape(-1)
+        if chunk.storage_offset() % part.element_size():  # that 1-row view may start mid-element: copy
+            chunk = chunk.clone()
+        tensors.append(chunk.view(part.dtype).reshape(out.shape[0], *part.shape[1:]))
+        offset += nbytes
+    return tensors
