@@ -303,8 +303,12 @@ class CudaBackend:
                     self._ll.write_mask(self.nvl.masked)
         return self._ll
 
-    def _ll_hook(self, launch):
-        """A hook that runs ``launch(stream)`` once, on the stream current when it is called."""
+    def _ll_receive(self, launch, return_recv_hook: bool, stream: int):
+        """Run the receive half ``launch(stream)`` now on ``stream``, or return a hook that runs it once, on the
+        stream current when it is called (hook mode). Returns the hook the caller hands out."""
+        if not return_recv_hook:
+            launch(stream)
+            return _noop
         done = []
 
         def hook() -> None:
@@ -325,17 +329,15 @@ class CudaBackend:
         self.nvl.check_error(low_latency=True)
         slot = ll.calls & 1
         ll.calls += 1
-        blocks = self.ll_blocks
-        ll.ctx.dispatch_send(blocks, x.data_ptr(), topk_idx.data_ptr(), T, K, slot, use_fp8, use_ue8m0,
-                             torch.cuda.current_stream(self.device).cuda_stream)
-        hook = self._ll_hook(lambda stream: ll.ctx.dispatch_recv(blocks, slot, K, use_fp8, stream))
-        if not return_recv_hook:
-            hook()
+        blocks, stream = self.ll_blocks, torch.cuda.current_stream(self.device).cuda_stream
+        ll.ctx.dispatch_send(blocks, x.data_ptr(), topk_idx.data_ptr(), T, K, slot, use_fp8, use_ue8m0, stream)
+        hook = self._ll_receive(lambda s: ll.ctx.dispatch_recv(blocks, slot, K, use_fp8, s), return_recv_hook,
+                                stream)
         recv_x, recv_count, layout, src_info = ll.outputs(slot, use_fp8)
         handle = LowLatencyHandle(src_info=src_info, layout=layout, recv_pos=ll.recv_pos(slot, T, K),
                                   num_experts=num_experts, num_max_dispatch_tokens_per_rank=M, hidden=H,
                                   buffer_id=-1, slot=slot)
-        return recv_x, recv_count, handle, (hook if return_recv_hook else _noop)
+        return recv_x, recv_count, handle, hook
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, return_recv_hook, use_fp8=False):
         T, K = topk_idx.shape
@@ -343,14 +345,11 @@ class CudaBackend:
         ll = self._ll_buffer(handle.num_experts, handle.num_max_dispatch_tokens_per_rank, handle.hidden)
         self.nvl.check_error(low_latency=True)
         out = torch.empty(T, H, dtype=torch.bfloat16, device=self.device)
-        blocks, slot = self.ll_blocks, handle.slot
-        ll.ctx.combine_send(blocks, x.data_ptr(), topk_weights.data_ptr(), T, K, slot, use_fp8,
-                            torch.cuda.current_stream(self.device).cuda_stream)
-        hook = self._ll_hook(lambda stream: ll.ctx.combine_recv(blocks, topk_idx.data_ptr(), out.data_ptr(), T, K,
-                                                               slot, use_fp8, stream))
-        if not return_recv_hook:
-            hook()
-        return out, (hook if return_recv_hook else _noop)
+        blocks, slot, stream = self.ll_blocks, handle.slot, torch.cuda.current_stream(self.device).cuda_stream
+        ll.ctx.combine_send(blocks, x.data_ptr(), topk_weights.data_ptr(), T, K, slot, use_fp8, stream)
+        hook = self._ll_receive(lambda s: ll.ctx.combine_recv(blocks, topk_idx.data_ptr(), out.data_ptr(), T, K,
+                                                             slot, use_fp8, s), return_recv_hook, stream)
+        return out, hook
 
     @property
     def masked(self) -> frozenset:
