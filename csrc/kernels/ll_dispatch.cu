@@ -1,9 +1,10 @@
-// Low-latency dispatch over NVLink, in two launches so hook mode holds no SM between them:
+// Low-latency dispatch over NVLink: one kernel with both halves when there is no hook, or the two halves as two
+// launches so hook mode holds no SM between them:
 //   send: each token goes once to every rank that holds any of its experts (cast to e4m3 once, inside the kernel,
 //         when asked), into that rank's staging rows for us, with one int per slot telling the receiver which of
 //         its experts the slot names and the entry's rank there. Nothing is waited for: no count exchange precedes
 //         the data, and the counts travel with it, covered by the same per-block done flags.
-//   recv: waits for every rank's flags, then fans each staged token out to the packed rows of its local experts
+//   recv: waits for every rank's arrival word, then fans each staged token out to the packed rows of its local experts
 //         (source ranks ascending, then the sender's entry order) and writes recv_count, layout, src_info and
 //         recv_pos as views the host hands out.
 #include <cuda_bf16.h>
@@ -67,14 +68,11 @@ __device__ __forceinline__ void send_token_chunk(const LlDispatchArgs& a, const 
   }
 }
 
-__global__ void __launch_bounds__(kLlThreads, 1)
-    ll_dispatch_send_kernel(LlDispatchArgs a, LlLayout l, Peers peers, WaitCtx ctx) {
+__device__ __forceinline__ void dispatch_send_phase(const LlDispatchArgs& a, const LlLayout& l, const Peers& peers,
+                                                    const WaitCtx& ctx, uint32_t alive, int* smem) {
   const int R = l.num_ranks, E = l.num_experts, L = l.local_experts(), rank = ctx.rank;
   const int K = a.topk, T = a.num_tokens, P = T * K, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   uint8_t* self = peers.base[rank];
-  ctx.seq = ll_send_seq(self, l, kLlDispatch);
-  const uint32_t alive = ll_alive_ranks(self, l, rank);
-  extern __shared__ int smem[];
   int* experts = smem;          // [P] expert of each entry, -1 for empty, invalid or masked slots
   int* rank_in = smem + P;      // [P] rank of the entry among ours of the same expert
   int* counts = smem + 2 * P;   // [E] our entries per expert
@@ -124,25 +122,21 @@ __global__ void __launch_bounds__(kLlThreads, 1)
     if (tid == 0 && bad_id) report_input_error(ctx, rank, kStageLlInvalidIds);
     if (tid == 0 && dup_id && !bad_id) report_input_error(ctx, rank, kStageLlDuplicateIds);
   }
-  __syncthreads();
-  ll_signal_arrival(peers, l, kLlDispatch, a.slot, rank, alive);
-  ll_finish_send(self, l, kLlDispatch, a.slot, ctx.seq);
+  ll_finish_send(self, peers, l, kLlDispatch, a.slot, ctx.seq, rank, alive, true);
 }
 
-__global__ void __launch_bounds__(kLlThreads, 1)
-    ll_dispatch_recv_kernel(int slot, int topk, bool use_fp8, int num_send_blocks, LlLayout l, Peers peers,
-                            WaitCtx ctx) {
-  const int R = l.num_ranks, L = l.local_experts(), M = l.max_tokens, rank = ctx.rank;
-  const int K = topk, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+// calls: the slot's send count this receive waits for (every rank's).
+__device__ __forceinline__ void dispatch_recv_phase(const LlDispatchArgs& a, const LlLayout& l, const Peers& peers,
+                                                    const WaitCtx& ctx, uint32_t alive, uint64_t calls, int* smem) {
+  const int R = l.num_ranks, L = l.local_experts(), M = l.max_tokens, rank = ctx.rank, slot = a.slot;
+  const int K = a.topk, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const bool use_fp8 = a.use_fp8;
   const int64_t rows = l.rows_per_expert();
   uint8_t* self = peers.base[rank];
-  ctx.seq = ll_recv_seq(self, l, kLlDispatch, slot);
-  const uint32_t alive = ll_alive_ranks(self, l, rank);
-  extern __shared__ int smem[];
   int* base = smem;           // [L][R]
   int* total = smem + L * R;  // [L]
   __shared__ int ok;
-  if (!ll_wait_arrivals(self, l, kLlDispatch, slot, num_send_blocks, alive, ctx, kStageLlDispatchData, &ok)) return;
+  if (!ll_wait_arrivals(self, l, kLlDispatch, slot, calls, alive, ctx, kStageLlDispatchData, &ok)) return;
   const int* counts = reinterpret_cast<const int*>(self + l.counts_at(slot));
   const int* ntok = reinterpret_cast<const int*>(self + l.ntok_at(slot));
   ll_expert_bases(counts, l, rank, alive, base, total);
@@ -218,31 +212,52 @@ __global__ void __launch_bounds__(kLlThreads, 1)
   }
 }
 
+template <int kPhases>
+__global__ void __launch_bounds__(kLlThreads, 1)
+    ll_dispatch_kernel(LlDispatchArgs a, LlLayout l, Peers peers, WaitCtx ctx) {
+  constexpr bool kSend = kPhases & kLlSendPhase, kRecv = kPhases & kLlRecvPhase;
+  const uint8_t* self = peers.base[ctx.rank];
+  // Read before this launch's own send can finish (its last block advances both).
+  ctx.seq = kSend ? ll_send_seq(self, l, kLlDispatch) : ll_recv_seq(self, l, kLlDispatch, a.slot);
+  const uint64_t calls = ll_slot_calls(self, l, kLlDispatch, a.slot) + (kSend ? 1 : 0);
+  const uint32_t alive = ll_alive_ranks(self, l, ctx.rank);
+  extern __shared__ int smem[];
+  if (kSend) dispatch_send_phase(a, l, peers, ctx, alive, smem);
+  if (kRecv) dispatch_recv_phase(a, l, peers, ctx, alive, calls, smem);  // smem reused: the send half is done
+}
+
+template <int kPhases>
+void launch_phases(const LlDispatchArgs& args, int num_blocks, int smem, const LlLayout& layout, const Peers& peers,
+                   const WaitCtx& ctx, cudaStream_t stream) {
+  if (smem > 48 * 1024)
+    DC_CUDA_CHECK(cudaFuncSetAttribute(ll_dispatch_kernel<kPhases>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  ll_dispatch_kernel<kPhases><<<num_blocks, kLlThreads, smem, stream>>>(args, layout, peers, ctx);
+}
+
 }  // namespace
 
-void launch_ll_dispatch_send(const LlDispatchArgs& args, int num_blocks, const LlLayout& layout, const Peers& peers,
-                             const WaitCtx& ctx, cudaStream_t stream) {
+void launch_ll_dispatch(const LlDispatchArgs& args, int phases, int num_blocks, const LlLayout& layout,
+                        const Peers& peers, const WaitCtx& ctx, cudaStream_t stream) {
   DC_HOST_ASSERT(num_blocks >= 1 && num_blocks <= kMaxBlocks, "low_latency_dispatch: block count out of range");
   DC_HOST_ASSERT(args.num_tokens <= layout.max_tokens && args.topk <= layout.topk_max,
                  "low_latency_dispatch: tokens or topk over the buffer's maximum");
   DC_HOST_ASSERT(layout.hidden % 128 == 0, "low_latency_dispatch: hidden must be a multiple of 128");
   DC_HOST_ASSERT(layout.max_tokens <= 0xffff && layout.num_experts <= 0x7fff,
                  "low_latency_dispatch: entry keys pack 16-bit ranks and 15-bit experts");
-  const int smem = (2 * args.num_tokens * args.topk + layout.num_experts) * int(sizeof(int));
-  DC_HOST_ASSERT(smem <= 200 * 1024, "low_latency_dispatch: tokens * topk too large for one block's shared memory");
-  if (smem > 48 * 1024)
-    DC_CUDA_CHECK(cudaFuncSetAttribute(ll_dispatch_send_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  ll_dispatch_send_kernel<<<num_blocks, kLlThreads, smem, stream>>>(args, layout, peers, ctx);
-  DC_CUDA_CHECK(cudaGetLastError());
-}
-
-void launch_ll_dispatch_recv(int slot, int topk, bool use_fp8, int num_send_blocks, int num_blocks,
-                             const LlLayout& layout, const Peers& peers, const WaitCtx& ctx, cudaStream_t stream) {
-  DC_HOST_ASSERT(num_blocks >= 1 && num_blocks <= kMaxBlocks, "low_latency_dispatch: block count out of range");
-  const int smem = (layout.local_experts() * (layout.num_ranks + 1)) * int(sizeof(int));
-  DC_HOST_ASSERT(smem <= 48 * 1024, "low_latency_dispatch: too many local experts");
-  ll_dispatch_recv_kernel<<<num_blocks, kLlThreads, smem, stream>>>(slot, topk, use_fp8, num_send_blocks, layout,
-                                                                    peers, ctx);
+  const int send_smem = (2 * args.num_tokens * args.topk + layout.num_experts) * int(sizeof(int));
+  const int recv_smem = (layout.local_experts() * (layout.num_ranks + 1)) * int(sizeof(int));
+  DC_HOST_ASSERT(send_smem <= 200 * 1024,
+                 "low_latency_dispatch: tokens * topk too large for one block's shared memory");
+  DC_HOST_ASSERT(recv_smem <= 48 * 1024, "low_latency_dispatch: too many local experts");
+  switch (phases) {
+    case kLlSendPhase: launch_phases<kLlSendPhase>(args, num_blocks, send_smem, layout, peers, ctx, stream); break;
+    case kLlRecvPhase: launch_phases<kLlRecvPhase>(args, num_blocks, recv_smem, layout, peers, ctx, stream); break;
+    case kLlBothPhases:
+      launch_phases<kLlBothPhases>(args, num_blocks, send_smem > recv_smem ? send_smem : recv_smem, layout, peers, ctx,
+                                   stream);
+      break;
+    default: DC_HOST_ASSERT(false, "low_latency_dispatch: phases must be 1 (send), 2 (receive) or 3 (both)");
+  }
   DC_CUDA_CHECK(cudaGetLastError());
 }
 

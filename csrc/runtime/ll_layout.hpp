@@ -3,15 +3,15 @@
 // micro-batches can be in flight; flags hold sequence numbers, never reset.
 //
 // Dispatch sends each token once per destination rank into that rank's staging rows (no count exchange first);
-// the receiver fans the token out to the packed rows of its local experts. Combine sends one fp32 partial sum per
-// (token, rank) back instead of one row per (token, expert).
+// the receiver fans the token out to the packed rows of its local experts. Combine sends one partial sum per
+// (token, rank) back (bf16 on the wire, summed in fp32) instead of one row per (token, expert).
 //
 //   seq          u64   [2]                 our latest dispatch / combine sequence number
 //   slot_seq     u64   [2][2]              sequence number of the last dispatch / combine send of each slot
 //   slot_calls   u64   [2][2]              dispatch / combine sends so far in each slot
-//   done_count   u32   [2]                 blocks of the running dispatch / combine send that finished
-//   arrivals     u64   [2][2][R]           per kind and slot: send blocks of rank s that finished their stores
-//                                          into us (each adds 1, so a receive waits for calls * blocks)
+//   done_count   u32   [2][2]              per kind: blocks of the running send that finished, and that gave up
+//   arrivals     u64   [2][2][R]           per kind and slot: sends of rank s whose stores into us are complete
+//                                          (its slot_calls after the call; a receive waits for its own count)
 //   weight_flag  u64   [R]                 combine: rank s wrote its top-k weights into us
 //   mask         int32 [R]                 ranks this rank treats as gone (written by the host): nothing is sent
 //                                          to them, nothing awaited from them, their experts count as absent
@@ -24,7 +24,9 @@
 //   stage_scales f32   [2][R][M][H/128]    per slot: their FP8 scales
 //   recv_x       bytes [2][L][R*M][H*2]    per slot: packed expert rows (the dispatch output)
 //   recv_scales  f32   [2][L][R*M][H/128]
-//   partials     f32   [2][R][M][H]        per slot: rank d's fp32 partial sum for each of our tokens
+//   partials     bytes [2][R][M][H*4]      per slot: rank d's partial sum for each of our tokens: fp32 from
+//                                          ourselves; bf16 [H] from another rank (e4m3 [H] + f32 [H/128] scales
+//                                          with the FP8 combine)
 //   entry_key    int32 [2][M][K]           per slot: our own entries, (expert << 16 | rank among ours), -1 empty
 //   out_count    int32 [2][L]              dispatch outputs returned to the caller as views:
 //   out_layout   int32 [2][L][R][2]          recv_count, layout (begin, count), src_info, recv_pos
@@ -63,7 +65,7 @@ struct LlLayout {
     seq = take(2 * 8);
     slot_seq = take(4 * 8);
     slot_calls = take(4 * 8);
-    done_count = take(2 * 4);
+    done_count = take(4 * 4);
     arrivals = take(4 * R * 8);
     weight_flag = take(R * 8);
     mask = take(R * 4);
