@@ -16,7 +16,25 @@ from nccl_run import run_on_gpus  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 from profile_intranode import _timed  # noqa: E402
 
+os.environ.setdefault("DEEPCOMM_LL_TRACE", "1")  # per-block timer stamps of the latest call (ll_buffer.py)
 E, H, K, M = 256, 7168, 8, 128
+TRACE_NAMES = ("entry", "send rows", "send keys", "finished", "weights", "arrived", "recv meta", "end")
+
+
+def trace_table(trace: torch.Tensor, blocks: int) -> str:
+    """Microseconds from the first block's entry to each stamp of the latest call: min / median / max over the
+    blocks that stamped it (a point a kernel does not pass stays 0 and is left out)."""
+    t = trace[:blocks].cpu()
+    entry = t[:, 0]
+    t0 = int(entry[entry > 0].min())
+    rows = []
+    for p, name in enumerate(TRACE_NAMES):
+        col = t[:, p]
+        col = col[col >= t0]
+        if col.numel():
+            us = (col - t0).double() / 1e3
+            rows.append(f"{name:>10}: {us.min():7.2f} {us.median():7.2f} {us.max():7.2f}  ({col.numel()} blocks)")
+    return "\n".join(rows)
 GRAPH_CALLS = 20
 
 
@@ -85,10 +103,22 @@ def worker(rank, world):
                 for _ in range(5):
                     replay()
                 torch.cuda.synchronize()
-            if rank == 0:
-                print(f"--- tokens {T}, {name}, CUDA graph of {GRAPH_CALLS} calls: {per_call:.1f} us per call")
-                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=6))
-            dist.barrier()
+            ll = buf._backend._ll
+            if ll is not None and ll.trace is not None:
+                ll.trace.zero_()
+                dist.barrier()
+                replay()
+                torch.cuda.synchronize()
+                table = trace_table(ll.trace, buf._backend.ll_blocks)
+            for r in range(world):
+                if r == rank:
+                    if rank == 0:
+                        print(f"--- tokens {T}, {name}, CUDA graph of {GRAPH_CALLS} calls: {per_call:.1f} us per call")
+                        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=6))
+                    if ll is not None and ll.trace is not None:
+                        print(f"rank {rank}, last call of the graph, us from the first entry (min / median / max):")
+                        print(table, flush=True)
+                dist.barrier()
     buf.destroy()
 
 

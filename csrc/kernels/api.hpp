@@ -88,6 +88,7 @@ struct LlDispatchArgs {
   const int64_t* topk_idx; // [T][K]; ids outside [-1, E) count as -1 and are reported (stage kStageLlInvalidIds)
   int num_tokens, topk, slot;
   bool use_fp8, use_ue8m0;
+  uint64_t* trace;         // diagnostics: [blocks][8] timer stamps (ll_common.cuh), or null
 };
 // Dispatch, receive half: wait for every rank's tokens, fan them out into the packed expert rows recv_x [L][R*M],
 // and write the slot's out_count [L], out_layout [L][R][2] (begin, count per source rank), out_src_info [L][R*M]
@@ -104,6 +105,7 @@ struct LlCombineArgs {
   void* out;                  // bf16 [T][H]
   int num_tokens, topk, slot;
   bool use_fp8;               // partials that cross to another rank travel as e4m3 + fp32 scales per 128
+  uint64_t* trace;            // diagnostics: [blocks][8] timer stamps (ll_common.cuh), or null
 };
 // Send half: publish our weights, wait for everyone's, then send one partial per (token, source rank) (bf16 to
 // another rank, fp32 to ourselves). Receive half: out[t] = sum over the ranks holding t's experts, ascending, of

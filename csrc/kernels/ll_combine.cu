@@ -51,6 +51,7 @@ __device__ __forceinline__ void combine_send_phase(const LlCombineArgs& a, const
     if (!wait_flag_geq(flag, ctx.seq, ctx, tid, kStageLlCombineWeights)) ok = 0;
   }
   __syncthreads();
+  ll_trace(a.trace, kLlTraceWeights);
 
   if (ok) {
     const int* ntok = reinterpret_cast<const int*>(self + l.ntok_at(a.slot));
@@ -131,7 +132,8 @@ __device__ __forceinline__ void combine_send_phase(const LlCombineArgs& a, const
       }
     }
   }
-  ll_finish_send(self, peers, l, kLlCombine, a.slot, ctx.seq, rank, alive, ok != 0);
+  ll_trace(a.trace, kLlTraceSendData);
+  ll_finish_send(self, peers, l, kLlCombine, a.slot, ctx.seq, rank, alive, ok != 0, a.trace);
 }
 
 // calls: the slot's send count this receive waits for (every rank's).
@@ -143,6 +145,7 @@ __device__ __forceinline__ void combine_recv_phase(const LlCombineArgs& a, const
   const uint8_t* self = peers.base[rank];
   __shared__ int ok;
   if (!ll_wait_arrivals(self, l, kLlCombine, a.slot, calls, alive, ctx, kStageLlCombineData, &ok)) return;
+  ll_trace(a.trace, kLlTraceArrived);
   const int nchunks = int((H + kChunk - 1) / kChunk);
   const int total_warps = gridDim.x * kLlWarps;
   for (int item = blockIdx.x * kLlWarps + warp; item < T * nchunks; item += total_warps) {
@@ -196,6 +199,8 @@ __device__ __forceinline__ void combine_recv_phase(const LlCombineArgs& a, const
       *reinterpret_cast<int4*>(out + idx) = o;
     }
   }
+  __syncthreads();
+  ll_trace(a.trace, kLlTraceEnd);
 }
 
 template <int kPhases>
@@ -207,6 +212,7 @@ __global__ void __launch_bounds__(kLlThreads, 1)
   ctx.seq = kSend ? ll_send_seq(self, l, kLlCombine) : ll_recv_seq(self, l, kLlCombine, a.slot);
   const uint64_t calls = ll_slot_calls(self, l, kLlCombine, a.slot) + (kSend ? 1 : 0);
   const uint32_t alive = ll_alive_ranks(self, l, ctx.rank);
+  ll_trace(a.trace, kLlTraceEntry);
   extern __shared__ int smem[];
   if (kSend) combine_send_phase(a, l, peers, ctx, alive, smem);
   if (kRecv) combine_recv_phase(a, l, peers, ctx, alive, calls);

@@ -36,6 +36,23 @@ __device__ __forceinline__ uint64_t ll_recv_seq(const uint8_t* self, const LlLay
   return ptx::ld_relaxed_sys_u64(reinterpret_cast<const uint64_t*>(self + l.slot_seq) + kind * 2 + slot);
 }
 
+// Diagnostics (DEEPCOMM_LL_TRACE=1, launch/profile_low_latency.py): thread 0 of every block stamps the global
+// timer at numbered points of a call into trace[block][point] (kLlTrace* below); nothing when trace is null.
+constexpr int kLlTracePoints = 8;
+enum LlTracePoint : int {
+  kLlTraceEntry = 0,      // kernel entry
+  kLlTraceSendData = 1,   // send: this block's rows stored (combine: after the weights wait, point 4 instead)
+  kLlTraceSendMeta = 2,   // send: keys / counts stored, before the finish
+  kLlTraceFinished = 3,   // send: fenced and counted done (the last block also signalled the ranks)
+  kLlTraceWeights = 4,    // combine send: everyone's weights are here
+  kLlTraceArrived = 5,    // receive: every rank's arrival word reached
+  kLlTraceRecvMeta = 6,   // dispatch receive: bases and output metadata written
+  kLlTraceEnd = 7,        // receive: this block's rows written
+};
+__device__ __forceinline__ void ll_trace(uint64_t* trace, int point) {
+  if (trace != nullptr && threadIdx.x == 0) trace[blockIdx.x * kLlTracePoints + point] = ptx::globaltimer_ns();
+}
+
 // Which halves a launch runs: the send half, the receive half (hook mode launches them apart, so no SM is held
 // in between), or both in one kernel (no hook: one launch per call, and a block goes on to receive as soon as the
 // data it waits for has landed).
@@ -53,13 +70,17 @@ __device__ __forceinline__ uint64_t ll_slot_calls(const uint8_t* self, const LlL
 // again after seeing the count, so its flag stores are ordered after every block's data (fence, atomic, atomic,
 // fence): a single signal per call and rank instead of one release atomic per block on one remote word.
 __device__ __forceinline__ void ll_finish_send(uint8_t* self, const Peers& peers, const LlLayout& l, LlKind kind,
-                                               int slot, uint64_t seq, int rank, uint32_t alive, bool ok) {
+                                               int slot, uint64_t seq, int rank, uint32_t alive, bool ok,
+                                               uint64_t* trace) {
   __syncthreads();
   if (threadIdx.x != 0) return;
   auto* words = reinterpret_cast<unsigned int*>(self + l.done_count) + kind * 2;  // [blocks done, blocks failed]
   if (!ok) atomicAdd(words + 1, 1u);
   ptx::fence_sc_sys();
-  if (atomicAdd(words, 1u) != gridDim.x - 1) return;
+  if (atomicAdd(words, 1u) != gridDim.x - 1) {
+    ll_trace(trace, kLlTraceFinished);
+    return;
+  }
   ptx::fence_sc_sys();
   const bool failed = atomicExch(words + 1, 0u) != 0u;
   words[0] = 0u;
@@ -74,6 +95,7 @@ __device__ __forceinline__ void ll_finish_send(uint8_t* self, const Peers& peers
         ptx::st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(peers.base[r] + l.arrivals_at(kind, slot)) + rank, calls);
   }
   __threadfence();
+  ll_trace(trace, kLlTraceFinished);
 }
 
 // The whole block waits until every live rank has completed its send number `calls` of this kind into `slot`.

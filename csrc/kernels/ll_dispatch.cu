@@ -97,6 +97,7 @@ __device__ __forceinline__ void dispatch_send_phase(const LlDispatchArgs& a, con
     if (dests) send_token_chunk(a, l, peers, rank, t, item % nchunks, dests, lane);
   }
   __syncthreads();
+  ll_trace(a.trace, kLlTraceSendData);
 
   // Per-slot keys for every rank (it scans all our tokens), our own keys for recv_pos, counts and token count.
   const int gtid = blockIdx.x * blockDim.x + tid, gthreads = gridDim.x * blockDim.x;
@@ -122,7 +123,8 @@ __device__ __forceinline__ void dispatch_send_phase(const LlDispatchArgs& a, con
     if (tid == 0 && bad_id) report_input_error(ctx, rank, kStageLlInvalidIds);
     if (tid == 0 && dup_id && !bad_id) report_input_error(ctx, rank, kStageLlDuplicateIds);
   }
-  ll_finish_send(self, peers, l, kLlDispatch, a.slot, ctx.seq, rank, alive, true);
+  ll_trace(a.trace, kLlTraceSendMeta);
+  ll_finish_send(self, peers, l, kLlDispatch, a.slot, ctx.seq, rank, alive, true, a.trace);
 }
 
 // calls: the slot's send count this receive waits for (every rank's).
@@ -137,6 +139,7 @@ __device__ __forceinline__ void dispatch_recv_phase(const LlDispatchArgs& a, con
   int* total = smem + L * R;  // [L]
   __shared__ int ok;
   if (!ll_wait_arrivals(self, l, kLlDispatch, slot, calls, alive, ctx, kStageLlDispatchData, &ok)) return;
+  ll_trace(a.trace, kLlTraceArrived);
   const int* counts = reinterpret_cast<const int*>(self + l.counts_at(slot));
   const int* ntok = reinterpret_cast<const int*>(self + l.ntok_at(slot));
   ll_expert_bases(counts, l, rank, alive, base, total);
@@ -169,6 +172,7 @@ __device__ __forceinline__ void dispatch_recv_phase(const LlDispatchArgs& a, con
     recv_pos[p] = pos;
   }
 
+  ll_trace(a.trace, kLlTraceRecvMeta);
   // Fan-out: warps take (source rank, token, chunk) items and copy the staged row to each of its entries here.
   const int64_t x_bytes = use_fp8 ? l.hidden : l.hidden * 2, spr = l.scales_per_row();
   const int nchunks = int((x_bytes + kCopyChunkBytes - 1) / kCopyChunkBytes);
@@ -210,6 +214,8 @@ __device__ __forceinline__ void dispatch_recv_phase(const LlDispatchArgs& a, con
       }
     }
   }
+  __syncthreads();
+  ll_trace(a.trace, kLlTraceEnd);
 }
 
 template <int kPhases>
@@ -221,6 +227,7 @@ __global__ void __launch_bounds__(kLlThreads, 1)
   ctx.seq = kSend ? ll_send_seq(self, l, kLlDispatch) : ll_recv_seq(self, l, kLlDispatch, a.slot);
   const uint64_t calls = ll_slot_calls(self, l, kLlDispatch, a.slot) + (kSend ? 1 : 0);
   const uint32_t alive = ll_alive_ranks(self, l, ctx.rank);
+  ll_trace(a.trace, kLlTraceEntry);
   extern __shared__ int smem[];
   if (kSend) dispatch_send_phase(a, l, peers, ctx, alive, smem);
   if (kRecv) dispatch_recv_phase(a, l, peers, ctx, alive, calls, smem);  // smem reused: the send half is done
