@@ -34,26 +34,19 @@ __device__ __forceinline__ void combine_send_phase(const LlCombineArgs& a, const
   __shared__ int ok;
   if (tid == 0) ok = 1;
 
-  if (blockIdx.x == 0) {
-    for (int i = tid; i < R * T * K; i += blockDim.x) {
-      const int d = i / (T * K), j = i % (T * K);
-      if (!ll_is_alive(alive, d)) continue;
-      reinterpret_cast<float*>(peers.base[d] + l.weights_at(a.slot, rank, j / K))[j % K] = a.topk_weights[j];
-    }
-    __syncthreads();
-    if (tid < R && ll_is_alive(alive, tid)) {
-      ptx::st_release_sys_u64(reinterpret_cast<uint64_t*>(peers.base[tid] + l.weight_flag) + rank, ctx.seq);
-    }
+  // Our weights to every rank, each tagged with this call: one 8-byte store carries both, so a reader that sees
+  // the tag sees the weight, with no flag and no fence to wait for.
+  const uint64_t tag = uint64_t(uint32_t(ctx.seq)) << 32;
+  for (int i = blockIdx.x * blockDim.x + tid; i < R * T * K; i += gridDim.x * blockDim.x) {
+    const int d = i / (T * K), j = i % (T * K);
+    if (!ll_is_alive(alive, d)) continue;
+    auto* word = reinterpret_cast<uint64_t*>(peers.base[d] + l.weights_at(a.slot, rank, j / K)) + j % K;
+    ptx::st_relaxed_sys_u64(word, tag | __float_as_uint(a.topk_weights[j]));
   }
   ll_expert_bases(reinterpret_cast<const int*>(self + l.counts_at(a.slot)), l, rank, alive, base, total);
-  if (tid < R && ll_is_alive(alive, tid)) {
-    const auto* flag = reinterpret_cast<const uint64_t*>(self + l.weight_flag) + tid;
-    if (!wait_flag_geq(flag, ctx.seq, ctx, tid, kStageLlCombineWeights)) ok = 0;
-  }
-  __syncthreads();
   ll_trace(a.trace, kLlTraceWeights);
 
-  if (ok) {
+  {
     const int* ntok = reinterpret_cast<const int*>(self + l.ntok_at(a.slot));
     const int nchunks = int((H + kChunk - 1) / kChunk);
     const int total_warps = gridDim.x * kLlWarps;
@@ -64,9 +57,6 @@ __device__ __forceinline__ void combine_send_phase(const LlCombineArgs& a, const
           lane < K ? ptx::ld_volatile_s32(reinterpret_cast<const int*>(self + l.meta_at(a.slot, s, t)) + lane) : -1;
       const uint32_t mine = __ballot_sync(0xffffffffu, key >= 0);
       if (!mine) continue;
-      const float w = key >= 0 ? __int_as_float(ptx::ld_volatile_s32(
-                                     reinterpret_cast<const int*>(self + l.weights_at(a.slot, s, t)) + lane))
-                               : 0.0f;
       const int64_t entry = key >= 0 ? (key >> 16) * rows + base[(key >> 16) * R + s] + (key & 0xffff) : -1;
       float acc[kUnroll][8];
 #pragma unroll
@@ -85,6 +75,19 @@ __device__ __forceinline__ void combine_send_phase(const LlCombineArgs& a, const
         }
       };
       load(mine, next);
+      // The source's weights for this token (the first row is already on its way).
+      uint64_t word = 0;
+      bool have = true;
+      if (key >= 0) {
+        const auto* wp = reinterpret_cast<const uint64_t*>(self + l.weights_at(a.slot, s, t)) + lane;
+        have = wait_until([&] { return ((word = ptx::ld_relaxed_sys_u64(wp)) & ~0xffffffffull) == tag; }, ctx, s,
+                          kStageLlCombineWeights);
+      }
+      if (!__all_sync(0xffffffffu, have)) {
+        ok = 0;
+        break;
+      }
+      const float w = __uint_as_float(uint32_t(word));
       for (uint32_t m = mine; m; m &= m - 1) {
         const float wk = __shfl_sync(0xffffffffu, w, __ffs(m) - 1);
 #pragma unroll

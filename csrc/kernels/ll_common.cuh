@@ -41,10 +41,10 @@ __device__ __forceinline__ uint64_t ll_recv_seq(const uint8_t* self, const LlLay
 constexpr int kLlTracePoints = 8;
 enum LlTracePoint : int {
   kLlTraceEntry = 0,      // kernel entry
-  kLlTraceSendData = 1,   // send: this block's rows stored (combine: after the weights wait, point 4 instead)
+  kLlTraceSendData = 1,   // send: this block's rows stored
   kLlTraceSendMeta = 2,   // send: keys / counts stored, before the finish
   kLlTraceFinished = 3,   // send: fenced and counted done (the last block also signalled the ranks)
-  kLlTraceWeights = 4,    // combine send: everyone's weights are here
+  kLlTraceWeights = 4,    // combine send: our weights published, expert row bases known
   kLlTraceArrived = 5,    // receive: every rank's arrival word reached
   kLlTraceRecvMeta = 6,   // dispatch receive: bases and output metadata written
   kLlTraceEnd = 7,        // receive: this block's rows written
@@ -67,8 +67,9 @@ __device__ __forceinline__ uint64_t ll_slot_calls(const uint8_t* self, const LlL
 // timed-out wait). The last block to finish advances the call numbers and, unless some block gave up, tells every
 // rank that this call's stores into it are complete: one store of the slot's new call count into that rank's
 // arrival word for us. Each block fences at system scope before it counts itself done, and the last block fences
-// again after seeing the count, so its flag stores are ordered after every block's data (fence, atomic, atomic,
-// fence): a single signal per call and rank instead of one release atomic per block on one remote word.
+// again after seeing the count, so its flag stores are ordered after every block's data (release fence, atomic,
+// atomic, acquire fence; then relaxed stores after that fence): a single signal per call and rank instead of one
+// release atomic per block on one remote word.
 __device__ __forceinline__ void ll_finish_send(uint8_t* self, const Peers& peers, const LlLayout& l, LlKind kind,
                                                int slot, uint64_t seq, int rank, uint32_t alive, bool ok,
                                                uint64_t* trace) {
@@ -76,12 +77,12 @@ __device__ __forceinline__ void ll_finish_send(uint8_t* self, const Peers& peers
   if (threadIdx.x != 0) return;
   auto* words = reinterpret_cast<unsigned int*>(self + l.done_count) + kind * 2;  // [blocks done, blocks failed]
   if (!ok) atomicAdd(words + 1, 1u);
-  ptx::fence_sc_sys();
+  ptx::fence_acq_rel_sys();
   if (atomicAdd(words, 1u) != gridDim.x - 1) {
     ll_trace(trace, kLlTraceFinished);
     return;
   }
-  ptx::fence_sc_sys();
+  ptx::fence_acq_rel_sys();
   const bool failed = atomicExch(words + 1, 0u) != 0u;
   words[0] = 0u;
   auto* calls_word = reinterpret_cast<uint64_t*>(self + l.slot_calls) + kind * 2 + slot;

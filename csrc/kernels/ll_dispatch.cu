@@ -88,10 +88,11 @@ __device__ __forceinline__ void dispatch_send_phase(const LlDispatchArgs& a, con
   __syncthreads();
   if (warp == 0) ll_rank_entries(experts, P, rank_in, counts, lane);
 
-  // The rows: warps take (token, chunk) items; the data does not need the entry ranks.
+  // The rows: warps 1.. take (token, chunk) items while warp 0 ranks the entries (the data does not need them).
   const int nchunks = int((l.hidden + kSendChunk - 1) / kSendChunk);
-  const int total_warps = gridDim.x * kLlWarps;
-  for (int item = blockIdx.x * kLlWarps + warp; item < T * nchunks; item += total_warps) {
+  constexpr int kDataWarps = kLlWarps - 1;
+  const int total_warps = gridDim.x * kDataWarps;
+  for (int item = blockIdx.x * kDataWarps + warp - 1; warp > 0 && item < T * nchunks; item += total_warps) {
     const int t = item / nchunks;
     const uint32_t dests = ll_rank_mask(lane < K ? experts[t * K + lane] : -1, L);
     if (dests) send_token_chunk(a, l, peers, rank, t, item % nchunks, dests, lane);
@@ -156,8 +157,8 @@ __device__ __forceinline__ void dispatch_recv_phase(const LlDispatchArgs& a, con
     }
   }
   int* src_info = reinterpret_cast<int*>(self + l.out_src_info_at(slot));
-  for (int64_t i = gtid; i < L * rows; i += gthreads)
-    if (i % rows >= total[i / rows]) src_info[i] = -1;
+  for (int i = gtid; i < L * int(rows); i += gthreads)  // L * R * M < 2^31 (asserted at launch)
+    if (i % int(rows) >= total[i / int(rows)]) src_info[i] = -1;
   // recv_pos of our own entries: rows of lower ranks at the owner, plus the entry's rank among ours.
   const int* keys = reinterpret_cast<const int*>(self + l.entry_key_at(slot));
   int* recv_pos = reinterpret_cast<int*>(self + l.out_recv_pos_at(slot));
@@ -251,6 +252,8 @@ void launch_ll_dispatch(const LlDispatchArgs& args, int phases, int num_blocks, 
   DC_HOST_ASSERT(layout.hidden % 128 == 0, "low_latency_dispatch: hidden must be a multiple of 128");
   DC_HOST_ASSERT(layout.max_tokens <= 0xffff && layout.num_experts <= 0x7fff,
                  "low_latency_dispatch: entry keys pack 16-bit ranks and 15-bit experts");
+  DC_HOST_ASSERT(int64_t(layout.local_experts()) * layout.rows_per_expert() < (int64_t(1) << 31),
+                 "low_latency_dispatch: local experts * ranks * max tokens must stay below 2^31");
   const int send_smem = (2 * args.num_tokens * args.topk + layout.num_experts) * int(sizeof(int));
   const int recv_smem = (layout.local_experts() * (layout.num_ranks + 1)) * int(sizeof(int));
   DC_HOST_ASSERT(send_smem <= 200 * 1024,

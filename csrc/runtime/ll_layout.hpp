@@ -12,14 +12,14 @@
 //   done_count   u32   [2][2]              per kind: blocks of the running send that finished, and that gave up
 //   arrivals     u64   [2][2][R]           per kind and slot: sends of rank s whose stores into us are complete
 //                                          (its slot_calls after the call; a receive waits for its own count)
-//   weight_flag  u64   [R]                 combine: rank s wrote its top-k weights into us
 //   mask         int32 [R]                 ranks this rank treats as gone (written by the host): nothing is sent
 //                                          to them, nothing awaited from them, their experts count as absent
 //   counts       int32 [2][R][E]           per slot: entries rank s sends to every expert
 //   ntok         int32 [2][R]              per slot: tokens rank s dispatched
 //   meta         int32 [2][R][M][K]        per slot: for slot k of token t of rank s: (local expert << 16 | entry
 //                                          rank among rank s's entries of that expert), -1 when not ours
-//   weights      f32   [2][R][M][K]        per slot: rank s's combine weights
+//   weights      u64   [2][R][M][K]        per slot: rank s's combine weights, each tagged with its call:
+//                                          (low 32 bits of the combine's sequence number << 32) | f32 bits
 //   stage_x      bytes [2][R][M][H*2]      per slot: rank s's tokens (bf16, or e4m3 in the first H bytes)
 //   stage_scales f32   [2][R][M][H/128]    per slot: their FP8 scales
 //   recv_x       bytes [2][L][R*M][H*2]    per slot: packed expert rows (the dispatch output)
@@ -44,7 +44,7 @@ enum LlKind : int { kLlDispatch = 0, kLlCombine = 1 };
 struct LlLayout {
   int num_ranks, num_experts, max_tokens, topk_max;
   int64_t hidden;
-  int64_t seq, slot_seq, slot_calls, done_count, arrivals, weight_flag, mask, counts, ntok, meta, weights, stage_x,
+  int64_t seq, slot_seq, slot_calls, done_count, arrivals, mask, counts, ntok, meta, weights, stage_x,
       stage_scales, recv_x, recv_scales, partials, entry_key, out_count, out_layout, out_src_info, out_recv_pos,
       total;
 
@@ -67,12 +67,11 @@ struct LlLayout {
     slot_calls = take(4 * 8);
     done_count = take(4 * 4);
     arrivals = take(4 * R * 8);
-    weight_flag = take(R * 8);
     mask = take(R * 4);
     counts = take(2 * R * experts * 4);
     ntok = take(2 * R * 4);
     meta = take(2 * R * M * K * 4);
-    weights = take(2 * R * M * K * 4);
+    weights = take(2 * R * M * K * 8);
     stage_x = take(2 * R * M * hidden_ * 2);
     stage_scales = take(2 * R * M * (hidden_ / 128) * 4);
     recv_x = take(2 * L * rows * hidden_ * 2);
@@ -98,7 +97,7 @@ struct LlLayout {
     return meta + ((int64_t(slot) * num_ranks + s) * max_tokens + t) * topk_max * 4;
   }
   DC_HD int64_t weights_at(int slot, int s, int t) const {
-    return weights + ((int64_t(slot) * num_ranks + s) * max_tokens + t) * topk_max * 4;
+    return weights + ((int64_t(slot) * num_ranks + s) * max_tokens + t) * topk_max * 8;
   }
   DC_HD int64_t stage_x_at(int slot, int s, int t) const {
     return stage_x + ((int64_t(slot) * num_ranks + s) * max_tokens + t) * row_bytes();
