@@ -2,6 +2,7 @@
 // and the record layouts the Python side reads. Pointers are ints; streams are ints.
 #include <pybind11/stl.h>
 
+#include "../kernels/counter_wait.hpp"
 #include "../kernels/internode_exchange.hpp"
 #include "../kernels/internode_host_selftest.hpp"
 #include "../runtime/cuda_check.hpp"
@@ -39,6 +40,24 @@ void bind_internode(py::module_& m) {
      py::arg("log_wqebbs"), py::arg("log_cqes"), py::arg("keys"), py::arg("err_dev"), py::arg("timeout_s"),
      py::arg("rank"), py::arg("seq_ptr"), py::arg("stream"),
      "Launch one exchange round; peers: device int64 [num_peers][INTERNODE_PEER_FIELDS] (InternodePeer).");
+
+  // The NVSHMEM transport's bounded waits (csrc/kernels/counter_wait.hpp) and the stages they record.
+  m.attr("STAGE_NVSHMEM_CREDIT") = int(kStageNvshmemCredit);
+  m.attr("STAGE_NVSHMEM_SIGNAL") = int(kStageNvshmemSignal);
+  m.attr("MAX_COUNTER_WAIT_RANKS") = kMaxCounterWaitRanks;
+  m.def("wait_counters", [](uintptr_t counters, int world_size, int rank, uint64_t target, int stage,
+                            uintptr_t err_dev, double timeout_s, uintptr_t seq_ptr, uintptr_t stream) {
+    CounterWaitArgs a{reinterpret_cast<const uint64_t*>(counters), world_size, rank, target, stage};
+    WaitCtx c{};
+    c.err = reinterpret_cast<ErrorRecord*>(err_dev);
+    c.timeout_ns = uint64_t(timeout_s * 1e9);
+    c.rank = rank;
+    c.seq_ptr = reinterpret_cast<const uint64_t*>(seq_ptr);
+    launch_counter_wait(a, c, reinterpret_cast<cudaStream_t>(stream));
+  }, py::arg("counters"), py::arg("world_size"), py::arg("rank"), py::arg("target"), py::arg("stage"),
+     py::arg("err_dev"), py::arg("timeout_s"), py::arg("seq_ptr"), py::arg("stream"),
+     "Launch a bounded wait until counters[p] >= target for every p != rank (device u64 [world_size]); a "
+     "timeout is recorded in the error record with `stage`.");
 
   m.def("internode_test_byte", &internode_test_byte, py::arg("rank"), py::arg("round"), py::arg("offset"));
   m.def("internode_rounds_on_host", [](const std::vector<std::vector<uint64_t>>& sizes, uint32_t chunk_bytes,

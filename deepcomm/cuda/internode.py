@@ -194,6 +194,9 @@ class NicTransport:
             out[d] = {"nic": fields("nic"), "poster": fields("poster")}
         return out
 
+    def size_bytes(self) -> int:
+        return self.region_bytes + self.qp_mem.numel()
+
     def close(self) -> None:
         torch.cuda.synchronize(self.device)
         if self.err_host:
@@ -254,9 +257,13 @@ class InternodeBackend:
 
     def __init__(self, group, config: Config, rank: int, world_size: int, device: torch.device, C):
         self.config, self.rank, self.world_size, self.device = config, rank, world_size, device
+        if config.internode_transport == "nvshmem":  # NVSHMEM puts and signals (nvshmem_transport.py)
+            from .nvshmem_transport import NvshmemTransport as transport_cls
+        else:  # "emulated": GPU-posted WQEs, the device emulated NIC
+            transport_cls = NicTransport
         with torch.cuda.device(device):
-            self.transport = NicTransport(C, group, rank, world_size, device, config.max_tokens_per_rank,
-                                          config.hidden, config.timeout_s)
+            self.transport = transport_cls(C, group, rank, world_size, device, config.max_tokens_per_rank,
+                                           config.hidden, config.timeout_s)
         self.comm = NicComm(self.transport, group, rank, world_size, device, config.timeout_s)
 
     def get_dispatch_layout(self, topk_idx, num_experts):
@@ -291,13 +298,14 @@ class InternodeBackend:
     low_latency_combine = low_latency_dispatch
 
     def nic_totals(self):
+        """Per peer, what the emulated NIC executed; {} with the NVSHMEM transport (no NIC of ours)."""
         return self.transport.nic_totals()
 
     def set_num_sms(self, num_sms: int) -> None:
-        return None  # one posting block and one NIC block per peer, whatever num_sms says
+        return None  # the transport decides: one posting and one NIC block per peer (emulated), NVSHMEM (nvshmem)
 
     def size_bytes(self) -> int:
-        return self.transport.region_bytes + self.transport.qp_mem.numel()
+        return self.transport.size_bytes()
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
