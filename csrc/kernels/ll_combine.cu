@@ -22,6 +22,7 @@ namespace {
 
 constexpr int kUnroll = 4;                    // 8-element vectors per lane per item
 constexpr int kChunk = 32 * 8 * kUnroll;      // elements of a row one warp handles per item
+constexpr int kRows = 4;                      // expert rows of one token loaded at once
 
 __device__ __forceinline__ void combine_send_phase(const LlCombineArgs& a, const LlLayout& l, const Peers& peers,
                                                    const WaitCtx& ctx, uint32_t alive, int* smem) {
@@ -63,18 +64,23 @@ __device__ __forceinline__ void combine_send_phase(const LlCombineArgs& a, const
       for (int u = 0; u < kUnroll; ++u)
 #pragma unroll
         for (int j = 0; j < 8; ++j) acc[u][j] = 0.0f;
-      // Slots ascending; the next slot's row is loaded while this one is accumulated (two rows in flight).
-      int4 v[kUnroll], next[kUnroll];
-      auto load = [&](uint32_t m, int4 (&dst)[kUnroll]) {
-        const int64_t e = __shfl_sync(0xffffffffu, entry, __ffs(m) - 1);
-        const auto* row = static_cast<const __nv_bfloat16*>(a.x) + e * H;
+      // Slots ascending, in groups of kRows rows whose loads are all in flight before the first is accumulated.
+      int4 v[kRows][kUnroll];
+      auto load_group = [&](uint32_t m) {
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const int64_t idx = int64_t(c) * kChunk + u * 256 + lane * 8;
-          dst[u] = idx < H ? ptx::ld_nc_na_v4(reinterpret_cast<const int4*>(row + idx)) : make_int4(0, 0, 0, 0);
+        for (int r = 0; r < kRows; ++r) {
+          if (!m) break;
+          const int64_t e = __shfl_sync(0xffffffffu, entry, __ffs(m) - 1);
+          const auto* row = static_cast<const __nv_bfloat16*>(a.x) + e * H;
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u) {
+            const int64_t idx = int64_t(c) * kChunk + u * 256 + lane * 8;
+            v[r][u] = idx < H ? ptx::ld_nc_na_v4(reinterpret_cast<const int4*>(row + idx)) : make_int4(0, 0, 0, 0);
+          }
+          m &= m - 1;
         }
       };
-      load(mine, next);
+      load_group(mine);
       // The source's weights for this token (the first row is already on its way).
       uint64_t word = 0;
       bool have = true;
@@ -88,18 +94,21 @@ __device__ __forceinline__ void combine_send_phase(const LlCombineArgs& a, const
         break;
       }
       const float w = __uint_as_float(uint32_t(word));
-      for (uint32_t m = mine; m; m &= m - 1) {
-        const float wk = __shfl_sync(0xffffffffu, w, __ffs(m) - 1);
+      for (uint32_t m = mine; m;) {
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) v[u] = next[u];
-        if (m & (m - 1)) load(m & (m - 1), next);
+        for (int r = 0; r < kRows; ++r) {
+          if (!m) break;
+          const float wk = __shfl_sync(0xffffffffu, w, __ffs(m) - 1);
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          float f[8];
-          unpack_bf16x8(v[u], f);
+          for (int u = 0; u < kUnroll; ++u) {
+            float f[8];
+            unpack_bf16x8(v[r][u], f);
 #pragma unroll
-          for (int j = 0; j < 8; ++j) acc[u][j] = __fadd_rn(acc[u][j], __fmul_rn(wk, f[j]));
+            for (int j = 0; j < 8; ++j) acc[u][j] = __fadd_rn(acc[u][j], __fmul_rn(wk, f[j]));
+          }
+          m &= m - 1;
         }
+        if (m) load_group(m);
       }
       uint8_t* dst = peers.base[s] + l.partials_at(a.slot, rank, t);
       if (s == rank) {  // our own partial stays fp32

@@ -114,22 +114,51 @@ __device__ __forceinline__ bool ll_wait_arrivals(const uint8_t* self, const LlLa
   return *ok != 0;
 }
 
-// One warp walks entries [0, n) in order and gives each valid one (expert >= 0) its rank among the earlier
-// entries of the same expert; counts[e] ends as the number of entries of e. counts must start zeroed.
-__device__ __forceinline__ void ll_rank_entries(const int* experts, int n, int* rank_in, int* counts, int lane) {
-  for (int base = 0; base < n; base += 32) {
+// The whole block gives each valid entry p in [0, n) (expert >= 0) its rank among the earlier entries of the same
+// expert, and counts[e] the entries of e. Warp w ranks a contiguous share of the entries, counting into its own
+// row wcount[w][E] (comparing each lane's expert with all 32 of the chunk by shuffles: a fixed cost, unlike
+// match_any with many distinct values); then the rows become per-expert prefixes over the warps and each entry
+// adds its warp's prefix. wcount: kLlWarps * E ints of shared memory. Ends with __syncthreads.
+__device__ __forceinline__ void ll_rank_entries(const int* experts, int n, int num_experts, int* rank_in, int* counts,
+                                                int* wcount) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int i = threadIdx.x; i < kLlWarps * num_experts; i += blockDim.x) wcount[i] = 0;
+  __syncthreads();
+  const int span = ((n + kLlWarps - 1) / kLlWarps + 31) / 32 * 32;
+  int* mine = wcount + warp * num_experts;
+  const int end = min(n, (warp + 1) * span);
+  for (int base = warp * span; base < end; base += 32) {
     const int p = base + lane;
-    const int e = p < n ? experts[p] : -1;
-    const uint32_t same = __match_any_sync(0xffffffffu, e);
-    const int before = __popc(same & ptx::lanemask_lt());
-    const int prior = e >= 0 ? counts[e] : 0;
+    const int e = p < end ? experts[p] : -1;
+    int before = 0, same = 0;
+#pragma unroll 8
+    for (int j = 0; j < 32; ++j) {
+      const int o = __shfl_sync(0xffffffffu, e, j);
+      same += o == e;
+      before += (o == e) & (j < lane);
+    }
+    const int prior = e >= 0 ? mine[e] : 0;
     __syncwarp();
     if (e >= 0) {
       rank_in[p] = prior + before;
-      if (before == 0) counts[e] = prior + __popc(same);
+      if (before == 0) mine[e] = prior + same;
     }
     __syncwarp();
   }
+  __syncthreads();
+  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
+    int run = 0;
+    for (int w = 0; w < kLlWarps; ++w) {
+      const int c = wcount[w * num_experts + e];
+      wcount[w * num_experts + e] = run;
+      run += c;
+    }
+    counts[e] = run;
+  }
+  __syncthreads();
+  for (int p = threadIdx.x; p < n; p += blockDim.x)
+    if (experts[p] >= 0) rank_in[p] += wcount[(p / span) * num_experts + experts[p]];
+  __syncthreads();
 }
 
 // Entries rank s sends to expert e, as it wrote them; 0 for masked ranks (their area may hold anything).

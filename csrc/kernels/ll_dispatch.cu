@@ -76,9 +76,9 @@ __device__ __forceinline__ void dispatch_send_phase(const LlDispatchArgs& a, con
   int* experts = smem;          // [P] expert of each entry, -1 for empty, invalid or masked slots
   int* rank_in = smem + P;      // [P] rank of the entry among ours of the same expert
   int* counts = smem + 2 * P;   // [E] our entries per expert
-  __shared__ int bad_id, dup_id;
-  if (tid == 0) bad_id = dup_id = 0;
-  for (int i = tid; i < E; i += blockDim.x) counts[i] = 0;
+  int* wcount = counts + E;     // [kLlWarps][E] ranking scratch
+  __shared__ int bad_id;
+  if (tid == 0) bad_id = 0;
   __syncthreads();
   for (int i = tid; i < P; i += blockDim.x) {
     const int64_t e = a.topk_idx[i];
@@ -86,19 +86,18 @@ __device__ __forceinline__ void dispatch_send_phase(const LlDispatchArgs& a, con
     experts[i] = (e >= 0 && e < E && ll_is_alive(alive, int(e) / L)) ? int(e) : -1;
   }
   __syncthreads();
-  if (warp == 0) ll_rank_entries(experts, P, rank_in, counts, lane);
 
-  // The rows: warps 1.. take (token, chunk) items while warp 0 ranks the entries (the data does not need them).
+  // The rows first (they do not need the entry ranks): warps take (token, chunk) items. The ranking below runs
+  // while those stores drain.
   const int nchunks = int((l.hidden + kSendChunk - 1) / kSendChunk);
-  constexpr int kDataWarps = kLlWarps - 1;
-  const int total_warps = gridDim.x * kDataWarps;
-  for (int item = blockIdx.x * kDataWarps + warp - 1; warp > 0 && item < T * nchunks; item += total_warps) {
+  const int total_warps = gridDim.x * kLlWarps;
+  for (int item = blockIdx.x * kLlWarps + warp; item < T * nchunks; item += total_warps) {
     const int t = item / nchunks;
     const uint32_t dests = ll_rank_mask(lane < K ? experts[t * K + lane] : -1, L);
     if (dests) send_token_chunk(a, l, peers, rank, t, item % nchunks, dests, lane);
   }
-  __syncthreads();
   ll_trace(a.trace, kLlTraceSendData);
+  ll_rank_entries(experts, P, E, rank_in, counts, wcount);
 
   // Per-slot keys for every rank (it scans all our tokens), our own keys for recv_pos, counts and token count.
   const int gtid = blockIdx.x * blockDim.x + tid, gthreads = gridDim.x * blockDim.x;
@@ -110,19 +109,18 @@ __device__ __forceinline__ void dispatch_send_phase(const LlDispatchArgs& a, con
   }
   int* keys = reinterpret_cast<int*>(self + l.entry_key_at(a.slot));
   for (int p = gtid; p < P; p += gthreads) keys[p] = experts[p] >= 0 ? (experts[p] << 16 | rank_in[p]) : -1;
-  if (blockIdx.x == 0) {
-    for (int i = tid; i < R * E; i += blockDim.x)
-      if (ll_is_alive(alive, i / E))
-        reinterpret_cast<int*>(peers.base[i / E] + l.counts_at(a.slot))[rank * E + i % E] = counts[i % E];
-    if (tid < R && ll_is_alive(alive, tid)) reinterpret_cast<int*>(peers.base[tid] + l.ntok_at(a.slot))[rank] = T;
-    for (int t = tid; t < T; t += blockDim.x)
-      for (int k = 1; k < K; ++k)
-        for (int j = 0; j < k; ++j)
-          if (experts[t * K + k] >= 0 && experts[t * K + k] == experts[t * K + j]) dup_id = 1;
-    __syncthreads();
-    // Input problems are reported, not waited on: the call still completes on every rank (bad slots count as -1).
-    if (tid == 0 && bad_id) report_input_error(ctx, rank, kStageLlInvalidIds);
-    if (tid == 0 && dup_id && !bad_id) report_input_error(ctx, rank, kStageLlDuplicateIds);
+  for (int i = gtid; i < R * E; i += gthreads)  // every block has all the counts: spread over the grid
+    if (ll_is_alive(alive, i / E))
+      reinterpret_cast<int*>(peers.base[i / E] + l.counts_at(a.slot))[rank * E + i % E] = counts[i % E];
+  if (gtid < R && ll_is_alive(alive, gtid)) reinterpret_cast<int*>(peers.base[gtid] + l.ntok_at(a.slot))[rank] = T;
+  // Input problems are reported, not waited on: the call still completes on every rank (bad slots count as -1).
+  // Every block saw every id, so bad_id is the whole call's; a duplicate is reported only without bad ids.
+  if (blockIdx.x == 0 && tid == 0 && bad_id) report_input_error(ctx, rank, kStageLlInvalidIds);
+  for (int t = gtid; t < T && !bad_id; t += gthreads) {
+    bool dup = false;
+    for (int k = 1; k < K; ++k)
+      for (int j = 0; j < k; ++j) dup |= experts[t * K + k] >= 0 && experts[t * K + k] == experts[t * K + j];
+    if (dup) report_input_error(ctx, rank, kStageLlDuplicateIds);
   }
   ll_trace(a.trace, kLlTraceSendMeta);
   ll_finish_send(self, peers, l, kLlDispatch, a.slot, ctx.seq, rank, alive, true, a.trace);
@@ -182,9 +180,11 @@ __device__ __forceinline__ void dispatch_recv_phase(const LlDispatchArgs& a, con
   const int total_warps = gridDim.x * kLlWarps;
   for (int item = blockIdx.x * kLlWarps + warp; item < R * M * nchunks; item += total_warps) {
     const int s = item / (M * nchunks), t = (item / nchunks) % M, c = item % nchunks;
-    if (!ll_is_alive(alive, s) || t >= ptx::ld_volatile_s32(ntok + s)) continue;
-    const int key = lane < K ? ptx::ld_volatile_s32(reinterpret_cast<const int*>(self + l.meta_at(slot, s, t)) + lane)
-                             : -1;
+    if (!ll_is_alive(alive, s)) continue;
+    // both loads in flight at once; the key of a token past the count is stale and dropped
+    const int n = ptx::ld_volatile_s32(ntok + s);
+    const int key = lane < K ? ptx::ld_volatile_s32(reinterpret_cast<const int*>(self + l.meta_at(slot, s, t)) + lane) : -1;
+    if (t >= n) continue;
     const int64_t entry = key >= 0 ? (key >> 16) * rows + base[(key >> 16) * R + s] + (key & 0xffff) : -1;
     const uint32_t mine = __ballot_sync(0xffffffffu, key >= 0);
     if (!mine) continue;
@@ -254,7 +254,7 @@ void launch_ll_dispatch(const LlDispatchArgs& args, int phases, int num_blocks, 
                  "low_latency_dispatch: entry keys pack 16-bit ranks and 15-bit experts");
   DC_HOST_ASSERT(int64_t(layout.local_experts()) * layout.rows_per_expert() < (int64_t(1) << 31),
                  "low_latency_dispatch: local experts * ranks * max tokens must stay below 2^31");
-  const int send_smem = (2 * args.num_tokens * args.topk + layout.num_experts) * int(sizeof(int));
+  const int send_smem = (2 * args.num_tokens * args.topk + (1 + kLlWarps) * layout.num_experts) * int(sizeof(int));
   const int recv_smem = (layout.local_experts() * (layout.num_ranks + 1)) * int(sizeof(int));
   DC_HOST_ASSERT(send_smem <= 200 * 1024,
                  "low_latency_dispatch: tokens * topk too large for one block's shared memory");
