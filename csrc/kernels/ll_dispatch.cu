@@ -24,17 +24,23 @@ constexpr int kSendChunk = 32 * 8 * kSendUnroll;          // elements of a row o
 constexpr int kCopyUnroll = 4;                            // 16-byte vectors per lane per item
 constexpr int kCopyChunkBytes = 32 * 16 * kCopyUnroll;    // bytes of a staged row one warp fans out per item
 
-// One warp: elements [c * kSendChunk, ...) of token t go to every rank in `dests`.
-__device__ __forceinline__ void send_token_chunk(const LlDispatchArgs& a, const LlLayout& l, const Peers& peers,
-                                                 int rank, int t, int c, uint32_t dests, int lane) {
+// One warp loads elements [c * kSendChunk, ...) of token t.
+__device__ __forceinline__ void load_token_chunk(const LlDispatchArgs& a, const LlLayout& l, int t, int c, int lane,
+                                                 int4 (&v)[kSendUnroll]) {
   const int64_t H = l.hidden;
   const auto* src = static_cast<const __nv_bfloat16*>(a.x) + int64_t(t) * H;
-  int4 v[kSendUnroll];
 #pragma unroll
   for (int u = 0; u < kSendUnroll; ++u) {
     const int64_t idx = int64_t(c) * kSendChunk + u * 256 + lane * 8;
     v[u] = idx < H ? ptx::ld_nc_na_v4(reinterpret_cast<const int4*>(src + idx)) : make_int4(0, 0, 0, 0);
   }
+}
+
+// One warp: the loaded chunk c of token t goes to every rank in `dests`.
+__device__ __forceinline__ void send_token_chunk(const LlDispatchArgs& a, const LlLayout& l, const Peers& peers,
+                                                 int rank, int t, int c, uint32_t dests, int lane,
+                                                 const int4 (&v)[kSendUnroll]) {
+  const int64_t H = l.hidden;
   if (!a.use_fp8) {
     for (uint32_t m = dests; m; m &= m - 1) {
       uint8_t* row = peers.base[__ffs(m) - 1] + l.stage_x_at(a.slot, rank, t);
@@ -79,6 +85,11 @@ __device__ __forceinline__ void dispatch_send_phase(const LlDispatchArgs& a, con
   int* wcount = counts + E;     // [kLlWarps][E] ranking scratch
   __shared__ int bad_id;
   if (tid == 0) bad_id = 0;
+  // The warp's first chunk is loaded before the ids are read (it does not depend on them).
+  const int nchunks = int((l.hidden + kSendChunk - 1) / kSendChunk);
+  const int first_item = blockIdx.x * kLlWarps + warp;
+  int4 v[kSendUnroll];
+  if (first_item < T * nchunks) load_token_chunk(a, l, first_item / nchunks, first_item % nchunks, lane, v);
   __syncthreads();
   for (int i = tid; i < P; i += blockDim.x) {
     const int64_t e = a.topk_idx[i];
@@ -89,12 +100,12 @@ __device__ __forceinline__ void dispatch_send_phase(const LlDispatchArgs& a, con
 
   // The rows first (they do not need the entry ranks): warps take (token, chunk) items. The ranking below runs
   // while those stores drain.
-  const int nchunks = int((l.hidden + kSendChunk - 1) / kSendChunk);
   const int total_warps = gridDim.x * kLlWarps;
-  for (int item = blockIdx.x * kLlWarps + warp; item < T * nchunks; item += total_warps) {
+  for (int item = first_item; item < T * nchunks; item += total_warps) {
     const int t = item / nchunks;
+    if (item != first_item) load_token_chunk(a, l, t, item % nchunks, lane, v);
     const uint32_t dests = ll_rank_mask(lane < K ? experts[t * K + lane] : -1, L);
-    if (dests) send_token_chunk(a, l, peers, rank, t, item % nchunks, dests, lane);
+    if (dests) send_token_chunk(a, l, peers, rank, t, item % nchunks, dests, lane, v);
   }
   ll_trace(a.trace, kLlTraceSendData);
   ll_rank_entries(experts, P, E, rank_in, counts, wcount);
