@@ -186,23 +186,17 @@ PYBIND11_MODULE(_C, m) {
       })
       .def("set_error_record", [](LlContext& c, uintptr_t dev) { c.err_device = ptr<ErrorRecord>(dev); })
       .def("set_timeout_ns", [](LlContext& c, uint64_t ns) { c.timeout_ns = ns; })
-      .def("dispatch_send", [](const LlContext& c, int num_blocks, uintptr_t x, uintptr_t topk_idx, int T, int K,
-                               int slot, bool use_fp8, bool use_ue8m0, uintptr_t stream) {
-        LlDispatchArgs a{ptr<const void>(x), ptr<const int64_t>(topk_idx), T, K, slot, use_fp8, use_ue8m0};
-        launch_ll_dispatch_send(a, num_blocks, c.layout, c.peers, c.wait_ctx(), stream_of(stream));
+      .def("set_trace", [](LlContext& c, uintptr_t dev) { c.trace = ptr<uint64_t>(dev); })
+      // phases: 1 send half, 2 receive half, 3 both in one kernel (csrc/kernels/api.hpp)
+      .def("dispatch", [](const LlContext& c, int phases, int num_blocks, uintptr_t x, uintptr_t topk_idx, int T,
+                          int K, int slot, bool use_fp8, bool use_ue8m0, uintptr_t stream) {
+        LlDispatchArgs a{ptr<const void>(x), ptr<const int64_t>(topk_idx), T, K, slot, use_fp8, use_ue8m0, c.trace};
+        launch_ll_dispatch(a, phases, num_blocks, c.layout, c.peers, c.wait_ctx(), stream_of(stream));
       })
-      .def("dispatch_recv", [](const LlContext& c, int num_blocks, int slot, int K, bool use_fp8, uintptr_t stream) {
-        launch_ll_dispatch_recv(slot, K, use_fp8, num_blocks, num_blocks, c.layout, c.peers, c.wait_ctx(),
-                                stream_of(stream));
-      })
-      .def("combine_send", [](const LlContext& c, int num_blocks, uintptr_t x, uintptr_t topk_weights, int T, int K,
-                              int slot, bool use_fp8, uintptr_t stream) {
-        LlCombineArgs a{ptr<const void>(x), ptr<const float>(topk_weights), nullptr, nullptr, T, K, slot, use_fp8};
-        launch_ll_combine_send(a, num_blocks, c.layout, c.peers, c.wait_ctx(), stream_of(stream));
-      })
-      .def("combine_recv", [](const LlContext& c, int num_blocks, uintptr_t topk_idx, uintptr_t out, int T, int K,
-                              int slot, bool use_fp8, uintptr_t stream) {
-        LlCombineArgs a{nullptr, nullptr, ptr<const int64_t>(topk_idx), ptr<void>(out), T, K, slot, use_fp8};
-        launch_ll_combine_recv(a, num_blocks, num_blocks, c.layout, c.peers, c.wait_ctx(), stream_of(stream));
+      .def("combine", [](const LlContext& c, int phases, int num_blocks, uintptr_t x, uintptr_t topk_weights,
+                         uintptr_t topk_idx, uintptr_t out, int T, int K, int slot, bool use_fp8, uintptr_t stream) {
+        LlCombineArgs a{ptr<const void>(x), ptr<const float>(topk_weights), ptr<const int64_t>(topk_idx), ptr<void>(out),
+                        T, K, slot, use_fp8, c.trace};
+        launch_ll_combine(a, phases, num_blocks, c.layout, c.peers, c.wait_ctx(), stream_of(stream));
       });
 }

@@ -23,7 +23,7 @@ class Buffer:
     def __init__(self, group=None, max_tokens_per_rank: int = 4096, hidden: Optional[int] = None,
                  num_sms: Optional[int] = None, backend: str = "auto", num_max_low_latency_tokens: int = 128,
                  timeout_s: Optional[float] = None, gpus_per_node: Optional[int] = None,
-                 low_latency_memory: Optional[str] = None):
+                 low_latency_memory: Optional[str] = None, internode_transport: Optional[str] = None):
         self._backend = None
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("deepcomm.Buffer: torch.distributed is not initialized "
@@ -45,7 +45,8 @@ class Buffer:
                              hidden=DEFAULT_HIDDEN if hidden is None else hidden,
                              num_max_low_latency_tokens=num_max_low_latency_tokens,
                              gpus_per_node=self.topology.gpus_per_node,
-                             low_latency_memory=low_latency_memory)
+                             low_latency_memory=low_latency_memory,
+                             internode_transport=internode_transport)
         self.buffer_id = next(_buffer_ids)
         self._backend, self._backend_name = make_backend(backend, self._group, self.config, self._rank,
                                                          self._world_size, self._device)

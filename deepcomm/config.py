@@ -9,6 +9,8 @@ DEFAULT_HIDDEN = 7168
 DEFAULT_TIMEOUT_S = 100.0
 LL_MEMORY_KINDS = ("ipc", "nvshmem")
 LL_MEMORY_ENV = "DEEPCOMM_LL_MEMORY"
+INTERNODE_TRANSPORTS = ("emulated", "nvshmem")
+INTERNODE_TRANSPORT_ENV = "DEEPCOMM_INTERNODE_TRANSPORT"
 
 
 def resolve_low_latency_memory(value: Optional[str]) -> str:
@@ -24,6 +26,25 @@ def resolve_low_latency_memory(value: Optional[str]) -> str:
     if value not in LL_MEMORY_KINDS:
         raise ValueError(f"low_latency_memory: expected one of {', '.join(map(repr, LL_MEMORY_KINDS))} or None, "
                          f"got {value!r}")
+    return value
+
+
+def resolve_internode_transport(value: Optional[str]) -> str:
+    """What carries the internode exchange rounds of the CUDA backend (topologies of several nodes): ``value``
+    when given, else ``$DEEPCOMM_INTERNODE_TRANSPORT``, else "emulated" (GPU-posted mlx5 WQEs executed by the
+    device emulated NIC; every rank on one host). "nvshmem": puts and signals through NVSHMEM's host API on its
+    symmetric heap. ``ValueError`` names the source."""
+    if value is None:
+        env = os.environ.get(INTERNODE_TRANSPORT_ENV, "").strip()
+        if not env:
+            return "emulated"
+        if env.lower() not in INTERNODE_TRANSPORTS:
+            raise ValueError(f"{INTERNODE_TRANSPORT_ENV}: expected one of {', '.join(INTERNODE_TRANSPORTS)}, "
+                             f"got {env!r}")
+        return env.lower()
+    if value not in INTERNODE_TRANSPORTS:
+        raise ValueError(f"internode_transport: expected one of {', '.join(map(repr, INTERNODE_TRANSPORTS))} or "
+                         f"None, got {value!r}")
     return value
 
 
@@ -60,9 +81,12 @@ class Config:
     num_max_low_latency_tokens: int = 128
     gpus_per_node: Optional[int] = None  # None: one node (Buffer fills it in from deepcomm.topology)
     low_latency_memory: Optional[str] = None  # "ipc" | "nvshmem"; None: $DEEPCOMM_LL_MEMORY, else "ipc"
+    # "emulated" | "nvshmem"; None: $DEEPCOMM_INTERNODE_TRANSPORT, else "emulated". Used only by several nodes.
+    internode_transport: Optional[str] = None
 
     def __post_init__(self) -> None:
         self.low_latency_memory = resolve_low_latency_memory(self.low_latency_memory)
+        self.internode_transport = resolve_internode_transport(self.internode_transport)
         _check_positive_int("num_sms", self.num_sms)
         _check_positive_int("max_tokens_per_rank", self.max_tokens_per_rank)
         _check_positive_int("hidden", self.hidden)

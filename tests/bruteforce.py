@@ -131,7 +131,8 @@ def ll_recv_pos(src, idxs, num_experts):
 
 def ll_combine(src, ys, idxs, ws, num_experts, use_fp8=False):
     """out[t] = sum over ranks d ascending of (sum over slots k ascending on d of w*y), fp32, one bf16 rounding.
-    ``use_fp8``: a partial from another rank is quantized per 128 values and dequantized before it is added."""
+    A partial from another rank is rounded to bf16 before it is added (it crossed the link as bf16); with
+    ``use_fp8`` it is quantized per 128 values and dequantized instead."""
     world = len(ys)
     per_rank = num_experts // world
     pos = ll_recv_pos(src, idxs, num_experts)
@@ -145,8 +146,10 @@ def ll_combine(src, ys, idxs, ws, num_experts, use_fp8=False):
                 e = int(idxs[src][t, k])
                 if e >= 0 and e // per_rank == d:
                     partial = partial + ws[src][t, k] * ys[d][e % per_rank, pos[t, k]].float()
-            if use_fp8 and d != src:
+            if d != src and use_fp8:
                 partial = per_token_cast_back(*per_token_cast_to_fp8(partial[None]))[0]
+            elif d != src:
+                partial = partial.to(torch.bfloat16).float()
             acc = acc + partial
         out[t] = acc.to(torch.bfloat16)
     return out

@@ -5,6 +5,7 @@ import pytest
 
 from deepcomm.bench.cli import _make_cases, build_parser, resolve_defaults
 from deepcomm.bench.peers import Case, reported_mode
+from deepcomm.config import Config
 
 
 def _args(argv, device="cuda"):
@@ -42,6 +43,9 @@ def test_internode_cases_and_reported_mode():
     # normal-mode workloads, no num_sms sweep (one posting and one NIC block per peer)
     assert got == {(s, "internode", op, None) for s in ("deepcomm", "nccl-a2a") for op in ("dispatch", "combine")}
     assert reported_mode(Case("deepcomm", "internode", "dispatch", "bf16", 64), dc) == "internode-emulated"
+    dc.buf = type("FakeBuffer", (), {"config": Config(internode_transport="nvshmem")})()
+    assert reported_mode(Case("deepcomm", "internode", "dispatch", "bf16", 64), dc) == "internode-nvshmem"
+    del dc.buf
     assert reported_mode(Case("nccl-a2a", "internode", "dispatch", "bf16", 64), dc) == "normal"
     assert reported_mode(Case("deepcomm", "normal", "dispatch", "bf16", 64), dc) == "normal"
     dc.backend_name = "reference"

@@ -79,6 +79,8 @@ void launch_combine(const CombineArgs& args, int num_blocks, const NvlLayout& la
                     const WaitCtx& ctx, cudaStream_t stream);
 
 // ---- low-latency mode (csrc/runtime/ll_layout.hpp, csrc/kernels/ll_common.cuh) ----
+// Each call runs its send half, its receive half, or both in one kernel (phases: LlPhases in ll_common.cuh,
+// 1 = send, 2 = receive, 3 = both; hook mode launches the halves apart).
 // Dispatch, send half: each token goes once to every rank holding one of its experts (bf16, or cast to e4m3 +
 // fp32 scales inside the kernel), with the per-slot keys the receiver needs. Waits for nothing.
 struct LlDispatchArgs {
@@ -86,14 +88,14 @@ struct LlDispatchArgs {
   const int64_t* topk_idx; // [T][K]; ids outside [-1, E) count as -1 and are reported (stage kStageLlInvalidIds)
   int num_tokens, topk, slot;
   bool use_fp8, use_ue8m0;
+  uint64_t* trace;         // diagnostics: [blocks][8] timer stamps (ll_common.cuh), or null
 };
-void launch_ll_dispatch_send(const LlDispatchArgs& args, int num_blocks, const LlLayout& layout, const Peers& peers,
-                             const WaitCtx& ctx, cudaStream_t stream);
 // Dispatch, receive half: wait for every rank's tokens, fan them out into the packed expert rows recv_x [L][R*M],
 // and write the slot's out_count [L], out_layout [L][R][2] (begin, count per source rank), out_src_info [L][R*M]
-// (source token, -1 past the count) and out_recv_pos [T][K] (row of each of our entries at its expert).
-void launch_ll_dispatch_recv(int slot, int topk, bool use_fp8, int num_send_blocks, int num_blocks,
-                             const LlLayout& layout, const Peers& peers, const WaitCtx& ctx, cudaStream_t stream);
+// (source token, -1 past the count) and out_recv_pos [T][K] (row of each of our entries at its expert); it reads
+// slot, topk and use_fp8 of the args.
+void launch_ll_dispatch(const LlDispatchArgs& args, int phases, int num_blocks, const LlLayout& layout,
+                        const Peers& peers, const WaitCtx& ctx, cudaStream_t stream);
 
 // Combine. x: expert outputs bf16 [L][R*M][H] in the layout of the slot's dispatch; topk_idx/topk_weights: ours.
 struct LlCombineArgs {
@@ -103,12 +105,12 @@ struct LlCombineArgs {
   void* out;                  // bf16 [T][H]
   int num_tokens, topk, slot;
   bool use_fp8;               // partials that cross to another rank travel as e4m3 + fp32 scales per 128
+  uint64_t* trace;            // diagnostics: [blocks][8] timer stamps (ll_common.cuh), or null
 };
-// Send half: publish our weights, wait for everyone's, then send one fp32 partial per (token, source rank).
-void launch_ll_combine_send(const LlCombineArgs& args, int num_blocks, const LlLayout& layout, const Peers& peers,
-                            const WaitCtx& ctx, cudaStream_t stream);
-// Receive half: out[t] = sum over the ranks holding t's experts, ascending, of their partials; fp32, one rounding.
-void launch_ll_combine_recv(const LlCombineArgs& args, int num_send_blocks, int num_blocks, const LlLayout& layout,
-                            const Peers& peers, const WaitCtx& ctx, cudaStream_t stream);
+// Send half: publish our weights, wait for everyone's, then send one partial per (token, source rank) (bf16 to
+// another rank, fp32 to ourselves). Receive half: out[t] = sum over the ranks holding t's experts, ascending, of
+// their partials; fp32, one rounding.
+void launch_ll_combine(const LlCombineArgs& args, int phases, int num_blocks, const LlLayout& layout,
+                       const Peers& peers, const WaitCtx& ctx, cudaStream_t stream);
 
 }  // namespace dc

@@ -1,10 +1,12 @@
-// Low-latency combine over NVLink, two launches (hook mode holds no SM between them):
+// Low-latency combine over NVLink: one kernel with both halves when there is no hook, or two launches (hook mode
+// holds no SM between them):
 //   send: every rank first publishes its top-k weights to every rank. Then, for each token of each source rank that
 //         has entries here, the expert side sums w * x over its slots (ascending, each product rounded on its own,
-//         in fp32) and stores that one fp32 partial into the source's partials area: one row per (token, rank)
-//         instead of one per (token, expert).
-//   recv: waits for every rank's flags, then out[t] = partials of the ranks holding t's experts, summed in rank
-//         order in fp32 and rounded once to bf16 (the reference backend's order, so the result is bit-exact).
+//         in fp32) and stores that one partial into the source's partials area: one row per (token, rank) instead
+//         of one per (token, expert). A partial for another rank crosses the link as bf16 (or e4m3 + scales with
+//         the FP8 combine); our own stays fp32.
+//   recv: waits for every rank's arrival word, then out[t] = partials of the ranks holding t's experts, summed in
+//         rank order in fp32 and rounded once to bf16 (the reference backend's order, so the result is bit-exact).
 #include <cuda_bf16.h>
 
 #include "../runtime/cuda_check.hpp"
@@ -20,40 +22,32 @@ namespace {
 
 constexpr int kUnroll = 4;                    // 8-element vectors per lane per item
 constexpr int kChunk = 32 * 8 * kUnroll;      // elements of a row one warp handles per item
+constexpr int kRows = 4;                      // expert rows of one token loaded at once
 
-__global__ void __launch_bounds__(kLlThreads, 1)
-    ll_combine_send_kernel(LlCombineArgs a, LlLayout l, Peers peers, WaitCtx ctx) {
+__device__ __forceinline__ void combine_send_phase(const LlCombineArgs& a, const LlLayout& l, const Peers& peers,
+                                                   const WaitCtx& ctx, uint32_t alive, int* smem) {
   const int R = l.num_ranks, L = l.local_experts(), M = l.max_tokens, rank = ctx.rank;
   const int K = a.topk, T = a.num_tokens, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t H = l.hidden, rows = l.rows_per_expert();
   uint8_t* self = peers.base[rank];
-  ctx.seq = ll_send_seq(self, l, kLlCombine);
-  const uint32_t alive = ll_alive_ranks(self, l, rank);
-  extern __shared__ int smem[];
   int* base = smem;           // [L][R]
   int* total = smem + L * R;  // [L]
   __shared__ int ok;
   if (tid == 0) ok = 1;
 
-  if (blockIdx.x == 0) {
-    for (int i = tid; i < R * T * K; i += blockDim.x) {
-      const int d = i / (T * K), j = i % (T * K);
-      if (!ll_is_alive(alive, d)) continue;
-      reinterpret_cast<float*>(peers.base[d] + l.weights_at(a.slot, rank, j / K))[j % K] = a.topk_weights[j];
-    }
-    __syncthreads();
-    if (tid < R && ll_is_alive(alive, tid)) {
-      ptx::st_release_sys_u64(reinterpret_cast<uint64_t*>(peers.base[tid] + l.weight_flag) + rank, ctx.seq);
-    }
+  // Our weights to every rank, each tagged with this call: one 8-byte store carries both, so a reader that sees
+  // the tag sees the weight, with no flag and no fence to wait for.
+  const uint64_t tag = uint64_t(uint32_t(ctx.seq)) << 32;
+  for (int i = blockIdx.x * blockDim.x + tid; i < R * T * K; i += gridDim.x * blockDim.x) {
+    const int d = i / (T * K), j = i % (T * K);
+    if (!ll_is_alive(alive, d)) continue;
+    auto* word = reinterpret_cast<uint64_t*>(peers.base[d] + l.weights_at(a.slot, rank, j / K)) + j % K;
+    ptx::st_relaxed_sys_u64(word, tag | __float_as_uint(a.topk_weights[j]));
   }
   ll_expert_bases(reinterpret_cast<const int*>(self + l.counts_at(a.slot)), l, rank, alive, base, total);
-  if (tid < R && ll_is_alive(alive, tid)) {
-    const auto* flag = reinterpret_cast<const uint64_t*>(self + l.weight_flag) + tid;
-    if (!wait_flag_geq(flag, ctx.seq, ctx, tid, kStageLlCombineWeights)) ok = 0;
-  }
-  __syncthreads();
+  ll_trace(a.trace, kLlTraceWeights);
 
-  if (ok) {
+  {
     const int* ntok = reinterpret_cast<const int*>(self + l.ntok_at(a.slot));
     const int nchunks = int((H + kChunk - 1) / kChunk);
     const int total_warps = gridDim.x * kLlWarps;
@@ -64,42 +58,69 @@ __global__ void __launch_bounds__(kLlThreads, 1)
           lane < K ? ptx::ld_volatile_s32(reinterpret_cast<const int*>(self + l.meta_at(a.slot, s, t)) + lane) : -1;
       const uint32_t mine = __ballot_sync(0xffffffffu, key >= 0);
       if (!mine) continue;
-      const float w = key >= 0 ? __int_as_float(ptx::ld_volatile_s32(
-                                     reinterpret_cast<const int*>(self + l.weights_at(a.slot, s, t)) + lane))
-                               : 0.0f;
       const int64_t entry = key >= 0 ? (key >> 16) * rows + base[(key >> 16) * R + s] + (key & 0xffff) : -1;
       float acc[kUnroll][8];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u)
 #pragma unroll
         for (int j = 0; j < 8; ++j) acc[u][j] = 0.0f;
-      // Slots ascending; the next slot's row is loaded while this one is accumulated (two rows in flight).
-      int4 v[kUnroll], next[kUnroll];
-      auto load = [&](uint32_t m, int4 (&dst)[kUnroll]) {
-        const int64_t e = __shfl_sync(0xffffffffu, entry, __ffs(m) - 1);
-        const auto* row = static_cast<const __nv_bfloat16*>(a.x) + e * H;
+      // Slots ascending, in groups of kRows rows whose loads are all in flight before the first is accumulated.
+      int4 v[kRows][kUnroll];
+      auto load_group = [&](uint32_t m) {
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+          if (!m) break;
+          const int64_t e = __shfl_sync(0xffffffffu, entry, __ffs(m) - 1);
+          const auto* row = static_cast<const __nv_bfloat16*>(a.x) + e * H;
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u) {
+            const int64_t idx = int64_t(c) * kChunk + u * 256 + lane * 8;
+            v[r][u] = idx < H ? ptx::ld_nc_na_v4(reinterpret_cast<const int4*>(row + idx)) : make_int4(0, 0, 0, 0);
+          }
+          m &= m - 1;
+        }
+      };
+      load_group(mine);
+      // The source's weights for this token (the first row is already on its way).
+      uint64_t word = 0;
+      bool have = true;
+      if (key >= 0) {
+        const auto* wp = reinterpret_cast<const uint64_t*>(self + l.weights_at(a.slot, s, t)) + lane;
+        have = wait_until([&] { return ((word = ptx::ld_relaxed_sys_u64(wp)) & ~0xffffffffull) == tag; }, ctx, s,
+                          kStageLlCombineWeights);
+      }
+      if (!__all_sync(0xffffffffu, have)) {
+        ok = 0;
+        break;
+      }
+      const float w = __uint_as_float(uint32_t(word));
+      for (uint32_t m = mine; m;) {
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+          if (!m) break;
+          const float wk = __shfl_sync(0xffffffffu, w, __ffs(m) - 1);
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u) {
+            float f[8];
+            unpack_bf16x8(v[r][u], f);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) acc[u][j] = __fadd_rn(acc[u][j], __fmul_rn(wk, f[j]));
+          }
+          m &= m - 1;
+        }
+        if (m) load_group(m);
+      }
+      uint8_t* dst = peers.base[s] + l.partials_at(a.slot, rank, t);
+      if (s == rank) {  // our own partial stays fp32
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
           const int64_t idx = int64_t(c) * kChunk + u * 256 + lane * 8;
-          dst[u] = idx < H ? ptx::ld_nc_na_v4(reinterpret_cast<const int4*>(row + idx)) : make_int4(0, 0, 0, 0);
+          if (idx >= H) continue;
+          auto* row = reinterpret_cast<float*>(dst);
+          ptx::st_na_v4(reinterpret_cast<int4*>(row + idx), *reinterpret_cast<const int4*>(&acc[u][0]));
+          ptx::st_na_v4(reinterpret_cast<int4*>(row + idx + 4), *reinterpret_cast<const int4*>(&acc[u][4]));
         }
-      };
-      load(mine, next);
-      for (uint32_t m = mine; m; m &= m - 1) {
-        const float wk = __shfl_sync(0xffffffffu, w, __ffs(m) - 1);
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) v[u] = next[u];
-        if (m & (m - 1)) load(m & (m - 1), next);
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          float f[8];
-          unpack_bf16x8(v[u], f);
-#pragma unroll
-          for (int j = 0; j < 8; ++j) acc[u][j] = __fadd_rn(acc[u][j], __fmul_rn(wk, f[j]));
-        }
-      }
-      uint8_t* dst = peers.base[s] + l.partials_at(a.slot, rank, t);
-      if (a.use_fp8 && s != rank) {  // FP8 on the wire: e4m3 [H] then fp32 scales [H/128] in the partial's row
+      } else if (a.use_fp8) {  // FP8 on the wire: e4m3 [H] then fp32 scales [H/128] in the partial's row
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
           const int64_t idx = int64_t(c) * kChunk + u * 256 + lane * 8;
@@ -109,33 +130,34 @@ __global__ void __launch_bounds__(kLlThreads, 1)
           ptx::st_na_u64(reinterpret_cast<uint64_t*>(dst + idx), (uint64_t(q.y) << 32) | q.x);
           if ((lane & 15) == 0) reinterpret_cast<float*>(dst + H)[idx / 128] = scale;
         }
-      } else {
+      } else {  // bf16: the partial rounded once, as the reference does
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
           const int64_t idx = int64_t(c) * kChunk + u * 256 + lane * 8;
           if (idx >= H) continue;
-          auto* row = reinterpret_cast<float*>(dst);
-          ptx::st_na_v4(reinterpret_cast<int4*>(row + idx), *reinterpret_cast<const int4*>(&acc[u][0]));
-          ptx::st_na_v4(reinterpret_cast<int4*>(row + idx + 4), *reinterpret_cast<const int4*>(&acc[u][4]));
+          int4 o;
+          auto* oh = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) oh[j] = __floats2bfloat162_rn(acc[u][2 * j], acc[u][2 * j + 1]);
+          ptx::st_na_v4(reinterpret_cast<int4*>(dst + idx * 2), o);
         }
       }
     }
-    __syncthreads();
-    ll_signal_arrival(peers, l, kLlCombine, a.slot, rank, alive);
   }
-  ll_finish_send(self, l, kLlCombine, a.slot, ctx.seq);
+  ll_trace(a.trace, kLlTraceSendData);
+  ll_finish_send(self, peers, l, kLlCombine, a.slot, ctx.seq, rank, alive, ok != 0, a.trace);
 }
 
-__global__ void __launch_bounds__(kLlThreads, 1)
-    ll_combine_recv_kernel(LlCombineArgs a, int num_send_blocks, LlLayout l, Peers peers, WaitCtx ctx) {
+// calls: the slot's send count this receive waits for (every rank's).
+__device__ __forceinline__ void combine_recv_phase(const LlCombineArgs& a, const LlLayout& l, const Peers& peers,
+                                                   const WaitCtx& ctx, uint32_t alive, uint64_t calls) {
   const int E = l.num_experts, L = l.local_experts(), rank = ctx.rank;
-  const int K = a.topk, T = a.num_tokens, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int K = a.topk, T = a.num_tokens, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t H = l.hidden;
-  uint8_t* self = peers.base[rank];
-  ctx.seq = ll_recv_seq(self, l, kLlCombine, a.slot);
-  const uint32_t alive = ll_alive_ranks(self, l, rank);
+  const uint8_t* self = peers.base[rank];
   __shared__ int ok;
-  if (!ll_wait_arrivals(self, l, kLlCombine, a.slot, num_send_blocks, alive, ctx, kStageLlCombineData, &ok)) return;
+  if (!ll_wait_arrivals(self, l, kLlCombine, a.slot, calls, alive, ctx, kStageLlCombineData, &ok)) return;
+  ll_trace(a.trace, kLlTraceArrived);
   const int nchunks = int((H + kChunk - 1) / kChunk);
   const int total_warps = gridDim.x * kLlWarps;
   for (int item = blockIdx.x * kLlWarps + warp; item < T * nchunks; item += total_warps) {
@@ -150,7 +172,7 @@ __global__ void __launch_bounds__(kLlThreads, 1)
     for (uint32_t m = owners; m; m &= m - 1) {  // ranks ascending
       const int d = __ffs(m) - 1;
       const uint8_t* row = self + l.partials_at(a.slot, d, t);
-      const bool fp8 = a.use_fp8 && d != rank;
+      const bool own = d == rank, fp8 = a.use_fp8 && !own;
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t idx = int64_t(c) * kChunk + u * 256 + lane * 8;
@@ -162,6 +184,8 @@ __global__ void __launch_bounds__(kLlThreads, 1)
 #pragma unroll
           for (int j = 0; j < 8; ++j) p[j] = 0.0f;
           accumulate_e4m3x8(p, raw, scale);
+        } else if (!own) {
+          unpack_bf16x8(ptx::ld_relaxed_gpu_v4(reinterpret_cast<const int4*>(row + idx * 2)), p);
         } else {
           const auto* part = reinterpret_cast<const int4*>(row);
           const int4 lo = ptx::ld_relaxed_gpu_v4(part + idx / 4), hi = ptx::ld_relaxed_gpu_v4(part + idx / 4 + 1);
@@ -187,25 +211,40 @@ __global__ void __launch_bounds__(kLlThreads, 1)
       *reinterpret_cast<int4*>(out + idx) = o;
     }
   }
+  __syncthreads();
+  ll_trace(a.trace, kLlTraceEnd);
+}
+
+template <int kPhases>
+__global__ void __launch_bounds__(kLlThreads, 1)
+    ll_combine_kernel(LlCombineArgs a, LlLayout l, Peers peers, WaitCtx ctx) {
+  constexpr bool kSend = kPhases & kLlSendPhase, kRecv = kPhases & kLlRecvPhase;
+  const uint8_t* self = peers.base[ctx.rank];
+  // Read before this launch's own send can finish (its last block advances both).
+  ctx.seq = kSend ? ll_send_seq(self, l, kLlCombine) : ll_recv_seq(self, l, kLlCombine, a.slot);
+  const uint64_t calls = ll_slot_calls(self, l, kLlCombine, a.slot) + (kSend ? 1 : 0);
+  const uint32_t alive = ll_alive_ranks(self, l, ctx.rank);
+  ll_trace(a.trace, kLlTraceEntry);
+  extern __shared__ int smem[];
+  if (kSend) combine_send_phase(a, l, peers, ctx, alive, smem);
+  if (kRecv) combine_recv_phase(a, l, peers, ctx, alive, calls);
 }
 
 }  // namespace
 
-void launch_ll_combine_send(const LlCombineArgs& args, int num_blocks, const LlLayout& layout, const Peers& peers,
-                            const WaitCtx& ctx, cudaStream_t stream) {
+void launch_ll_combine(const LlCombineArgs& args, int phases, int num_blocks, const LlLayout& layout,
+                       const Peers& peers, const WaitCtx& ctx, cudaStream_t stream) {
   DC_HOST_ASSERT(num_blocks >= 1 && num_blocks <= kMaxBlocks, "low_latency_combine: block count out of range");
   DC_HOST_ASSERT(args.topk <= layout.topk_max && args.num_tokens <= layout.max_tokens,
                  "low_latency_combine: tokens or topk over the buffer's maximum");
   const int smem = (layout.local_experts() * (layout.num_ranks + 1)) * int(sizeof(int));
   DC_HOST_ASSERT(smem <= 48 * 1024, "low_latency_combine: too many local experts");
-  ll_combine_send_kernel<<<num_blocks, kLlThreads, smem, stream>>>(args, layout, peers, ctx);
-  DC_CUDA_CHECK(cudaGetLastError());
-}
-
-void launch_ll_combine_recv(const LlCombineArgs& args, int num_send_blocks, int num_blocks, const LlLayout& layout,
-                            const Peers& peers, const WaitCtx& ctx, cudaStream_t stream) {
-  DC_HOST_ASSERT(num_blocks >= 1 && num_blocks <= kMaxBlocks, "low_latency_combine: block count out of range");
-  ll_combine_recv_kernel<<<num_blocks, kLlThreads, 0, stream>>>(args, num_send_blocks, layout, peers, ctx);
+  switch (phases) {
+    case kLlSendPhase: ll_combine_kernel<kLlSendPhase><<<num_blocks, kLlThreads, smem, stream>>>(args, layout, peers, ctx); break;
+    case kLlRecvPhase: ll_combine_kernel<kLlRecvPhase><<<num_blocks, kLlThreads, 0, stream>>>(args, layout, peers, ctx); break;
+    case kLlBothPhases: ll_combine_kernel<kLlBothPhases><<<num_blocks, kLlThreads, smem, stream>>>(args, layout, peers, ctx); break;
+    default: DC_HOST_ASSERT(false, "low_latency_combine: phases must be 1 (send), 2 (receive) or 3 (both)");
+  }
   DC_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -1,9 +1,10 @@
-// Low-latency dispatch over NVLink, in two launches so hook mode holds no SM between them:
+// Low-latency dispatch over NVLink: one kernel with both halves when there is no hook, or the two halves as two
+// launches so hook mode holds no SM between them:
 //   send: each token goes once to every rank that holds any of its experts (cast to e4m3 once, inside the kernel,
 //         when asked), into that rank's staging rows for us, with one int per slot telling the receiver which of
 //         its experts the slot names and the entry's rank there. Nothing is waited for: no count exchange precedes
 //         the data, and the counts travel with it, covered by the same per-block done flags.
-//   recv: waits for every rank's flags, then fans each staged token out to the packed rows of its local experts
+//   recv: waits for every rank's arrival word, then fans each staged token out to the packed rows of its local experts
 //         (source ranks ascending, then the sender's entry order) and writes recv_count, layout, src_info and
 //         recv_pos as views the host hands out.
 #include <cuda_bf16.h>
@@ -67,20 +68,17 @@ __device__ __forceinline__ void send_token_chunk(const LlDispatchArgs& a, const 
   }
 }
 
-__global__ void __launch_bounds__(kLlThreads, 1)
-    ll_dispatch_send_kernel(LlDispatchArgs a, LlLayout l, Peers peers, WaitCtx ctx) {
+__device__ __forceinline__ void dispatch_send_phase(const LlDispatchArgs& a, const LlLayout& l, const Peers& peers,
+                                                    const WaitCtx& ctx, uint32_t alive, int* smem) {
   const int R = l.num_ranks, E = l.num_experts, L = l.local_experts(), rank = ctx.rank;
   const int K = a.topk, T = a.num_tokens, P = T * K, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   uint8_t* self = peers.base[rank];
-  ctx.seq = ll_send_seq(self, l, kLlDispatch);
-  const uint32_t alive = ll_alive_ranks(self, l, rank);
-  extern __shared__ int smem[];
   int* experts = smem;          // [P] expert of each entry, -1 for empty, invalid or masked slots
   int* rank_in = smem + P;      // [P] rank of the entry among ours of the same expert
   int* counts = smem + 2 * P;   // [E] our entries per expert
-  __shared__ int bad_id, dup_id;
-  if (tid == 0) bad_id = dup_id = 0;
-  for (int i = tid; i < E; i += blockDim.x) counts[i] = 0;
+  int* wcount = counts + E;     // [kLlWarps][E] ranking scratch
+  __shared__ int bad_id;
+  if (tid == 0) bad_id = 0;
   __syncthreads();
   for (int i = tid; i < P; i += blockDim.x) {
     const int64_t e = a.topk_idx[i];
@@ -88,9 +86,9 @@ __global__ void __launch_bounds__(kLlThreads, 1)
     experts[i] = (e >= 0 && e < E && ll_is_alive(alive, int(e) / L)) ? int(e) : -1;
   }
   __syncthreads();
-  if (warp == 0) ll_rank_entries(experts, P, rank_in, counts, lane);
 
-  // The rows: warps take (token, chunk) items; the data does not need the entry ranks.
+  // The rows first (they do not need the entry ranks): warps take (token, chunk) items. The ranking below runs
+  // while those stores drain.
   const int nchunks = int((l.hidden + kSendChunk - 1) / kSendChunk);
   const int total_warps = gridDim.x * kLlWarps;
   for (int item = blockIdx.x * kLlWarps + warp; item < T * nchunks; item += total_warps) {
@@ -98,7 +96,8 @@ __global__ void __launch_bounds__(kLlThreads, 1)
     const uint32_t dests = ll_rank_mask(lane < K ? experts[t * K + lane] : -1, L);
     if (dests) send_token_chunk(a, l, peers, rank, t, item % nchunks, dests, lane);
   }
-  __syncthreads();
+  ll_trace(a.trace, kLlTraceSendData);
+  ll_rank_entries(experts, P, E, rank_in, counts, wcount);
 
   // Per-slot keys for every rank (it scans all our tokens), our own keys for recv_pos, counts and token count.
   const int gtid = blockIdx.x * blockDim.x + tid, gthreads = gridDim.x * blockDim.x;
@@ -110,39 +109,36 @@ __global__ void __launch_bounds__(kLlThreads, 1)
   }
   int* keys = reinterpret_cast<int*>(self + l.entry_key_at(a.slot));
   for (int p = gtid; p < P; p += gthreads) keys[p] = experts[p] >= 0 ? (experts[p] << 16 | rank_in[p]) : -1;
-  if (blockIdx.x == 0) {
-    for (int i = tid; i < R * E; i += blockDim.x)
-      if (ll_is_alive(alive, i / E))
-        reinterpret_cast<int*>(peers.base[i / E] + l.counts_at(a.slot))[rank * E + i % E] = counts[i % E];
-    if (tid < R && ll_is_alive(alive, tid)) reinterpret_cast<int*>(peers.base[tid] + l.ntok_at(a.slot))[rank] = T;
-    for (int t = tid; t < T; t += blockDim.x)
-      for (int k = 1; k < K; ++k)
-        for (int j = 0; j < k; ++j)
-          if (experts[t * K + k] >= 0 && experts[t * K + k] == experts[t * K + j]) dup_id = 1;
-    __syncthreads();
-    // Input problems are reported, not waited on: the call still completes on every rank (bad slots count as -1).
-    if (tid == 0 && bad_id) report_input_error(ctx, rank, kStageLlInvalidIds);
-    if (tid == 0 && dup_id && !bad_id) report_input_error(ctx, rank, kStageLlDuplicateIds);
+  for (int i = gtid; i < R * E; i += gthreads)  // every block has all the counts: spread over the grid
+    if (ll_is_alive(alive, i / E))
+      reinterpret_cast<int*>(peers.base[i / E] + l.counts_at(a.slot))[rank * E + i % E] = counts[i % E];
+  if (gtid < R && ll_is_alive(alive, gtid)) reinterpret_cast<int*>(peers.base[gtid] + l.ntok_at(a.slot))[rank] = T;
+  // Input problems are reported, not waited on: the call still completes on every rank (bad slots count as -1).
+  // Every block saw every id, so bad_id is the whole call's; a duplicate is reported only without bad ids.
+  if (blockIdx.x == 0 && tid == 0 && bad_id) report_input_error(ctx, rank, kStageLlInvalidIds);
+  for (int t = gtid; t < T && !bad_id; t += gthreads) {
+    bool dup = false;
+    for (int k = 1; k < K; ++k)
+      for (int j = 0; j < k; ++j) dup |= experts[t * K + k] >= 0 && experts[t * K + k] == experts[t * K + j];
+    if (dup) report_input_error(ctx, rank, kStageLlDuplicateIds);
   }
-  __syncthreads();
-  ll_signal_arrival(peers, l, kLlDispatch, a.slot, rank, alive);
-  ll_finish_send(self, l, kLlDispatch, a.slot, ctx.seq);
+  ll_trace(a.trace, kLlTraceSendMeta);
+  ll_finish_send(self, peers, l, kLlDispatch, a.slot, ctx.seq, rank, alive, true, a.trace);
 }
 
-__global__ void __launch_bounds__(kLlThreads, 1)
-    ll_dispatch_recv_kernel(int slot, int topk, bool use_fp8, int num_send_blocks, LlLayout l, Peers peers,
-                            WaitCtx ctx) {
-  const int R = l.num_ranks, L = l.local_experts(), M = l.max_tokens, rank = ctx.rank;
-  const int K = topk, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+// calls: the slot's send count this receive waits for (every rank's).
+__device__ __forceinline__ void dispatch_recv_phase(const LlDispatchArgs& a, const LlLayout& l, const Peers& peers,
+                                                    const WaitCtx& ctx, uint32_t alive, uint64_t calls, int* smem) {
+  const int R = l.num_ranks, L = l.local_experts(), M = l.max_tokens, rank = ctx.rank, slot = a.slot;
+  const int K = a.topk, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const bool use_fp8 = a.use_fp8;
   const int64_t rows = l.rows_per_expert();
   uint8_t* self = peers.base[rank];
-  ctx.seq = ll_recv_seq(self, l, kLlDispatch, slot);
-  const uint32_t alive = ll_alive_ranks(self, l, rank);
-  extern __shared__ int smem[];
   int* base = smem;           // [L][R]
   int* total = smem + L * R;  // [L]
   __shared__ int ok;
-  if (!ll_wait_arrivals(self, l, kLlDispatch, slot, num_send_blocks, alive, ctx, kStageLlDispatchData, &ok)) return;
+  if (!ll_wait_arrivals(self, l, kLlDispatch, slot, calls, alive, ctx, kStageLlDispatchData, &ok)) return;
+  ll_trace(a.trace, kLlTraceArrived);
   const int* counts = reinterpret_cast<const int*>(self + l.counts_at(slot));
   const int* ntok = reinterpret_cast<const int*>(self + l.ntok_at(slot));
   ll_expert_bases(counts, l, rank, alive, base, total);
@@ -159,8 +155,8 @@ __global__ void __launch_bounds__(kLlThreads, 1)
     }
   }
   int* src_info = reinterpret_cast<int*>(self + l.out_src_info_at(slot));
-  for (int64_t i = gtid; i < L * rows; i += gthreads)
-    if (i % rows >= total[i / rows]) src_info[i] = -1;
+  for (int i = gtid; i < L * int(rows); i += gthreads)  // L * R * M < 2^31 (asserted at launch)
+    if (i % int(rows) >= total[i / int(rows)]) src_info[i] = -1;
   // recv_pos of our own entries: rows of lower ranks at the owner, plus the entry's rank among ours.
   const int* keys = reinterpret_cast<const int*>(self + l.entry_key_at(slot));
   int* recv_pos = reinterpret_cast<int*>(self + l.out_recv_pos_at(slot));
@@ -175,6 +171,7 @@ __global__ void __launch_bounds__(kLlThreads, 1)
     recv_pos[p] = pos;
   }
 
+  ll_trace(a.trace, kLlTraceRecvMeta);
   // Fan-out: warps take (source rank, token, chunk) items and copy the staged row to each of its entries here.
   const int64_t x_bytes = use_fp8 ? l.hidden : l.hidden * 2, spr = l.scales_per_row();
   const int nchunks = int((x_bytes + kCopyChunkBytes - 1) / kCopyChunkBytes);
@@ -183,9 +180,11 @@ __global__ void __launch_bounds__(kLlThreads, 1)
   const int total_warps = gridDim.x * kLlWarps;
   for (int item = blockIdx.x * kLlWarps + warp; item < R * M * nchunks; item += total_warps) {
     const int s = item / (M * nchunks), t = (item / nchunks) % M, c = item % nchunks;
-    if (!ll_is_alive(alive, s) || t >= ptx::ld_volatile_s32(ntok + s)) continue;
-    const int key = lane < K ? ptx::ld_volatile_s32(reinterpret_cast<const int*>(self + l.meta_at(slot, s, t)) + lane)
-                             : -1;
+    if (!ll_is_alive(alive, s)) continue;
+    // both loads in flight at once; the key of a token past the count is stale and dropped
+    const int n = ptx::ld_volatile_s32(ntok + s);
+    const int key = lane < K ? ptx::ld_volatile_s32(reinterpret_cast<const int*>(self + l.meta_at(slot, s, t)) + lane) : -1;
+    if (t >= n) continue;
     const int64_t entry = key >= 0 ? (key >> 16) * rows + base[(key >> 16) * R + s] + (key & 0xffff) : -1;
     const uint32_t mine = __ballot_sync(0xffffffffu, key >= 0);
     if (!mine) continue;
@@ -216,33 +215,59 @@ __global__ void __launch_bounds__(kLlThreads, 1)
       }
     }
   }
+  __syncthreads();
+  ll_trace(a.trace, kLlTraceEnd);
+}
+
+template <int kPhases>
+__global__ void __launch_bounds__(kLlThreads, 1)
+    ll_dispatch_kernel(LlDispatchArgs a, LlLayout l, Peers peers, WaitCtx ctx) {
+  constexpr bool kSend = kPhases & kLlSendPhase, kRecv = kPhases & kLlRecvPhase;
+  const uint8_t* self = peers.base[ctx.rank];
+  // Read before this launch's own send can finish (its last block advances both).
+  ctx.seq = kSend ? ll_send_seq(self, l, kLlDispatch) : ll_recv_seq(self, l, kLlDispatch, a.slot);
+  const uint64_t calls = ll_slot_calls(self, l, kLlDispatch, a.slot) + (kSend ? 1 : 0);
+  const uint32_t alive = ll_alive_ranks(self, l, ctx.rank);
+  ll_trace(a.trace, kLlTraceEntry);
+  extern __shared__ int smem[];
+  if (kSend) dispatch_send_phase(a, l, peers, ctx, alive, smem);
+  if (kRecv) dispatch_recv_phase(a, l, peers, ctx, alive, calls, smem);  // smem reused: the send half is done
+}
+
+template <int kPhases>
+void launch_phases(const LlDispatchArgs& args, int num_blocks, int smem, const LlLayout& layout, const Peers& peers,
+                   const WaitCtx& ctx, cudaStream_t stream) {
+  if (smem > 48 * 1024)
+    DC_CUDA_CHECK(cudaFuncSetAttribute(ll_dispatch_kernel<kPhases>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  ll_dispatch_kernel<kPhases><<<num_blocks, kLlThreads, smem, stream>>>(args, layout, peers, ctx);
 }
 
 }  // namespace
 
-void launch_ll_dispatch_send(const LlDispatchArgs& args, int num_blocks, const LlLayout& layout, const Peers& peers,
-                             const WaitCtx& ctx, cudaStream_t stream) {
+void launch_ll_dispatch(const LlDispatchArgs& args, int phases, int num_blocks, const LlLayout& layout,
+                        const Peers& peers, const WaitCtx& ctx, cudaStream_t stream) {
   DC_HOST_ASSERT(num_blocks >= 1 && num_blocks <= kMaxBlocks, "low_latency_dispatch: block count out of range");
   DC_HOST_ASSERT(args.num_tokens <= layout.max_tokens && args.topk <= layout.topk_max,
                  "low_latency_dispatch: tokens or topk over the buffer's maximum");
   DC_HOST_ASSERT(layout.hidden % 128 == 0, "low_latency_dispatch: hidden must be a multiple of 128");
   DC_HOST_ASSERT(layout.max_tokens <= 0xffff && layout.num_experts <= 0x7fff,
                  "low_latency_dispatch: entry keys pack 16-bit ranks and 15-bit experts");
-  const int smem = (2 * args.num_tokens * args.topk + layout.num_experts) * int(sizeof(int));
-  DC_HOST_ASSERT(smem <= 200 * 1024, "low_latency_dispatch: tokens * topk too large for one block's shared memory");
-  if (smem > 48 * 1024)
-    DC_CUDA_CHECK(cudaFuncSetAttribute(ll_dispatch_send_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  ll_dispatch_send_kernel<<<num_blocks, kLlThreads, smem, stream>>>(args, layout, peers, ctx);
-  DC_CUDA_CHECK(cudaGetLastError());
-}
-
-void launch_ll_dispatch_recv(int slot, int topk, bool use_fp8, int num_send_blocks, int num_blocks,
-                             const LlLayout& layout, const Peers& peers, const WaitCtx& ctx, cudaStream_t stream) {
-  DC_HOST_ASSERT(num_blocks >= 1 && num_blocks <= kMaxBlocks, "low_latency_dispatch: block count out of range");
-  const int smem = (layout.local_experts() * (layout.num_ranks + 1)) * int(sizeof(int));
-  DC_HOST_ASSERT(smem <= 48 * 1024, "low_latency_dispatch: too many local experts");
-  ll_dispatch_recv_kernel<<<num_blocks, kLlThreads, smem, stream>>>(slot, topk, use_fp8, num_send_blocks, layout,
-                                                                    peers, ctx);
+  DC_HOST_ASSERT(int64_t(layout.local_experts()) * layout.rows_per_expert() < (int64_t(1) << 31),
+                 "low_latency_dispatch: local experts * ranks * max tokens must stay below 2^31");
+  const int send_smem = (2 * args.num_tokens * args.topk + (1 + kLlWarps) * layout.num_experts) * int(sizeof(int));
+  const int recv_smem = (layout.local_experts() * (layout.num_ranks + 1)) * int(sizeof(int));
+  DC_HOST_ASSERT(send_smem <= 200 * 1024,
+                 "low_latency_dispatch: tokens * topk too large for one block's shared memory");
+  DC_HOST_ASSERT(recv_smem <= 48 * 1024, "low_latency_dispatch: too many local experts");
+  switch (phases) {
+    case kLlSendPhase: launch_phases<kLlSendPhase>(args, num_blocks, send_smem, layout, peers, ctx, stream); break;
+    case kLlRecvPhase: launch_phases<kLlRecvPhase>(args, num_blocks, recv_smem, layout, peers, ctx, stream); break;
+    case kLlBothPhases:
+      launch_phases<kLlBothPhases>(args, num_blocks, send_smem > recv_smem ? send_smem : recv_smem, layout, peers, ctx,
+                                   stream);
+      break;
+    default: DC_HOST_ASSERT(false, "low_latency_dispatch: phases must be 1 (send), 2 (receive) or 3 (both)");
+  }
   DC_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -15,6 +15,7 @@ struct LlContext {
   int rank;
   ErrorRecord* err_device = nullptr;
   uint64_t timeout_ns = 100ull * 1000 * 1000 * 1000;
+  uint64_t* trace = nullptr;  // diagnostics: [kMaxBlocks][kLlTracePoints] timer stamps, or null (ll_common.cuh)
 
   LlContext(int rank_, int num_ranks, int num_experts, int max_tokens, int64_t hidden, int topk_max)
       : layout(num_ranks, num_experts, max_tokens, hidden, topk_max), rank(rank_) {}

@@ -3,28 +3,30 @@
 // micro-batches can be in flight; flags hold sequence numbers, never reset.
 //
 // Dispatch sends each token once per destination rank into that rank's staging rows (no count exchange first);
-// the receiver fans the token out to the packed rows of its local experts. Combine sends one fp32 partial sum per
-// (token, rank) back instead of one row per (token, expert).
+// the receiver fans the token out to the packed rows of its local experts. Combine sends one partial sum per
+// (token, rank) back (bf16 on the wire, summed in fp32) instead of one row per (token, expert).
 //
 //   seq          u64   [2]                 our latest dispatch / combine sequence number
 //   slot_seq     u64   [2][2]              sequence number of the last dispatch / combine send of each slot
 //   slot_calls   u64   [2][2]              dispatch / combine sends so far in each slot
-//   done_count   u32   [2]                 blocks of the running dispatch / combine send that finished
-//   arrivals     u64   [2][2][R]           per kind and slot: send blocks of rank s that finished their stores
-//                                          into us (each adds 1, so a receive waits for calls * blocks)
-//   weight_flag  u64   [R]                 combine: rank s wrote its top-k weights into us
+//   done_count   u32   [2][2]              per kind: blocks of the running send that finished, and that gave up
+//   arrivals     u64   [2][2][R]           per kind and slot: sends of rank s whose stores into us are complete
+//                                          (its slot_calls after the call; a receive waits for its own count)
 //   mask         int32 [R]                 ranks this rank treats as gone (written by the host): nothing is sent
 //                                          to them, nothing awaited from them, their experts count as absent
 //   counts       int32 [2][R][E]           per slot: entries rank s sends to every expert
 //   ntok         int32 [2][R]              per slot: tokens rank s dispatched
 //   meta         int32 [2][R][M][K]        per slot: for slot k of token t of rank s: (local expert << 16 | entry
 //                                          rank among rank s's entries of that expert), -1 when not ours
-//   weights      f32   [2][R][M][K]        per slot: rank s's combine weights
+//   weights      u64   [2][R][M][K]        per slot: rank s's combine weights, each tagged with its call:
+//                                          (low 32 bits of the combine's sequence number << 32) | f32 bits
 //   stage_x      bytes [2][R][M][H*2]      per slot: rank s's tokens (bf16, or e4m3 in the first H bytes)
 //   stage_scales f32   [2][R][M][H/128]    per slot: their FP8 scales
 //   recv_x       bytes [2][L][R*M][H*2]    per slot: packed expert rows (the dispatch output)
 //   recv_scales  f32   [2][L][R*M][H/128]
-//   partials     f32   [2][R][M][H]        per slot: rank d's fp32 partial sum for each of our tokens
+//   partials     bytes [2][R][M][H*4]      per slot: rank d's partial sum for each of our tokens: fp32 from
+//                                          ourselves; bf16 [H] from another rank (e4m3 [H] + f32 [H/128] scales
+//                                          with the FP8 combine)
 //   entry_key    int32 [2][M][K]           per slot: our own entries, (expert << 16 | rank among ours), -1 empty
 //   out_count    int32 [2][L]              dispatch outputs returned to the caller as views:
 //   out_layout   int32 [2][L][R][2]          recv_count, layout (begin, count), src_info, recv_pos
@@ -42,7 +44,7 @@ enum LlKind : int { kLlDispatch = 0, kLlCombine = 1 };
 struct LlLayout {
   int num_ranks, num_experts, max_tokens, topk_max;
   int64_t hidden;
-  int64_t seq, slot_seq, slot_calls, done_count, arrivals, weight_flag, mask, counts, ntok, meta, weights, stage_x,
+  int64_t seq, slot_seq, slot_calls, done_count, arrivals, mask, counts, ntok, meta, weights, stage_x,
       stage_scales, recv_x, recv_scales, partials, entry_key, out_count, out_layout, out_src_info, out_recv_pos,
       total;
 
@@ -63,14 +65,13 @@ struct LlLayout {
     seq = take(2 * 8);
     slot_seq = take(4 * 8);
     slot_calls = take(4 * 8);
-    done_count = take(2 * 4);
+    done_count = take(4 * 4);
     arrivals = take(4 * R * 8);
-    weight_flag = take(R * 8);
     mask = take(R * 4);
     counts = take(2 * R * experts * 4);
     ntok = take(2 * R * 4);
     meta = take(2 * R * M * K * 4);
-    weights = take(2 * R * M * K * 4);
+    weights = take(2 * R * M * K * 8);
     stage_x = take(2 * R * M * hidden_ * 2);
     stage_scales = take(2 * R * M * (hidden_ / 128) * 4);
     recv_x = take(2 * L * rows * hidden_ * 2);
@@ -96,7 +97,7 @@ struct LlLayout {
     return meta + ((int64_t(slot) * num_ranks + s) * max_tokens + t) * topk_max * 4;
   }
   DC_HD int64_t weights_at(int slot, int s, int t) const {
-    return weights + ((int64_t(slot) * num_ranks + s) * max_tokens + t) * topk_max * 4;
+    return weights + ((int64_t(slot) * num_ranks + s) * max_tokens + t) * topk_max * 8;
   }
   DC_HD int64_t stage_x_at(int slot, int s, int t) const {
     return stage_x + ((int64_t(slot) * num_ranks + s) * max_tokens + t) * row_bytes();

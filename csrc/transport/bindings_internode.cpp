@@ -2,6 +2,7 @@
 // and the record layouts the Python side reads. Pointers are ints; streams are ints.
 #include <pybind11/stl.h>
 
+#include "../kernels/counter_wait.hpp"
 #include "../kernels/internode_exchange.hpp"
 #include "../kernels/internode_host_selftest.hpp"
 #include "../kernels/node_barrier.hpp"
@@ -41,6 +42,8 @@ void bind_internode(py::module_& m) {
      py::arg("rank"), py::arg("seq_ptr"), py::arg("stream"),
      "Launch one exchange round; peers: device int64 [num_peers][INTERNODE_PEER_FIELDS] (InternodePeer).");
 
+  // The NVLink hop of the hierarchical exchange: a bounded barrier among the GPUs of a node.
+  m.attr("STAGE_NODE_BARRIER") = int(kStageNodeBarrier);
   m.attr("MAX_NODE_GPUS") = kMaxNodeGpus;
   m.def("node_barrier", [](uintptr_t flags, const std::vector<uintptr_t>& peer_flags, int local, int first_rank,
                            uint64_t epoch, uintptr_t err_dev, double timeout_s, uintptr_t seq_ptr, uintptr_t stream) {
@@ -63,6 +66,30 @@ void bind_internode(py::module_& m) {
   }, py::arg("flags"), py::arg("peer_flags"), py::arg("local"), py::arg("first_rank"), py::arg("epoch"),
      py::arg("err_dev"), py::arg("timeout_s"), py::arg("seq_ptr"), py::arg("stream"),
      "Launch one barrier among the GPUs of a node (csrc/kernels/node_barrier.hpp); flags: our u64 [gpus].");
+
+  // The NVSHMEM transport's bounded waits (csrc/kernels/counter_wait.hpp) and the stages they record.
+  m.attr("STAGE_NVSHMEM_CREDIT") = int(kStageNvshmemCredit);
+  m.attr("STAGE_NVSHMEM_SIGNAL") = int(kStageNvshmemSignal);
+  m.attr("MAX_COUNTER_WAIT_RANKS") = kMaxCounterWaitRanks;
+  m.def("wait_counters", [](uintptr_t counters, int world_size, int rank, const std::vector<int>& peers,
+                            uint64_t target, int stage, uintptr_t err_dev, double timeout_s, uintptr_t seq_ptr,
+                            uintptr_t stream) {
+    CounterWaitArgs a{reinterpret_cast<const uint64_t*>(counters), world_size, rank, target, stage, {}};
+    for (int p : peers) {
+      if (p < 0 || p >= world_size || p == rank)
+        throw std::invalid_argument("peers: rank " + std::to_string(p) + " outside [0, world_size) or our own");
+      a.peer_mask[p / 32] |= 1u << (p % 32);
+    }
+    WaitCtx c{};
+    c.err = reinterpret_cast<ErrorRecord*>(err_dev);
+    c.timeout_ns = uint64_t(timeout_s * 1e9);
+    c.rank = rank;
+    c.seq_ptr = reinterpret_cast<const uint64_t*>(seq_ptr);
+    launch_counter_wait(a, c, reinterpret_cast<cudaStream_t>(stream));
+  }, py::arg("counters"), py::arg("world_size"), py::arg("rank"), py::arg("peers"), py::arg("target"),
+     py::arg("stage"), py::arg("err_dev"), py::arg("timeout_s"), py::arg("seq_ptr"), py::arg("stream"),
+     "Launch a bounded wait until counters[p] >= target for every p in peers (device u64 [world_size]); a "
+     "timeout is recorded in the error record with `stage`.");
 
   m.def("internode_test_byte", &internode_test_byte, py::arg("rank"), py::arg("round"), py::arg("offset"));
   m.def("internode_rounds_on_host", [](const std::vector<std::vector<uint64_t>>& sizes, uint32_t chunk_bytes,

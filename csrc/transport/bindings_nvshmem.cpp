@@ -34,6 +34,15 @@ void bind_nvshmem(py::module_& m) {
   s.def("peer_ptr", &peer_ptr);
   s.def("barrier_all", &barrier_all, release());
   s.def("finalize", &finalize, release());
+  s.def("symbol_names", &symbol_names);
+  s.attr("SIGNAL_SET") = signal_set();
+  s.attr("SIGNAL_ADD") = signal_add();
+  // Stream-ordered: they only enqueue work, so they keep the GIL.
+  s.def("putmem_signal_on_stream", &putmem_signal_on_stream, py::arg("dest"), py::arg("source"), py::arg("bytes"),
+        py::arg("sig_addr"), py::arg("signal"), py::arg("sig_op"), py::arg("pe"), py::arg("stream"));
+  s.def("signal_op_on_stream", &signal_op_on_stream, py::arg("sig_addr"), py::arg("signal"), py::arg("sig_op"),
+        py::arg("pe"), py::arg("stream"));
+  s.def("quiet_on_stream", &quiet_on_stream, py::arg("stream"));
 #else
   m.attr("NVSHMEM_MISSING") =
       "deepcomm._C was built without NVSHMEM support: the NVSHMEM headers were not found at build time "

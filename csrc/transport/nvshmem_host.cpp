@@ -15,20 +15,30 @@
 namespace dc::nvshmem {
 namespace {
 
-// One pointer per function we call, typed by the header's own declaration.
+// Every function we call: (exported name, field of Api). One list drives the struct, the dlsym lookups and
+// symbol_names(), so they cannot drift apart.
+#define DC_NVSHMEM_SYMBOLS(X)                                        \
+  X(nvshmemx_vendor_get_version_info, vendor_get_version_info)       \
+  X(nvshmemx_init_status, init_status)                               \
+  X(nvshmemx_get_uniqueid, get_uniqueid)                             \
+  X(nvshmemx_set_attr_uniqueid_args, set_attr_uniqueid_args)         \
+  X(nvshmemx_hostlib_init_attr, hostlib_init_attr)                   \
+  X(nvshmemx_hostlib_finalize, hostlib_finalize)                     \
+  X(nvshmem_my_pe, my_pe)                                            \
+  X(nvshmem_n_pes, n_pes)                                            \
+  X(nvshmem_malloc, malloc)                                          \
+  X(nvshmem_free, free)                                              \
+  X(nvshmem_ptr, ptr)                                                \
+  X(nvshmem_barrier_all, barrier_all)                                \
+  X(nvshmemx_putmem_signal_on_stream, putmem_signal_on_stream)       \
+  X(nvshmemx_signal_op_on_stream, signal_op_on_stream)               \
+  X(nvshmemx_quiet_on_stream, quiet_on_stream)
+
+// One pointer per function, typed by the header's own declaration.
 struct Api {
-  decltype(&::nvshmemx_vendor_get_version_info) vendor_get_version_info;
-  decltype(&::nvshmemx_init_status) init_status;
-  decltype(&::nvshmemx_get_uniqueid) get_uniqueid;
-  decltype(&::nvshmemx_set_attr_uniqueid_args) set_attr_uniqueid_args;
-  decltype(&::nvshmemx_hostlib_init_attr) hostlib_init_attr;
-  decltype(&::nvshmemx_hostlib_finalize) hostlib_finalize;
-  decltype(&::nvshmem_my_pe) my_pe;
-  decltype(&::nvshmem_n_pes) n_pes;
-  decltype(&::nvshmem_malloc) malloc;
-  decltype(&::nvshmem_free) free;
-  decltype(&::nvshmem_ptr) ptr;
-  decltype(&::nvshmem_barrier_all) barrier_all;
+#define DC_API_FIELD(name, field) decltype(&::name) field;
+  DC_NVSHMEM_SYMBOLS(DC_API_FIELD)
+#undef DC_API_FIELD
 };
 
 Api g_api{};
@@ -46,18 +56,9 @@ bool resolve(void* handle, const char* name, F& out, std::string& missing) {
 // Empty when every symbol resolved, else the missing names.
 std::string resolve_all(void* h, Api& a) {
   std::string missing;
-  resolve(h, "nvshmemx_vendor_get_version_info", a.vendor_get_version_info, missing);
-  resolve(h, "nvshmemx_init_status", a.init_status, missing);
-  resolve(h, "nvshmemx_get_uniqueid", a.get_uniqueid, missing);
-  resolve(h, "nvshmemx_set_attr_uniqueid_args", a.set_attr_uniqueid_args, missing);
-  resolve(h, "nvshmemx_hostlib_init_attr", a.hostlib_init_attr, missing);
-  resolve(h, "nvshmemx_hostlib_finalize", a.hostlib_finalize, missing);
-  resolve(h, "nvshmem_my_pe", a.my_pe, missing);
-  resolve(h, "nvshmem_n_pes", a.n_pes, missing);
-  resolve(h, "nvshmem_malloc", a.malloc, missing);
-  resolve(h, "nvshmem_free", a.free, missing);
-  resolve(h, "nvshmem_ptr", a.ptr, missing);
-  resolve(h, "nvshmem_barrier_all", a.barrier_all, missing);
+#define DC_RESOLVE(name, field) resolve(h, #name, a.field, missing);
+  DC_NVSHMEM_SYMBOLS(DC_RESOLVE)
+#undef DC_RESOLVE
   return missing;
 }
 
@@ -217,6 +218,50 @@ uintptr_t peer_ptr(uintptr_t local_ptr, int pe) {
 void barrier_all() {
   require_initialized("barrier_all");
   g_api.barrier_all();
+}
+
+std::vector<std::string> symbol_names() {
+  return {
+#define DC_NAME(name, field) #name,
+      DC_NVSHMEM_SYMBOLS(DC_NAME)
+#undef DC_NAME
+  };
+}
+
+int signal_set() { return NVSHMEM_SIGNAL_SET; }
+int signal_add() { return NVSHMEM_SIGNAL_ADD; }
+
+namespace {
+
+void check_remote(const char* what, int sig_op, int pe) {
+  require_initialized(what);
+  if (sig_op != NVSHMEM_SIGNAL_SET && sig_op != NVSHMEM_SIGNAL_ADD)
+    throw std::invalid_argument(std::string("deepcomm: ") + what + ": sig_op must be NVSHMEM_SIGNAL_SET (" +
+                                std::to_string(NVSHMEM_SIGNAL_SET) + ") or NVSHMEM_SIGNAL_ADD (" +
+                                std::to_string(NVSHMEM_SIGNAL_ADD) + "), got " + std::to_string(sig_op));
+  if (pe < 0 || pe >= g_api.n_pes())
+    throw std::invalid_argument(std::string("deepcomm: ") + what + ": PE " + std::to_string(pe) + " out of range");
+}
+
+}  // namespace
+
+void putmem_signal_on_stream(uintptr_t dest, uintptr_t source, size_t bytes, uintptr_t sig_addr, uint64_t signal,
+                             int sig_op, int pe, uintptr_t stream) {
+  check_remote("putmem_signal_on_stream", sig_op, pe);
+  g_api.putmem_signal_on_stream(reinterpret_cast<void*>(dest), reinterpret_cast<const void*>(source), bytes,
+                                reinterpret_cast<uint64_t*>(sig_addr), signal, sig_op, pe,
+                                reinterpret_cast<cudaStream_t>(stream));
+}
+
+void signal_op_on_stream(uintptr_t sig_addr, uint64_t signal, int sig_op, int pe, uintptr_t stream) {
+  check_remote("signal_op_on_stream", sig_op, pe);
+  g_api.signal_op_on_stream(reinterpret_cast<uint64_t*>(sig_addr), signal, sig_op, pe,
+                            reinterpret_cast<cudaStream_t>(stream));
+}
+
+void quiet_on_stream(uintptr_t stream) {
+  require_initialized("quiet_on_stream");
+  g_api.quiet_on_stream(reinterpret_cast<cudaStream_t>(stream));
 }
 
 void finalize() {

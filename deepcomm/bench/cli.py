@@ -64,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
                    default=["normal", "low_latency"],
                    help="comma-separated: normal, low_latency (default both); or internode alone: normal-mode "
                         "workloads on a topology of several nodes (--gpus-per-node), reported as mode "
-                        "internode-emulated (GPU-posted WQEs executed by the device emulated NIC)")
+                        "internode-emulated (GPU-posted WQEs executed by the device emulated NIC), or "
+                        "internode-nvshmem with DEEPCOMM_INTERNODE_TRANSPORT=nvshmem")
     p.add_argument("--gpus-per-node", type=int, default=None,
                    help="topology of deepcomm's Buffer (default: DEEPCOMM_GPUS_PER_NODE, else LOCAL_WORLD_SIZE, "
                         "else one node); --modes internode needs fewer GPUs per node than ranks")

@@ -269,11 +269,13 @@ class Deepcomm:
 
 def reported_mode(case: Case, dc: Optional[Deepcomm]) -> str:
     """The result's `mode` (BENCHMARK.md): deepcomm's internode runs on the CUDA backend are
-    "internode-emulated"; the peers in such a run are plain NCCL collectives, reported as "normal"."""
+    "internode-<transport>" ("internode-emulated", or "internode-nvshmem" with DEEPCOMM_INTERNODE_TRANSPORT=nvshmem);
+    the peers in such a run are plain NCCL collectives, reported as "normal"."""
     if case.mode != "internode":
         return case.mode
     if case.system == "deepcomm" and dc is not None and dc.backend_name == "cuda":
-        return "internode-emulated"
+        config = getattr(getattr(dc, "buf", None), "config", None)
+        return "internode-" + getattr(config, "internode_transport", "emulated")
     return "normal" if case.system != "deepcomm" else "internode-reference"
 
 

@@ -28,6 +28,7 @@ LOCAL_EXPERTS_CAP = 1024  # experts per rank the count exchange can carry
 TOPK_MAX = 32             # one lane per top-k slot in the kernels
 ARENA_OUTPUTS = 4         # worst-case dispatch outputs the arena holds at once (plus one bounce area)
 OUTPUTS = ("x", "scales", "topk_idx", "topk_weights", "src_idx")
+LL_SEND, LL_RECV, LL_BOTH = 1, 2, 3  # low-latency launch phases (csrc/kernels/api.hpp)
 
 
 def _noop() -> None:
@@ -303,12 +304,14 @@ class CudaBackend:
                     self._ll.write_mask(self.nvl.masked)
         return self._ll
 
-    def _ll_receive(self, launch, return_recv_hook: bool, stream: int):
-        """Run the receive half ``launch(stream)`` now on ``stream``, or return a hook that runs it once, on the
-        stream current when it is called (hook mode). Returns the hook the caller hands out."""
+    def _ll_launch(self, launch, return_recv_hook: bool, stream: int):
+        """Without a hook: ``launch(SEND | RECV, stream)``, both halves in one kernel. With a hook: the send half
+        now, and a hook that launches the receive half once, on the stream current when it is called, so no SM
+        waits in between. Returns the hook the caller hands out."""
         if not return_recv_hook:
-            launch(stream)
+            launch(LL_BOTH, stream)
             return _noop
+        launch(LL_SEND, stream)
         done = []
 
         def hook() -> None:
@@ -316,7 +319,7 @@ class CudaBackend:
                 return
             done.append(True)
             self.nvl.check_error(low_latency=True)
-            launch(torch.cuda.current_stream(self.device).cuda_stream)
+            launch(LL_RECV, torch.cuda.current_stream(self.device).cuda_stream)
         return hook
 
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, use_ue8m0,
@@ -330,9 +333,9 @@ class CudaBackend:
         slot = ll.calls & 1
         ll.calls += 1
         blocks, stream = self.ll_blocks, torch.cuda.current_stream(self.device).cuda_stream
-        ll.ctx.dispatch_send(blocks, x.data_ptr(), topk_idx.data_ptr(), T, K, slot, use_fp8, use_ue8m0, stream)
-        hook = self._ll_receive(lambda s: ll.ctx.dispatch_recv(blocks, slot, K, use_fp8, s), return_recv_hook,
-                                stream)
+        x_ptr, idx_ptr = x.data_ptr(), topk_idx.data_ptr()
+        hook = self._ll_launch(lambda phases, s: ll.ctx.dispatch(phases, blocks, x_ptr, idx_ptr, T, K, slot, use_fp8,
+                                                                 use_ue8m0, s), return_recv_hook, stream)
         recv_x, recv_count, layout, src_info = ll.outputs(slot, use_fp8)
         handle = LowLatencyHandle(src_info=src_info, layout=layout, recv_pos=ll.recv_pos(slot, T, K),
                                   num_experts=num_experts, num_max_dispatch_tokens_per_rank=M, hidden=H,
@@ -346,9 +349,9 @@ class CudaBackend:
         self.nvl.check_error(low_latency=True)
         out = torch.empty(T, H, dtype=torch.bfloat16, device=self.device)
         blocks, slot, stream = self.ll_blocks, handle.slot, torch.cuda.current_stream(self.device).cuda_stream
-        ll.ctx.combine_send(blocks, x.data_ptr(), topk_weights.data_ptr(), T, K, slot, use_fp8, stream)
-        hook = self._ll_receive(lambda s: ll.ctx.combine_recv(blocks, topk_idx.data_ptr(), out.data_ptr(), T, K,
-                                                             slot, use_fp8, s), return_recv_hook, stream)
+        ptrs = (x.data_ptr(), topk_weights.data_ptr(), topk_idx.data_ptr(), out.data_ptr())
+        hook = self._ll_launch(lambda phases, s: ll.ctx.combine(phases, blocks, *ptrs, T, K, slot, use_fp8, s),
+                               return_recv_hook, stream)
         return out, hook
 
     @property

@@ -8,6 +8,10 @@ the same bytes. The routing (hier_normal.py, over the two-hop communicator of hi
 per remote node and forwards it inside the node; combine reduces inside the node first and sends one partial per
 (token, node). Results equal the reference backend's bit for bit.
 
+That is the "emulated" transport of the RDMA hop (NicTransport, below). ``internode_transport="nvshmem"`` carries
+the same rounds, between the same rail ranks, as NVSHMEM puts with signals instead (nvshmem_transport.py); the
+routing and the NVLink hop are the same either way.
+
 Still simple rather than fast (docs/internode.md): each exchange is one kernel launch followed by a host sync that
 reads the error record, and rows are packed, forwarded and unpacked by torch copies.
 """
@@ -53,6 +57,13 @@ def max_row_bytes(hidden: int) -> int:
     return max(max_node_row_bytes(hidden), _up(4 * hidden + TOPK_MAX * 4, 16))
 
 
+def rail_slot_bytes(max_tokens: int, hidden: int) -> int:
+    """Bytes of one receive slot of the RDMA hop, for either transport: a rail rank sends us at most one row per
+    token of its own (dispatch: each token once per node; combine: one partial per (token, node)), each at most
+    ``max_row_bytes`` (the fp32 partial is the widest), 64-byte aligned."""
+    return _up(max_tokens * max_row_bytes(hidden), 64)
+
+
 def hosts_of(group) -> List[str]:
     names: List[str] = [None] * dist.get_world_size(group)  # type: ignore[list-item]
     dist.all_gather_object(names, socket.gethostname(), group=group)
@@ -84,7 +95,7 @@ class NicTransport:
         self.peers = sorted(set(range(R) if peers is None else peers) - {rank})
         if not self.peers or not all(0 <= p < R for p in self.peers):
             raise ValueError(f"peers: expected ranks in [0, {R}) other than {rank}, got {list(peers or [])}")
-        self.slot_bytes = _up(max_tokens * max_row_bytes(hidden), 64)
+        self.slot_bytes = rail_slot_bytes(max_tokens, hidden)
         off: Dict[str, int] = {}
         at = 0
         for name, nbytes in (("signal", 8 * R), ("credit", 8 * R), ("fa_old", 16 * R), ("send", R * self.slot_bytes),
@@ -212,6 +223,9 @@ class NicTransport:
             out[d] = {"nic": fields("nic"), "poster": fields("poster")}
         return out
 
+    def size_bytes(self) -> int:
+        return self.region_bytes + self.qp_mem.numel()
+
     def close(self) -> None:
         torch.cuda.synchronize(self.device)
         if self.err_host:
@@ -231,9 +245,13 @@ class InternodeBackend:
         self.config, self.rank, self.world_size, self.device = config, rank, world_size, device
         G = config.gpus_per_node
         rail = [r for r in range(world_size) if r % G == rank % G]  # RDMA peers: our local index on every node
+        if config.internode_transport == "nvshmem":  # NVSHMEM puts and signals (nvshmem_transport.py)
+            from .nvshmem_transport import NvshmemTransport as transport_cls
+        else:  # "emulated": GPU-posted WQEs, the device emulated NIC
+            transport_cls = NicTransport
         with torch.cuda.device(device):
-            self.transport = NicTransport(C, group, rank, world_size, device, config.max_tokens_per_rank,
-                                          config.hidden, config.timeout_s, peers=rail)
+            self.transport = transport_cls(C, group, rank, world_size, device, config.max_tokens_per_rank,
+                                           config.hidden, config.timeout_s, peers=rail)
             try:
                 self.link = NodeLink(C, group, rank, world_size, G, device,
                                      world_size * config.max_tokens_per_rank * max_node_row_bytes(config.hidden),
@@ -277,13 +295,14 @@ class InternodeBackend:
     low_latency_combine = low_latency_dispatch
 
     def nic_totals(self):
+        """Per peer, what the emulated NIC executed; {} with the NVSHMEM transport (no NIC of ours)."""
         return self.transport.nic_totals()
 
     def set_num_sms(self, num_sms: int) -> None:
-        return None  # one posting block and one NIC block per peer, whatever num_sms says
+        return None  # the transport decides: one posting and one NIC block per peer (emulated), NVSHMEM (nvshmem)
 
     def size_bytes(self) -> int:
-        return self.transport.region_bytes + self.transport.qp_mem.numel() + self.link.mem.nbytes
+        return self.transport.size_bytes() + self.link.mem.nbytes
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)

@@ -6,6 +6,7 @@ Everything a dispatch returns (recv_x, recv_count and the handle's tensors) is a
 per slot and handed out again on every call: valid until the same slot is used again two dispatches later."""
 from __future__ import annotations
 
+import os
 from typing import Dict, Tuple
 
 import torch
@@ -15,6 +16,7 @@ from .nvshmem_memory import NvshmemMemory
 from .peer_memory import PeerMemory
 
 TOPK_MAX = 32
+TRACE_POINTS = 8  # kLlTracePoints
 MEMORY = {"ipc": PeerMemory, "nvshmem": NvshmemMemory}  # deepcomm.config.LL_MEMORY_KINDS
 
 
@@ -30,6 +32,11 @@ class LlBuffer:
         self.ctx.set_error_record(err_dev)
         self.ctx.set_timeout_ns(timeout_ns)
         self.bytes = as_device_bytes(self.memory.ptr, self.layout["total"], device)
+        # diagnostics: per-block timer stamps of the latest call (csrc/kernels/ll_common.cuh, LlTracePoint)
+        self.trace = None
+        if os.environ.get("DEEPCOMM_LL_TRACE") == "1":
+            self.trace = torch.zeros(C.MAX_BLOCKS, TRACE_POINTS, dtype=torch.int64, device=device)
+            self.ctx.set_trace(self.trace.data_ptr())
         self.calls = 0
         self.world_size = world_size
         L, R, M, H = num_experts // world_size, world_size, max_tokens, hidden

@@ -29,7 +29,9 @@ STAGES = {
     24: "qp:error_cqe (a WQE completed with an error)",
     25: "qp:signal (waiting for a peer's fetch-add signal)",
     26: "internode:credit (a peer has not freed its receive slot for us)",
-    27: "node:barrier (a GPU of our node has not reached the NVLink hop's barrier)",
+    27: "nvshmem:credit (a peer has not freed its receive slot for us)",
+    28: "nvshmem:signal (a peer's block for us has not landed)",
+    29: "node:barrier (a GPU of our node has not reached the NVLink hop's barrier)",
 }
 # Input problems found on the device (not timeouts): every rank stopped the call consistently.
 INPUT_ERRORS = {

@@ -103,9 +103,10 @@ def combine(comm: Comm, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: t
             handle: LowLatencyHandle, return_recv_hook: bool, use_fp8: bool = False):
     """Returns ``(combined_x, hook)``; ``combined_x`` is bf16 ``[T, H]``.
 
-    ``use_fp8``: each rank's fp32 partial sum of a token, when that rank is not this one, travels as
-    ``per_token_cast_to_fp8`` values and scales and is dequantized (``per_token_cast_back``) before the rank-ordered
-    fp32 sum; our own partial is used as is."""
+    Each rank holding experts of a token sums its weighted rows in fp32 (slots ascending) into one partial; the
+    partials are added in fp32 over the ranks ascending and rounded once to bf16. A partial from another rank
+    crosses the link as bf16 (rounded once); with ``use_fp8`` it travels instead as ``per_token_cast_to_fp8``
+    values and scales and is dequantized (``per_token_cast_back``). Our own partial is used as is (fp32)."""
     world, device = comm.world_size, comm.device
     num_local, rows_per_expert, hidden = x.shape
     num_tokens, num_slots = topk_idx.shape
@@ -142,8 +143,9 @@ def combine(comm: Comm, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: t
             for k in range(num_slots):
                 sel = ((owner == dst) & (slots == k)).nonzero()[:, 0]
                 partial.index_add_(0, tokens[sel], products[sel])
-            if use_fp8 and dst != comm.rank:
-                partial = per_token_cast_back(*per_token_cast_to_fp8(partial))
+            if dst != comm.rank:  # what crossed the link
+                partial = (per_token_cast_back(*per_token_cast_to_fp8(partial)) if use_fp8
+                           else partial.to(torch.bfloat16).float())
             acc += partial
         combined_x.copy_(acc.to(torch.bfloat16))
 
