@@ -12,6 +12,7 @@ from . import validation as v
 from .backends import group_device, make_backend
 from .config import DEFAULT_HIDDEN, DEFAULT_TIMEOUT_S, Config, default_num_sms
 from .handle import Handle, LowLatencyHandle
+from .rendezvous import wait_for_group
 from .topology import resolve_topology
 
 _buffer_ids = itertools.count(1)
@@ -48,6 +49,8 @@ class Buffer:
                              low_latency_memory=low_latency_memory,
                              internode_transport=internode_transport)
         self.buffer_id = next(_buffer_ids)
+        # every rank is here before the first collective, or a CommTimeoutError names who is not (bounded)
+        wait_for_group(self._group, self._rank, self.config.timeout_s)
         self._backend, self._backend_name = make_backend(backend, self._group, self.config, self._rank,
                                                          self._world_size, self._device)
         # dtypes of a non-FP8 x the backend takes in normal mode (the CUDA backend: bf16 only)

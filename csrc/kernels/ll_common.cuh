@@ -171,11 +171,15 @@ __device__ __forceinline__ int ll_count(const int* counts, const LlLayout& l, ui
 __device__ __forceinline__ void ll_expert_bases(const int* counts, const LlLayout& l, int rank, uint32_t alive,
                                                 int* base, int* total) {
   const int R = l.num_ranks, L = l.local_experts();
+  for (int i = threadIdx.x; i < L * R; i += blockDim.x)  // all loads in flight at once, then the prefixes
+    base[i] = ll_count(counts, l, alive, i % R, rank * L + i / R);
+  __syncthreads();
   for (int le = threadIdx.x; le < L; le += blockDim.x) {
     int acc = 0;
     for (int s = 0; s < R; ++s) {
+      const int c = base[le * R + s];
       base[le * R + s] = acc;
-      acc += ll_count(counts, l, alive, s, rank * L + le);
+      acc += c;
     }
     total[le] = acc;
   }

@@ -208,10 +208,15 @@ __device__ __forceinline__ void dispatch_recv_phase(const LlDispatchArgs& a, con
     if (c != 0) continue;
     if (key >= 0) src_info[entry] = t;
     if (use_fp8) {
-      const auto* sc = reinterpret_cast<const int*>(self + l.stage_scales_at(slot, s, t));
-      for (uint32_t m = mine; m; m &= m - 1) {
-        const int64_t e = __shfl_sync(0xffffffffu, entry, __ffs(m) - 1);
-        for (int j = lane; j < spr; j += 32) recv_scales[e * spr + j] = __int_as_float(ptx::ld_volatile_s32(sc + j));
+      // each scale is loaded once, then stored to every entry
+      const auto* sc = reinterpret_cast<const uint32_t*>(self + l.stage_scales_at(slot, s, t));
+      for (int j0 = 0; j0 < spr; j0 += 32) {
+        const int j = j0 + lane;
+        const float v = j < spr ? __uint_as_float(ptx::ld_relaxed_gpu_u32(sc + j)) : 0.0f;
+        for (uint32_t m = mine; m; m &= m - 1) {
+          const int64_t e = __shfl_sync(0xffffffffu, entry, __ffs(m) - 1);
+          if (j < spr) recv_scales[e * spr + j] = v;
+        }
       }
     }
   }
