@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Union
+from typing import List, Optional, Union
 
 import torch
 
@@ -25,6 +25,9 @@ class Handle:
     recv_src_idx: torch.Tensor            # int32 [N], source token index of each received row
     # length L, aligned as requested at dispatch; an int32 device tensor for a num_worst_tokens dispatch
     num_recv_tokens_per_expert: Union[List[int], torch.Tensor]
+    # int32 [R, nodes], [s, m] = tokens rank s sends to node m (a token counts once per node): set by the
+    # hierarchical internode backend, whose cached dispatch needs it (docs/internode.md); None elsewhere
+    node_count_matrix: Optional[torch.Tensor] = None
 
 
 @dataclass

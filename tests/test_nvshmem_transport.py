@@ -1,8 +1,10 @@
 """The internode NVSHMEM transport off the GPU (deepcomm/cuda/nvshmem_transport.py): the symmetric block's layout,
-the NVSHMEM calls a round issues (addresses, signal values, zero-byte blocks, bad sizes), a whole round protocol
-carried out between CPU processes by a stand-in that applies those calls with NVSHMEM's symmetric-address rule
-(under NicComm: dispatch and combine equal the reference collectives bit for bit), the selection setting, the
-stage names, and the extension's NVSHMEM symbol table. The GPU run: tests/gpu/test_internode_nvshmem.py."""
+the NVSHMEM calls a round issues (addresses, signal values, zero-byte blocks, bad sizes, rail peers only), a whole
+round protocol carried out between CPU processes by a stand-in that applies those calls with NVSHMEM's
+symmetric-address rule (under the hierarchical routing, hier_normal.py over HierComm with the NVLink hop of
+tests/test_internode_comm.py: dispatch and combine equal the reference backend bit for bit, and no call goes to a
+rank that is not a rail peer), the selection setting, the stage names, and the extension's NVSHMEM symbol table.
+The GPU run: tests/gpu/test_internode_nvshmem.py."""
 from __future__ import annotations
 
 import os
@@ -60,6 +62,38 @@ def test_round_calls():
         block_ops(base, off, slot, me, R, rnd, [32, 0], [0, 0])
 
 
+def test_round_calls_rail_peers_only():
+    """With peers (the rail: our local index on the other nodes), a round calls those ranks only; bytes for any
+    other rank are refused before anything is issued, as NicTransport(peers=...) does."""
+    base, R, me, slot, rnd = 0x7F0000000000, 6, 4, 1024, 2  # 3 nodes x 2 GPUs: rank 4's rail is 0, 2
+    off, _ = region_layout(R, slot)
+    rail = [0, 2, 4]  # our own rank may be listed: it is dropped
+    assert credit_ops(base, off, me, R, rnd, rail) == [Op("credit", 0, base + off["credit"] + 32, 2),
+                                                      Op("credit", 2, base + off["credit"] + 32, 2)]
+    ops = block_ops(base, off, slot, me, R, rnd, [0, 0, 64, 0, 0, 0], [0, 0, 0, 0, 0, 0], rail)
+    assert ops == [Op("signal", 0, base + off["signal"] + 32, 2),
+                   Op("put", 2, base + off["signal"] + 32, 2, dest=base + off["recv"] + 4 * slot,
+                      source=base + off["send"], nbytes=64)]
+    with pytest.raises(ValueError, match=r"^send_bytes: rank 5 is not a peer of this transport \(peers \[0, 2\]\)"):
+        block_ops(base, off, slot, me, R, rnd, [0, 0, 0, 0, 0, 16], [0] * R, rail)
+    for bad in ([4], [0, 6], [-1, 2]):
+        with pytest.raises(ValueError, match="^peers: expected ranks in"):
+            credit_ops(base, off, me, R, rnd, bad)
+    # the transport checks its peers before it touches the extension or NVSHMEM
+    with pytest.raises(ValueError, match="^peers: expected ranks in"):
+        NvshmemTransport(None, None, 1, 4, torch.device("cpu"), 16, 256, 1.0, peers=[1])
+
+
+def test_slot_fits_the_hierarchical_rows():
+    """One receive slot holds what a rail rank can send us in one round: a row per token of its own, the widest
+    being the fp32 combine partial (fp32 x + fp32 weights) or the dispatch row; both transports size it alike."""
+    from deepcomm.cuda.internode import TOPK_MAX, max_node_row_bytes, max_row_bytes, rail_slot_bytes
+    for H in (256, 2880, 7168):
+        partial = (4 * H + 4 * TOPK_MAX + 15) // 16 * 16
+        assert max_row_bytes(H) == max(partial, max_node_row_bytes(H)) == partial
+        assert rail_slot_bytes(128, H) >= 128 * partial and rail_slot_bytes(128, H) % 64 == 0
+
+
 # ---- a round protocol between CPU processes ----
 
 class _SymmetricStandIn(NvshmemTransport):
@@ -67,26 +101,31 @@ class _SymmetricStandIn(NvshmemTransport):
     (different on every rank: only offsets may carry over) and the NVSHMEM calls applied by their target: a put
     writes at the same offset of the target's block, then the signal is SET, as NVSHMEM does."""
 
-    def __init__(self, rank, world, slot_bytes):  # no NVSHMEM, no GPU: only what the methods under test use
+    def __init__(self, rank, world, slot_bytes, peers):  # no NVSHMEM, no GPU: only what the methods under test use
         self.rank, self.world_size, self.slot_bytes = rank, world, slot_bytes
         self.offsets, self.region_bytes = region_layout(world, slot_bytes)
         self.base = 0x7F0000000000 + rank * 0x100000000 + 0x4000
         self.region = torch.zeros(self.region_bytes, dtype=torch.uint8)
-        self.peers = [p for p in range(world) if p != rank]
+        self.peers = sorted(set(peers) - {rank})
         self.totals = {p: dict.fromkeys(TOTAL_FIELDS, 0) for p in self.peers}
         self.round, self.broken = 0, False
+        self.sent = {p: [] for p in self.peers}  # per peer, the bytes of every round (0: a lone signal)
 
     def exchange(self, send_bytes, send_begin):
         r = self.round + 1
         blocks = block_ops(self.base, self.offsets, self.slot_bytes, self.rank, self.world_size, r, send_bytes,
-                           send_begin)
+                           send_begin, self.peers)
         self.round = r
-        self._deliver(credit_ops(self.base, self.offsets, self.rank, self.world_size, r))
+        for p in self.peers:
+            self.sent[p].append(int(send_bytes[p]))
+        self._deliver(credit_ops(self.base, self.offsets, self.rank, self.world_size, r, self.peers))
         assert all(self.counters("credit")[p] == r for p in self.peers), self.counters("credit")
         o = self.offsets["recv"]
         self.region[o:o + self.world_size * self.slot_bytes] = 0xEE  # stale bytes must never be read
         self._deliver(blocks)
         assert all(self.counters("signal")[p] == r for p in self.peers), self.counters("signal")
+        others = [p for p in range(self.world_size) if p != self.rank and p not in self.peers]
+        assert all(self.counters(c)[p] == 0 for c in ("credit", "signal") for p in others), "a non-peer called us"
 
     def _deliver(self, ops):
         sent = []
@@ -113,53 +152,60 @@ class _SymmetricStandIn(NvshmemTransport):
                 self.region[at:at + 8].view(torch.int64)[0] = op.value  # NVSHMEM_SIGNAL_SET
 
 
-def _worker(rank, world, gpus_per_node):
-    from deepcomm.cuda.internode import NicComm, max_row_bytes
+def _worker(rank, world, G, folder):
+    from deepcomm.cuda.hier_comm import HierComm
+    from deepcomm.cuda.hier_normal import combine, dispatch
+    from deepcomm.cuda.internode import max_node_row_bytes, rail_slot_bytes
     from deepcomm.fp8 import per_token_cast_to_fp8
     from deepcomm.reference import normal
     from deepcomm.reference.collectives import Comm
+    from test_internode_comm import _same, _StandInLink
 
     dev = torch.device("cpu")
     E, K, M, H = 4 * world, 3, 40, 256
-    tr = _SymmetricStandIn(rank, world, M * max_row_bytes(H))
-    nv = NicComm(tr, None, rank, world, dev, 30.0)
+    rail = [m * G + rank % G for m in range(world // G)]  # as InternodeBackend passes them
+    tr = _SymmetricStandIn(rank, world, rail_slot_bytes(M, H), rail)
+    link = _StandInLink(rank, world, G, world * M * max_node_row_bytes(H), folder)
+    comm = HierComm(tr, link, rank, world, G, dev)
     ref = Comm(None, rank, world, dev, 30.0)
     gen = torch.Generator().manual_seed(9 + rank)
     for T, fp8, mode in ((0 if rank == 0 else 33, False, "masked"), (1, True, "masked"), (M, False, "masked"),
                          (17, True, "one_expert")):
+        what = f"rank {rank} T={T} {mode} {'fp8' if fp8 else 'bf16'}"
         idx = torch.rand(T, E, generator=gen).topk(K, dim=1).indices
         idx[torch.rand(T, K, generator=gen) < 0.3] = -1
-        if mode == "one_expert":  # every row to the last rank: other peers get zero-byte blocks
+        if mode == "one_expert":  # every row to the last rank: other rail peers get zero-byte blocks
             idx[:] = -1
             idx[:, 0] = E - 1
         w = torch.rand(T, K, generator=gen)
         x = (torch.randn(T, H, generator=gen) * 2).to(torch.bfloat16)
         x = per_token_cast_to_fp8(x) if fp8 else x
-        a = normal.dispatch(nv, x, idx, w, E, None, 1)
+        a = dispatch(comm, x, idx, w, E, None, 1)
         b = normal.dispatch(ref, x, idx, w, E, None, 1)
-        for i in (0, 1, 2):
-            u, v = (a[i], b[i]) if isinstance(a[i], tuple) else ((a[i],), (b[i],))
-            for p, q in zip(u, v):
-                assert torch.equal(p.view(torch.uint8), q.view(torch.uint8)), (T, fp8, i)
-        assert a[3] == b[3]
+        _same(a[:4], b[:4], f"{what}: dispatch")
+        for f in ("num_recv", "count_matrix", "recv_src_idx", "is_token_in_rank", "send_pos"):
+            _same(getattr(a[4], f), getattr(b[4], f), f"{what}: handle.{f}")
         n = a[4].num_recv
         y = torch.randn(n, H, generator=gen).to(torch.bfloat16)
         yw = torch.rand(n, K, generator=gen)
-        ca = normal.combine(nv, y, a[4], yw, False, gpus_per_node)
-        cb = normal.combine(ref, y, b[4], yw, False, gpus_per_node)
-        assert torch.equal(ca[0].view(torch.uint8), cb[0].view(torch.uint8)) and torch.equal(ca[1], cb[1])
-    return tr.round, tr.transfer_totals()
+        _same(combine(comm, y, a[4], yw, False), normal.combine(ref, y, b[4], yw, False, G), f"{what}: combine")
+    return tr.round, tr.transfer_totals(), tr.sent
 
 
 @pytest.mark.parametrize("world,gpn", [(3, 1), (4, 2)])
-def test_round_protocol_under_nic_comm_matches_reference(world, gpn):
-    results = run_ranks(_worker, world, gpn)
-    for rank, (rounds, totals) in enumerate(results):
+def test_round_protocol_under_hierarchical_routing_matches_reference(world, gpn, tmp_path):
+    results = run_ranks(_worker, world, gpn, str(tmp_path))
+    zero_rounds = 0
+    for rank, (rounds, totals, sent) in enumerate(results):
         assert rounds == 4 * 3  # per case: counts, payload, combine
+        rail = sorted(m * gpn + rank % gpn for m in range(world // gpn) if m != rank // gpn)
+        assert sorted(totals) == rail, (rank, sorted(totals))  # calls to the rail peers only
         for p, t in totals.items():  # one credit and one put or lone signal per round and peer
-            assert t["credits"] == rounds and t["puts"] + t["signals"] == rounds, (rank, p, t)
-            assert t["signals"] >= 1, (rank, p, t)  # the one_expert case sends some peers nothing
-            assert t["bytes"] > 0
+            zeros = sum(1 for b in sent[p] if b == 0)
+            assert t == dict(credits=rounds, puts=rounds - zeros, signals=zeros, bytes=sum(sent[p])), (rank, p, t)
+            assert t["bytes"] > 0  # the counts rounds at least
+            zero_rounds += zeros
+    assert zero_rounds > 0  # some rounds sent a peer nothing (rank 0's first case, the one_expert case)
 
 
 # ---- selection ----
@@ -205,12 +251,28 @@ def test_several_hosts_need_the_nvshmem_transport(monkeypatch):
 
 # ---- the extension ----
 
+def test_stage_table_matches_the_header():
+    """Every timeout stage of enum WaitStage (csrc/runtime/error_record.cuh) has its number in the Python table,
+    and nothing else does (the internode path added stages from both sides: NVSHMEM 27/28, node barrier 29)."""
+    import re
+    from deepcomm.cuda.nvl_buffer import INPUT_ERRORS, STAGES
+    with open(os.path.join(ROOT, "csrc", "runtime", "error_record.cuh")) as f:
+        enum = dict((name, int(num)) for name, num in re.findall(r"^\s*(kStage\w+)\s*=\s*(\d+),", f.read(), re.M))
+    assert len(set(enum.values())) == len(enum), enum  # no number given twice
+    timeouts = {n for n in enum.values() if 0 < n < 100}
+    assert set(STAGES) == timeouts, (sorted(STAGES), sorted(timeouts))
+    assert {n for n in enum.values() if n >= 100} <= set(INPUT_ERRORS)
+    assert (enum["kStageNvshmemCredit"], enum["kStageNvshmemSignal"], enum["kStageNodeBarrier"]) == (27, 28, 29)
+    assert STAGES[29].startswith("node:barrier ")
+
+
 @pytest.mark.skipif(_extension() is None, reason="deepcomm._C is not built")
 def test_wait_stages_have_names():
     from deepcomm.cuda.nvl_buffer import STAGES
     T = _extension().transport
     assert STAGES[T.STAGE_NVSHMEM_CREDIT].startswith("nvshmem:credit ")
     assert STAGES[T.STAGE_NVSHMEM_SIGNAL].startswith("nvshmem:signal ")
+    assert STAGES[T.STAGE_NODE_BARRIER].startswith("node:barrier ")
     assert T.MAX_COUNTER_WAIT_RANKS >= 32 and callable(T.wait_counters)
 
 

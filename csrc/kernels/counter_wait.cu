@@ -13,7 +13,7 @@ namespace {
 __global__ void counter_wait_kernel(CounterWaitArgs a, WaitCtx ctx_in) {
   const WaitCtx ctx = ctx_in.resolved();
   const int p = int(threadIdx.x);
-  if (p >= a.world_size || p == a.rank) return;
+  if (p >= a.world_size || p == a.rank || !((a.peer_mask[p / 32] >> (p % 32)) & 1u)) return;
   wait_flag_geq(a.counters + p, a.target, ctx, p, a.stage);  // a timeout is recorded; the host raises it
 }
 

@@ -29,6 +29,7 @@ enum WaitStage : int {
   // The NVSHMEM transport of the internode exchange (deepcomm/cuda/nvshmem_transport.py, counter_wait.hpp).
   kStageNvshmemCredit = 27,    // waiting for a peer to free its receive slot for us (its credit signal)
   kStageNvshmemSignal = 28,    // waiting for a peer's put-with-signal: its block for us has landed
+  kStageNodeBarrier = 29,      // internode NVLink hop: waiting for a GPU of our node at the node barrier
   // Not timeouts: input problems found on the device. Every rank stops the call consistently, so the Buffer
   // stays usable and the host raises ValueError.
   kStageInvalidIds = 100,      // some rank's topk_idx had ids outside [-1, E) (no host sync to catch it earlier)

@@ -5,6 +5,7 @@
 #include "../kernels/counter_wait.hpp"
 #include "../kernels/internode_exchange.hpp"
 #include "../kernels/internode_host_selftest.hpp"
+#include "../kernels/node_barrier.hpp"
 #include "../runtime/cuda_check.hpp"
 #include "bindings_transport.hpp"
 #include "device_qp_layout.hpp"
@@ -41,22 +42,53 @@ void bind_internode(py::module_& m) {
      py::arg("rank"), py::arg("seq_ptr"), py::arg("stream"),
      "Launch one exchange round; peers: device int64 [num_peers][INTERNODE_PEER_FIELDS] (InternodePeer).");
 
+  // The NVLink hop of the hierarchical exchange: a bounded barrier among the GPUs of a node.
+  m.attr("STAGE_NODE_BARRIER") = int(kStageNodeBarrier);
+  m.attr("MAX_NODE_GPUS") = kMaxNodeGpus;
+  m.def("node_barrier", [](uintptr_t flags, const std::vector<uintptr_t>& peer_flags, int local, int first_rank,
+                           uint64_t epoch, uintptr_t err_dev, double timeout_s, uintptr_t seq_ptr, uintptr_t stream) {
+    if (peer_flags.empty() || peer_flags.size() > size_t(kMaxNodeGpus))
+      throw std::invalid_argument("peer_flags: one pointer per GPU of the node, 1.." + std::to_string(kMaxNodeGpus));
+    if (local < 0 || size_t(local) >= peer_flags.size()) throw std::invalid_argument("local: outside [0, gpus)");
+    NodeBarrierArgs a{};
+    a.flags = reinterpret_cast<uint64_t*>(flags);
+    for (size_t i = 0; i < peer_flags.size(); ++i) a.peer_flags[i] = reinterpret_cast<uint64_t*>(peer_flags[i]);
+    a.gpus = int(peer_flags.size());
+    a.local = local;
+    a.first_rank = first_rank;
+    a.epoch = epoch;
+    WaitCtx c{};
+    c.err = reinterpret_cast<ErrorRecord*>(err_dev);
+    c.timeout_ns = uint64_t(timeout_s * 1e9);
+    c.rank = first_rank + local;
+    c.seq_ptr = reinterpret_cast<const uint64_t*>(seq_ptr);
+    launch_node_barrier(a, c, reinterpret_cast<cudaStream_t>(stream));
+  }, py::arg("flags"), py::arg("peer_flags"), py::arg("local"), py::arg("first_rank"), py::arg("epoch"),
+     py::arg("err_dev"), py::arg("timeout_s"), py::arg("seq_ptr"), py::arg("stream"),
+     "Launch one barrier among the GPUs of a node (csrc/kernels/node_barrier.hpp); flags: our u64 [gpus].");
+
   // The NVSHMEM transport's bounded waits (csrc/kernels/counter_wait.hpp) and the stages they record.
   m.attr("STAGE_NVSHMEM_CREDIT") = int(kStageNvshmemCredit);
   m.attr("STAGE_NVSHMEM_SIGNAL") = int(kStageNvshmemSignal);
   m.attr("MAX_COUNTER_WAIT_RANKS") = kMaxCounterWaitRanks;
-  m.def("wait_counters", [](uintptr_t counters, int world_size, int rank, uint64_t target, int stage,
-                            uintptr_t err_dev, double timeout_s, uintptr_t seq_ptr, uintptr_t stream) {
-    CounterWaitArgs a{reinterpret_cast<const uint64_t*>(counters), world_size, rank, target, stage};
+  m.def("wait_counters", [](uintptr_t counters, int world_size, int rank, const std::vector<int>& peers,
+                            uint64_t target, int stage, uintptr_t err_dev, double timeout_s, uintptr_t seq_ptr,
+                            uintptr_t stream) {
+    CounterWaitArgs a{reinterpret_cast<const uint64_t*>(counters), world_size, rank, target, stage, {}};
+    for (int p : peers) {
+      if (p < 0 || p >= world_size || p == rank)
+        throw std::invalid_argument("peers: rank " + std::to_string(p) + " outside [0, world_size) or our own");
+      a.peer_mask[p / 32] |= 1u << (p % 32);
+    }
     WaitCtx c{};
     c.err = reinterpret_cast<ErrorRecord*>(err_dev);
     c.timeout_ns = uint64_t(timeout_s * 1e9);
     c.rank = rank;
     c.seq_ptr = reinterpret_cast<const uint64_t*>(seq_ptr);
     launch_counter_wait(a, c, reinterpret_cast<cudaStream_t>(stream));
-  }, py::arg("counters"), py::arg("world_size"), py::arg("rank"), py::arg("target"), py::arg("stage"),
-     py::arg("err_dev"), py::arg("timeout_s"), py::arg("seq_ptr"), py::arg("stream"),
-     "Launch a bounded wait until counters[p] >= target for every p != rank (device u64 [world_size]); a "
+  }, py::arg("counters"), py::arg("world_size"), py::arg("rank"), py::arg("peers"), py::arg("target"),
+     py::arg("stage"), py::arg("err_dev"), py::arg("timeout_s"), py::arg("seq_ptr"), py::arg("stream"),
+     "Launch a bounded wait until counters[p] >= target for every p in peers (device u64 [world_size]); a "
      "timeout is recorded in the error record with `stage`.");
 
   m.def("internode_test_byte", &internode_test_byte, py::arg("rank"), py::arg("round"), py::arg("offset"));

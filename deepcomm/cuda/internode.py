@@ -1,20 +1,24 @@
-"""Normal dispatch and combine for topologies of several nodes, with every byte between ranks carried by
-GPU-posted mlx5 RDMA-write and fetch-add WQEs (csrc/kernels/internode_exchange.hpp).
+"""Normal dispatch and combine for topologies of several nodes, hierarchical: between nodes every byte is carried
+by GPU-posted mlx5 RDMA-write and fetch-add WQEs (csrc/kernels/internode_exchange.hpp), only between ranks of the
+same local index ("rail" peers); inside a node rows move over NVLink peer pointers (node_link.py).
 
 Where there is no NIC (one host posing as several nodes) the WQEs are executed by the device emulated NIC, a block
 of the same grid that decodes them and performs the writes over NVLink peer pointers; a ConnectX would execute
-the same bytes. Routing, packing, placement and the (hierarchical) combine sum are the reference backend's
-torch code (deepcomm/reference/normal.py) running on the GPU over this transport, so the results equal the
-reference's bit for bit by construction; what is new here is the transport.
+the same bytes. The routing (hier_normal.py, over the two-hop communicator of hier_comm.py) sends each token once
+per remote node and forwards it inside the node; combine reduces inside the node first and sends one partial per
+(token, node). Results equal the reference backend's bit for bit.
 
-First version, simple rather than fast (docs/internode.md): every rank has one queue pair to every other rank
-(ranks of its own node included: no NVLink forwarding yet), each exchange is one kernel launch followed by a host
-sync that reads the error record, and rows are packed and unpacked by torch copies.
+That is the "emulated" transport of the RDMA hop (NicTransport, below). ``internode_transport="nvshmem"`` carries
+the same rounds, between the same rail ranks, as NVSHMEM puts with signals instead (nvshmem_transport.py); the
+routing and the NVLink hop are the same either way.
+
+Still simple rather than fast (docs/internode.md): each exchange is one kernel launch followed by a host sync that
+reads the error record, and rows are packed, forwarded and unpacked by torch copies.
 """
 from __future__ import annotations
 
 import socket
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -22,8 +26,10 @@ import torch.distributed as dist
 from ..config import Config
 from ..errors import CommTimeoutError
 from ..reference import normal
-from ..reference.collectives import Comm, PendingRows, as_byte_rows, part_row_bytes, unpack_rows
+from . import hier_normal
 from .arena import as_device_bytes
+from .hier_comm import HierComm
+from .node_link import NodeLink
 from .nvl_buffer import STAGES
 from .peer_memory import PeerMemory
 
@@ -38,10 +44,24 @@ def _up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
+def max_node_row_bytes(hidden: int) -> int:
+    """Widest row the NVLink hop carries: a dispatch row of bf16 x (FP8 values + scales are narrower), int64
+    top-k ids, fp32 top-k weights, an int32 source index and an int32 node mask, padded to 16 bytes (combine
+    rows, bf16 x + weights + source index, are narrower)."""
+    return _up(2 * hidden + TOPK_MAX * 12 + 8, 16)
+
+
 def max_row_bytes(hidden: int) -> int:
-    """Widest row an exchange carries: bf16 x (FP8 values + scales are narrower), int64 top-k ids, fp32 top-k
-    weights and an int32 source index, padded to 16 bytes."""
-    return _up(2 * hidden + TOPK_MAX * 12 + 4, 16)
+    """Widest row an RDMA exchange carries: a dispatch row, or a combine partial of several rows (fp32 x and
+    fp32 weights)."""
+    return max(max_node_row_bytes(hidden), _up(4 * hidden + TOPK_MAX * 4, 16))
+
+
+def rail_slot_bytes(max_tokens: int, hidden: int) -> int:
+    """Bytes of one receive slot of the RDMA hop, for either transport: a rail rank sends us at most one row per
+    token of its own (dispatch: each token once per node; combine: one partial per (token, node)), each at most
+    ``max_row_bytes`` (the fp32 partial is the widest), 64-byte aligned."""
+    return _up(max_tokens * max_row_bytes(hidden), 64)
 
 
 def hosts_of(group) -> List[str]:
@@ -52,7 +72,9 @@ def hosts_of(group) -> List[str]:
 
 class NicTransport:
     """This rank's registered memory (one IPC allocation: counters, send staging, receive slots), one device
-    queue pair per peer, the key table the emulated NICs translate through, and the exchange round counter.
+    queue pair per peer (``peers``: every other rank by default), the key table the emulated NICs translate
+    through, and the exchange round counter. A round sends one block to every peer (zero bytes allowed) and none
+    to other ranks; every rank makes the same rounds with the same peer relation.
 
     Registered memory, 64-byte aligned parts:
         signal  u64 [R]            signal[s]: rounds whose block from s has landed here
@@ -63,13 +85,17 @@ class NicTransport:
     """
 
     def __init__(self, C, group, rank: int, world_size: int, device: torch.device, max_tokens: int, hidden: int,
-                 timeout_s: float):
+                 timeout_s: float, peers: Optional[Sequence[int]] = None):
         if not 2 <= world_size <= MAX_RANKS:
             raise ValueError(f"world_size: the internode transport takes 2..{MAX_RANKS} ranks, got {world_size}")
         self.C, self.T = C, C.transport
         self.rank, self.world_size, self.device, self.timeout_s = rank, world_size, device, timeout_s
         R = world_size
-        self.slot_bytes = _up(max_tokens * max_row_bytes(hidden), 64)
+        # queue pairs only to these ranks (the internode path: the same local index on other nodes)
+        self.peers = sorted(set(range(R) if peers is None else peers) - {rank})
+        if not self.peers or not all(0 <= p < R for p in self.peers):
+            raise ValueError(f"peers: expected ranks in [0, {R}) other than {rank}, got {list(peers or [])}")
+        self.slot_bytes = rail_slot_bytes(max_tokens, hidden)
         off: Dict[str, int] = {}
         at = 0
         for name, nbytes in (("signal", 8 * R), ("credit", 8 * R), ("fa_old", 16 * R), ("send", R * self.slot_bytes),
@@ -77,7 +103,7 @@ class NicTransport:
             off[name] = at
             at = _up(at + nbytes, 256)
         self.offsets, self.region_bytes = off, at
-        self.mem = PeerMemory(C, group, rank, world_size, at)
+        self.mem = PeerMemory(C, group, rank, world_size, at, peers=self.peers)  # the emulated NIC writes to peers
         self.err_host = 0
         try:
             self.region = as_device_bytes(self.mem.ptr, at, device, owner=self.mem)
@@ -87,7 +113,6 @@ class NicTransport:
             self.lkey = LKEY_BASE + rank
             self.keys = self.T.KeyTable()
             self.keys.add(self.lkey, self.mem.ptr, at, self.mem.ptr)
-            self.peers = [p for p in range(R) if p != rank]
             for p in self.peers:
                 self.keys.add(RKEY_BASE + p, bases[p], at, self.mem.peer_ptrs[p])  # the peer "node", over NVLink
 
@@ -128,11 +153,15 @@ class NicTransport:
     # ---- one round ----
     def exchange(self, send_bytes: Sequence[int], send_begin: Sequence[int]) -> None:
         """Send bytes [send_begin[d], + send_bytes[d]) of the send area to every peer d, into d's receive slot
-        for us; return once every peer's block for us has landed (synchronizes the device, then raises
-        CommTimeoutError if a wait timed out). Collective: every rank calls it the same number of times."""
+        for us (``send_bytes[d]`` must be 0 for a rank that is not a peer); return once every peer's block for us
+        has landed (synchronizes the device, then raises CommTimeoutError if a wait timed out). Collective: every
+        rank calls it the same number of times."""
         if self.broken:
             raise RuntimeError("deepcomm: this Buffer timed out earlier; destroy it and build a new one on every rank")
         me, R = self.rank, self.world_size
+        for d in set(range(R)) - set(self.peers) - {me}:
+            if send_bytes[d]:
+                raise ValueError(f"send_bytes: rank {d} is not a peer of this transport (peers {self.peers})")
         for d in self.peers:
             if send_bytes[d] > self.slot_bytes:
                 raise ValueError(f"x: {send_bytes[d]} bytes for rank {d} exceed the receive slot ({self.slot_bytes} "
@@ -206,49 +235,6 @@ class NicTransport:
         self.mem.close()
 
 
-class NicComm(Comm):
-    """The reference backend's collectives (``all_gather``, ``exchange_rows``) carried by the NIC transport."""
-
-    def __init__(self, transport: NicTransport, group, rank: int, world_size: int, device: torch.device,
-                 timeout_s: float):
-        super().__init__(group, rank, world_size, device, timeout_s)
-        self.transport = transport
-
-    def all_gather(self, t: torch.Tensor, stage: str) -> torch.Tensor:
-        R = self.world_size
-        row = t.contiguous().reshape(1, -1)
-        got = self.exchange_rows([row.expand(R, -1).contiguous()], [1] * R, [1] * R, stage).wait()[0]
-        return got.reshape(R, *t.shape)
-
-    def exchange_rows(self, parts: Sequence[torch.Tensor], send_counts: Sequence[int],
-                      recv_counts: Sequence[int], stage: str) -> PendingRows:
-        """As ``Comm.exchange_rows``: rows grouped by destination in, rows grouped by source out."""
-        tr, me = self.transport, self.rank
-        num_send = sum(send_counts)
-        row_bytes = [part_row_bytes(p) for p in parts]
-        stride = _up(sum(row_bytes), 16)  # 16-byte rows: the NIC copies whole vectors
-        if stride * max(max(send_counts), max(recv_counts)) > tr.slot_bytes:
-            raise ValueError(f"x: rows of {stride} bytes do not fit the receive slot ({tr.slot_bytes} bytes); "
-                             "raise max_tokens_per_rank or hidden of the Buffer")
-        send = tr.send_view(num_send, stride)
-        col = 0
-        for p, nbytes in zip(parts, row_bytes):
-            send[:, col:col + nbytes].copy_(as_byte_rows(p, num_send, nbytes))
-            col += nbytes
-        begins = [sum(send_counts[:d]) for d in range(self.world_size)]
-        tr.exchange([send_counts[d] * stride for d in range(self.world_size)], [b * stride for b in begins])
-        out = torch.empty(sum(recv_counts), stride, dtype=torch.uint8, device=self.device)
-        at = 0
-        for s in range(self.world_size):
-            n = recv_counts[s]
-            if n:
-                src = send[begins[me]:begins[me] + n] if s == me else tr.recv_view(s, n, stride)
-                out[at:at + n].copy_(src)
-            at += n
-
-        return PendingRows(lambda: unpack_rows(out, parts, row_bytes))
-
-
 class InternodeBackend:
     """Normal-mode backend for topologies of several nodes (same interface as the other backends)."""
 
@@ -257,14 +243,23 @@ class InternodeBackend:
 
     def __init__(self, group, config: Config, rank: int, world_size: int, device: torch.device, C):
         self.config, self.rank, self.world_size, self.device = config, rank, world_size, device
+        G = config.gpus_per_node
+        rail = [r for r in range(world_size) if r % G == rank % G]  # RDMA peers: our local index on every node
         if config.internode_transport == "nvshmem":  # NVSHMEM puts and signals (nvshmem_transport.py)
             from .nvshmem_transport import NvshmemTransport as transport_cls
         else:  # "emulated": GPU-posted WQEs, the device emulated NIC
             transport_cls = NicTransport
         with torch.cuda.device(device):
             self.transport = transport_cls(C, group, rank, world_size, device, config.max_tokens_per_rank,
-                                           config.hidden, config.timeout_s)
-        self.comm = NicComm(self.transport, group, rank, world_size, device, config.timeout_s)
+                                           config.hidden, config.timeout_s, peers=rail)
+            try:
+                self.link = NodeLink(C, group, rank, world_size, G, device,
+                                     world_size * config.max_tokens_per_rank * max_node_row_bytes(config.hidden),
+                                     config.timeout_s)
+            except BaseException:
+                self.transport.close()
+                raise
+        self.comm = HierComm(self.transport, self.link, rank, world_size, G, device)
 
     def get_dispatch_layout(self, topk_idx, num_experts):
         from .. import layout
@@ -274,7 +269,7 @@ class InternodeBackend:
         if k > TOPK_MAX:
             raise ValueError(f"topk_idx: at most {TOPK_MAX} experts per token on the internode backend, got {k}")
 
-    # previous_event / async_finish: every exchange synchronizes before it returns (first version), so there is
+    # previous_event / async_finish: every exchange synchronizes before it returns, so there is
     # nothing to overlap; accepted so code runs unchanged on every backend.
     def dispatch(self, x, topk_idx, topk_weights, num_experts, handle, expert_alignment, num_worst_tokens=0,
                  previous_event=None, async_finish=False):
@@ -283,13 +278,15 @@ class InternodeBackend:
                 self._check_topk(t.shape[1])
         if handle is not None and torch.is_tensor(handle.num_recv_tokens_per_expert):
             num_worst_tokens = handle.num_recv
-        out = normal.dispatch(self.comm, x, topk_idx, topk_weights, num_experts, handle, expert_alignment)
+        with torch.cuda.device(self.device):
+            out = hier_normal.dispatch(self.comm, x, topk_idx, topk_weights, num_experts, handle, expert_alignment)
         return normal.pad_to_worst(out, num_worst_tokens, handle is not None) if num_worst_tokens else out
 
     def combine(self, x, handle, topk_weights, previous_event=None, async_finish=False, use_fp8=False):
         if topk_weights is not None:
             self._check_topk(topk_weights.shape[1])
-        return normal.combine(self.comm, x, handle, topk_weights, use_fp8, self.config.gpus_per_node)
+        with torch.cuda.device(self.device):
+            return hier_normal.combine(self.comm, x, handle, topk_weights, use_fp8)
 
     def low_latency_dispatch(self, *args, **kwargs):
         raise RuntimeError("deepcomm: low-latency mode is not built for multi-node topologies on the CUDA backend "
@@ -305,11 +302,15 @@ class InternodeBackend:
         return None  # the transport decides: one posting and one NIC block per peer (emulated), NVSHMEM (nvshmem)
 
     def size_bytes(self) -> int:
-        return self.transport.size_bytes()
+        return self.transport.size_bytes() + self.link.mem.nbytes
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
         self.transport.check_error()
+        self.link.check_error()
 
     def destroy(self) -> None:
-        self.transport.close()
+        try:
+            self.transport.close()
+        finally:
+            self.link.close()

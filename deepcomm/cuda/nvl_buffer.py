@@ -31,6 +31,7 @@ STAGES = {
     26: "internode:credit (a peer has not freed its receive slot for us)",
     27: "nvshmem:credit (a peer has not freed its receive slot for us)",
     28: "nvshmem:signal (a peer's block for us has not landed)",
+    29: "node:barrier (a GPU of our node has not reached the NVLink hop's barrier)",
 }
 # Input problems found on the device (not timeouts): every rank stopped the call consistently.
 INPUT_ERRORS = {

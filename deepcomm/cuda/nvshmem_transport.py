@@ -1,11 +1,14 @@
 """The internode exchange round through NVSHMEM's host API (``internode_transport="nvshmem"``): the same round as
 NicTransport (deepcomm/cuda/internode.py), with NVSHMEM's stream-ordered put-with-signal in place of GPU-posted
-WQEs, so NicComm and the dispatch/combine built on it run unchanged (docs/internode.md, "Transports").
+WQEs, so the hierarchical communicator (hier_comm.py) and the dispatch/combine built on it run unchanged
+(docs/internode.md, "Transports"). Like NicTransport it exchanges only with its ``peers`` (the internode path:
+the ranks of our local index on the other nodes, "rail" peers); a round sends nothing to, and waits on nothing
+from, any other rank.
 
 The registered memory is one block of NVSHMEM's symmetric heap per rank: every rank's block has the same
 offsets, so "peer p's receive slot for us" is *our* address of that slot, handed to NVSHMEM with ``pe = p``.
 
-One round r (every rank, collective), all on the caller's current stream:
+One round r (every rank, collective), all on the caller's current stream; "peer" means a rank of ``peers``:
   1. credit: for each peer p, ``signal_op(credit[me] on p := r)``: "my slot for you is free" (stream-ordered
      after our copy-out of round r - 1);
   2. a bounded wait kernel: our credit[p] >= r for every peer (stage ``nvshmem:credit``); the host then syncs and
@@ -19,7 +22,7 @@ NVSHMEM's own ``signal_wait_until_on_stream`` is not used: it cannot give up on 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -70,23 +73,37 @@ class Op:
     nbytes: int = 0
 
 
-def credit_ops(base: int, offsets: Dict[str, int], rank: int, world_size: int, round_: int) -> List[Op]:
-    """Step 1: tell every peer p that our receive slot for it is free for round ``round_`` (p's credit[rank])."""
-    return [Op("credit", p, base + offsets["credit"] + 8 * rank, round_) for p in range(world_size) if p != rank]
+def _peer_list(rank: int, world_size: int, peers: Optional[Sequence[int]]) -> List[int]:
+    """``peers`` without ``rank``, ascending (every other rank when None); ValueError for a rank outside the group
+    or for no peer at all."""
+    out = sorted(set(range(world_size) if peers is None else peers) - {rank})
+    if not out or not all(0 <= p < world_size for p in out):
+        raise ValueError(f"peers: expected ranks in [0, {world_size}) other than {rank}, got {list(peers or [])}")
+    return out
+
+
+def credit_ops(base: int, offsets: Dict[str, int], rank: int, world_size: int, round_: int,
+               peers: Optional[Sequence[int]] = None) -> List[Op]:
+    """Step 1: tell every peer p (``peers``, default every other rank) that our receive slot for it is free for
+    round ``round_`` (p's credit[rank])."""
+    return [Op("credit", p, base + offsets["credit"] + 8 * rank, round_) for p in _peer_list(rank, world_size, peers)]
 
 
 def block_ops(base: int, offsets: Dict[str, int], slot_bytes: int, rank: int, world_size: int, round_: int,
-              send_bytes: Sequence[int], send_begin: Sequence[int]) -> List[Op]:
-    """Step 3: our block for every peer p (bytes [send_begin[p], + send_bytes[p]) of the send area) into p's
-    receive slot for us, then p's signal[rank] := round; a zero-byte block is the signal alone. Checks every size
-    first (``ValueError``), so nothing is issued for a bad round."""
+              send_bytes: Sequence[int], send_begin: Sequence[int], peers: Optional[Sequence[int]] = None) -> List[Op]:
+    """Step 3: our block for every peer p (``peers``, default every other rank; bytes [send_begin[p],
+    + send_bytes[p]) of the send area) into p's receive slot for us, then p's signal[rank] := round; a zero-byte
+    block is the signal alone. ``send_bytes`` must be 0 for a rank that is not a peer. Checks every size first
+    (``ValueError``), so nothing is issued for a bad round."""
     if len(send_bytes) != world_size or len(send_begin) != world_size:
         raise ValueError(f"send_bytes: expected {world_size} entries (one per rank), got {len(send_bytes)} and "
                          f"{len(send_begin)} begins")
+    peer_list = _peer_list(rank, world_size, peers)
+    for p in sorted(set(range(world_size)) - set(peer_list) - {rank}):
+        if send_bytes[p]:
+            raise ValueError(f"send_bytes: rank {p} is not a peer of this transport (peers {peer_list})")
     send_area = world_size * slot_bytes
-    for p in range(world_size):
-        if p == rank:
-            continue
+    for p in peer_list:
         n, b = int(send_bytes[p]), int(send_begin[p])
         if n > slot_bytes:
             raise ValueError(f"x: {n} bytes for rank {p} exceed the receive slot ({slot_bytes} bytes); raise "
@@ -95,9 +112,7 @@ def block_ops(base: int, offsets: Dict[str, int], slot_bytes: int, rank: int, wo
             raise ValueError(f"send_begin: block for rank {p} ([{b}, {b} + {n})) is outside the send area "
                              f"({send_area} bytes)")
     ops = []
-    for p in range(world_size):
-        if p == rank:
-            continue
+    for p in peer_list:
         sig = base + offsets["signal"] + 8 * rank
         n = int(send_bytes[p])
         if n == 0:
@@ -110,24 +125,30 @@ def block_ops(base: int, offsets: Dict[str, int], slot_bytes: int, rank: int, wo
 
 class NvshmemTransport:
     """This rank's symmetric block (counters, send area, receive slots), the error record its wait kernels
-    report to, and the round counter. Same interface as NicTransport for NicComm and InternodeBackend.
-    Collective construction (allocates on NVSHMEM's heap, initializing NVSHMEM over ``group`` if needed)."""
+    report to, and the round counter. Same interface as NicTransport for HierComm and InternodeBackend, ``peers``
+    included (every other rank by default). Collective construction (allocates on NVSHMEM's heap, initializing
+    NVSHMEM over ``group`` if needed); every rank must pass a symmetric peer relation (p in our peers exactly
+    when we are in p's), as the rail relation is.
+
+    The block keeps one receive slot per rank (indexed by the sender's rank, the same offsets on every rank), of
+    which only the peers' are written; slots are sized like NicTransport's (``rail_slot_bytes``: the widest RDMA
+    row of the hierarchical path, an fp32 combine partial, per token)."""
 
     def __init__(self, C, group, rank: int, world_size: int, device: torch.device, max_tokens: int, hidden: int,
-                 timeout_s: float):
-        from .internode import max_row_bytes
+                 timeout_s: float, peers: Optional[Sequence[int]] = None):
+        from .internode import rail_slot_bytes
         from .nvshmem_library import load_library
         from .nvshmem_memory import NvshmemMemory
 
+        self.peers = _peer_list(rank, world_size, peers)  # ValueError before any collective
         limit = C.transport.MAX_COUNTER_WAIT_RANKS
         if not 2 <= world_size <= limit:
             raise ValueError(f"world_size: the NVSHMEM internode transport takes 2..{limit} ranks, got {world_size}")
         self.n = load_library()  # NvshmemUnavailableError, before any collective, when NVSHMEM is missing
         self.C, self.T = C, C.transport
         self.rank, self.world_size, self.device, self.timeout_s = rank, world_size, device, timeout_s
-        self.slot_bytes = _up(max_tokens * max_row_bytes(hidden), 64)
+        self.slot_bytes = rail_slot_bytes(max_tokens, hidden)
         self.offsets, self.region_bytes = region_layout(world_size, self.slot_bytes)
-        self.peers = [p for p in range(world_size) if p != rank]
         self.err_host = 0
         self.region = None
         self.mem = NvshmemMemory(C, group, rank, world_size, self.region_bytes, map_peers=False)  # zeroed, barrier
@@ -156,25 +177,28 @@ class NvshmemTransport:
         return self.region[o:o + rows * stride].view(rows, stride)
 
     def counters(self, name: str) -> List[int]:
-        """Our ``signal`` or ``credit`` words, one per rank (host copy; for tests and post-mortems)."""
+        """Our ``signal`` or ``credit`` words, one per rank (host copy; for tests and post-mortems; a rank that is
+        not a peer never raises its words: they stay 0)."""
         o = self.offsets[name]
         return self.region[o:o + 8 * self.world_size].view(torch.int64).tolist()
 
     # ---- one round ----
     def exchange(self, send_bytes: Sequence[int], send_begin: Sequence[int]) -> None:
         """Send bytes [send_begin[d], + send_bytes[d]) of the send area to every peer d, into d's receive slot
-        for us; return once every peer's block for us has landed (synchronizes the device twice, raises
-        CommTimeoutError if a wait timed out). Collective: every rank calls it the same number of times."""
+        for us (``send_bytes[d]`` must be 0 for a rank that is not a peer: ValueError); return once every peer's
+        block for us has landed (synchronizes the device twice, raises CommTimeoutError if a wait timed out).
+        Collective: every rank calls it the same number of times."""
         if self.broken:
             raise RuntimeError("deepcomm: this Buffer timed out earlier; destroy it and build a new one on every rank")
         r = self.round + 1
         blocks = block_ops(self.base, self.offsets, self.slot_bytes, self.rank, self.world_size, r, send_bytes,
-                           send_begin)
+                           send_begin, self.peers)
         self.round = r
         with torch.cuda.device(self.device):
             stream = torch.cuda.current_stream(self.device)
             self.seq.fill_(r)
-            self._issue(credit_ops(self.base, self.offsets, self.rank, self.world_size, r), stream.cuda_stream)
+            self._issue(credit_ops(self.base, self.offsets, self.rank, self.world_size, r, self.peers),
+                        stream.cuda_stream)
             self._wait("credit", r, stream.cuda_stream)
             stream.synchronize()
             self.check_error()  # a peer that never freed its slot: raise before writing into it
@@ -201,8 +225,8 @@ class NvshmemTransport:
 
     def _wait(self, name: str, target: int, stream: int) -> None:
         stage = self.T.STAGE_NVSHMEM_CREDIT if name == "credit" else self.T.STAGE_NVSHMEM_SIGNAL
-        self.T.wait_counters(self.base + self.offsets[name], self.world_size, self.rank, target, stage, self.err_dev,
-                             self.timeout_s, self.seq.data_ptr(), stream)
+        self.T.wait_counters(self.base + self.offsets[name], self.world_size, self.rank, self.peers, target, stage,
+                             self.err_dev, self.timeout_s, self.seq.data_ptr(), stream)
 
     def check_error(self) -> None:
         flag, rank, peer, stage, seq, waited_ns = self.C.read_error(self.err_host)

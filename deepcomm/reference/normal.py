@@ -1,6 +1,7 @@
 """Normal-mode dispatch and combine on torch.distributed (see docs/api.md for the contract)."""
 from __future__ import annotations
 
+import dataclasses
 from typing import List, Optional, Tuple, Union
 
 import torch
@@ -40,13 +41,24 @@ def dispatch(comm: Comm, x: Payload, topk_idx: Optional[torch.Tensor], topk_weig
         parts.append(topk_weights.index_select(0, order))
     received = comm.exchange_rows(parts, send_counts, recv_counts, "dispatch:payload").wait()
 
-    recv_x = tuple(received[:len(rows)]) if is_pair else received[0]
-    recv_topk_weights = received[-1] if topk_weights is not None else None
+    return dispatch_outputs(received, len(rows), is_pair, topk_weights is not None, handle, rank, world, num_experts,
+                            num_tokens, hidden, is_token_in_rank, send_pos, count_matrix, expert_alignment)
+
+
+def dispatch_outputs(received: List[torch.Tensor], num_x_parts: int, is_pair: bool, has_weights: bool,
+                     handle: Optional[Handle], rank: int, world: int, num_experts: int, num_tokens: int, hidden: int,
+                     is_token_in_rank: torch.Tensor, send_pos: torch.Tensor, count_matrix: torch.Tensor,
+                     expert_alignment: int):
+    """The dispatch result from the received rows (ordered by source rank, then token), one tensor per part as
+    sent: x (or its FP8 values and scales), then, without a handle, the global top-k ids and the source token
+    index, then the weights if any. Shared by every backend built on these routes (reference, internode)."""
+    recv_x = tuple(received[:num_x_parts]) if is_pair else received[0]
+    recv_topk_weights = received[-1] if has_weights else None
     if handle is not None:
         # No topk_idx on this path: the weights arrive as sent, non-local slots included.
         return recv_x, None, recv_topk_weights, list(handle.num_recv_tokens_per_expert), handle
 
-    recv_global_idx, recv_src_idx = received[len(rows)], received[len(rows) + 1]
+    recv_global_idx, recv_src_idx = received[num_x_parts], received[num_x_parts + 1]
     experts_per_rank = num_experts // world
     recv_topk_idx = layout.to_local_experts(recv_global_idx, rank, experts_per_rank)
     if recv_topk_weights is not None:
@@ -140,8 +152,6 @@ def pad_to_worst(out, num_worst_tokens: int, cached: bool):
     recv_x = tuple(pad(t, 0) for t in recv_x) if isinstance(recv_x, tuple) else pad(recv_x, 0)
     per_expert_t = torch.tensor([int(c) for c in per_expert], dtype=torch.int32, device=handle.count_matrix.device)
     if not cached:
-        handle = Handle(buffer_id=handle.buffer_id, num_experts=handle.num_experts, num_tokens=handle.num_tokens,
-                        hidden=handle.hidden, num_recv=num_worst_tokens, is_token_in_rank=handle.is_token_in_rank,
-                        send_pos=handle.send_pos, count_matrix=handle.count_matrix,
-                        recv_src_idx=pad(handle.recv_src_idx, -1), num_recv_tokens_per_expert=per_expert_t)
+        handle = dataclasses.replace(handle, num_recv=num_worst_tokens, recv_src_idx=pad(handle.recv_src_idx, -1),
+                                     num_recv_tokens_per_expert=per_expert_t)
     return recv_x, pad(recv_topk_idx, -1), pad(recv_topk_weights, 0), per_expert_t, handle

@@ -1,8 +1,10 @@
 """Internode normal mode over the NVSHMEM transport (internode_transport="nvshmem") on 2 GPUs posed as 2 nodes x 1
-GPU: every byte between ranks is an NVSHMEM put-with-signal (or a lone signal) on the symmetric heap, every wait a
-bounded deepcomm kernel. Dispatch (BF16, FP8, with weights), cached re-dispatch and combine equal the reference
-backend bit for bit; the calls each round issued equal what it had to send; a missing peer gives CommTimeoutError
-at the credit stage, and a peer that frees its slot but never sends, at the signal stage."""
+GPU (with 4 GPUs also 2 x 2): the hierarchical routing (hier_normal.py) with its RDMA hop as NVSHMEM puts-with-
+signal (or lone signals) on the symmetric heap, only between ranks of the same local index, and its NVLink hop
+inside a node; every wait a bounded deepcomm kernel. Dispatch (BF16, FP8, with weights), cached re-dispatch and
+combine equal the reference backend bit for bit; the calls each round issued equal what the hierarchical route had
+to send (each token once per remote node, one partial per (token, node) back); a missing peer gives
+CommTimeoutError at the credit stage, and a peer that frees its slot but never sends, at the signal stage."""
 from __future__ import annotations
 
 import importlib.util
@@ -41,14 +43,20 @@ def _delta(after, before):
 
 
 def _nvshmem_worker(rank, world, gpn):
+    import torch.distributed as dist
+
     import deepcomm
+    from deepcomm import layout
     from deepcomm.cuda import nvshmem_session as ns
     from deepcomm.cuda.nvshmem_transport import NvshmemTransport
     from deepcomm.fp8 import per_token_cast_to_fp8
     from deepcomm.topology import Topology
 
     dev = torch.device("cuda", rank)
-    peers = [p for p in range(world) if p != rank]
+    G, N = gpn, world // gpn
+    node, local = divmod(rank, G)
+    peers = [m * G + local for m in range(N) if m != node]  # NVSHMEM calls only to our local index elsewhere
+    mask = 4 if G > 1 else 0  # with several GPUs per node a payload row carries the node's GPU mask (int32)
     ref = deepcomm.Buffer(max_tokens_per_rank=M, hidden=7168, backend="reference", gpus_per_node=gpn, timeout_s=30)
     nv = deepcomm.Buffer(max_tokens_per_rank=M, hidden=7168, backend="cuda", gpus_per_node=gpn, timeout_s=30,
                          internode_transport="nvshmem")
@@ -57,6 +65,7 @@ def _nvshmem_worker(rank, world, gpn):
     backend = nv._backend
     tr = backend.transport
     assert type(backend).__name__ == "InternodeBackend" and isinstance(tr, NvshmemTransport), type(tr)
+    assert tr.peers == peers and sorted(tr.transfer_totals()) == peers, (tr.peers, peers)
     assert ns.current() is not None and ns.current().how == "torch.distributed"
     gen = torch.Generator().manual_seed(70 + rank)
     cases = [(0 if rank == 0 else 37, "random", 2880, False), (1, "random", 2880, False),
@@ -74,14 +83,19 @@ def _nvshmem_worker(rank, world, gpn):
         for i, name in enumerate(("recv_x", "recv_topk_idx", "recv_topk_weights", "per_expert")):
             _same(out_n[i], out_r[i], f"{what}: {name}")
         _same_handle(out_n[4], out_r[4], what)
-        # a counts round (one row of R int32, padded to 16 bytes) and a payload round (our rows for the peer,
-        # each x [+ scales] + int64 ids + int32 source index + fp32 weights, padded to 16 bytes)
-        counts = out_n[4].count_matrix.tolist()
+        # a counts round (our row of R int32, and with G > 1 our N node counts, padded to 16 bytes) and a payload
+        # round (one row per token that has an expert on the peer's node: x [+ scales] + int64 ids + int32 source
+        # index + fp32 weights [+ node mask], padded to 16 bytes)
+        in_rank = layout.token_in_rank(idx.cpu(), E, world)
+        everyone = [None] * world  # every rank's routing: what we forward and reduce for our rail's sources
+        dist.all_gather_object(everyone, in_rank)
+        to_node = in_rank.view(T, N, G).any(dim=2).sum(dim=0).tolist()  # our tokens per node, once each
         x_bytes = H + H // 128 * 4 if fp8 else 2 * H
         after = tr.transfer_totals()
         for peer in peers:
             got = _delta(after[peer], before[peer])
-            want = _expected([_row(4 * world), counts[rank][peer] * _row(x_bytes, 8 * K, 4, 4 * K)])
+            want = _expected([_row(4 * world + (4 * N if G > 1 else 0)),
+                              to_node[peer // G] * _row(x_bytes, 8 * K, 4, 4 * K, mask)])
             assert got == want, f"{what}: NVSHMEM calls to {peer}: {got}, expected {want}"
 
         # cached re-dispatch (no ids: weights travel as given)
@@ -96,31 +110,45 @@ def _nvshmem_worker(rank, world, gpn):
         after = tr.transfer_totals()
         for peer in peers:
             got = _delta(after[peer], before[peer])
-            want = _expected([counts[rank][peer] * _row(x_bytes, 4 * K)])
+            want = _expected([to_node[peer // G] * _row(x_bytes, 4 * K, mask)])
             assert got == want, f"{what}: cached, NVSHMEM calls to {peer}: {got}, expected {want}"
 
         # combine (expert outputs and weights), then the FP8 combine where H allows it
         n = out_n[4].num_recv
         y = torch.randn(n, H, generator=gen).to(torch.bfloat16).to(dev)
         yw = torch.rand(n, K, generator=gen).to(dev)
+        def combine_bytes(peer, held_row_bytes, weight_bytes):
+            """One row per token of `peer` that our node holds: as held when one GPU holds it, else fp32."""
+            holders = everyone[peer][:, node * G:node * G + G].sum(dim=1)
+            return (int((holders == 1).sum()) * _row(held_row_bytes, weight_bytes)
+                    + int((holders > 1).sum()) * _row(4 * H, weight_bytes))
+
         before = tr.transfer_totals()
         _same(nv.combine(y, out_n[4], topk_weights=yw), ref.combine(y, out_r[4], topk_weights=yw),
               f"{what}: combine")
         after = tr.transfer_totals()
-        for peer in peers:  # rows go back to their source
+        for peer in peers:  # node partials go back to their source
             got = _delta(after[peer], before[peer])
-            want = _expected([counts[peer][rank] * _row(2 * H, 4 * K)])
+            want = _expected([combine_bytes(peer, 2 * H, 4 * K)])
             assert got == want, f"{what}: combine, NVSHMEM calls to {peer}: {got}, expected {want}"
         if H % 128 == 0:  # the FP8 combine needs whole 128-value blocks
+            before = tr.transfer_totals()
             _same(nv.combine(y, out_n[4], use_fp8=True), ref.combine(y, out_r[4], use_fp8=True),
                   f"{what}: fp8 combine")
+            after = tr.transfer_totals()
+            for peer in peers:
+                got = _delta(after[peer], before[peer])
+                want = _expected([combine_bytes(peer, H + H // 128 * 4, 0)])
+                assert got == want, f"{what}: fp8 combine, NVSHMEM calls to {peer}: {got}, expected {want}"
 
-    # Every round's signal and credit from every peer arrived (SET to the round number), nothing more.
+    # Every round's signal and credit from every rail peer arrived (SET to the round number), nothing more, and
+    # nothing from a rank that is not a rail peer.
     signal, credit = tr.counters("signal"), tr.counters("credit")
-    for p in peers:
-        assert signal[p] == tr.round and credit[p] == tr.round, \
+    for p in range(world):
+        want = tr.round if p in peers else 0
+        assert p == rank or (signal[p] == want and credit[p] == want), \
             f"rank {rank}: after {tr.round} rounds, signal {signal}, credit {credit} (peer {p})"
-    assert backend.nic_totals() == {} and nv.size_bytes() == tr.region_bytes
+    assert backend.nic_totals() == {} and nv.size_bytes() == tr.region_bytes + backend.link.mem.nbytes
     nv.set_num_sms(8)  # accepted, changes nothing
     with pytest.raises(RuntimeError, match="low-latency mode is not built"):
         backend.low_latency_dispatch()
@@ -188,6 +216,11 @@ def _missing_peer_worker(rank, world):
 
 def test_internode_nvshmem_2x1_against_reference():
     run_on_gpus(_nvshmem_worker, 2, 1, timeout_s=400)
+
+
+@pytest.mark.skipif(gpu_count() < 4, reason="2 nodes x 2 GPUs needs 4 GPUs")
+def test_internode_nvshmem_2x2_against_reference():
+    run_on_gpus(_nvshmem_worker, 4, 2, timeout_s=400)
 
 
 def test_internode_nvshmem_missing_peer_times_out():

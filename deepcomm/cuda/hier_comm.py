@@ -1,0 +1,136 @@
+"""The two hops of the internode path, as a small communicator that the routing code (hier_normal.py) calls.
+
+Ranks ``R = N nodes x G GPUs``; rank ``r`` is GPU ``r % G`` of node ``r // G``.
+
+- **RDMA hop** (``rail_exchange``): between nodes, and only between ranks of the same local index (one NIC per
+  GPU, "rail-aligned"): each rank sends one block of bytes to the rail rank of every other node, through the
+  transport's exchange round (``exchange(send_bytes, send_begin)``: zero bytes for every other rank).
+- **NVLink hop** (``node_hop``): inside a node, rows are put into the node GPUs' areas through peer pointers
+  (``NodeLink``), between two node barriers: the first says every GPU has finished reading what the previous
+  stage put in its area, the second that every put of this stage has landed.
+
+``traffic`` counts the bytes this rank handed to each hop, per (stage, hop, peer rank): hop ``"rdma"`` (to a
+rail rank of another node), ``"nvl"`` (into another GPU of the node) or ``"local"`` (into our own area).
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from typing import Dict, Iterator, List, Optional, Sequence
+
+import torch
+
+
+def up16(n: int) -> int:
+    return (n + 15) // 16 * 16
+
+
+class NodeHop:
+    """The puts of one NVLink stage (see ``HierComm.node_hop``)."""
+
+    def __init__(self, comm: "HierComm", stage: str):
+        self.comm, self.stage = comm, stage
+
+    def put(self, local: int, byte_offset: int, rows: torch.Tensor, index: Optional[torch.Tensor] = None) -> None:
+        """Copy uint8 ``rows`` ``[n, stride]`` (or the rows ``index`` selects) into node GPU ``local``'s area at
+        ``byte_offset``."""
+        comm = self.comm
+        if index is not None:
+            rows = rows.index_select(0, index)
+        rows = rows.contiguous()
+        comm.link.put(local, byte_offset, rows)
+        if rows.numel():
+            hop = "local" if local == comm.local else "nvl"
+            comm.traffic[(self.stage, hop, comm.rank_of(comm.node, local))] += rows.numel()
+
+
+class HierComm:
+    """Rank ``rank`` of ``world_size`` ranks, ``gpus_per_node`` per node; ``transport`` carries the RDMA hop
+    (NicTransport's interface: ``slot_bytes``, ``send_view``, ``recv_view``, ``exchange``), ``link`` the NVLink
+    hop (NodeLink's interface: ``area``, ``put``, ``fence``, ``synchronize``)."""
+
+    def __init__(self, transport, link, rank: int, world_size: int, gpus_per_node: int, device: torch.device):
+        if world_size % gpus_per_node:
+            raise ValueError(f"gpus_per_node: {gpus_per_node} does not divide the world size {world_size}")
+        self.transport, self.link = transport, link
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.gpus = gpus_per_node
+        self.num_nodes = world_size // gpus_per_node
+        self.node, self.local = divmod(rank, gpus_per_node)
+        self.other_nodes = [m for m in range(self.num_nodes) if m != self.node]
+        self.traffic: Counter = Counter()
+
+    # ---- topology ----
+    def rank_of(self, node: int, local: int) -> int:
+        return node * self.gpus + local
+
+    def rail(self) -> List[int]:
+        """The ranks with our local index, nodes ascending (us included): the ranks we forward for."""
+        return [self.rank_of(m, self.local) for m in range(self.num_nodes)]
+
+    def node_ranks(self, node: Optional[int] = None) -> List[int]:
+        first = (self.node if node is None else node) * self.gpus
+        return list(range(first, first + self.gpus))
+
+    # ---- RDMA hop ----
+    def rail_exchange(self, blocks: Dict[int, Sequence[torch.Tensor]], recv_bytes: Dict[int, int],
+                      stage: str) -> Dict[int, torch.Tensor]:
+        """Send to the rail rank of each other node ``m`` the uint8 tensors ``blocks[m]`` (each contiguous, with
+        16-byte rows), back to back; return, per other node ``m``, the ``recv_bytes[m]`` bytes its rail rank
+        sent us (a view of the transport's receive slot: valid until the next exchange). Collective."""
+        tr, R = self.transport, self.world_size
+        send_bytes, send_begin = [0] * R, [0] * R
+        at = 0
+        for m in self.other_nodes:
+            d = self.rank_of(m, self.local)
+            n = sum(p.numel() for p in blocks.get(m, ()))
+            if n > tr.slot_bytes or recv_bytes[m] > tr.slot_bytes:
+                raise ValueError(f"x: a block of {max(n, recv_bytes[m])} bytes between rail ranks exceeds the "
+                                 f"receive slot ({tr.slot_bytes} bytes); raise max_tokens_per_rank or hidden")
+            send_begin[d], send_bytes[d] = at, n
+            at += n
+        if at:
+            send = tr.send_view(1, at)[0]
+            for m in self.other_nodes:
+                d = self.rank_of(m, self.local)
+                o = send_begin[d]
+                for piece in blocks.get(m, ()):
+                    send[o:o + piece.numel()].copy_(piece.reshape(-1))
+                    o += piece.numel()
+                self.traffic[(stage, "rdma", d)] += send_bytes[d]
+        tr.exchange(send_bytes, send_begin)
+        empty = torch.empty(0, dtype=torch.uint8, device=self.device)
+        return {m: tr.recv_view(self.rank_of(m, self.local), 1, recv_bytes[m])[0] if recv_bytes[m] else empty
+                for m in self.other_nodes}
+
+    # ---- NVLink hop ----
+    @contextlib.contextmanager
+    def node_hop(self, stage: str) -> Iterator[NodeHop]:
+        """``with comm.node_hop(stage) as hop: hop.put(...)``; afterwards our area holds what the node's GPUs put
+        there (read it with ``node_area()`` before the next ``node_hop``). Collective over the node."""
+        self.link.fence(stage + ":free")  # every node GPU has read what the previous stage put in its area
+        yield NodeHop(self, stage)
+        self.link.fence(stage)            # every put of this stage has landed
+        self.link.synchronize()           # raises CommTimeoutError if a barrier timed out
+
+    def node_area(self) -> torch.Tensor:
+        return self.link.area()
+
+    # ---- both hops ----
+    def all_gather(self, t: torch.Tensor, stage: str) -> torch.Tensor:
+        """``[R, *t.shape]``: every rank's ``t``. Our row goes by RDMA to our rail ranks; then each rank puts the
+        rows of its rail into every GPU of its node."""
+        R, N = self.world_size, self.num_nodes
+        flat = t.contiguous().reshape(-1).view(torch.uint8)
+        nbytes = flat.numel()
+        stride = up16(nbytes)
+        mine = torch.zeros(1, stride, dtype=torch.uint8, device=self.device)
+        mine[0, :nbytes] = flat
+        got = self.rail_exchange({m: [mine] for m in self.other_nodes}, {m: stride for m in self.other_nodes}, stage)
+        rail_rows = [mine if m == self.node else got[m].view(1, stride) for m in range(N)]
+        with self.node_hop(stage + ":node") as hop:
+            for g in range(self.gpus):
+                for m in range(N):
+                    hop.put(g, self.rank_of(m, self.local) * stride, rail_rows[m])
+        rows = self.node_area()[:R * stride].view(R, stride)[:, :nbytes].clone()
+        return rows.reshape(-1).view(t.dtype).reshape(R, *t.shape)
