@@ -14,12 +14,12 @@
 //                                          (its slot_calls after the call; a receive waits for its own count)
 //   mask         int32 [R]                 ranks this rank treats as gone (written by the host): nothing is sent
 //                                          to them, nothing awaited from them, their experts count as absent
+//   weights      u64   [2][R][M][K]        per slot: rank s's combine weights, each tagged with its call:
+//                                          (low 32 bits of the combine's sequence number << 32) | f32 bits
 //   counts       int32 [2][R][E]           per slot: entries rank s sends to every expert
 //   ntok         int32 [2][R]              per slot: tokens rank s dispatched
 //   meta         int32 [2][R][M][K]        per slot: for slot k of token t of rank s: (local expert << 16 | entry
 //                                          rank among rank s's entries of that expert), -1 when not ours
-//   weights      u64   [2][R][M][K]        per slot: rank s's combine weights, each tagged with its call:
-//                                          (low 32 bits of the combine's sequence number << 32) | f32 bits
 //   stage_x      bytes [2][R][M][H*2]      per slot: rank s's tokens (bf16, or e4m3 in the first H bytes)
 //   stage_scales f32   [2][R][M][H/128]    per slot: their FP8 scales
 //   recv_x       bytes [2][L][R*M][H*2]    per slot: packed expert rows (the dispatch output)
@@ -68,10 +68,10 @@ struct LlLayout {
     done_count = take(4 * 4);
     arrivals = take(4 * R * 8);
     mask = take(R * 4);
+    weights = take(2 * R * M * K * 8);  // zeroed with the signals: a stale tag must never match a new call
     counts = take(2 * R * experts * 4);
     ntok = take(2 * R * 4);
     meta = take(2 * R * M * K * 4);
-    weights = take(2 * R * M * K * 8);
     stage_x = take(2 * R * M * hidden_ * 2);
     stage_scales = take(2 * R * M * (hidden_ / 128) * 4);
     recv_x = take(2 * L * rows * hidden_ * 2);
@@ -84,7 +84,8 @@ struct LlLayout {
     out_recv_pos = take(2 * M * K * 4);
     total = off;
   }
-  // Bytes that must start zeroed (sequence numbers, counters and flags).
+  // Bytes that must start zeroed, and are zeroed again when unmasking restarts the call numbers (sequence
+  // numbers, counters, flags, and the tagged weights, whose old tags would otherwise match the restarted calls).
   DC_HD int64_t signal_bytes() const { return counts; }
 
   DC_HD int64_t arrivals_at(int kind, int slot) const { return arrivals + int64_t(kind * 2 + slot) * num_ranks * 8; }
