@@ -16,6 +16,8 @@ from nccl_run import run_on_gpus  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 from profile_intranode import _timed  # noqa: E402
 
+from deepcomm.bench.peers import replay_graph  # noqa: E402
+
 os.environ.setdefault("DEEPCOMM_LL_TRACE", "1")  # per-block timer stamps of the latest call (ll_buffer.py)
 E, H, K, M = 256, 7168, 8, 128
 TRACE_NAMES = ("entry", "send rows", "send keys", "finished", "weights", "arrived", "recv meta", "end")
@@ -36,20 +38,6 @@ def trace_table(trace: torch.Tensor, blocks: int) -> str:
             rows.append(f"{name:>10}: {us.min():7.2f} {us.median():7.2f} {us.max():7.2f}  ({col.numel()} blocks)")
     return "\n".join(rows)
 GRAPH_CALLS = 20
-
-
-def replay_graph(fn, calls):
-    """One CUDA graph of `calls` calls of fn (warmed up on a side stream first); returns its replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return graph.replay
 
 
 def graph_time_us(replay, iters=20):

@@ -282,8 +282,8 @@ def reported_mode(case: Case, dc: Optional[Deepcomm]) -> str:
 GRAPH_CALLS = 10  # calls captured back to back in one graph: the graph's own launch cost is spread over them
 
 
-def replay_graph(fn: Callable[[], object]) -> Callable[[], object]:
-    """Capture GRAPH_CALLS calls of ``fn`` in one CUDA graph (after a warm-up on a side stream) and return its
+def replay_graph(fn: Callable[[], object], calls: int = GRAPH_CALLS) -> Callable[[], object]:
+    """Capture ``calls`` calls of ``fn`` in one CUDA graph (after a warm-up on a side stream) and return its
     replay, marked with ``.calls`` so the harness reports time per call: the kernels' time without the host's."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -292,12 +292,12 @@ def replay_graph(fn: Callable[[], object]) -> Callable[[], object]:
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(GRAPH_CALLS):
+        for _ in range(calls):
             fn()
 
     def replay():
         graph.replay()
-    replay.calls = GRAPH_CALLS
+    replay.calls = calls
     return replay
 
 

@@ -24,13 +24,12 @@ import torch
 import torch.distributed as dist
 
 from ..config import Config
-from ..errors import CommTimeoutError
 from ..reference import normal
 from . import hier_normal
 from .arena import as_device_bytes
+from .exchange_record import ExchangeRecord
 from .hier_comm import HierComm
 from .node_link import NodeLink
-from .nvl_buffer import STAGES
 from .peer_memory import PeerMemory
 
 TOPK_MAX = 32          # top-k slots a row has room for
@@ -70,7 +69,7 @@ def hosts_of(group) -> List[str]:
     return names
 
 
-class NicTransport:
+class NicTransport(ExchangeRecord):
     """This rank's registered memory (one IPC allocation: counters, send staging, receive slots), one device
     queue pair per peer (``peers``: every other rank by default), the key table the emulated NICs translate
     through, and the exchange round counter. A round sends one block to every peer (zero bytes allowed) and none
@@ -193,13 +192,6 @@ class NicTransport:
             stream.synchronize()
         self.check_error()
 
-    def check_error(self) -> None:
-        flag, rank, peer, stage, seq, waited_ns = self.C.read_error(self.err_host)
-        if flag:
-            self.broken = True
-            raise CommTimeoutError(rank, None if peer < 0 else peer, STAGES.get(stage, f"stage {stage}"),
-                                   f"exchange round #{seq}, waited {waited_ns / 1e9:.3f} s")
-
     # ---- statistics ----
     def nic_totals(self) -> Dict[int, Dict[str, int]]:
         """Per peer: what our NIC for that queue pair executed so far (wqes, bytes, writes, atomics)."""
@@ -225,14 +217,6 @@ class NicTransport:
 
     def size_bytes(self) -> int:
         return self.region_bytes + self.qp_mem.numel()
-
-    def close(self) -> None:
-        torch.cuda.synchronize(self.device)
-        if self.err_host:
-            self.C.host_mapped_free(self.err_host)
-            self.err_host = 0
-        self.region = None
-        self.mem.close()
 
 
 class InternodeBackend:

@@ -27,9 +27,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..errors import CommTimeoutError
 from .arena import as_device_bytes
-from .nvl_buffer import STAGES
+from .exchange_record import ExchangeRecord
 
 REGION_ALIGN = 256
 TOTAL_FIELDS = ("credits", "puts", "signals", "bytes")  # per peer, counted on the host as issued
@@ -123,7 +122,7 @@ def block_ops(base: int, offsets: Dict[str, int], slot_bytes: int, rank: int, wo
     return ops
 
 
-class NvshmemTransport:
+class NvshmemTransport(ExchangeRecord):
     """This rank's symmetric block (counters, send area, receive slots), the error record its wait kernels
     report to, and the round counter. Same interface as NicTransport for HierComm and InternodeBackend, ``peers``
     included (every other rank by default). Collective construction (allocates on NVSHMEM's heap, initializing
@@ -228,13 +227,6 @@ class NvshmemTransport:
         self.T.wait_counters(self.base + self.offsets[name], self.world_size, self.rank, self.peers, target, stage,
                              self.err_dev, self.timeout_s, self.seq.data_ptr(), stream)
 
-    def check_error(self) -> None:
-        flag, rank, peer, stage, seq, waited_ns = self.C.read_error(self.err_host)
-        if flag:
-            self.broken = True
-            raise CommTimeoutError(rank, None if peer < 0 else peer, STAGES.get(stage, f"stage {stage}"),
-                                   f"exchange round #{seq}, waited {waited_ns / 1e9:.3f} s")
-
     # ---- statistics ----
     def transfer_totals(self) -> Dict[int, Dict[str, int]]:
         """Per peer, what this rank issued so far: credit signals, puts-with-signal, signals without data
@@ -248,11 +240,5 @@ class NvshmemTransport:
     def size_bytes(self) -> int:
         return self.region_bytes
 
-    def close(self) -> None:
-        """Local: the symmetric block is freed at NVSHMEM's next collective allocation (nvshmem_session)."""
-        torch.cuda.synchronize(self.device)
-        if self.err_host:
-            self.C.host_mapped_free(self.err_host)
-            self.err_host = 0
-        self.region = None
-        self.mem.close()
+    # close() (ExchangeRecord) is local: the symmetric block is freed at NVSHMEM's next collective allocation
+    # (nvshmem_session).

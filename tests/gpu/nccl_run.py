@@ -78,5 +78,14 @@ def ranks_for_tests() -> int:
     return max(2, min(int(os.environ.get("DEEPCOMM_TEST_WORLD", "2")), gpu_count()))
 
 
+def has_nvshmem_wheel() -> bool:
+    """The nvidia-nvshmem pip wheel is importable (what the NVSHMEM tests need besides GPUs)."""
+    import importlib.util
+    try:
+        return importlib.util.find_spec("nvidia.nvshmem") is not None
+    except ImportError:  # no `nvidia` namespace package at all
+        return False
+
+
 def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0

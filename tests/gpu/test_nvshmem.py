@@ -10,21 +10,14 @@ import subprocess
 import pytest
 import torch
 
-from nccl_run import gpu_count, run_on_gpus
+from nccl_run import gpu_count, has_nvshmem_wheel, run_on_gpus
 from test_ll_kernels import M, check_cases
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _has_wheel() -> bool:
-    try:
-        return importlib.util.find_spec("nvidia.nvshmem") is not None
-    except ImportError:  # no `nvidia` namespace package at all
-        return False
-
-
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_count() < 2, reason="needs 2 GPUs with peer access"),
-              pytest.mark.skipif(not _has_wheel(),
+              pytest.mark.skipif(not has_nvshmem_wheel(),
                                  reason="nvidia.nvshmem is not importable (pip install nvidia-nvshmem-cu13)")]
 
 
