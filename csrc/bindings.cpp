@@ -170,6 +170,7 @@ PYBIND11_MODULE(_C, m) {
         py::dict d;
         d["total"] = l.total;
         d["mask"] = l.mask;
+        d["weights"] = l.weights;
         d["signal_bytes"] = l.signal_bytes();
         auto per_slot = [&](auto at) { return py::make_tuple(at(0), at(1)); };
         d["recv_x_slot"] = per_slot([&](int s) { return l.recv_x_at(s); });
