@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One full check on a GPU machine: build, GPU tests, benchmark. Logs and JSON go to $OUT (default ./out).
-#   bash launch/device_check.sh [quick|full|tests|bench|soak|verify|sanitize]
-#   (default quick; full = tests + soak + sanitize + bench; verify = tests + soak, no bench;
-#    sanitize = compute-sanitizer memcheck/racecheck/synccheck on the intranode kernels, launch/sanitize.sh)
+#   bash launch/device_check.sh [quick|full|tests|bench|soak|verify|sanitize|ll]
+#   (default quick; full = tests + soak + sanitize + bench, more than one device call's 600 s now: run its modes
+#    apart; verify = tests + soak, no bench; sanitize = compute-sanitizer memcheck/racecheck/synccheck on the
+#    intranode kernels, launch/sanitize.sh; ll = the low-latency loop: its GPU tests, the phase trace
+#    (launch/profile_low_latency.py) and the low-latency benchmark, about 4 minutes)
 # Used with the device tool on nvidia-h200-x2; every step is bounded by `timeout` so the call always returns.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
@@ -25,6 +27,18 @@ fi
 python3 -c 'import deepcomm, deepcomm._C as C; print("extension ok; gpus", C.device_count(), "backends", deepcomm.available_backends())' | tee -a "$summary"
 echo "build: $(( $(date +%s) - t0 )) s" | tee -a "$summary"
 rm -f "$OUT/build.log"  # at most 8 files come back from the device tool
+
+if [[ "$MODE" == ll ]]; then
+  t0=$(date +%s)
+  timeout 240 python3 -m pytest -q -ra -m gpu tests/gpu/test_ll_kernels.py tests/gpu/test_shrink_gpu.py \
+    tests/gpu/test_faults.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+  echo "low-latency gpu tests: rc=${PIPESTATUS[0]} $(( $(date +%s) - t0 )) s" | tee -a "$summary"
+  timeout 120 python3 launch/profile_low_latency.py > "$OUT/profile.log" 2>&1
+  echo "profile: rc=$? (profile.log)" | tee -a "$summary"
+  DEEPCOMM_LL_TRACE=0 timeout 200 python3 -m deepcomm.bench --modes low_latency --no-progress \
+    --json "$OUT/bench_ll.json" 2>&1 | grep "deepcomm.*cuda-graph\|hook" | tee -a "$summary"
+  exit 0
+fi
 
 if [[ "$MODE" != bench && "$MODE" != soak && "$MODE" != sanitize ]]; then
   t0=$(date +%s)
