@@ -1,7 +1,9 @@
 """`python -m deepcomm.soak`: randomized dispatch/combine on the chosen backend against the reference, bit for bit.
 
 Every iteration draws a new shape (tokens per rank 0..max, hidden, top-k, experts, -1 masks, FP8/UE8M0/BF16,
-normal or low-latency mode; the normal combine also with use_fp8 where H % 128 == 0; a low-latency (experts, hidden) pair is kept for ``--ll-shape-every`` low-latency
+normal or low-latency mode; the normal combine also with use_fp8 where H % 128 == 0; low-latency calls with or
+without the receive hook, and the low-latency combine with or without FP8 on the wire; a low-latency (experts,
+hidden) pair is kept for ``--ll-shape-every`` low-latency
 iterations, since each new pair re-makes the low-latency buffer), runs it on ``--backend`` and on the reference
 backend in the same process group, and compares every output byte. Inputs are drawn on the device. Runs ``--iterations`` or until ``--seconds`` pass, whichever comes first, then prints
 the counts per mode/dtype on rank 0 and exits non-zero on any mismatch. ``--self-check`` flips one output byte in
@@ -79,6 +81,8 @@ class Case:
             self.hidden = step * rng.randint(1, args.max_hidden // step)
         self.topk = rng.randint(1, min(8, self.experts))
         self.mask = rng.choice([0.0, 0.0, 0.2, 0.6])
+        self.hook = rng.random() < 0.3          # low-latency: send, then the receive half from the hook
+        self.combine_fp8 = rng.random() < 0.3   # low-latency combine: partials cross as e4m3 + scales
         self.max_tokens = args.max_ll_tokens if low_latency else args.max_tokens
 
     def label(self) -> str:
@@ -134,7 +138,8 @@ def _low_latency(buf, ref, case, x, idx, w, gen, device, world, corrupt):
     import torch
     kw = dict(use_fp8=case.dtype != "bf16", use_ue8m0=case.dtype == "ue8m0")
     M = case.max_tokens
-    got = buf.low_latency_dispatch(x, idx, M, case.experts, **kw)
+    got = buf.low_latency_dispatch(x, idx, M, case.experts, return_recv_hook=case.hook, **kw)
+    got[3]()  # a no-op without the hook
     want = ref.low_latency_dispatch(x, idx, M, case.experts, **kw)
     ok = _same(got[1], want[1]) and all(_same(getattr(got[2], f), getattr(want[2], f))
                                         for f in ("src_info", "layout", "recv_pos"))
@@ -146,7 +151,9 @@ def _low_latency(buf, ref, case, x, idx, w, gen, device, world, corrupt):
     for e, n in enumerate(want[1].tolist()):  # rows past the count are undefined
         ok &= all(_same(g[e, :n], v[e, :n]) for g, v in zip(parts_g, parts_w))
     y = torch.randn(case.experts // world, world * M, case.hidden, generator=gen, device=device).to(torch.bfloat16)
-    ok &= _same(buf.low_latency_combine(y, idx, w, got[2])[0], ref.low_latency_combine(y, idx, w, want[2])[0])
+    out, hook = buf.low_latency_combine(y, idx, w, got[2], return_recv_hook=case.hook, use_fp8=case.combine_fp8)
+    hook()
+    ok &= _same(out, ref.low_latency_combine(y, idx, w, want[2], use_fp8=case.combine_fp8)[0])
     return ok, flipped
 
 
