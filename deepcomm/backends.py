@@ -53,7 +53,8 @@ def make_backend(requested: str, group, config: Config, rank: int, world_size: i
     if requested != "reference":
         reason = cuda_unavailable_reason(group)
         if reason is None and internode:
-            reason = internode_unavailable_reason(group, world_size, config.internode_transport)
+            reason = internode_unavailable_reason(group, world_size, config.internode_transport,
+                                                  config.gpus_per_node)
         if reason is not None and requested == "cuda":
             raise RuntimeError(f"deepcomm: backend='cuda' cannot run here: {reason}")
         name = "cuda" if reason is None else "reference"
@@ -67,15 +68,23 @@ def make_backend(requested: str, group, config: Config, rank: int, world_size: i
     return ReferenceBackend(group, config, rank, world_size, device), name
 
 
-def internode_unavailable_reason(group, world_size: int, transport: str = "emulated") -> Optional[str]:
+def internode_unavailable_reason(group, world_size: int, transport: str = "emulated",
+                                 gpus_per_node: int = 1) -> Optional[str]:
     """``None`` when the internode CUDA backend can run. Collective over ``group`` (it compares host names).
     The "emulated" transport's WQEs are executed by the device emulated NIC, which reaches the "remote" GPU over
     NVLink, so every rank must be on one host. The "nvshmem" transport leaves the reaching to NVSHMEM, so ranks
-    may span hosts (not tested across hosts yet: docs/internode.md)."""
+    may span hosts (not tested across hosts yet: docs/internode.md), but the NVLink hop inside a node maps its
+    peers' memory with CUDA IPC, so the ranks of one node (``gpus_per_node`` consecutive ranks) share a host."""
     from .cuda.internode import MAX_RANKS, hosts_of
     if world_size > MAX_RANKS:
         return f"the internode transport takes at most {MAX_RANKS} ranks, the group has {world_size}"
-    if len(set(hosts_of(group))) > 1 and transport == "emulated":
+    hosts = hosts_of(group)
+    for node in range(world_size // gpus_per_node):
+        on = sorted(set(hosts[node * gpus_per_node:(node + 1) * gpus_per_node]))
+        if len(on) > 1:
+            return (f"the ranks of node {node} (gpus_per_node={gpus_per_node}) are on several hosts ({', '.join(on)}); "
+                    "the NVLink hop inside a node needs them on one host")
+    if len(set(hosts)) > 1 and transport == "emulated":
         return ("the ranks span several hosts; the internode CUDA backend's emulated NIC runs only on one host posing "
                 "as several nodes (internode_transport='nvshmem', or DEEPCOMM_INTERNODE_TRANSPORT=nvshmem, reaches "
                 "other hosts through NVSHMEM)")

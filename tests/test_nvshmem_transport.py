@@ -247,6 +247,13 @@ def test_several_hosts_need_the_nvshmem_transport(monkeypatch):
     assert "at most 32 ranks" in backends.internode_unavailable_reason(None, 33, "nvshmem")
     monkeypatch.setattr(internode, "hosts_of", lambda group: ["a", "a"])
     assert backends.internode_unavailable_reason(None, 2, "emulated") is None
+    # 2 nodes x 2 GPUs: each node on its own host is fine over NVSHMEM; a node split over hosts is not
+    monkeypatch.setattr(internode, "hosts_of", lambda group: ["a", "a", "b", "b"])
+    assert backends.internode_unavailable_reason(None, 4, "nvshmem", 2) is None
+    assert "several hosts; the internode CUDA" in backends.internode_unavailable_reason(None, 4, "emulated", 2)
+    monkeypatch.setattr(internode, "hosts_of", lambda group: ["a", "b", "a", "b"])
+    assert "node 0 (gpus_per_node=2) are on several hosts (a, b)" in \
+        backends.internode_unavailable_reason(None, 4, "nvshmem", 2)
 
 
 # ---- the extension ----
