@@ -1,4 +1,5 @@
-// Eight bf16 values in one 16-byte vector, as the kernels load them, to fp32 (exact).
+// Eight bf16 values in one 16-byte vector, as the kernels load and store them: to fp32 (exact), and from fp32
+// (each rounded to nearest even).
 #pragma once
 #include <cuda_bf16.h>
 
@@ -12,6 +13,14 @@ __device__ __forceinline__ void unpack_bf16x8(const int4& v, float (&f)[8]) {
     f[2 * j] = p.x;
     f[2 * j + 1] = p.y;
   }
+}
+
+__device__ __forceinline__ int4 round_bf16x8(const float* acc) {
+  int4 out;
+  auto* h = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) h[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
+  return out;
 }
 
 }  // namespace dc

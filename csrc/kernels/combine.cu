@@ -16,6 +16,7 @@
 #include "../runtime/cuda_check.hpp"
 #include "../runtime/wait.cuh"
 #include "api.hpp"
+#include "bf16_vec.cuh"
 #include "combine_fp8.cuh"
 #include "warp_copy.cuh"
 
@@ -31,14 +32,6 @@ __device__ __forceinline__ void accumulate_bf16x8(float* acc, const int4& v) {
     acc[2 * j] += f.x;
     acc[2 * j + 1] += f.y;
   }
-}
-
-__device__ __forceinline__ int4 round_bf16x8(const float* acc) {
-  int4 out;
-  auto* h = reinterpret_cast<__nv_bfloat162*>(&out);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) h[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
-  return out;
 }
 
 // Staging row layout of one call: row stride and where the K fp32 weights start in a row.

@@ -134,12 +134,7 @@ __device__ __forceinline__ void combine_send_phase(const LlCombineArgs& a, const
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
           const int64_t idx = int64_t(c) * kChunk + u * 256 + lane * 8;
-          if (idx >= H) continue;
-          int4 o;
-          auto* oh = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-          for (int j = 0; j < 4; ++j) oh[j] = __floats2bfloat162_rn(acc[u][2 * j], acc[u][2 * j + 1]);
-          ptx::st_na_v4(reinterpret_cast<int4*>(dst + idx * 2), o);
+          if (idx < H) ptx::st_na_v4(reinterpret_cast<int4*>(dst + idx * 2), round_bf16x8(acc[u]));
         }
       }
     }
@@ -203,12 +198,7 @@ __device__ __forceinline__ void combine_recv_phase(const LlCombineArgs& a, const
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t idx = int64_t(c) * kChunk + u * 256 + lane * 8;
-      if (idx >= H) continue;
-      int4 o;
-      auto* oh = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) oh[j] = __floats2bfloat162_rn(acc[u][2 * j], acc[u][2 * j + 1]);
-      *reinterpret_cast<int4*>(out + idx) = o;
+      if (idx < H) *reinterpret_cast<int4*>(out + idx) = round_bf16x8(acc[u]);
     }
   }
   __syncthreads();
@@ -219,11 +209,8 @@ template <int kPhases>
 __global__ void __launch_bounds__(kLlThreads, 1)
     ll_combine_kernel(LlCombineArgs a, LlLayout l, Peers peers, WaitCtx ctx) {
   constexpr bool kSend = kPhases & kLlSendPhase, kRecv = kPhases & kLlRecvPhase;
-  const uint8_t* self = peers.base[ctx.rank];
-  // Read before this launch's own send can finish (its last block advances both).
-  ctx.seq = kSend ? ll_send_seq(self, l, kLlCombine) : ll_recv_seq(self, l, kLlCombine, a.slot);
-  const uint64_t calls = ll_slot_calls(self, l, kLlCombine, a.slot) + (kSend ? 1 : 0);
-  const uint32_t alive = ll_alive_ranks(self, l, ctx.rank);
+  uint32_t alive;
+  const uint64_t calls = ll_enter<kSend>(peers.base[ctx.rank], l, kLlCombine, a.slot, ctx, &alive);
   ll_trace(a.trace, kLlTraceEntry);
   extern __shared__ int smem[];
   if (kSend) combine_send_phase(a, l, peers, ctx, alive, smem);
@@ -240,9 +227,15 @@ void launch_ll_combine(const LlCombineArgs& args, int phases, int num_blocks, co
   const int smem = (layout.local_experts() * (layout.num_ranks + 1)) * int(sizeof(int));
   DC_HOST_ASSERT(smem <= 48 * 1024, "low_latency_combine: too many local experts");
   switch (phases) {
-    case kLlSendPhase: ll_combine_kernel<kLlSendPhase><<<num_blocks, kLlThreads, smem, stream>>>(args, layout, peers, ctx); break;
-    case kLlRecvPhase: ll_combine_kernel<kLlRecvPhase><<<num_blocks, kLlThreads, 0, stream>>>(args, layout, peers, ctx); break;
-    case kLlBothPhases: ll_combine_kernel<kLlBothPhases><<<num_blocks, kLlThreads, smem, stream>>>(args, layout, peers, ctx); break;
+    case kLlSendPhase:
+      ll_combine_kernel<kLlSendPhase><<<num_blocks, kLlThreads, smem, stream>>>(args, layout, peers, ctx);
+      break;
+    case kLlRecvPhase:  // the receive half needs no shared memory
+      ll_combine_kernel<kLlRecvPhase><<<num_blocks, kLlThreads, 0, stream>>>(args, layout, peers, ctx);
+      break;
+    case kLlBothPhases:
+      ll_combine_kernel<kLlBothPhases><<<num_blocks, kLlThreads, smem, stream>>>(args, layout, peers, ctx);
+      break;
     default: DC_HOST_ASSERT(false, "low_latency_combine: phases must be 1 (send), 2 (receive) or 3 (both)");
   }
   DC_CUDA_CHECK(cudaGetLastError());

@@ -63,6 +63,17 @@ __device__ __forceinline__ uint64_t ll_slot_calls(const uint8_t* self, const LlL
   return ptx::ld_relaxed_sys_u64(reinterpret_cast<const uint64_t*>(self + l.slot_calls) + kind * 2 + slot);
 }
 
+// What every launch reads at entry, before its own send half can finish (that send's last block advances the
+// call numbers): the call's sequence number (into ctx.seq: a send's new number, or the one the slot's send used),
+// the slot's send count every rank must reach before the receive half runs (returned), and the live ranks.
+template <bool kSend>
+__device__ __forceinline__ uint64_t ll_enter(const uint8_t* self, const LlLayout& l, LlKind kind, int slot,
+                                             WaitCtx& ctx, uint32_t* alive) {
+  ctx.seq = kSend ? ll_send_seq(self, l, kind) : ll_recv_seq(self, l, kind, slot);
+  *alive = ll_alive_ranks(self, l, ctx.rank);
+  return ll_slot_calls(self, l, kind, slot) + (kSend ? 1 : 0);
+}
+
 // Every block of a send calls this once, on every path, at its very end; ok = false when the block gave up (a
 // timed-out wait). The last block to finish advances the call numbers and, unless some block gave up, tells every
 // rank that this call's stores into it are complete: one store of the slot's new call count into that rank's

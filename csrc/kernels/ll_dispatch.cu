@@ -194,7 +194,8 @@ __device__ __forceinline__ void dispatch_recv_phase(const LlDispatchArgs& a, con
     if (!ll_is_alive(alive, s)) continue;
     // both loads in flight at once; the key of a token past the count is stale and dropped
     const int n = ptx::ld_volatile_s32(ntok + s);
-    const int key = lane < K ? ptx::ld_volatile_s32(reinterpret_cast<const int*>(self + l.meta_at(slot, s, t)) + lane) : -1;
+    const int* meta = reinterpret_cast<const int*>(self + l.meta_at(slot, s, t));
+    const int key = lane < K ? ptx::ld_volatile_s32(meta + lane) : -1;
     if (t >= n) continue;
     const int64_t entry = key >= 0 ? (key >> 16) * rows + base[(key >> 16) * R + s] + (key & 0xffff) : -1;
     const uint32_t mine = __ballot_sync(0xffffffffu, key >= 0);
@@ -239,11 +240,8 @@ template <int kPhases>
 __global__ void __launch_bounds__(kLlThreads, 1)
     ll_dispatch_kernel(LlDispatchArgs a, LlLayout l, Peers peers, WaitCtx ctx) {
   constexpr bool kSend = kPhases & kLlSendPhase, kRecv = kPhases & kLlRecvPhase;
-  const uint8_t* self = peers.base[ctx.rank];
-  // Read before this launch's own send can finish (its last block advances both).
-  ctx.seq = kSend ? ll_send_seq(self, l, kLlDispatch) : ll_recv_seq(self, l, kLlDispatch, a.slot);
-  const uint64_t calls = ll_slot_calls(self, l, kLlDispatch, a.slot) + (kSend ? 1 : 0);
-  const uint32_t alive = ll_alive_ranks(self, l, ctx.rank);
+  uint32_t alive;
+  const uint64_t calls = ll_enter<kSend>(peers.base[ctx.rank], l, kLlDispatch, a.slot, ctx, &alive);
   ll_trace(a.trace, kLlTraceEntry);
   extern __shared__ int smem[];
   if (kSend) dispatch_send_phase(a, l, peers, ctx, alive, smem);

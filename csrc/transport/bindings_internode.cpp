@@ -14,6 +14,12 @@ namespace py = pybind11;
 using namespace dc;
 using namespace dc::transport;
 
+// The bounded waits of one launch: the host-mapped error record, the timeout, our rank, our device round counter.
+static WaitCtx wait_ctx(uintptr_t err_dev, double timeout_s, int rank, uintptr_t seq_ptr) {
+  return WaitCtx{reinterpret_cast<ErrorRecord*>(err_dev), uint64_t(timeout_s * 1e9), rank, 0,
+                 reinterpret_cast<const uint64_t*>(seq_ptr)};
+}
+
 void bind_internode(py::module_& m) {
   m.attr("INTERNODE_PEER_FIELDS") = kInternodePeerFields;
   m.attr("NIC_TOTALS_FIELDS") = py::make_tuple("wqes", "bytes", "writes", "atomics");
@@ -31,12 +37,8 @@ void bind_internode(py::module_& m) {
     a.chunk_bytes = chunk_bytes;
     a.log_wqebbs = log_wqebbs;
     a.log_cqes = log_cqes;
-    WaitCtx c{};
-    c.err = reinterpret_cast<ErrorRecord*>(err_dev);
-    c.timeout_ns = uint64_t(timeout_s * 1e9);
-    c.rank = rank;
-    c.seq_ptr = reinterpret_cast<const uint64_t*>(seq_ptr);
-    launch_internode_exchange(a, keys, c, reinterpret_cast<cudaStream_t>(stream));
+    launch_internode_exchange(a, keys, wait_ctx(err_dev, timeout_s, rank, seq_ptr),
+                              reinterpret_cast<cudaStream_t>(stream));
   }, py::arg("peers"), py::arg("num_peers"), py::arg("lkey"), py::arg("round"), py::arg("chunk_bytes"),
      py::arg("log_wqebbs"), py::arg("log_cqes"), py::arg("keys"), py::arg("err_dev"), py::arg("timeout_s"),
      py::arg("rank"), py::arg("seq_ptr"), py::arg("stream"),
@@ -57,12 +59,8 @@ void bind_internode(py::module_& m) {
     a.local = local;
     a.first_rank = first_rank;
     a.epoch = epoch;
-    WaitCtx c{};
-    c.err = reinterpret_cast<ErrorRecord*>(err_dev);
-    c.timeout_ns = uint64_t(timeout_s * 1e9);
-    c.rank = first_rank + local;
-    c.seq_ptr = reinterpret_cast<const uint64_t*>(seq_ptr);
-    launch_node_barrier(a, c, reinterpret_cast<cudaStream_t>(stream));
+    launch_node_barrier(a, wait_ctx(err_dev, timeout_s, first_rank + local, seq_ptr),
+                        reinterpret_cast<cudaStream_t>(stream));
   }, py::arg("flags"), py::arg("peer_flags"), py::arg("local"), py::arg("first_rank"), py::arg("epoch"),
      py::arg("err_dev"), py::arg("timeout_s"), py::arg("seq_ptr"), py::arg("stream"),
      "Launch one barrier among the GPUs of a node (csrc/kernels/node_barrier.hpp); flags: our u64 [gpus].");
@@ -80,12 +78,7 @@ void bind_internode(py::module_& m) {
         throw std::invalid_argument("peers: rank " + std::to_string(p) + " outside [0, world_size) or our own");
       a.peer_mask[p / 32] |= 1u << (p % 32);
     }
-    WaitCtx c{};
-    c.err = reinterpret_cast<ErrorRecord*>(err_dev);
-    c.timeout_ns = uint64_t(timeout_s * 1e9);
-    c.rank = rank;
-    c.seq_ptr = reinterpret_cast<const uint64_t*>(seq_ptr);
-    launch_counter_wait(a, c, reinterpret_cast<cudaStream_t>(stream));
+    launch_counter_wait(a, wait_ctx(err_dev, timeout_s, rank, seq_ptr), reinterpret_cast<cudaStream_t>(stream));
   }, py::arg("counters"), py::arg("world_size"), py::arg("rank"), py::arg("peers"), py::arg("target"),
      py::arg("stage"), py::arg("err_dev"), py::arg("timeout_s"), py::arg("seq_ptr"), py::arg("stream"),
      "Launch a bounded wait until counters[p] >= target for every p in peers (device u64 [world_size]); a "
