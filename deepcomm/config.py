@@ -13,20 +13,25 @@ INTERNODE_TRANSPORTS = ("emulated", "nvshmem")
 INTERNODE_TRANSPORT_ENV = "DEEPCOMM_INTERNODE_TRANSPORT"
 
 
+def _resolve_choice(arg: str, value: Optional[str], env_name: str, choices, default: str) -> str:
+    """``value`` when given (exactly one of ``choices``), else ``$env_name`` (trimmed, any case), else ``default``;
+    ``ValueError`` names the argument or the variable."""
+    if value is None:
+        env = os.environ.get(env_name, "").strip()
+        if not env:
+            return default
+        if env.lower() not in choices:
+            raise ValueError(f"{env_name}: expected one of {', '.join(choices)}, got {env!r}")
+        return env.lower()
+    if value not in choices:
+        raise ValueError(f"{arg}: expected one of {', '.join(map(repr, choices))} or None, got {value!r}")
+    return value
+
+
 def resolve_low_latency_memory(value: Optional[str]) -> str:
     """Where the CUDA backend puts its low-latency buffer: ``value`` when given, else ``$DEEPCOMM_LL_MEMORY``, else
     "ipc" (cudaMalloc + CUDA IPC). "nvshmem" uses NVSHMEM's symmetric heap. ``ValueError`` names the source."""
-    if value is None:
-        env = os.environ.get(LL_MEMORY_ENV, "").strip()
-        if not env:
-            return "ipc"
-        if env.lower() not in LL_MEMORY_KINDS:
-            raise ValueError(f"{LL_MEMORY_ENV}: expected one of {', '.join(LL_MEMORY_KINDS)}, got {env!r}")
-        return env.lower()
-    if value not in LL_MEMORY_KINDS:
-        raise ValueError(f"low_latency_memory: expected one of {', '.join(map(repr, LL_MEMORY_KINDS))} or None, "
-                         f"got {value!r}")
-    return value
+    return _resolve_choice("low_latency_memory", value, LL_MEMORY_ENV, LL_MEMORY_KINDS, "ipc")
 
 
 def resolve_internode_transport(value: Optional[str]) -> str:
@@ -34,18 +39,7 @@ def resolve_internode_transport(value: Optional[str]) -> str:
     when given, else ``$DEEPCOMM_INTERNODE_TRANSPORT``, else "emulated" (GPU-posted mlx5 WQEs executed by the
     device emulated NIC; every rank on one host). "nvshmem": puts and signals through NVSHMEM's host API on its
     symmetric heap. ``ValueError`` names the source."""
-    if value is None:
-        env = os.environ.get(INTERNODE_TRANSPORT_ENV, "").strip()
-        if not env:
-            return "emulated"
-        if env.lower() not in INTERNODE_TRANSPORTS:
-            raise ValueError(f"{INTERNODE_TRANSPORT_ENV}: expected one of {', '.join(INTERNODE_TRANSPORTS)}, "
-                             f"got {env!r}")
-        return env.lower()
-    if value not in INTERNODE_TRANSPORTS:
-        raise ValueError(f"internode_transport: expected one of {', '.join(map(repr, INTERNODE_TRANSPORTS))} or "
-                         f"None, got {value!r}")
-    return value
+    return _resolve_choice("internode_transport", value, INTERNODE_TRANSPORT_ENV, INTERNODE_TRANSPORTS, "emulated")
 
 
 def default_num_sms(sm_count: Optional[int]) -> int:

@@ -282,18 +282,26 @@ def reported_mode(case: Case, dc: Optional[Deepcomm]) -> str:
 GRAPH_CALLS = 10  # calls captured back to back in one graph: the graph's own launch cost is spread over them
 
 
-def replay_graph(fn: Callable[[], object], calls: int = GRAPH_CALLS) -> Callable[[], object]:
-    """Capture ``calls`` calls of ``fn`` in one CUDA graph (after a warm-up on a side stream) and return its
-    replay, marked with ``.calls`` so the harness reports time per call: the kernels' time without the host's."""
+def capture_graph(step: Callable[[], object], calls: int = 1):
+    """Warm ``step()`` up on a side stream, then capture ``calls`` calls of it in one CUDA graph: ``(graph, the
+    last call's outputs)`` (the tests replay it with new inputs copied into the captured ones)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        fn()
+        step()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
+    out = None
     with torch.cuda.graph(graph):
         for _ in range(calls):
-            fn()
+            out = step()
+    return graph, out
+
+
+def replay_graph(fn: Callable[[], object], calls: int = GRAPH_CALLS) -> Callable[[], object]:
+    """Capture ``calls`` calls of ``fn`` in one CUDA graph (capture_graph) and return its replay, marked with
+    ``.calls`` so the harness reports time per call: the kernels' time without the host's."""
+    graph, _ = capture_graph(fn, calls)
 
     def replay():
         graph.replay()

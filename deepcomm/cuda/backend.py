@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from .._ext import load_extension
 from ..handle import Handle, LowLatencyHandle
+from .align import round_up
 from .arena import Arena, as_device_bytes
 from .ll_buffer import LlBuffer
 from .nvl_buffer import NvlBuffer
@@ -36,7 +37,7 @@ def _noop() -> None:
 
 
 def _align(counts: List[int], alignment: int) -> List[int]:
-    return [(c + alignment - 1) // alignment * alignment for c in counts]
+    return [round_up(c, alignment) for c in counts]
 
 
 def _worst_output_bytes(C, rows: int, hidden: int) -> int:

@@ -1,6 +1,10 @@
-"""What both internode transports (NicTransport, NvshmemTransport) share: the host-mapped error record their
-bounded wait kernels fill, the refusal after a timeout, and the release of their registered memory."""
+"""What the internode path's communication objects share. Both transports (NicTransport, NvshmemTransport): who
+their peers are, the checks a round's block sizes pass before anything is issued, the views of their send area and
+receive slots, the refusal after a timeout. Those and the NVLink hop (NodeLink): the host-mapped error record their
+bounded wait kernels fill, and the release of their registered memory."""
 from __future__ import annotations
+
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -8,18 +12,54 @@ from ..errors import CommTimeoutError
 from .nvl_buffer import STAGES
 
 
-class ExchangeRecord:
-    """Mixin. The transport sets ``C`` (the extension), ``device``, ``err_host`` (0 until allocated), ``broken``,
-    ``region`` and ``mem`` (its registered memory, with ``close()``)."""
+def peer_list(rank: int, world_size: int, peers: Optional[Sequence[int]]) -> List[int]:
+    """``peers`` without ``rank``, ascending (every other rank when None); ValueError for a rank outside the group
+    or for no peer at all."""
+    out = sorted(set(range(world_size) if peers is None else peers) - {rank})
+    if not out or not all(0 <= p < world_size for p in out):
+        raise ValueError(f"peers: expected ranks in [0, {world_size}) other than {rank}, got {list(peers or [])}")
+    return out
+
+
+def check_round(send_bytes: Sequence[int], send_begin: Sequence[int], rank: int, world_size: int,
+                peers: Sequence[int], slot_bytes: int) -> None:
+    """ValueError unless every block of a round fits: one entry per rank, nothing for a rank that is not a peer,
+    each peer's block within a receive slot and within the send area (``world_size`` slots)."""
+    if len(send_bytes) != world_size or len(send_begin) != world_size:
+        raise ValueError(f"send_bytes: expected {world_size} entries (one per rank), got {len(send_bytes)} and "
+                         f"{len(send_begin)} begins")
+    for p in sorted(set(range(world_size)) - set(peers) - {rank}):
+        if send_bytes[p]:
+            raise ValueError(f"send_bytes: rank {p} is not a peer of this transport (peers {list(peers)})")
+    send_area = world_size * slot_bytes
+    for p in peers:
+        n, b = int(send_bytes[p]), int(send_begin[p])
+        if n > slot_bytes:
+            raise ValueError(f"x: {n} bytes for rank {p} exceed the receive slot ({slot_bytes} bytes); raise "
+                             "max_tokens_per_rank or hidden of the Buffer")
+        if n < 0 or b < 0 or b + n > send_area:
+            raise ValueError(f"send_begin: block for rank {p} ([{b}, {b} + {n})) is outside the send area "
+                             f"({send_area} bytes)")
+
+
+class RecordedWaits:
+    """Mixin. The owner sets ``C`` (the extension), ``device``, ``err_host`` (0 until allocated), ``broken``,
+    ``region`` (its registered memory as bytes) and ``mem`` (its registered memory, with ``close()``)."""
+
+    def _what(self, seq: int) -> str:
+        """Names the step a timeout happened in, for the error's detail."""
+        return f"exchange round #{seq}"
 
     def check_error(self) -> None:
-        """Raise CommTimeoutError (rank, peer, stage, round) when a wait of this transport timed out; the transport
-        then refuses further rounds."""
+        """Raise CommTimeoutError (rank, peer, stage, step) when one of our waits timed out; the owner then refuses
+        further work."""
+        if not self.err_host:
+            return
         flag, rank, peer, stage, seq, waited_ns = self.C.read_error(self.err_host)
         if flag:
             self.broken = True
             raise CommTimeoutError(rank, None if peer < 0 else peer, STAGES.get(stage, f"stage {stage}"),
-                                   f"exchange round #{seq}, waited {waited_ns / 1e9:.3f} s")
+                                   f"{self._what(seq)}, waited {waited_ns / 1e9:.3f} s")
 
     def close(self) -> None:
         torch.cuda.synchronize(self.device)
@@ -28,3 +68,20 @@ class ExchangeRecord:
             self.err_host = 0
         self.region = None
         self.mem.close()
+
+
+class ExchangeRecord(RecordedWaits):
+    """Mixin of the transports: besides RecordedWaits' attributes they set ``offsets`` (with "send" and "recv")
+    and ``slot_bytes``."""
+
+    def send_view(self, rows: int, stride: int) -> torch.Tensor:
+        o = self.offsets["send"]
+        return self.region[o:o + rows * stride].view(rows, stride)
+
+    def recv_view(self, src: int, rows: int, stride: int) -> torch.Tensor:
+        o = self.offsets["recv"] + src * self.slot_bytes
+        return self.region[o:o + rows * stride].view(rows, stride)
+
+    def refuse_if_broken(self) -> None:
+        if self.broken:
+            raise RuntimeError("deepcomm: this Buffer timed out earlier; destroy it and build a new one on every rank")

@@ -20,9 +20,7 @@ from typing import Dict, Iterator, List, Optional, Sequence
 
 import torch
 
-
-def up16(n: int) -> int:
-    return (n + 15) // 16 * 16
+from .align import round_up
 
 
 class NodeHop:
@@ -123,7 +121,7 @@ class HierComm:
         R, N = self.world_size, self.num_nodes
         flat = t.contiguous().reshape(-1).view(torch.uint8)
         nbytes = flat.numel()
-        stride = up16(nbytes)
+        stride = round_up(nbytes, 16)
         mine = torch.zeros(1, stride, dtype=torch.uint8, device=self.device)
         mine[0, :nbytes] = flat
         got = self.rail_exchange({m: [mine] for m in self.other_nodes}, {m: stride for m in self.other_nodes}, stage)

@@ -35,7 +35,8 @@ from ..fp8 import per_token_cast_back, per_token_cast_to_fp8
 from ..handle import Handle
 from ..reference import normal
 from ..reference.collectives import as_byte_rows, part_row_bytes, unpack_rows
-from .hier_comm import HierComm, up16
+from .align import round_up
+from .hier_comm import HierComm
 
 
 def pack_rows(parts: Sequence[torch.Tensor], rows: int, stride: int) -> torch.Tensor:
@@ -104,7 +105,7 @@ def dispatch(comm: HierComm, x, topk_idx: Optional[torch.Tensor], topk_weights: 
         parts.append(topk_weights)
     row_bytes = [part_row_bytes(p) for p in parts]
     mask_at = sum(row_bytes)
-    stride = up16(mask_at + (4 if G > 1 else 0))
+    stride = round_up(mask_at + (4 if G > 1 else 0), 16)
     packed = pack_rows(parts, T, stride)
 
     # RDMA hop: each token once to every other node that holds any of its experts.
@@ -179,10 +180,12 @@ def combine(comm: HierComm, x: torch.Tensor, handle: Handle, topk_weights: Optio
     held_parts = (list(per_token_cast_to_fp8(xs)) if use_fp8 else [xs]) + ([w] if w is not None else [])
     held_row_bytes = [part_row_bytes(p) for p in held_parts]
     held_bytes = sum(held_row_bytes)
+    held_stride = round_up(held_bytes, 16)            # RDMA row of a token one GPU of the node holds
+    partial_stride = round_up(4 * H + 4 * K, 16)      # RDMA row of a node partial: fp32 x and weights
     src_idx = handle.recv_src_idx[:real]
     nvl_parts = held_parts + [src_idx]
     nvl_row_bytes = held_row_bytes + [4]
-    nvl_stride = up16(held_bytes + 4)
+    nvl_stride = round_up(held_bytes + 4, 16)
     packed = pack_rows(nvl_parts, real, nvl_stride)
 
     # NVLink hop: our rows for source s go to s's forwarder on our node (the GPU with s's local index).
@@ -239,10 +242,10 @@ def combine(comm: HierComm, x: torch.Tensor, handle: Handle, topk_weights: Optio
                    else torch.empty(0, nvl_stride, dtype=torch.uint8, device=dev))
         row_of = torch.empty(toks.numel(), dtype=torch.int64, device=dev)
         row_of[inverse] = torch.arange(src_all.numel(), device=dev)  # exact where a token has one holder
-        single_rows = torch.zeros(single.numel(), up16(held_bytes), dtype=torch.uint8, device=dev)
+        single_rows = torch.zeros(single.numel(), held_stride, dtype=torch.uint8, device=dev)
         single_rows[:, :held_bytes] = raw_all.index_select(0, row_of[single])[:, :held_bytes]
         multi_parts = [part[multi]] + ([wpart[multi]] if wpart is not None else [])
-        blocks[m] = [single_rows, pack_rows(multi_parts, multi.numel(), up16(4 * H + 4 * K))]
+        blocks[m] = [single_rows, pack_rows(multi_parts, multi.numel(), partial_stride)]
 
     # What each other node's forwarder sends us: our tokens it holds, one-holder ones first, token order.
     holders_per_node = handle.is_token_in_rank.view(T, N, G).sum(dim=2)
@@ -250,7 +253,7 @@ def combine(comm: HierComm, x: torch.Tensor, handle: Handle, topk_weights: Optio
     for m in comm.other_nodes:
         c = holders_per_node[:, m]
         expect[m] = ((c == 1).nonzero()[:, 0], (c > 1).nonzero()[:, 0])
-        recv_bytes[m] = expect[m][0].numel() * up16(held_bytes) + expect[m][1].numel() * up16(4 * H + 4 * K)
+        recv_bytes[m] = expect[m][0].numel() * held_stride + expect[m][1].numel() * partial_stride
     got = comm.rail_exchange(blocks, recv_bytes, "combine:rdma")
 
     # Sum the node partials, nodes ascending, fp32 from +0; one rounding.
@@ -266,10 +269,10 @@ def combine(comm: HierComm, x: torch.Tensor, handle: Handle, topk_weights: Optio
                     wacc.index_add_(0, toks, wpart)
             continue
         single_t, multi_t = expect[m]
-        n1, s1 = single_t.numel(), up16(held_bytes)
+        n1 = single_t.numel()
         block = got[m]
-        vals, wv = as_values(unpack_rows(block[:n1 * s1].view(n1, s1), held_parts, held_row_bytes))
-        multi = unpack_rows(block[n1 * s1:].view(multi_t.numel(), up16(4 * H + 4 * K)), fp32_parts,
+        vals, wv = as_values(unpack_rows(block[:n1 * held_stride].view(n1, held_stride), held_parts, held_row_bytes))
+        multi = unpack_rows(block[n1 * held_stride:].view(multi_t.numel(), partial_stride), fp32_parts,
                             [4 * H] + ([4 * K] if w is not None else []))
         acc.index_add_(0, single_t, vals)
         acc.index_add_(0, multi_t, multi[0])

@@ -26,8 +26,9 @@ import torch.distributed as dist
 from ..config import Config
 from ..reference import normal
 from . import hier_normal
+from .align import round_up
 from .arena import as_device_bytes
-from .exchange_record import ExchangeRecord
+from .exchange_record import ExchangeRecord, check_round, peer_list
 from .hier_comm import HierComm
 from .node_link import NodeLink
 from .peer_memory import PeerMemory
@@ -39,28 +40,24 @@ CHUNK_BYTES = 1 << 20  # bytes per RDMA write WQE
 LKEY_BASE, RKEY_BASE = 0x1000, 0x2000
 
 
-def _up(n: int, a: int) -> int:
-    return (n + a - 1) // a * a
-
-
 def max_node_row_bytes(hidden: int) -> int:
     """Widest row the NVLink hop carries: a dispatch row of bf16 x (FP8 values + scales are narrower), int64
     top-k ids, fp32 top-k weights, an int32 source index and an int32 node mask, padded to 16 bytes (combine
     rows, bf16 x + weights + source index, are narrower)."""
-    return _up(2 * hidden + TOPK_MAX * 12 + 8, 16)
+    return round_up(2 * hidden + TOPK_MAX * 12 + 8, 16)
 
 
 def max_row_bytes(hidden: int) -> int:
     """Widest row an RDMA exchange carries: a dispatch row, or a combine partial of several rows (fp32 x and
     fp32 weights)."""
-    return max(max_node_row_bytes(hidden), _up(4 * hidden + TOPK_MAX * 4, 16))
+    return max(max_node_row_bytes(hidden), round_up(4 * hidden + TOPK_MAX * 4, 16))
 
 
 def rail_slot_bytes(max_tokens: int, hidden: int) -> int:
     """Bytes of one receive slot of the RDMA hop, for either transport: a rail rank sends us at most one row per
     token of its own (dispatch: each token once per node; combine: one partial per (token, node)), each at most
     ``max_row_bytes`` (the fp32 partial is the widest), 64-byte aligned."""
-    return _up(max_tokens * max_row_bytes(hidden), 64)
+    return round_up(max_tokens * max_row_bytes(hidden), 64)
 
 
 def hosts_of(group) -> List[str]:
@@ -91,16 +88,14 @@ class NicTransport(ExchangeRecord):
         self.rank, self.world_size, self.device, self.timeout_s = rank, world_size, device, timeout_s
         R = world_size
         # queue pairs only to these ranks (the internode path: the same local index on other nodes)
-        self.peers = sorted(set(range(R) if peers is None else peers) - {rank})
-        if not self.peers or not all(0 <= p < R for p in self.peers):
-            raise ValueError(f"peers: expected ranks in [0, {R}) other than {rank}, got {list(peers or [])}")
+        self.peers = peer_list(rank, R, peers)
         self.slot_bytes = rail_slot_bytes(max_tokens, hidden)
         off: Dict[str, int] = {}
         at = 0
         for name, nbytes in (("signal", 8 * R), ("credit", 8 * R), ("fa_old", 16 * R), ("send", R * self.slot_bytes),
                              ("recv", R * self.slot_bytes)):
             off[name] = at
-            at = _up(at + nbytes, 256)
+            at = round_up(at + nbytes, 256)
         self.offsets, self.region_bytes = off, at
         self.mem = PeerMemory(C, group, rank, world_size, at, peers=self.peers)  # the emulated NIC writes to peers
         self.err_host = 0
@@ -117,7 +112,7 @@ class NicTransport(ExchangeRecord):
 
             # queue pairs, then per queue a u32 stop word (64 B) and NicTotals (64 B)
             self.qp_layout = self.T.device_qp_layout(LOG_WQEBBS, LOG_WQEBBS)
-            self.qp_bytes = _up(self.qp_layout["total"], 256)
+            self.qp_bytes = round_up(self.qp_layout["total"], 256)
             P = len(self.peers)
             self.qp_mem = torch.zeros(P * self.qp_bytes + P * 128, dtype=torch.uint8, device=device)
             stream = torch.cuda.current_stream(device).cuda_stream
@@ -141,30 +136,15 @@ class NicTransport(ExchangeRecord):
     def _aux_ptr(self, i: int) -> int:
         return self.qp_mem.data_ptr() + len(self.peers) * self.qp_bytes + i * 128
 
-    def send_view(self, rows: int, stride: int) -> torch.Tensor:
-        o = self.offsets["send"]
-        return self.region[o:o + rows * stride].view(rows, stride)
-
-    def recv_view(self, src: int, rows: int, stride: int) -> torch.Tensor:
-        o = self.offsets["recv"] + src * self.slot_bytes
-        return self.region[o:o + rows * stride].view(rows, stride)
-
     # ---- one round ----
     def exchange(self, send_bytes: Sequence[int], send_begin: Sequence[int]) -> None:
         """Send bytes [send_begin[d], + send_bytes[d]) of the send area to every peer d, into d's receive slot
         for us (``send_bytes[d]`` must be 0 for a rank that is not a peer); return once every peer's block for us
         has landed (synchronizes the device, then raises CommTimeoutError if a wait timed out). Collective: every
         rank calls it the same number of times."""
-        if self.broken:
-            raise RuntimeError("deepcomm: this Buffer timed out earlier; destroy it and build a new one on every rank")
+        self.refuse_if_broken()
         me, R = self.rank, self.world_size
-        for d in set(range(R)) - set(self.peers) - {me}:
-            if send_bytes[d]:
-                raise ValueError(f"send_bytes: rank {d} is not a peer of this transport (peers {self.peers})")
-        for d in self.peers:
-            if send_bytes[d] > self.slot_bytes:
-                raise ValueError(f"x: {send_bytes[d]} bytes for rank {d} exceed the receive slot ({self.slot_bytes} "
-                                 "bytes); raise max_tokens_per_rank or hidden of the Buffer")
+        check_round(send_bytes, send_begin, me, R, self.peers, self.slot_bytes)
         self.round += 1
         rows = []
         for i, d in enumerate(self.peers):

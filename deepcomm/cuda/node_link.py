@@ -18,18 +18,14 @@ from typing import List
 
 import torch
 
-from ..errors import CommTimeoutError
+from .align import round_up
 from .arena import as_device_bytes
-from .nvl_buffer import STAGES
+from .exchange_record import RecordedWaits
 from .peer_memory import PeerMemory
 
 
 
-def _up(n: int, a: int) -> int:
-    return (n + a - 1) // a * a
-
-
-class NodeLink:
+class NodeLink(RecordedWaits):
     """This rank's NVLink-hop memory, its node peers' memory as mapped here, and the node barrier.
 
     ``gpus``: GPUs per node (G); ``local``: our index in the node; ``area_bytes``: bytes of each area.
@@ -43,14 +39,14 @@ class NodeLink:
                              f"{C.transport.MAX_NODE_GPUS}")
         self.C, self.device, self.timeout_s = C, device, timeout_s
         self.gpus, self.local, self.first_rank = G, rank % G, rank - rank % G
-        self.flags_bytes = _up(8 * G, 256)
-        self.area_bytes = _up(area_bytes, 256)
+        self.flags_bytes = round_up(8 * G, 256)
+        self.area_bytes = round_up(area_bytes, 256)
         self.mem = PeerMemory(C, group, rank, world_size, self.flags_bytes + self.area_bytes,
                               peers=range(self.first_rank, self.first_rank + G))
         self.err_host = 0
         try:
             self._bases: List[int] = [self.mem.peer_ptrs[self.first_rank + i] for i in range(G)]  # flags at 0
-            self._area = as_device_bytes(self.mem.ptr + self.flags_bytes, self.area_bytes, device, owner=self.mem)
+            self.region = as_device_bytes(self.mem.ptr + self.flags_bytes, self.area_bytes, device, owner=self.mem)
             self.seq = torch.zeros(1, dtype=torch.int64, device=device)
             self.err_host, self.err_dev = C.host_mapped_alloc(C.error_record_bytes())
             C.clear_error(self.err_host)
@@ -63,7 +59,7 @@ class NodeLink:
 
     def area(self) -> torch.Tensor:
         """Our area, uint8 ``[area_bytes]``."""
-        return self._area
+        return self.region
 
     def put(self, local: int, byte_offset: int, rows: torch.Tensor) -> None:
         """Copy the contiguous uint8 tensor ``rows`` (on our device) into node GPU ``local``'s area at
@@ -75,7 +71,7 @@ class NodeLink:
         if nbytes == 0:
             return
         if local == self.local:
-            self._area[byte_offset:byte_offset + nbytes].copy_(rows.reshape(-1))
+            self.region[byte_offset:byte_offset + nbytes].copy_(rows.reshape(-1))
             return
         stream = torch.cuda.current_stream(self.device)
         self.C.copy_bytes(self._bases[local] + self.flags_bytes + byte_offset, rows.data_ptr(), nbytes,
@@ -102,19 +98,5 @@ class NodeLink:
         torch.cuda.current_stream(self.device).synchronize()
         self.check_error()
 
-    def check_error(self) -> None:
-        if not self.err_host:
-            return
-        flag, rank, peer, stage, seq, waited_ns = self.C.read_error(self.err_host)
-        if flag:
-            self.broken = True
-            raise CommTimeoutError(rank, None if peer < 0 else peer, STAGES.get(stage, f"stage {stage}"),
-                                   f"{self.stage}, node barrier #{seq}, waited {waited_ns / 1e9:.3f} s")
-
-    def close(self) -> None:
-        torch.cuda.synchronize(self.device)
-        if self.err_host:
-            self.C.host_mapped_free(self.err_host)
-            self.err_host = 0
-        self._area = None
-        self.mem.close()
+    def _what(self, seq: int) -> str:
+        return f"{self.stage}, node barrier #{seq}"

@@ -27,15 +27,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from .align import round_up
 from .arena import as_device_bytes
-from .exchange_record import ExchangeRecord
+from .exchange_record import ExchangeRecord, check_round, peer_list
 
 REGION_ALIGN = 256
 TOTAL_FIELDS = ("credits", "puts", "signals", "bytes")  # per peer, counted on the host as issued
-
-
-def _up(n: int, a: int) -> int:
-    return (n + a - 1) // a * a
 
 
 def region_layout(world_size: int, slot_bytes: int) -> Tuple[Dict[str, int], int]:
@@ -54,7 +51,7 @@ def region_layout(world_size: int, slot_bytes: int) -> Tuple[Dict[str, int], int
     for name, nbytes in (("signal", 8 * world_size), ("credit", 8 * world_size), ("send", world_size * slot_bytes),
                          ("recv", world_size * slot_bytes)):
         off[name] = at
-        at = _up(at + nbytes, REGION_ALIGN)
+        at = round_up(at + nbytes, REGION_ALIGN)
     return off, at
 
 
@@ -72,20 +69,11 @@ class Op:
     nbytes: int = 0
 
 
-def _peer_list(rank: int, world_size: int, peers: Optional[Sequence[int]]) -> List[int]:
-    """``peers`` without ``rank``, ascending (every other rank when None); ValueError for a rank outside the group
-    or for no peer at all."""
-    out = sorted(set(range(world_size) if peers is None else peers) - {rank})
-    if not out or not all(0 <= p < world_size for p in out):
-        raise ValueError(f"peers: expected ranks in [0, {world_size}) other than {rank}, got {list(peers or [])}")
-    return out
-
-
 def credit_ops(base: int, offsets: Dict[str, int], rank: int, world_size: int, round_: int,
                peers: Optional[Sequence[int]] = None) -> List[Op]:
     """Step 1: tell every peer p (``peers``, default every other rank) that our receive slot for it is free for
     round ``round_`` (p's credit[rank])."""
-    return [Op("credit", p, base + offsets["credit"] + 8 * rank, round_) for p in _peer_list(rank, world_size, peers)]
+    return [Op("credit", p, base + offsets["credit"] + 8 * rank, round_) for p in peer_list(rank, world_size, peers)]
 
 
 def block_ops(base: int, offsets: Dict[str, int], slot_bytes: int, rank: int, world_size: int, round_: int,
@@ -94,24 +82,10 @@ def block_ops(base: int, offsets: Dict[str, int], slot_bytes: int, rank: int, wo
     + send_bytes[p]) of the send area) into p's receive slot for us, then p's signal[rank] := round; a zero-byte
     block is the signal alone. ``send_bytes`` must be 0 for a rank that is not a peer. Checks every size first
     (``ValueError``), so nothing is issued for a bad round."""
-    if len(send_bytes) != world_size or len(send_begin) != world_size:
-        raise ValueError(f"send_bytes: expected {world_size} entries (one per rank), got {len(send_bytes)} and "
-                         f"{len(send_begin)} begins")
-    peer_list = _peer_list(rank, world_size, peers)
-    for p in sorted(set(range(world_size)) - set(peer_list) - {rank}):
-        if send_bytes[p]:
-            raise ValueError(f"send_bytes: rank {p} is not a peer of this transport (peers {peer_list})")
-    send_area = world_size * slot_bytes
-    for p in peer_list:
-        n, b = int(send_bytes[p]), int(send_begin[p])
-        if n > slot_bytes:
-            raise ValueError(f"x: {n} bytes for rank {p} exceed the receive slot ({slot_bytes} bytes); raise "
-                             "max_tokens_per_rank or hidden of the Buffer")
-        if n < 0 or b < 0 or b + n > send_area:
-            raise ValueError(f"send_begin: block for rank {p} ([{b}, {b} + {n})) is outside the send area "
-                             f"({send_area} bytes)")
+    targets = peer_list(rank, world_size, peers)
+    check_round(send_bytes, send_begin, rank, world_size, targets, slot_bytes)
     ops = []
-    for p in peer_list:
+    for p in targets:
         sig = base + offsets["signal"] + 8 * rank
         n = int(send_bytes[p])
         if n == 0:
@@ -139,7 +113,7 @@ class NvshmemTransport(ExchangeRecord):
         from .nvshmem_library import load_library
         from .nvshmem_memory import NvshmemMemory
 
-        self.peers = _peer_list(rank, world_size, peers)  # ValueError before any collective
+        self.peers = peer_list(rank, world_size, peers)  # ValueError before any collective
         limit = C.transport.MAX_COUNTER_WAIT_RANKS
         if not 2 <= world_size <= limit:
             raise ValueError(f"world_size: the NVSHMEM internode transport takes 2..{limit} ranks, got {world_size}")
@@ -166,15 +140,6 @@ class NvshmemTransport(ExchangeRecord):
             self.close()
             raise
 
-    # ---- views (as NicTransport) ----
-    def send_view(self, rows: int, stride: int) -> torch.Tensor:
-        o = self.offsets["send"]
-        return self.region[o:o + rows * stride].view(rows, stride)
-
-    def recv_view(self, src: int, rows: int, stride: int) -> torch.Tensor:
-        o = self.offsets["recv"] + src * self.slot_bytes
-        return self.region[o:o + rows * stride].view(rows, stride)
-
     def counters(self, name: str) -> List[int]:
         """Our ``signal`` or ``credit`` words, one per rank (host copy; for tests and post-mortems; a rank that is
         not a peer never raises its words: they stay 0)."""
@@ -187,8 +152,7 @@ class NvshmemTransport(ExchangeRecord):
         for us (``send_bytes[d]`` must be 0 for a rank that is not a peer: ValueError); return once every peer's
         block for us has landed (synchronizes the device twice, raises CommTimeoutError if a wait timed out).
         Collective: every rank calls it the same number of times."""
-        if self.broken:
-            raise RuntimeError("deepcomm: this Buffer timed out earlier; destroy it and build a new one on every rank")
+        self.refuse_if_broken()
         r = self.round + 1
         blocks = block_ops(self.base, self.offsets, self.slot_bytes, self.rank, self.world_size, r, send_bytes,
                            send_begin, self.peers)

@@ -59,19 +59,6 @@ def run_on_gpus(fn, world: int, *args, timeout_s: float = 300.0) -> None:
         raise AssertionError(f"processes exited with codes {bad}")
 
 
-def capture_graph(step):
-    """Warm ``step()`` up on a side stream, then capture it in a CUDA graph: ``(graph, step's outputs)``."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
-    return graph, out
-
-
 def ranks_for_tests() -> int:
     """Ranks of the main correctness tests: DEEPCOMM_TEST_WORLD (e.g. 4 or 8 on a larger machine), default 2,
     never more than the visible GPUs."""

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nccl_run import capture_graph, gpu_count, ranks_for_tests, run_on_gpus
+from deepcomm.bench.peers import capture_graph
+from nccl_run import gpu_count, ranks_for_tests, run_on_gpus
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(gpu_count() < 2, reason="needs 2 GPUs with peer access")]

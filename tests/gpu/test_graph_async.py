@@ -3,7 +3,8 @@ events, and input errors found on the device — all against the reference backe
 import pytest
 import torch
 
-from nccl_run import capture_graph, gpu_count, run_on_gpus
+from deepcomm.bench.peers import capture_graph
+from nccl_run import gpu_count, run_on_gpus
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_count() < 2, reason="needs 2 GPUs with peer access")]
 

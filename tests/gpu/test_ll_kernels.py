@@ -4,7 +4,8 @@ combine), bad ids found on the device, CUDA-graph replay; the optional FP8 combi
 import pytest
 import torch
 
-from nccl_run import capture_graph, gpu_count, ranks_for_tests, run_on_gpus
+from deepcomm.bench.peers import capture_graph
+from nccl_run import gpu_count, ranks_for_tests, run_on_gpus
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_count() < 2, reason="needs 2 GPUs with peer access")]
 
