@@ -1,7 +1,7 @@
 // Low-latency combine over NVLink: one kernel with both halves when there is no hook, or two launches (hook mode
 // holds no SM between them):
 //   send: every rank first publishes its top-k weights to every rank. Then, for each token of each source rank that
-//         has entries here, the expert side sums w * x over its slots (ascending, each product rounded on its own,
+//         has entries here (where they landed is in the dispatch's entry table), the expert side sums w * x over its slots (ascending, each product rounded on its own,
 //         in fp32) and stores that one partial into the source's partials area: one row per (token, rank) instead
 //         of one per (token, expert). A partial for another rank crosses the link as bf16 (or e4m3 + scales with
 //         the FP8 combine); our own stays fp32.
@@ -26,14 +26,15 @@ constexpr int kRows = 4;                      // expert rows of one token loaded
 
 __device__ __forceinline__ void combine_send_phase(const LlCombineArgs& a, const LlLayout& l, const Peers& peers,
                                                    const WaitCtx& ctx, uint32_t alive, int* smem) {
-  const int R = l.num_ranks, L = l.local_experts(), M = l.max_tokens, rank = ctx.rank;
+  const int R = l.num_ranks, rank = ctx.rank;
   const int K = a.topk, T = a.num_tokens, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int64_t H = l.hidden, rows = l.rows_per_expert();
+  const int64_t H = l.hidden;
   uint8_t* self = peers.base[rank];
-  int* base = smem;           // [L][R]
-  int* total = smem + L * R;  // [L]
-  __shared__ int ok;
+  int* n = smem;  // [R] tokens each source dispatched in this slot (0 for masked ranks)
+  __shared__ int ok, items;
   if (tid == 0) ok = 1;
+  const int* ntok = reinterpret_cast<const int*>(self + l.ntok_at(a.slot));
+  if (tid < R) n[tid] = ll_is_alive(alive, tid) ? ptx::ld_volatile_s32(ntok + tid) : 0;
 
   // Our weights to every rank, each tagged with this call: one 8-byte store carries both, so a reader that sees
   // the tag sees the weight, with no flag and no fence to wait for.
@@ -44,21 +45,36 @@ __device__ __forceinline__ void combine_send_phase(const LlCombineArgs& a, const
     auto* word = reinterpret_cast<uint64_t*>(peers.base[d] + l.weights_at(a.slot, rank, j / K)) + j % K;
     ptx::st_relaxed_sys_u64(word, tag | __float_as_uint(a.topk_weights[j]));
   }
-  ll_expert_bases(reinterpret_cast<const int*>(self + l.counts_at(a.slot)), l, rank, alive, base, total);
+  const int nchunks = int((H + kChunk - 1) / kChunk);
+  __syncthreads();
+  if (tid == 0) {
+    int sum = 0;
+    for (int s = 0; s < R; ++s) sum += n[s];
+    items = sum * nchunks;
+  }
+  __syncthreads();
   ll_trace(a.trace, kLlTraceWeights);
 
   {
-    const int* ntok = reinterpret_cast<const int*>(self + l.ntok_at(a.slot));
-    const int nchunks = int((H + kChunk - 1) / kChunk);
+    // Warps take (source rank, token, chunk) items; the expert rows of an item's slots were recorded by the
+    // dispatch's receive (entry table). The next item's entries are loaded while this one is summed.
     const int total_warps = gridDim.x * kLlWarps;
-    for (int item = blockIdx.x * kLlWarps + warp; item < R * M * nchunks; item += total_warps) {
-      const int s = item / (M * nchunks), t = (item / nchunks) % M, c = item % nchunks;
-      if (!ll_is_alive(alive, s) || t >= ptx::ld_volatile_s32(ntok + s)) continue;
-      const int key =
-          lane < K ? ptx::ld_volatile_s32(reinterpret_cast<const int*>(self + l.meta_at(a.slot, s, t)) + lane) : -1;
-      const uint32_t mine = __ballot_sync(0xffffffffu, key >= 0);
+    auto load_entry = [&](int item, int* s, int* t, int* c) {
+      int rest;
+      ll_item_source(n, R, nchunks, item, s, &rest);
+      *t = rest / nchunks;
+      *c = rest % nchunks;
+      return lane < K ? ptx::ld_volatile_s32(reinterpret_cast<const int*>(self + l.entry_at(a.slot, *s, *t)) + lane)
+                      : -1;
+    };
+    int item = blockIdx.x * kLlWarps + warp, s = 0, t = 0, c = 0;
+    int next = item < items ? load_entry(item, &s, &t, &c) : -1;
+    for (; item < items; item += total_warps) {
+      const int64_t entry = next;
+      const int cs = s, ct = t, cc = c;
+      if (item + total_warps < items) next = load_entry(item + total_warps, &s, &t, &c);
+      const uint32_t mine = __ballot_sync(0xffffffffu, entry >= 0);
       if (!mine) continue;
-      const int64_t entry = key >= 0 ? (key >> 16) * rows + base[(key >> 16) * R + s] + (key & 0xffff) : -1;
       float acc[kUnroll][8];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u)
@@ -74,7 +90,7 @@ __device__ __forceinline__ void combine_send_phase(const LlCombineArgs& a, const
           const auto* row = static_cast<const __nv_bfloat16*>(a.x) + e * H;
 #pragma unroll
           for (int u = 0; u < kUnroll; ++u) {
-            const int64_t idx = int64_t(c) * kChunk + u * 256 + lane * 8;
+            const int64_t idx = int64_t(cc) * kChunk + u * 256 + lane * 8;
             v[r][u] = idx < H ? ptx::ld_nc_na_v4(reinterpret_cast<const int4*>(row + idx)) : make_int4(0, 0, 0, 0);
           }
           m &= m - 1;
@@ -84,9 +100,9 @@ __device__ __forceinline__ void combine_send_phase(const LlCombineArgs& a, const
       // The source's weights for this token (the first row is already on its way).
       uint64_t word = 0;
       bool have = true;
-      if (key >= 0) {
-        const auto* wp = reinterpret_cast<const uint64_t*>(self + l.weights_at(a.slot, s, t)) + lane;
-        have = wait_until([&] { return ((word = ptx::ld_relaxed_sys_u64(wp)) & ~0xffffffffull) == tag; }, ctx, s,
+      if (entry >= 0) {
+        const auto* wp = reinterpret_cast<const uint64_t*>(self + l.weights_at(a.slot, cs, ct)) + lane;
+        have = wait_until([&] { return ((word = ptx::ld_relaxed_sys_u64(wp)) & ~0xffffffffull) == tag; }, ctx, cs,
                           kStageLlCombineWeights);
       }
       if (!__all_sync(0xffffffffu, have)) {
@@ -110,11 +126,11 @@ __device__ __forceinline__ void combine_send_phase(const LlCombineArgs& a, const
         }
         if (m) load_group(m);
       }
-      uint8_t* dst = peers.base[s] + l.partials_at(a.slot, rank, t);
-      if (s == rank) {  // our own partial stays fp32
+      uint8_t* dst = peers.base[cs] + l.partials_at(a.slot, rank, ct);
+      if (cs == rank) {  // our own partial stays fp32
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
-          const int64_t idx = int64_t(c) * kChunk + u * 256 + lane * 8;
+          const int64_t idx = int64_t(cc) * kChunk + u * 256 + lane * 8;
           if (idx >= H) continue;
           auto* row = reinterpret_cast<float*>(dst);
           ptx::st_na_v4(reinterpret_cast<int4*>(row + idx), *reinterpret_cast<const int4*>(&acc[u][0]));
@@ -123,7 +139,7 @@ __device__ __forceinline__ void combine_send_phase(const LlCombineArgs& a, const
       } else if (a.use_fp8) {  // FP8 on the wire: e4m3 [H] then fp32 scales [H/128] in the partial's row
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
-          const int64_t idx = int64_t(c) * kChunk + u * 256 + lane * 8;
+          const int64_t idx = int64_t(cc) * kChunk + u * 256 + lane * 8;
           float scale;
           const uint2 q = quantize8_e4m3(acc[u], false, &scale);  // every lane: the amax is shuffled
           if (idx >= H) continue;
@@ -133,7 +149,7 @@ __device__ __forceinline__ void combine_send_phase(const LlCombineArgs& a, const
       } else {  // bf16: the partial rounded once, as the reference does
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
-          const int64_t idx = int64_t(c) * kChunk + u * 256 + lane * 8;
+          const int64_t idx = int64_t(cc) * kChunk + u * 256 + lane * 8;
           if (idx < H) ptx::st_na_v4(reinterpret_cast<int4*>(dst + idx * 2), round_bf16x8(acc[u]));
         }
       }
@@ -151,13 +167,15 @@ __device__ __forceinline__ void combine_recv_phase(const LlCombineArgs& a, const
   const int64_t H = l.hidden;
   const uint8_t* self = peers.base[rank];
   __shared__ int ok;
+  const int nchunks = int((H + kChunk - 1) / kChunk);
+  const int total_warps = gridDim.x * kLlWarps, first = blockIdx.x * kLlWarps + warp;
+  // the first item's ids are our own input: loaded before the wait
+  const int64_t first_e = lane < K && first < T * nchunks ? a.topk_idx[int64_t(first / nchunks) * K + lane] : -1;
   if (!ll_wait_arrivals(self, l, kLlCombine, a.slot, calls, alive, ctx, kStageLlCombineData, &ok)) return;
   ll_trace(a.trace, kLlTraceArrived);
-  const int nchunks = int((H + kChunk - 1) / kChunk);
-  const int total_warps = gridDim.x * kLlWarps;
-  for (int item = blockIdx.x * kLlWarps + warp; item < T * nchunks; item += total_warps) {
+  for (int item = first; item < T * nchunks; item += total_warps) {
     const int t = item / nchunks, c = item % nchunks;
-    const int64_t e = lane < K ? a.topk_idx[int64_t(t) * K + lane] : -1;
+    const int64_t e = item == first ? first_e : lane < K ? a.topk_idx[int64_t(t) * K + lane] : -1;
     const uint32_t owners = ll_rank_mask(e >= 0 && e < E ? int(e) : -1, L) & alive;
     float acc[kUnroll][8];
 #pragma unroll
@@ -224,8 +242,7 @@ void launch_ll_combine(const LlCombineArgs& args, int phases, int num_blocks, co
   DC_HOST_ASSERT(num_blocks >= 1 && num_blocks <= kMaxBlocks, "low_latency_combine: block count out of range");
   DC_HOST_ASSERT(args.topk <= layout.topk_max && args.num_tokens <= layout.max_tokens,
                  "low_latency_combine: tokens or topk over the buffer's maximum");
-  const int smem = (layout.local_experts() * (layout.num_ranks + 1)) * int(sizeof(int));
-  DC_HOST_ASSERT(smem <= 48 * 1024, "low_latency_combine: too many local experts");
+  const int smem = layout.num_ranks * int(sizeof(int));  // the send half's token count per source
   switch (phases) {
     case kLlSendPhase:
       ll_combine_kernel<kLlSendPhase><<<num_blocks, kLlThreads, smem, stream>>>(args, layout, peers, ctx);

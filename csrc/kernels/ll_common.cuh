@@ -46,7 +46,7 @@ enum LlTracePoint : int {
   kLlTraceFinished = 3,   // send: fenced and counted done (the last block also signalled the ranks)
   kLlTraceWeights = 4,    // combine send: our weights published, expert row bases known
   kLlTraceArrived = 5,    // receive: every rank's arrival word reached
-  kLlTraceRecvMeta = 6,   // dispatch receive: bases and output metadata written
+  kLlTraceRecvMeta = 6,   // dispatch receive: expert bases and token counts known
   kLlTraceEnd = 7,        // receive: this block's rows written
 };
 __device__ __forceinline__ void ll_trace(uint64_t* trace, int point) {
@@ -195,6 +195,15 @@ __device__ __forceinline__ void ll_expert_bases(const int* counts, const LlLayou
     total[le] = acc;
   }
   __syncthreads();
+}
+
+// The flat item space of the receive halves (and the combine's send): `per_token` items for each token of each live source rank, sources
+// ascending. n: [R] tokens per source (0 for masked ranks), read once per block.
+__device__ __forceinline__ void ll_item_source(const int* n, int R, int per_token, int item, int* s, int* rest) {
+  int k = 0;
+  while (k < R - 1 && item >= n[k] * per_token) item -= n[k++] * per_token;
+  *s = k;
+  *rest = item;
 }
 
 // Bit d set when any of the token's slots names an expert of rank d. Lane k < K holds slot k's expert (-1 for

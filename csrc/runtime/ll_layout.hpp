@@ -20,6 +20,9 @@
 //   ntok         int32 [2][R]              per slot: tokens rank s dispatched
 //   meta         int32 [2][R][M][K]        per slot: for slot k of token t of rank s: (local expert << 16 | entry
 //                                          rank among rank s's entries of that expert), -1 when not ours
+//   entry        int32 [2][R][M][K]        per slot: where slot k of token t of rank s landed here (le * R*M + its
+//                                          packed row), -1 when not ours; written by the dispatch's receive for
+//                                          t < ntok[s], read by the combine's send (no bases to rebuild there)
 //   stage_x      bytes [2][R][M][H*2]      per slot: rank s's tokens (bf16, or e4m3 in the first H bytes)
 //   stage_scales f32   [2][R][M][H/128]    per slot: their FP8 scales
 //   recv_x       bytes [2][L][R*M][H*2]    per slot: packed expert rows (the dispatch output)
@@ -44,7 +47,7 @@ enum LlKind : int { kLlDispatch = 0, kLlCombine = 1 };
 struct LlLayout {
   int num_ranks, num_experts, max_tokens, topk_max;
   int64_t hidden;
-  int64_t seq, slot_seq, slot_calls, done_count, arrivals, mask, counts, ntok, meta, weights, stage_x,
+  int64_t seq, slot_seq, slot_calls, done_count, arrivals, mask, counts, ntok, meta, entry, weights, stage_x,
       stage_scales, recv_x, recv_scales, partials, entry_key, out_count, out_layout, out_src_info, out_recv_pos,
       total;
 
@@ -72,6 +75,7 @@ struct LlLayout {
     counts = take(2 * R * experts * 4);
     ntok = take(2 * R * 4);
     meta = take(2 * R * M * K * 4);
+    entry = take(2 * R * M * K * 4);
     stage_x = take(2 * R * M * hidden_ * 2);
     stage_scales = take(2 * R * M * (hidden_ / 128) * 4);
     recv_x = take(2 * L * rows * hidden_ * 2);
@@ -96,6 +100,9 @@ struct LlLayout {
   // meta / weights of source rank s, token t: K consecutive values
   DC_HD int64_t meta_at(int slot, int s, int t) const {
     return meta + ((int64_t(slot) * num_ranks + s) * max_tokens + t) * topk_max * 4;
+  }
+  DC_HD int64_t entry_at(int slot, int s, int t) const {
+    return entry + ((int64_t(slot) * num_ranks + s) * max_tokens + t) * topk_max * 4;
   }
   DC_HD int64_t weights_at(int slot, int s, int t) const {
     return weights + ((int64_t(slot) * num_ranks + s) * max_tokens + t) * topk_max * 8;

@@ -145,3 +145,27 @@ def _worker(rank, world):
 
 def test_low_latency_matches_reference():
     run_on_gpus(_worker, ranks_for_tests())
+
+
+def _few_blocks_worker(rank, world):
+    """One block runs both send roles itself (rows, then metadata); two blocks split them. Both against the
+    reference, as with one block per SM."""
+    import os
+
+    import deepcomm
+    dev = torch.device("cuda", rank)
+    gen = torch.Generator().manual_seed(700 + rank)
+    ref = deepcomm.Buffer(max_tokens_per_rank=256, hidden=7168, backend="reference", num_max_low_latency_tokens=M)
+    cases = [(1, 2048, 64, 4, "random", "bf16"), (128, 7168, 256, 8, "masked", "fp8"),
+             (0 if rank == 1 else 9, 5120, 32, 6, "one_expert", "ue8m0")]
+    for blocks in ("1", "2"):
+        os.environ["DEEPCOMM_LL_NUM_SMS"] = blocks
+        cuda = deepcomm.Buffer(max_tokens_per_rank=256, hidden=7168, backend="cuda", num_max_low_latency_tokens=M,
+                               timeout_s=20)
+        check_cases(cuda, ref, cases, gen, dev, world)
+        cuda.destroy()
+    ref.destroy()
+
+
+def test_low_latency_few_blocks_match_reference():
+    run_on_gpus(_few_blocks_worker, ranks_for_tests())
