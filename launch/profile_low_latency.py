@@ -20,7 +20,8 @@ from deepcomm.bench.peers import replay_graph  # noqa: E402
 
 os.environ.setdefault("DEEPCOMM_LL_TRACE", "1")  # per-block timer stamps of the latest call (ll_buffer.py)
 E, H, K, M = 256, 7168, 8, 128
-TRACE_NAMES = ("entry", "send rows", "send keys", "finished", "weights", "arrived", "recv meta", "end")
+TRACE_NAMES = ("entry", "send rows", "send keys", "finished", "weights", "arrived", "recv meta", "end", "counts",
+               "ranked")
 
 
 def trace_table(trace: torch.Tensor, blocks: int) -> str:

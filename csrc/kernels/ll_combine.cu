@@ -25,7 +25,7 @@ constexpr int kChunk = 32 * 8 * kUnroll;      // elements of a row one warp hand
 constexpr int kRows = 4;                      // expert rows of one token loaded at once
 
 __device__ __forceinline__ void combine_send_phase(const LlCombineArgs& a, const LlLayout& l, const Peers& peers,
-                                                   const WaitCtx& ctx, uint32_t alive, int* smem) {
+                                                   const WaitCtx& ctx, uint32_t alive, uint64_t calls, int* smem) {
   const int R = l.num_ranks, rank = ctx.rank;
   const int K = a.topk, T = a.num_tokens, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t H = l.hidden;
@@ -156,7 +156,7 @@ __device__ __forceinline__ void combine_send_phase(const LlCombineArgs& a, const
     }
   }
   ll_trace(a.trace, kLlTraceSendData);
-  ll_finish_send(self, peers, l, kLlCombine, a.slot, ctx.seq, rank, alive, ok != 0, a.trace);
+  ll_finish_send(self, peers, l, kLlCombine, a.slot, ctx.seq, calls, rank, alive, ok != 0, a.trace);
 }
 
 // calls: the slot's send count this receive waits for (every rank's).
@@ -231,7 +231,7 @@ __global__ void __launch_bounds__(kLlThreads, 1)
   const uint64_t calls = ll_enter<kSend>(peers.base[ctx.rank], l, kLlCombine, a.slot, ctx, &alive);
   ll_trace(a.trace, kLlTraceEntry);
   extern __shared__ int smem[];
-  if (kSend) combine_send_phase(a, l, peers, ctx, alive, smem);
+  if (kSend) combine_send_phase(a, l, peers, ctx, alive, calls, smem);
   if (kRecv) combine_recv_phase(a, l, peers, ctx, alive, calls);
 }
 

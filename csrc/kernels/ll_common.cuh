@@ -38,16 +38,18 @@ __device__ __forceinline__ uint64_t ll_recv_seq(const uint8_t* self, const LlLay
 
 // Diagnostics (DEEPCOMM_LL_TRACE=1, launch/profile_low_latency.py): thread 0 of every block stamps the global
 // timer at numbered points of a call into trace[block][point] (kLlTrace* below); nothing when trace is null.
-constexpr int kLlTracePoints = 8;
+constexpr int kLlTracePoints = 10;
 enum LlTracePoint : int {
   kLlTraceEntry = 0,      // kernel entry
   kLlTraceSendData = 1,   // send: this block's rows stored
-  kLlTraceSendMeta = 2,   // send: keys / counts stored, before the finish
-  kLlTraceFinished = 3,   // send: fenced and counted done (the last block also signalled the ranks)
+  kLlTraceSendMeta = 2,   // dispatch send: keys / counts stored, before the finish
+  kLlTraceFinished = 3,   // send: fenced, and this block's arrival signalled to every rank
   kLlTraceWeights = 4,    // combine send: our weights published, expert row bases known
   kLlTraceArrived = 5,    // receive: every rank's arrival word reached
   kLlTraceRecvMeta = 6,   // dispatch receive: expert bases and token counts known
   kLlTraceEnd = 7,        // receive: this block's rows written
+  kLlTraceCounts = 8,     // dispatch send, block 0: the counts histogram done
+  kLlTraceRanked = 9,     // dispatch send, a row block: the entries of its tokens ranked
 };
 __device__ __forceinline__ void ll_trace(uint64_t* trace, int point) {
   if (trace != nullptr && threadIdx.x == 0) trace[blockIdx.x * kLlTracePoints + point] = ptx::globaltimer_ns();
@@ -75,87 +77,89 @@ __device__ __forceinline__ uint64_t ll_enter(const uint8_t* self, const LlLayout
 }
 
 // Every block of a send calls this once, on every path, at its very end; ok = false when the block gave up (a
-// timed-out wait). The last block to finish advances the call numbers and, unless some block gave up, tells every
-// rank that this call's stores into it are complete: one store of the slot's new call count into that rank's
-// arrival word for us. Each block fences at system scope before it counts itself done, and the last block fences
-// again after seeing the count, so its flag stores are ordered after every block's data (release fence, atomic,
-// atomic, acquire fence; then relaxed stores after that fence): a single signal per call and rank instead of one
-// release atomic per block on one remote word.
+// timed-out wait). A block that did not give up tells every live rank that its stores into it are complete: a
+// system-scope fence (after the block barrier, so it covers every thread's stores), then one store of the slot's
+// new call count `calls` into that rank's arrival word for (us, this block). Each block signals on its own, so the
+// receivers see the data of a block as soon as its fence completes, with no count to combine first. Then the block
+// counts itself done; the last one advances the call numbers for the next send (local bookkeeping only).
 __device__ __forceinline__ void ll_finish_send(uint8_t* self, const Peers& peers, const LlLayout& l, LlKind kind,
-                                               int slot, uint64_t seq, int rank, uint32_t alive, bool ok,
-                                               uint64_t* trace) {
+                                               int slot, uint64_t seq, uint64_t calls, int rank, uint32_t alive,
+                                               bool ok, uint64_t* trace) {
   __syncthreads();
   if (threadIdx.x != 0) return;
-  auto* words = reinterpret_cast<unsigned int*>(self + l.done_count) + kind * 2;  // [blocks done, blocks failed]
-  if (!ok) atomicAdd(words + 1, 1u);
   ptx::fence_acq_rel_sys();
-  if (atomicAdd(words, 1u) != gridDim.x - 1) {
-    ll_trace(trace, kLlTraceFinished);
-    return;
-  }
-  ptx::fence_acq_rel_sys();
-  const bool failed = atomicExch(words + 1, 0u) != 0u;
-  words[0] = 0u;
-  auto* calls_word = reinterpret_cast<uint64_t*>(self + l.slot_calls) + kind * 2 + slot;
-  const uint64_t calls = *calls_word + 1;
-  reinterpret_cast<uint64_t*>(self + l.seq)[kind] = seq;
-  reinterpret_cast<uint64_t*>(self + l.slot_seq)[kind * 2 + slot] = seq;
-  *calls_word = calls;
-  if (!failed) {
+  if (ok) {
     for (int r = 0; r < l.num_ranks; ++r)
       if (ll_is_alive(alive, r))
-        ptx::st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(peers.base[r] + l.arrivals_at(kind, slot)) + rank, calls);
+        ptx::st_relaxed_sys_u64(
+            reinterpret_cast<uint64_t*>(peers.base[r] + l.arrival_at(kind, slot, rank, blockIdx.x)), calls);
   }
-  __threadfence();
   ll_trace(trace, kLlTraceFinished);
+  auto* done = reinterpret_cast<unsigned int*>(self + l.done_count) + kind;
+  if (atomicAdd(done, 1u) != gridDim.x - 1) return;
+  *done = 0u;
+  reinterpret_cast<uint64_t*>(self + l.seq)[kind] = seq;
+  reinterpret_cast<uint64_t*>(self + l.slot_seq)[kind * 2 + slot] = seq;
+  reinterpret_cast<uint64_t*>(self + l.slot_calls)[kind * 2 + slot] = calls;
+  __threadfence();
 }
 
-// The whole block waits until every live rank has completed its send number `calls` of this kind into `slot`.
-// False for every thread after a timeout.
+// The whole block waits until every block of every live rank has completed its send number `calls` of this kind
+// into `slot` (every rank launches the same number of blocks). False for every thread after a timeout.
 __device__ __forceinline__ bool ll_wait_arrivals(const uint8_t* self, const LlLayout& l, LlKind kind, int slot,
                                                  uint64_t calls, uint32_t alive, const WaitCtx& ctx, int stage,
                                                  int* ok) {
   if (threadIdx.x == 0) *ok = 1;
   __syncthreads();
-  if (threadIdx.x < l.num_ranks && ll_is_alive(alive, threadIdx.x)) {
-    const auto* word = reinterpret_cast<const uint64_t*>(self + l.arrivals_at(kind, slot)) + threadIdx.x;
-    if (!wait_flag_geq(word, calls, ctx, threadIdx.x, stage)) *ok = 0;
+  const int G = gridDim.x;
+  bool good = true;
+  for (int i = threadIdx.x; i < l.num_ranks * G && good; i += blockDim.x) {
+    const int s = i / G;
+    if (!ll_is_alive(alive, s)) continue;
+    const auto* word = reinterpret_cast<const uint64_t*>(self + l.arrival_at(kind, slot, s, i % G));
+    good = wait_flag_geq(word, calls, ctx, s, stage);
   }
+  if (!good) *ok = 0;
   __syncthreads();
   return *ok != 0;
 }
 
+// One warp ranks the entries [begin, end) (at most 32 past begin per call): each valid entry p (expert >= 0) gets
+// run[e] plus the earlier lanes with the same expert (shuffles against all 32: a fixed cost, unlike match_any with
+// many distinct values), and run[e] advances past the chunk. run: shared, per expert.
+__device__ __forceinline__ void ll_rank_chunk(const int* experts, int begin, int end, int* run, int* rank_out) {
+  const int lane = threadIdx.x & 31;
+  const int p = begin + lane;
+  const int e = p < end ? experts[p] : -1;
+  int before = 0, same = 0;
+#pragma unroll 8
+  for (int j = 0; j < 32; ++j) {
+    const int o = __shfl_sync(0xffffffffu, e, j);
+    same += o == e;
+    before += (o == e) & (j < lane);
+  }
+  const int prior = e >= 0 ? run[e] : 0;
+  __syncwarp();
+  if (e >= 0) {
+    rank_out[p] = prior + before;
+    if (before == 0) run[e] = prior + same;
+  }
+  __syncwarp();
+}
+
 // The whole block gives each valid entry p in [0, n) (expert >= 0) its rank among the earlier entries of the same
 // expert, and counts[e] the entries of e. Warp w ranks a contiguous share of the entries, counting into its own
-// row wcount[w][E] (comparing each lane's expert with all 32 of the chunk by shuffles: a fixed cost, unlike
-// match_any with many distinct values); then the rows become per-expert prefixes over the warps and each entry
-// adds its warp's prefix. wcount: kLlWarps * E ints of shared memory. Ends with __syncthreads.
+// row wcount[w][E] (ll_rank_chunk); then the rows become per-expert prefixes over the warps and each entry adds its
+// warp's prefix. wcount: kLlWarps * E ints of shared memory. Ends with __syncthreads.
 __device__ __forceinline__ void ll_rank_entries(const int* experts, int n, int num_experts, int* rank_in, int* counts,
                                                 int* wcount) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int warp = threadIdx.x >> 5;
   for (int i = threadIdx.x; i < kLlWarps * num_experts; i += blockDim.x) wcount[i] = 0;
   __syncthreads();
   const int span = ((n + kLlWarps - 1) / kLlWarps + 31) / 32 * 32;
-  int* mine = wcount + warp * num_experts;
   const int end = min(n, (warp + 1) * span);
-  for (int base = warp * span; base < end; base += 32) {
-    const int p = base + lane;
-    const int e = p < end ? experts[p] : -1;
-    int before = 0, same = 0;
-#pragma unroll 8
-    for (int j = 0; j < 32; ++j) {
-      const int o = __shfl_sync(0xffffffffu, e, j);
-      same += o == e;
-      before += (o == e) & (j < lane);
-    }
-    const int prior = e >= 0 ? mine[e] : 0;
-    __syncwarp();
-    if (e >= 0) {
-      rank_in[p] = prior + before;
-      if (before == 0) mine[e] = prior + same;
-    }
-    __syncwarp();
-  }
+  for (int base = warp * span; base < end; base += 32)
+    ll_rank_chunk(experts, base, end, wcount + warp * num_experts, rank_in);
   __syncthreads();
   for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
     int run = 0;

@@ -80,14 +80,28 @@ __device__ __forceinline__ int valid_expert(const LlLayout& l, uint32_t alive, i
   return (e >= 0 && e < l.num_experts && ll_is_alive(alive, int(e) / l.local_experts())) ? int(e) : -1;
 }
 
-// The rows: warps [first_warp, first_warp + num_warps) take (token, chunk) items; each token goes once to every
-// rank holding any of its experts. The warp's first chunk is loaded together with its token's ids.
+// f(id) for every id in ids[0, n), the block's threads in a strided loop with four loads in flight per thread
+// (the loop body's shared-memory atomics would otherwise keep the next load from being issued early).
+template <typename F>
+__device__ __forceinline__ void for_each_id(const int64_t* ids, int n, F f) {
+  for (int p = threadIdx.x; p < n; p += 4 * blockDim.x) {
+    int64_t v[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) v[u] = p + u * int(blockDim.x) < n ? __ldg(ids + p + u * blockDim.x) : -1;
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+      if (p + u * int(blockDim.x) < n) f(v[u]);
+  }
+}
+
+// The rows of tokens [t0, t1): the block's warps take (token, chunk) items; each token goes once to every rank
+// holding any of its experts. A warp's chunk is loaded together with its token's ids.
 __device__ __forceinline__ void send_rows(const LlDispatchArgs& a, const LlLayout& l, const Peers& peers, int rank,
-                                          uint32_t alive, int first_warp, int num_warps) {
-  const int K = a.topk, T = a.num_tokens, L = l.local_experts(), lane = threadIdx.x & 31;
+                                          uint32_t alive, int t0, int t1) {
+  const int K = a.topk, L = l.local_experts(), lane = threadIdx.x & 31;
   const int nchunks = int((l.hidden + kSendChunk - 1) / kSendChunk);
-  for (int item = first_warp; item < T * nchunks; item += num_warps) {
-    const int t = item / nchunks, c = item % nchunks;
+  for (int item = threadIdx.x >> 5; item < (t1 - t0) * nchunks; item += kLlWarps) {
+    const int t = t0 + item / nchunks, c = item % nchunks;
     const int64_t e = lane < K ? a.topk_idx[int64_t(t) * K + lane] : -1;
     int4 v[kSendUnroll];
     load_token_chunk(a, l, t, c, lane, v);
@@ -96,67 +110,98 @@ __device__ __forceinline__ void send_rows(const LlDispatchArgs& a, const LlLayou
   }
 }
 
-// The metadata, by one block: every entry's rank among ours of its expert, then per-slot keys for every rank, our
-// own keys (for recv_pos), the counts, the token count, and the input checks.
-__device__ __forceinline__ void send_meta(const LlDispatchArgs& a, const LlLayout& l, const Peers& peers,
-                                          const WaitCtx& ctx, uint32_t alive, int* smem) {
+// The metadata of tokens [t0, t1), by the block that sent their rows. An entry's rank among ours of its expert is
+// the count of that expert among the entries before t0 (a shared-memory histogram) plus its rank inside the range
+// (one warp for a short range, the whole block otherwise). Then per-slot keys for every rank, our own keys (for
+// recv_pos), and the duplicate check. smem: 2 * (t1 - t0) * K + (kLlWarps + 2) * E ints.
+__device__ __forceinline__ void send_range_meta(const LlDispatchArgs& a, const LlLayout& l, const Peers& peers,
+                                                const WaitCtx& ctx, uint32_t alive, int t0, int t1, int* smem) {
   const int R = l.num_ranks, E = l.num_experts, L = l.local_experts(), rank = ctx.rank;
-  const int K = a.topk, T = a.num_tokens, P = T * K, tid = threadIdx.x;
-  uint8_t* self = peers.base[rank];
-  int* experts = smem;          // [P] expert of each entry, -1 for empty, invalid or masked slots
-  int* rank_in = smem + P;      // [P] rank of the entry among ours of the same expert
-  int* counts = smem + 2 * P;   // [E] our entries per expert
-  int* wcount = counts + E;     // [kLlWarps][E] ranking scratch
-  __shared__ int bad_id;
-  if (tid == 0) bad_id = 0;
+  const int K = a.topk, p0 = t0 * K, n = (t1 - t0) * K, tid = threadIdx.x;
+  int* own = smem;              // [n] expert of each entry of the range, -1 for empty, invalid or masked slots
+  int* rank_in = own + n;       // [n] rank of the entry among all ours of the same expert
+  int* before = rank_in + n;    // [E] our entries per expert before the range
+  int* counts = before + E;     // [E] scratch of the block-wide ranking
+  int* wcount = counts + E;     // [kLlWarps][E] scratch of the block-wide ranking
+  for (int e = tid; e < E; e += blockDim.x) before[e] = 0;
+  for (int j = tid; j < n; j += blockDim.x) own[j] = valid_expert(l, alive, a.topk_idx[p0 + j]);
   __syncthreads();
-  for (int i = tid; i < P; i += blockDim.x) {
-    const int64_t e = a.topk_idx[i];
-    if (e < -1 || e >= E) bad_id = 1;
-    experts[i] = valid_expert(l, alive, e);
+  for_each_id(a.topk_idx, p0, [&](int64_t id) {
+    const int e = valid_expert(l, alive, id);
+    if (e >= 0) atomicAdd(before + e, 1);
+  });
+  __syncthreads();
+  if (n <= 64) {
+    if (tid < 32)
+      for (int base = 0; base < n; base += 32) ll_rank_chunk(own, base, n, before, rank_in);
+    __syncthreads();
+  } else {
+    ll_rank_entries(own, n, E, rank_in, counts, wcount);
+    for (int j = tid; j < n; j += blockDim.x)
+      if (own[j] >= 0) rank_in[j] += before[own[j]];
+    __syncthreads();
   }
-  __syncthreads();
-  ll_rank_entries(experts, P, E, rank_in, counts, wcount);
-  for (int i = tid; i < R * P; i += blockDim.x) {
-    const int d = i / P, p = i % P, e = experts[p];
+  ll_trace(a.trace, kLlTraceRanked);
+  for (int i = tid; i < R * n; i += blockDim.x) {
+    const int d = i / n, j = i % n, e = own[j];
     if (!ll_is_alive(alive, d)) continue;
-    reinterpret_cast<int*>(peers.base[d] + l.meta_at(a.slot, rank, p / K))[p % K] =
-        (e >= 0 && e / L == d) ? ((e % L) << 16 | rank_in[p]) : -1;
+    reinterpret_cast<int*>(peers.base[d] + l.meta_at(a.slot, rank, t0 + j / K))[j % K] =
+        (e >= 0 && e / L == d) ? ((e % L) << 16 | rank_in[j]) : -1;
   }
-  int* keys = reinterpret_cast<int*>(self + l.entry_key_at(a.slot));
-  for (int p = tid; p < P; p += blockDim.x) keys[p] = experts[p] >= 0 ? (experts[p] << 16 | rank_in[p]) : -1;
-  for (int i = tid; i < R * E; i += blockDim.x)
-    if (ll_is_alive(alive, i / E))
-      reinterpret_cast<int*>(peers.base[i / E] + l.counts_at(a.slot))[rank * E + i % E] = counts[i % E];
-  if (tid < R && ll_is_alive(alive, tid)) reinterpret_cast<int*>(peers.base[tid] + l.ntok_at(a.slot))[rank] = T;
-  // Input problems are reported, not waited on: the call still completes on every rank (bad slots count as -1).
-  // A duplicate is reported only without bad ids.
-  if (tid == 0 && bad_id) report_input_error(ctx, rank, kStageLlInvalidIds);
-  for (int t = tid; t < T && !bad_id; t += blockDim.x) {
+  int* keys = reinterpret_cast<int*>(peers.base[rank] + l.entry_key_at(a.slot)) + p0;
+  for (int j = tid; j < n; j += blockDim.x) {
+    const int e = own[j];
+    keys[j] = e >= 0 ? (e << 16 | rank_in[j]) : -1;
     bool dup = false;
-    for (int k = 1; k < K; ++k)
-      for (int j = 0; j < k; ++j) dup |= experts[t * K + k] >= 0 && experts[t * K + k] == experts[t * K + j];
+    for (int q = j - j % K; q < j; ++q) dup |= e >= 0 && own[q] == e;
     if (dup) report_input_error(ctx, rank, kStageLlDuplicateIds);
   }
 }
 
-// Two roles run at once: block 0 computes and stores the metadata while the other blocks send the rows (with a
-// single block, it does both, rows first). Ranking is then off the rows' path, and the arrival signal waits only
-// for the slower of the two.
+// The counts, by one block: our entries per expert to every rank (a shared-memory histogram of every id), our
+// token count, and the range check of the ids (out-of-range slots count as -1; the call still completes on every
+// rank and the error is reported, not waited on). smem: E ints.
+__device__ __forceinline__ void send_counts(const LlDispatchArgs& a, const LlLayout& l, const Peers& peers,
+                                            const WaitCtx& ctx, uint32_t alive, int* smem) {
+  const int R = l.num_ranks, E = l.num_experts, rank = ctx.rank, T = a.num_tokens, P = T * a.topk;
+  const int tid = threadIdx.x;
+  int* counts = smem;  // [E]
+  __shared__ int bad_id;
+  if (tid == 0) bad_id = 0;
+  for (int e = tid; e < E; e += blockDim.x) counts[e] = 0;
+  __syncthreads();
+  for_each_id(a.topk_idx, P, [&](int64_t id) {
+    if (id < -1 || id >= E) bad_id = 1;
+    const int e = valid_expert(l, alive, id);
+    if (e >= 0) atomicAdd(counts + e, 1);
+  });
+  __syncthreads();
+  ll_trace(a.trace, kLlTraceCounts);
+  for (int i = tid; i < R * E; i += blockDim.x)
+    if (ll_is_alive(alive, i / E))
+      reinterpret_cast<int*>(peers.base[i / E] + l.counts_at(a.slot))[rank * E + i % E] = counts[i % E];
+  if (tid < R && ll_is_alive(alive, tid)) reinterpret_cast<int*>(peers.base[tid] + l.ntok_at(a.slot))[rank] = T;
+  if (tid == 0 && bad_id) report_input_error(ctx, rank, kStageLlInvalidIds);
+}
+
+// Block 0 sends the counts; the other blocks each take a contiguous range of our tokens and send their rows, then
+// their metadata (while the rows drain). Nothing on the way is ranked over all entries by one block, and every
+// block signals its own arrival. A single block does all of it, rows first.
 __device__ __forceinline__ void dispatch_send_phase(const LlDispatchArgs& a, const LlLayout& l, const Peers& peers,
-                                                    const WaitCtx& ctx, uint32_t alive, int* smem) {
-  const int warp = threadIdx.x >> 5;
-  const bool meta_block = blockIdx.x == 0, rows_too = gridDim.x == 1;
-  if (!meta_block || rows_too) {
-    const int row_block = rows_too ? 0 : blockIdx.x - 1, row_blocks = rows_too ? 1 : gridDim.x - 1;
-    send_rows(a, l, peers, ctx.rank, alive, row_block * kLlWarps + warp, row_blocks * kLlWarps);
+                                                    const WaitCtx& ctx, uint32_t alive, uint64_t calls, int* smem) {
+  const int T = a.num_tokens, G = gridDim.x;
+  const int row_blocks = G > 1 ? G - 1 : 1, row_block = G > 1 ? int(blockIdx.x) - 1 : 0;
+  const int per_block = (T + row_blocks - 1) / row_blocks;
+  if (row_block >= 0) {
+    const int t0 = min(T, row_block * per_block), t1 = min(T, t0 + per_block);
+    send_rows(a, l, peers, ctx.rank, alive, t0, t1);
     ll_trace(a.trace, kLlTraceSendData);
+    if (t1 > t0) send_range_meta(a, l, peers, ctx, alive, t0, t1, smem);
+    __syncthreads();  // smem is reused below by a single block
   }
-  if (meta_block) {
-    send_meta(a, l, peers, ctx, alive, smem);
-    ll_trace(a.trace, kLlTraceSendMeta);
-  }
-  ll_finish_send(peers.base[ctx.rank], peers, l, kLlDispatch, a.slot, ctx.seq, ctx.rank, alive, true, a.trace);
+  if (blockIdx.x == 0) send_counts(a, l, peers, ctx, alive, smem);
+  ll_trace(a.trace, kLlTraceSendMeta);
+  ll_finish_send(peers.base[ctx.rank], peers, l, kLlDispatch, a.slot, ctx.seq, calls, ctx.rank, alive, true, a.trace);
 }
 
 // calls: the slot's send count this receive waits for (every rank's).
@@ -235,9 +280,10 @@ __device__ __forceinline__ void dispatch_recv_phase(const LlDispatchArgs& a, con
     }
   }
 
-  // The output metadata, after the rows (nothing here is on the rows' path).
-  const int gtid = blockIdx.x * blockDim.x + tid, gthreads = gridDim.x * blockDim.x;
-  if (blockIdx.x == 0) {
+  // The output metadata, after the rows (nothing here is on the rows' path), from the last blocks first: the first
+  // ones took the first rows.
+  const int gtid = (gridDim.x - 1 - blockIdx.x) * blockDim.x + tid, gthreads = gridDim.x * blockDim.x;
+  if (blockIdx.x == gridDim.x - 1) {
     int* out_count = reinterpret_cast<int*>(self + l.out_count_at(slot));
     int* out_layout = reinterpret_cast<int*>(self + l.out_layout_at(slot));
     for (int i = tid; i < L * R; i += blockDim.x) {
@@ -274,7 +320,7 @@ __global__ void __launch_bounds__(kLlThreads, 1)
   const uint64_t calls = ll_enter<kSend>(peers.base[ctx.rank], l, kLlDispatch, a.slot, ctx, &alive);
   ll_trace(a.trace, kLlTraceEntry);
   extern __shared__ int smem[];
-  if (kSend) dispatch_send_phase(a, l, peers, ctx, alive, smem);
+  if (kSend) dispatch_send_phase(a, l, peers, ctx, alive, calls, smem);
   if (kRecv) dispatch_recv_phase(a, l, peers, ctx, alive, calls, smem);  // smem reused: the send half is done
 }
 
@@ -298,7 +344,10 @@ void launch_ll_dispatch(const LlDispatchArgs& args, int phases, int num_blocks, 
                  "low_latency_dispatch: entry keys pack 16-bit ranks and 15-bit experts");
   DC_HOST_ASSERT(int64_t(layout.local_experts()) * layout.rows_per_expert() < (int64_t(1) << 31),
                  "low_latency_dispatch: local experts * ranks * max tokens must stay below 2^31");
-  const int send_smem = (2 * args.num_tokens * args.topk + (1 + kLlWarps) * layout.num_experts) * int(sizeof(int));
+  // the send half's shared memory: a row block's range metadata (send_range_meta), or the counts (E ints)
+  const int row_blocks = num_blocks > 1 ? num_blocks - 1 : 1;
+  const int range_entries = (args.num_tokens + row_blocks - 1) / row_blocks * args.topk;
+  const int send_smem = (2 * range_entries + (kLlWarps + 2) * layout.num_experts) * int(sizeof(int));
   const int recv_smem = (layout.local_experts() * (layout.num_ranks + 1) + layout.num_ranks) * int(sizeof(int));
   DC_HOST_ASSERT(send_smem <= 200 * 1024,
                  "low_latency_dispatch: tokens * topk too large for one block's shared memory");

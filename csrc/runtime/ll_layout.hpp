@@ -9,9 +9,11 @@
 //   seq          u64   [2]                 our latest dispatch / combine sequence number
 //   slot_seq     u64   [2][2]              sequence number of the last dispatch / combine send of each slot
 //   slot_calls   u64   [2][2]              dispatch / combine sends so far in each slot
-//   done_count   u32   [2][2]              per kind: blocks of the running send that finished, and that gave up
-//   arrivals     u64   [2][2][R]           per kind and slot: sends of rank s whose stores into us are complete
-//                                          (its slot_calls after the call; a receive waits for its own count)
+//   done_count   u32   [2]                 per kind: blocks of the running send that finished (the last one
+//                                          advances the call numbers)
+//   arrivals     u64   [2][2][R][B]        per kind and slot: block b of rank s has completed its stores into us
+//                                          for that rank's send number (its slot_calls after the call); a receive
+//                                          waits for its own count in every (live rank, block) word. B = kMaxBlocks
 //   mask         int32 [R]                 ranks this rank treats as gone (written by the host): nothing is sent
 //                                          to them, nothing awaited from them, their experts count as absent
 //   weights      u64   [2][R][M][K]        per slot: rank s's combine weights, each tagged with its call:
@@ -68,8 +70,8 @@ struct LlLayout {
     seq = take(2 * 8);
     slot_seq = take(4 * 8);
     slot_calls = take(4 * 8);
-    done_count = take(4 * 4);
-    arrivals = take(4 * R * 8);
+    done_count = take(2 * 4);
+    arrivals = take(4 * R * kMaxBlocks * 8);
     mask = take(R * 4);
     weights = take(2 * R * M * K * 8);  // zeroed with the signals: a stale tag must never match a new call
     counts = take(2 * R * experts * 4);
@@ -92,7 +94,10 @@ struct LlLayout {
   // numbers, counters, flags, and the tagged weights, whose old tags would otherwise match the restarted calls).
   DC_HD int64_t signal_bytes() const { return counts; }
 
-  DC_HD int64_t arrivals_at(int kind, int slot) const { return arrivals + int64_t(kind * 2 + slot) * num_ranks * 8; }
+  // the word of block b of rank s, per kind and slot
+  DC_HD int64_t arrival_at(int kind, int slot, int s, int b) const {
+    return arrivals + ((int64_t(kind * 2 + slot) * num_ranks + s) * kMaxBlocks + b) * 8;
+  }
 
   // Per-slot addresses inside one rank's buffer.
   DC_HD int64_t counts_at(int slot) const { return counts + int64_t(slot) * num_ranks * num_experts * 4; }

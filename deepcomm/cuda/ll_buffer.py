@@ -16,7 +16,7 @@ from .nvshmem_memory import NvshmemMemory
 from .peer_memory import PeerMemory
 
 TOPK_MAX = 32
-TRACE_POINTS = 8  # kLlTracePoints
+TRACE_POINTS = 10  # kLlTracePoints
 MEMORY = {"ipc": PeerMemory, "nvshmem": NvshmemMemory}  # deepcomm.config.LL_MEMORY_KINDS
 
 
