@@ -1,10 +1,11 @@
 // Low-latency dispatch over NVLink: one kernel with both halves when there is no hook, or the two halves as two
 // launches so hook mode holds no SM between them:
 //   send: each token goes once to every rank that holds any of its experts (cast to e4m3 once, inside the kernel,
-//         when asked), into that rank's staging rows for us; meanwhile block 0 ranks our entries and sends, per
-//         slot, one int telling the receiver which of its experts the slot names and the entry's rank there, plus
-//         the counts. Nothing is waited for: no count exchange precedes the data, and one arrival word per rank
-//         covers rows and metadata alike.
+//         when asked), into that rank's staging rows for us. Each row block takes a contiguous range of tokens
+//         and also sends, per slot of its tokens, one int telling the receiver which of its experts the slot names
+//         and the entry's rank there (ranked on top of a histogram of the entries before the range); block 0 sends
+//         the per-expert counts. Nothing is waited for: no count exchange precedes the data, and each block's
+//         arrival word covers its rows and metadata alike.
 //   recv: waits for every rank's arrival word, then fans each staged token out to the packed rows of its local experts
 //         (source ranks ascending, then the sender's entry order), records where each entry landed (for the
 //         combine), and writes recv_count, layout, src_info and recv_pos as views the host hands out.
@@ -94,66 +95,87 @@ __device__ __forceinline__ void for_each_id(const int64_t* ids, int n, F f) {
   }
 }
 
-// The rows of tokens [t0, t1): the block's warps take (token, chunk) items; each token goes once to every rank
-// holding any of its experts. A warp's chunk is loaded together with its token's ids.
+// One warp's (token, chunk) item of the rows: the chunk of x and the token's ids (lane k < K: slot k).
+struct RowItem {
+  int4 v[kSendUnroll];
+  int64_t id;
+};
+
+__device__ __forceinline__ void load_row_item(const LlDispatchArgs& a, const LlLayout& l, int t, int c, RowItem& r) {
+  const int lane = threadIdx.x & 31;
+  r.id = lane < a.topk ? __ldg(a.topk_idx + int64_t(t) * a.topk + lane) : -1;
+  load_token_chunk(a, l, t, c, lane, r.v);
+}
+
+// The rows of tokens [t0, t1): the block's warps take (token, chunk) items, item w first (already in `r`); each
+// token goes once to every rank holding any of its experts.
 __device__ __forceinline__ void send_rows(const LlDispatchArgs& a, const LlLayout& l, const Peers& peers, int rank,
-                                          uint32_t alive, int t0, int t1) {
-  const int K = a.topk, L = l.local_experts(), lane = threadIdx.x & 31;
-  const int nchunks = int((l.hidden + kSendChunk - 1) / kSendChunk);
-  for (int item = threadIdx.x >> 5; item < (t1 - t0) * nchunks; item += kLlWarps) {
+                                          uint32_t alive, int t0, int t1, int nchunks, RowItem& r) {
+  const int L = l.local_experts(), lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int item = warp; item < (t1 - t0) * nchunks; item += kLlWarps) {
     const int t = t0 + item / nchunks, c = item % nchunks;
-    const int64_t e = lane < K ? a.topk_idx[int64_t(t) * K + lane] : -1;
-    int4 v[kSendUnroll];
-    load_token_chunk(a, l, t, c, lane, v);
-    const uint32_t dests = ll_rank_mask(valid_expert(l, alive, e), L);
-    if (dests) send_token_chunk(a, l, peers, rank, t, c, dests, lane, v);
+    if (item != warp) load_row_item(a, l, t, c, r);
+    const uint32_t dests = ll_rank_mask(valid_expert(l, alive, r.id), L);
+    if (dests) send_token_chunk(a, l, peers, rank, t, c, dests, lane, r.v);
   }
 }
 
-// The metadata of tokens [t0, t1), by the block that sent their rows. An entry's rank among ours of its expert is
-// the count of that expert among the entries before t0 (a shared-memory histogram) plus its rank inside the range
-// (one warp for a short range, the whole block otherwise). Then per-slot keys for every rank, our own keys (for
-// recv_pos), and the duplicate check. smem: 2 * (t1 - t0) * K + (kLlWarps + 2) * E ints.
-__device__ __forceinline__ void send_range_meta(const LlDispatchArgs& a, const LlLayout& l, const Peers& peers,
-                                                const WaitCtx& ctx, uint32_t alive, int t0, int t1, int* smem) {
-  const int R = l.num_ranks, E = l.num_experts, L = l.local_experts(), rank = ctx.rank;
-  const int K = a.topk, p0 = t0 * K, n = (t1 - t0) * K, tid = threadIdx.x;
-  int* own = smem;              // [n] expert of each entry of the range, -1 for empty, invalid or masked slots
-  int* rank_in = own + n;       // [n] rank of the entry among all ours of the same expert
-  int* before = rank_in + n;    // [E] our entries per expert before the range
-  int* counts = before + E;     // [E] scratch of the block-wide ranking
-  int* wcount = counts + E;     // [kLlWarps][E] scratch of the block-wide ranking
-  for (int e = tid; e < E; e += blockDim.x) before[e] = 0;
-  for (int j = tid; j < n; j += blockDim.x) own[j] = valid_expert(l, alive, a.topk_idx[p0 + j]);
+// Where a row block keeps the metadata of its tokens [t0, t1) (n = (t1 - t0) * K entries) in shared memory:
+// 2 * n + (kLlWarps + 2) * E ints.
+struct RangeMeta {
+  int* own;      // [n] expert of each entry of the range, -1 for empty, invalid or masked slots
+  int* rank_in;  // [n] rank of the entry among all ours of the same expert
+  int* before;   // [E] our entries per expert before the range
+  int* counts;   // [E] scratch of the block-wide ranking
+  int* wcount;   // [kLlWarps][E] scratch of the block-wide ranking
+  __device__ RangeMeta(int* smem, int n, int E)
+      : own(smem), rank_in(smem + n), before(smem + 2 * n), counts(smem + 2 * n + E), wcount(smem + 2 * n + 2 * E) {}
+};
+
+// First part of a row block's metadata, before its rows: the range's ids, and the count of each expert among our
+// entries before t0 (a shared-memory histogram). A short range (n <= 64) is then ranked by warp 0 alone (it
+// starts its rows after that; the other warps start theirs at once); a long one after the rows, by ranked_late.
+__device__ __forceinline__ void rank_range_early(const LlDispatchArgs& a, const LlLayout& l, uint32_t alive, int t0,
+                                                 int n, const RangeMeta& m) {
+  const int E = l.num_experts, p0 = t0 * a.topk, tid = threadIdx.x;
+  for (int e = tid; e < E; e += blockDim.x) m.before[e] = 0;
+  for (int j = tid; j < n; j += blockDim.x) m.own[j] = valid_expert(l, alive, __ldg(a.topk_idx + p0 + j));
   __syncthreads();
   for_each_id(a.topk_idx, p0, [&](int64_t id) {
     const int e = valid_expert(l, alive, id);
-    if (e >= 0) atomicAdd(before + e, 1);
+    if (e >= 0) atomicAdd(m.before + e, 1);
   });
   __syncthreads();
-  if (n <= 64) {
-    if (tid < 32)
-      for (int base = 0; base < n; base += 32) ll_rank_chunk(own, base, n, before, rank_in);
-    __syncthreads();
-  } else {
-    ll_rank_entries(own, n, E, rank_in, counts, wcount);
+  if (n <= 64 && tid < 32)
+    for (int base = 0; base < n; base += 32) ll_rank_chunk(m.own, base, n, m.before, m.rank_in);
+}
+
+// Second part, after the rows (whole block): a long range's block-wide ranking, then per-slot keys for every rank,
+// our own keys (for recv_pos), and the duplicate check.
+__device__ __forceinline__ void send_range_meta(const LlDispatchArgs& a, const LlLayout& l, const Peers& peers,
+                                                const WaitCtx& ctx, uint32_t alive, int t0, int n, const RangeMeta& m) {
+  const int R = l.num_ranks, E = l.num_experts, L = l.local_experts(), rank = ctx.rank;
+  const int K = a.topk, tid = threadIdx.x;
+  __syncthreads();  // warp 0's ranking of a short range is complete
+  if (n > 64) {
+    ll_rank_entries(m.own, n, E, m.rank_in, m.counts, m.wcount);
     for (int j = tid; j < n; j += blockDim.x)
-      if (own[j] >= 0) rank_in[j] += before[own[j]];
+      if (m.own[j] >= 0) m.rank_in[j] += m.before[m.own[j]];
     __syncthreads();
   }
   ll_trace(a.trace, kLlTraceRanked);
   for (int i = tid; i < R * n; i += blockDim.x) {
-    const int d = i / n, j = i % n, e = own[j];
+    const int d = i / n, j = i % n, e = m.own[j];
     if (!ll_is_alive(alive, d)) continue;
     reinterpret_cast<int*>(peers.base[d] + l.meta_at(a.slot, rank, t0 + j / K))[j % K] =
-        (e >= 0 && e / L == d) ? ((e % L) << 16 | rank_in[j]) : -1;
+        (e >= 0 && e / L == d) ? ((e % L) << 16 | m.rank_in[j]) : -1;
   }
-  int* keys = reinterpret_cast<int*>(peers.base[rank] + l.entry_key_at(a.slot)) + p0;
+  int* keys = reinterpret_cast<int*>(peers.base[rank] + l.entry_key_at(a.slot)) + t0 * K;
   for (int j = tid; j < n; j += blockDim.x) {
-    const int e = own[j];
-    keys[j] = e >= 0 ? (e << 16 | rank_in[j]) : -1;
+    const int e = m.own[j];
+    keys[j] = e >= 0 ? (e << 16 | m.rank_in[j]) : -1;
     bool dup = false;
-    for (int q = j - j % K; q < j; ++q) dup |= e >= 0 && own[q] == e;
+    for (int q = j - j % K; q < j; ++q) dup |= e >= 0 && m.own[q] == e;
     if (dup) report_input_error(ctx, rank, kStageLlDuplicateIds);
   }
 }
@@ -184,19 +206,25 @@ __device__ __forceinline__ void send_counts(const LlDispatchArgs& a, const LlLay
   if (tid == 0 && bad_id) report_input_error(ctx, rank, kStageLlInvalidIds);
 }
 
-// Block 0 sends the counts; the other blocks each take a contiguous range of our tokens and send their rows, then
-// their metadata (while the rows drain). Nothing on the way is ranked over all entries by one block, and every
-// block signals its own arrival. A single block does all of it, rows first.
+// Block 0 sends the counts; the other blocks each take a contiguous range of our tokens: they histogram the ids
+// before it, send its rows (a short range is ranked meanwhile by one warp), then its metadata while the rows drain.
+// Nothing on the way is ranked over all entries by one block, and every block signals its own arrival. A single
+// block does all of it.
 __device__ __forceinline__ void dispatch_send_phase(const LlDispatchArgs& a, const LlLayout& l, const Peers& peers,
                                                     const WaitCtx& ctx, uint32_t alive, uint64_t calls, int* smem) {
-  const int T = a.num_tokens, G = gridDim.x;
+  const int T = a.num_tokens, G = gridDim.x, warp = threadIdx.x >> 5;
   const int row_blocks = G > 1 ? G - 1 : 1, row_block = G > 1 ? int(blockIdx.x) - 1 : 0;
   const int per_block = (T + row_blocks - 1) / row_blocks;
-  if (row_block >= 0) {
-    const int t0 = min(T, row_block * per_block), t1 = min(T, t0 + per_block);
-    send_rows(a, l, peers, ctx.rank, alive, t0, t1);
+  const int t0 = row_block >= 0 ? min(T, row_block * per_block) : T, t1 = min(T, t0 + per_block);
+  if (t1 > t0) {  // the same for the whole block
+    const int nchunks = int((l.hidden + kSendChunk - 1) / kSendChunk), n = (t1 - t0) * a.topk;
+    RowItem r;
+    if (warp < (t1 - t0) * nchunks) load_row_item(a, l, t0 + warp / nchunks, warp % nchunks, r);
+    const RangeMeta m(smem, n, l.num_experts);
+    rank_range_early(a, l, alive, t0, n, m);
+    send_rows(a, l, peers, ctx.rank, alive, t0, t1, nchunks, r);
     ll_trace(a.trace, kLlTraceSendData);
-    if (t1 > t0) send_range_meta(a, l, peers, ctx, alive, t0, t1, smem);
+    send_range_meta(a, l, peers, ctx, alive, t0, n, m);
     __syncthreads();  // smem is reused below by a single block
   }
   if (blockIdx.x == 0) send_counts(a, l, peers, ctx, alive, smem);
