@@ -29,9 +29,9 @@
 //   stage_scales f32   [2][R][M][H/128]    per slot: their FP8 scales
 //   recv_x       bytes [2][L][R*M][H*2]    per slot: packed expert rows (the dispatch output)
 //   recv_scales  f32   [2][L][R*M][H/128]
-//   partials     bytes [2][R][M][H*4]      per slot: rank d's partial sum for each of our tokens: fp32 from
-//                                          ourselves; bf16 [H] from another rank (e4m3 [H] + f32 [H/128] scales
-//                                          with the FP8 combine)
+//   partials     bytes [2][R][M][H*2]      per slot: rank d's partial sum for each of our tokens, from every other
+//                                          rank: bf16 [H] (e4m3 [H] + f32 [H/128] scales with the FP8 combine);
+//                                          our own partial is summed where it is used and never stored
 //   entry_key    int32 [2][M][K]           per slot: our own entries, (expert << 16 | rank among ours), -1 empty
 //   out_count    int32 [2][L]              dispatch outputs returned to the caller as views:
 //   out_layout   int32 [2][L][R][2]          recv_count, layout (begin, count), src_info, recv_pos
@@ -82,7 +82,7 @@ struct LlLayout {
     stage_scales = take(2 * R * M * (hidden_ / 128) * 4);
     recv_x = take(2 * L * rows * hidden_ * 2);
     recv_scales = take(2 * L * rows * (hidden_ / 128) * 4);
-    partials = take(2 * R * M * hidden_ * 4);
+    partials = take(2 * R * M * hidden_ * 2);
     entry_key = take(2 * M * K * 4);
     out_count = take(2 * L * 4);
     out_layout = take(2 * L * R * 2 * 4);
@@ -123,7 +123,7 @@ struct LlLayout {
     return recv_scales + int64_t(slot) * local_experts() * rows_per_expert() * scales_per_row() * 4;
   }
   DC_HD int64_t partials_at(int slot, int d, int t) const {
-    return partials + ((int64_t(slot) * num_ranks + d) * max_tokens + t) * hidden * 4;
+    return partials + ((int64_t(slot) * num_ranks + d) * max_tokens + t) * hidden * 2;
   }
   DC_HD int64_t entry_key_at(int slot) const { return entry_key + int64_t(slot) * max_tokens * topk_max * 4; }
   DC_HD int64_t out_count_at(int slot) const { return out_count + int64_t(slot) * local_experts() * 4; }
