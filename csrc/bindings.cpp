@@ -171,6 +171,8 @@ PYBIND11_MODULE(_C, m) {
         d["total"] = l.total;
         d["mask"] = l.mask;
         d["weights"] = l.weights;
+        d["arrivals"] = l.arrivals;
+        d["arrivals_end"] = l.arrival_at(1, 1, l.num_ranks - 1, kMaxBlocks - 1) + 8;
         d["signal_bytes"] = l.signal_bytes();
         auto per_slot = [&](auto at) { return py::make_tuple(at(0), at(1)); };
         d["recv_x_slot"] = per_slot([&](int s) { return l.recv_x_at(s); });
