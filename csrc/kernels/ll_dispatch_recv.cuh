@@ -1,0 +1,126 @@
+// The receive half of the low-latency dispatch (ll_dispatch.cu has the kernel, the launcher and the overview):
+// wait for every block of every rank, fan the staged tokens out to the packed expert rows, record where each entry
+// landed, write the output metadata. Included by ll_dispatch.cu only.
+#pragma once
+
+#include "api.hpp"
+#include "ll_common.cuh"
+
+namespace dc {
+
+namespace {
+
+constexpr int kCopyUnroll = 4;                            // 16-byte vectors per lane per item
+constexpr int kCopyChunkBytes = 32 * 16 * kCopyUnroll;    // bytes of a staged row one warp fans out per item
+
+// calls: the slot's send count this receive waits for (every rank's).
+__device__ __forceinline__ void dispatch_recv_phase(const LlDispatchArgs& a, const LlLayout& l, const Peers& peers,
+                                                    const WaitCtx& ctx, uint32_t alive, uint64_t calls, int* smem) {
+  const int R = l.num_ranks, L = l.local_experts(), rank = ctx.rank, slot = a.slot;
+  const int K = a.topk, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const bool use_fp8 = a.use_fp8;
+  const int64_t rows = l.rows_per_expert();
+  uint8_t* self = peers.base[rank];
+  int* base = smem;               // [L][R]
+  int* total = smem + L * R;      // [L]
+  int* n = total + L;             // [R] tokens of each source
+  __shared__ int ok, items;
+  if (!ll_wait_arrivals(self, l, kLlDispatch, slot, calls, alive, ctx, kStageLlDispatchData, &ok)) return;
+  ll_trace(a.trace, kLlTraceArrived);
+  const int* counts = reinterpret_cast<const int*>(self + l.counts_at(slot));
+  const int* ntok = reinterpret_cast<const int*>(self + l.ntok_at(slot));
+  if (tid < R) n[tid] = ll_is_alive(alive, tid) ? ptx::ld_volatile_s32(ntok + tid) : 0;
+  ll_expert_bases(counts, l, rank, alive, base, total);  // starts and ends with __syncthreads
+
+  // Fan-out: warps take (source rank, token, chunk) items and copy the staged row to each of its entries here.
+  // The row's loads go out with its keys (a token not sent here is loaded for nothing: cheaper than waiting).
+  const int64_t x_bytes = use_fp8 ? l.hidden : l.hidden * 2, spr = l.scales_per_row(), n16 = x_bytes / 16;
+  const int nchunks = int((x_bytes + kCopyChunkBytes - 1) / kCopyChunkBytes);
+  if (tid == 0) {
+    int sum = 0;
+    for (int s = 0; s < R; ++s) sum += n[s];
+    items = sum * nchunks;
+  }
+  __syncthreads();
+  ll_trace(a.trace, kLlTraceRecvMeta);
+  uint8_t* recv_x = self + l.recv_x_at(slot);
+  auto* recv_scales = reinterpret_cast<float*>(self + l.recv_scales_at(slot));
+  int* src_info = reinterpret_cast<int*>(self + l.out_src_info_at(slot));
+  const int total_warps = gridDim.x * kLlWarps;
+  for (int item = blockIdx.x * kLlWarps + warp; item < items; item += total_warps) {
+    int s, rest;
+    ll_item_source(n, R, nchunks, item, &s, &rest);
+    const int t = rest / nchunks, c = rest % nchunks;
+    const int key = lane < K ? ptx::ld_volatile_s32(reinterpret_cast<const int*>(self + l.meta_at(slot, s, t)) + lane) : -1;
+    const auto* src = reinterpret_cast<const int4*>(self + l.stage_x_at(slot, s, t));
+    int4 v[kCopyUnroll];
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      const int64_t i = int64_t(c) * (kCopyChunkBytes / 16) + u * 32 + lane;
+      if (i < n16) v[u] = ptx::ld_relaxed_gpu_v4(src + i);
+    }
+    const int64_t entry = key >= 0 ? (key >> 16) * rows + base[(key >> 16) * R + s] + (key & 0xffff) : -1;
+    if (c == 0 && lane < K)  // for the combine
+      reinterpret_cast<int*>(self + l.entry_at(slot, s, t))[lane] = int(entry);
+    const uint32_t mine = __ballot_sync(0xffffffffu, key >= 0);
+    if (!mine) continue;
+    for (uint32_t m = mine; m; m &= m - 1) {
+      const int64_t e = __shfl_sync(0xffffffffu, entry, __ffs(m) - 1);
+      auto* dst = reinterpret_cast<int4*>(recv_x + e * x_bytes);
+#pragma unroll
+      for (int u = 0; u < kCopyUnroll; ++u) {
+        const int64_t i = int64_t(c) * (kCopyChunkBytes / 16) + u * 32 + lane;
+        if (i < n16) ptx::st_na_v4(dst + i, v[u]);
+      }
+    }
+    if (c != 0) continue;
+    if (key >= 0) src_info[entry] = t;
+    if (use_fp8) {
+      // each scale is loaded once, then stored to every entry
+      const auto* sc = reinterpret_cast<const uint32_t*>(self + l.stage_scales_at(slot, s, t));
+      for (int j0 = 0; j0 < spr; j0 += 32) {
+        const int j = j0 + lane;
+        const float v = j < spr ? __uint_as_float(ptx::ld_relaxed_gpu_u32(sc + j)) : 0.0f;
+        for (uint32_t m = mine; m; m &= m - 1) {
+          const int64_t e = __shfl_sync(0xffffffffu, entry, __ffs(m) - 1);
+          if (j < spr) recv_scales[e * spr + j] = v;
+        }
+      }
+    }
+  }
+
+  // The output metadata, after the rows (nothing here is on the rows' path), from the last blocks first: the first
+  // ones took the first rows.
+  const int gtid = (gridDim.x - 1 - blockIdx.x) * blockDim.x + tid, gthreads = gridDim.x * blockDim.x;
+  if (blockIdx.x == gridDim.x - 1) {
+    int* out_count = reinterpret_cast<int*>(self + l.out_count_at(slot));
+    int* out_layout = reinterpret_cast<int*>(self + l.out_layout_at(slot));
+    for (int i = tid; i < L * R; i += blockDim.x) {
+      const int le = i / R, s = i % R;
+      out_layout[2 * i] = base[i];
+      out_layout[2 * i + 1] = ll_count(counts, l, alive, s, rank * L + le);
+      if (s == 0) out_count[le] = total[le];
+    }
+  }
+  for (int i = gtid; i < L * int(rows); i += gthreads)  // L * R * M < 2^31 (asserted at launch)
+    if (i % int(rows) >= total[i / int(rows)]) src_info[i] = -1;
+  // recv_pos of our own entries: rows of lower ranks at the owner, plus the entry's rank among ours.
+  const int* keys = reinterpret_cast<const int*>(self + l.entry_key_at(slot));
+  int* recv_pos = reinterpret_cast<int*>(self + l.out_recv_pos_at(slot));
+  const int P = n[rank] * K;
+  for (int p = gtid; p < P; p += gthreads) {
+    const int key = keys[p];
+    int pos = -1;
+    if (key >= 0) {
+      pos = key & 0xffff;
+      for (int s = 0; s < rank; ++s) pos += ll_count(counts, l, alive, s, key >> 16);
+    }
+    recv_pos[p] = pos;
+  }
+  __syncthreads();
+  ll_trace(a.trace, kLlTraceEnd);
+}
+
+}  // namespace
+
+}  // namespace dc
