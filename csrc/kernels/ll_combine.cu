@@ -164,7 +164,7 @@ __device__ __forceinline__ void combine_send_phase(const LlCombineArgs& a, const
     }
   }
   ll_trace(a.trace, kLlTraceSendData);
-  ll_finish_send(self, peers, l, kLlCombine, a.slot, ctx.seq, calls, rank, alive, ok != 0, a.trace);
+  ll_finish_send(self, peers, l, kLlCombine, a.slot, ctx.seq, calls, rank, alive, &ok, a.trace);
 }
 
 // Our own partial of token t, chunk c (zero when no local expert holds it): our weights are at hand, and where the

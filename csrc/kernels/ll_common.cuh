@@ -76,19 +76,20 @@ __device__ __forceinline__ uint64_t ll_enter(const uint8_t* self, const LlLayout
   return ll_slot_calls(self, l, kind, slot) + (kSend ? 1 : 0);
 }
 
-// Every block of a send calls this once, on every path, at its very end; ok = false when the block gave up (a
-// timed-out wait). A block that did not give up tells every live rank that its stores into it are complete: a
+// Every block of a send calls this once, on every path, at its very end; *ok (shared, or null for "always") is 0
+// when some warp of the block gave up (a timed-out wait); it is read after the block barrier, once every warp
+// has had its say. A block that did not give up tells every live rank that its stores into it are complete: a
 // system-scope fence (after the block barrier, so it covers every thread's stores), then one store of the slot's
 // new call count `calls` into that rank's arrival word for (us, this block). Each block signals on its own, so the
 // receivers see the data of a block as soon as its fence completes, with no count to combine first. Then the block
 // counts itself done; the last one advances the call numbers for the next send (local bookkeeping only).
 __device__ __forceinline__ void ll_finish_send(uint8_t* self, const Peers& peers, const LlLayout& l, LlKind kind,
                                                int slot, uint64_t seq, uint64_t calls, int rank, uint32_t alive,
-                                               bool ok, uint64_t* trace) {
+                                               const int* ok, uint64_t* trace) {
   __syncthreads();
   if (threadIdx.x != 0) return;
   ptx::fence_acq_rel_sys();
-  if (ok) {
+  if (ok == nullptr || *ok != 0) {
     for (int r = 0; r < l.num_ranks; ++r)
       if (ll_is_alive(alive, r))
         ptx::st_relaxed_sys_u64(
@@ -201,8 +202,8 @@ __device__ __forceinline__ void ll_expert_bases(const int* counts, const LlLayou
   __syncthreads();
 }
 
-// The flat item space of the receive halves (and the combine's send): `per_token` items for each token of each live source rank, sources
-// ascending. n: [R] tokens per source (0 for masked ranks), read once per block.
+// The flat item space of the receive halves (and the combine's send): `per_token` items for each token of each
+// live source rank, sources ascending. n: [R] tokens per source (0 for masked ranks), read once per block.
 __device__ __forceinline__ void ll_item_source(const int* n, int R, int per_token, int item, int* s, int* rest) {
   int k = 0;
   while (k < R - 1 && item >= n[k] * per_token) item -= n[k++] * per_token;

@@ -57,10 +57,10 @@ void launch_ll_dispatch(const LlDispatchArgs& args, int phases, int num_blocks, 
   // the send half's shared memory: a row block's range metadata (send_range_meta), or the counts (E ints)
   const int row_blocks = num_blocks > 1 ? num_blocks - 1 : 1;
   const int range_entries = (args.num_tokens + row_blocks - 1) / row_blocks * args.topk;
-  const int send_smem = (2 * range_entries + (kLlWarps + 2) * layout.num_experts) * int(sizeof(int));
+  const int send_smem = send_smem_ints(range_entries, layout.num_experts) * int(sizeof(int));  // >= E: the counts
   const int recv_smem = (layout.local_experts() * (layout.num_ranks + 1) + layout.num_ranks) * int(sizeof(int));
   DC_HOST_ASSERT(send_smem <= 200 * 1024,
-                 "low_latency_dispatch: tokens * topk too large for one block's shared memory");
+                 "low_latency_dispatch: tokens * topk per block, or experts, too many for one block's shared memory");
   DC_HOST_ASSERT(recv_smem <= 48 * 1024, "low_latency_dispatch: too many local experts");
   switch (phases) {
     case kLlSendPhase: launch_phases<kLlSendPhase>(args, num_blocks, send_smem, layout, peers, ctx, stream); break;

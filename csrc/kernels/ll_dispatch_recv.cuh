@@ -51,7 +51,8 @@ __device__ __forceinline__ void dispatch_recv_phase(const LlDispatchArgs& a, con
     int s, rest;
     ll_item_source(n, R, nchunks, item, &s, &rest);
     const int t = rest / nchunks, c = rest % nchunks;
-    const int key = lane < K ? ptx::ld_volatile_s32(reinterpret_cast<const int*>(self + l.meta_at(slot, s, t)) + lane) : -1;
+    const int* meta = reinterpret_cast<const int*>(self + l.meta_at(slot, s, t));
+    const int key = lane < K ? ptx::ld_volatile_s32(meta + lane) : -1;
     const auto* src = reinterpret_cast<const int4*>(self + l.stage_x_at(slot, s, t));
     int4 v[kCopyUnroll];
 #pragma unroll
@@ -59,10 +60,12 @@ __device__ __forceinline__ void dispatch_recv_phase(const LlDispatchArgs& a, con
       const int64_t i = int64_t(c) * (kCopyChunkBytes / 16) + u * 32 + lane;
       if (i < n16) v[u] = ptx::ld_relaxed_gpu_v4(src + i);
     }
-    const int64_t entry = key >= 0 ? (key >> 16) * rows + base[(key >> 16) * R + s] + (key & 0xffff) : -1;
+    // a row past the expert's R * M (only duplicate ids, reported, get there) is dropped
+    const int row = key >= 0 ? base[(key >> 16) * R + s] + (key & 0xffff) : -1;
+    const int64_t entry = key >= 0 && row < rows ? (key >> 16) * rows + row : -1;
     if (c == 0 && lane < K)  // for the combine
       reinterpret_cast<int*>(self + l.entry_at(slot, s, t))[lane] = int(entry);
-    const uint32_t mine = __ballot_sync(0xffffffffu, key >= 0);
+    const uint32_t mine = __ballot_sync(0xffffffffu, entry >= 0);
     if (!mine) continue;
     for (uint32_t m = mine; m; m &= m - 1) {
       const int64_t e = __shfl_sync(0xffffffffu, entry, __ffs(m) - 1);
@@ -74,7 +77,7 @@ __device__ __forceinline__ void dispatch_recv_phase(const LlDispatchArgs& a, con
       }
     }
     if (c != 0) continue;
-    if (key >= 0) src_info[entry] = t;
+    if (entry >= 0) src_info[entry] = t;
     if (use_fp8) {
       // each scale is loaded once, then stored to every entry
       const auto* sc = reinterpret_cast<const uint32_t*>(self + l.stage_scales_at(slot, s, t));
@@ -99,7 +102,7 @@ __device__ __forceinline__ void dispatch_recv_phase(const LlDispatchArgs& a, con
       const int le = i / R, s = i % R;
       out_layout[2 * i] = base[i];
       out_layout[2 * i + 1] = ll_count(counts, l, alive, s, rank * L + le);
-      if (s == 0) out_count[le] = total[le];
+      if (s == 0) out_count[le] = min(int64_t(total[le]), rows);
     }
   }
   for (int i = gtid; i < L * int(rows); i += gthreads)  // L * R * M < 2^31 (asserted at launch)
@@ -114,6 +117,7 @@ __device__ __forceinline__ void dispatch_recv_phase(const LlDispatchArgs& a, con
     if (key >= 0) {
       pos = key & 0xffff;
       for (int s = 0; s < rank; ++s) pos += ll_count(counts, l, alive, s, key >> 16);
+      if (pos >= rows) pos = -1;  // dropped at the owner (duplicate ids)
     }
     recv_pos[p] = pos;
   }

@@ -13,6 +13,7 @@ namespace dc {
 
 namespace {
 
+constexpr int kShortRange = 64;                           // entries one warp ranks (a longer range: the block)
 constexpr int kSendUnroll = 4;                            // 8-element vectors per lane per item
 constexpr int kSendChunk = 32 * 8 * kSendUnroll;          // elements of a row one warp sends per item
 
@@ -111,7 +112,11 @@ __device__ __forceinline__ void send_rows(const LlDispatchArgs& a, const LlLayou
 }
 
 // Where a row block keeps the metadata of its tokens [t0, t1) (n = (t1 - t0) * K entries) in shared memory:
-// 2 * n + (kLlWarps + 2) * E ints.
+// 2 * n + E ints, and (kLlWarps + 1) * E more for a long range; the counts block needs E (send_smem_ints).
+__host__ __device__ constexpr int send_smem_ints(int n, int E) {
+  return 2 * n + (n > kShortRange ? kLlWarps + 2 : 1) * E;
+}
+
 struct RangeMeta {
   int* own;      // [n] expert of each entry of the range, -1 for empty, invalid or masked slots
   int* rank_in;  // [n] rank of the entry among all ours of the same expert
@@ -123,8 +128,9 @@ struct RangeMeta {
 };
 
 // First part of a row block's metadata, before its rows: the range's ids, and the count of each expert among our
-// entries before t0 (a shared-memory histogram). A short range (n <= 64) is then ranked by warp 0 alone (it
-// starts its rows after that; the other warps start theirs at once); a long one after the rows, by send_range_meta.
+// entries before t0 (a shared-memory histogram). A short range (n <= kShortRange) is then ranked by warp 0 alone
+// (it starts its rows after that; the other warps start theirs at once); a long one after the rows, by
+// send_range_meta.
 __device__ __forceinline__ void rank_range_early(const LlDispatchArgs& a, const LlLayout& l, uint32_t alive, int t0,
                                                  int n, const RangeMeta& m) {
   const int E = l.num_experts, p0 = t0 * a.topk, tid = threadIdx.x;
@@ -136,18 +142,20 @@ __device__ __forceinline__ void rank_range_early(const LlDispatchArgs& a, const 
     if (e >= 0) atomicAdd(m.before + e, 1);
   });
   __syncthreads();
-  if (n <= 64 && tid < 32)
+  if (n <= kShortRange && tid < 32)
     for (int base = 0; base < n; base += 32) ll_rank_chunk(m.own, base, n, m.before, m.rank_in);
 }
 
 // Second part, after the rows (whole block): a long range's block-wide ranking, then per-slot keys for every rank,
-// our own keys (for recv_pos), and the duplicate check.
+// our own keys (for recv_pos), and the duplicate check. Duplicate expert ids are reported and still dispatched as
+// given, so an entry's rank can pass 16 bits only then: such an entry gets no key (the receiver likewise drops rows
+// past an expert's R * M), and nothing is written out of bounds.
 __device__ __forceinline__ void send_range_meta(const LlDispatchArgs& a, const LlLayout& l, const Peers& peers,
                                                 const WaitCtx& ctx, uint32_t alive, int t0, int n, const RangeMeta& m) {
   const int R = l.num_ranks, E = l.num_experts, L = l.local_experts(), rank = ctx.rank;
   const int K = a.topk, tid = threadIdx.x;
   __syncthreads();  // warp 0's ranking of a short range is complete
-  if (n > 64) {
+  if (n > kShortRange) {
     ll_rank_entries(m.own, n, E, m.rank_in, m.counts, m.wcount);
     for (int j = tid; j < n; j += blockDim.x)
       if (m.own[j] >= 0) m.rank_in[j] += m.before[m.own[j]];
@@ -158,12 +166,12 @@ __device__ __forceinline__ void send_range_meta(const LlDispatchArgs& a, const L
     const int d = i / n, j = i % n, e = m.own[j];
     if (!ll_is_alive(alive, d)) continue;
     reinterpret_cast<int*>(peers.base[d] + l.meta_at(a.slot, rank, t0 + j / K))[j % K] =
-        (e >= 0 && e / L == d) ? ((e % L) << 16 | m.rank_in[j]) : -1;
+        (e >= 0 && e / L == d && m.rank_in[j] <= 0xffff) ? ((e % L) << 16 | m.rank_in[j]) : -1;
   }
   int* keys = reinterpret_cast<int*>(peers.base[rank] + l.entry_key_at(a.slot)) + t0 * K;
   for (int j = tid; j < n; j += blockDim.x) {
     const int e = m.own[j];
-    keys[j] = e >= 0 ? (e << 16 | m.rank_in[j]) : -1;
+    keys[j] = e >= 0 && m.rank_in[j] <= 0xffff ? (e << 16 | m.rank_in[j]) : -1;
     bool dup = false;
     for (int q = j - j % K; q < j; ++q) dup |= e >= 0 && m.own[q] == e;
     if (dup) report_input_error(ctx, rank, kStageLlDuplicateIds);
@@ -219,7 +227,8 @@ __device__ __forceinline__ void dispatch_send_phase(const LlDispatchArgs& a, con
   }
   if (blockIdx.x == 0) send_counts(a, l, peers, ctx, alive, smem);
   ll_trace(a.trace, kLlTraceSendMeta);
-  ll_finish_send(peers.base[ctx.rank], peers, l, kLlDispatch, a.slot, ctx.seq, calls, ctx.rank, alive, true, a.trace);
+  ll_finish_send(peers.base[ctx.rank], peers, l, kLlDispatch, a.slot, ctx.seq, calls, ctx.rank, alive, nullptr,
+                 a.trace);
 }
 
 }  // namespace

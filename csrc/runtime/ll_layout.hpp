@@ -118,7 +118,9 @@ struct LlLayout {
   DC_HD int64_t stage_scales_at(int slot, int s, int t) const {
     return stage_scales + ((int64_t(slot) * num_ranks + s) * max_tokens + t) * scales_per_row() * 4;
   }
-  DC_HD int64_t recv_x_at(int slot) const { return recv_x + int64_t(slot) * local_experts() * rows_per_expert() * row_bytes(); }
+  DC_HD int64_t recv_x_at(int slot) const {
+    return recv_x + int64_t(slot) * local_experts() * rows_per_expert() * row_bytes();
+  }
   DC_HD int64_t recv_scales_at(int slot) const {
     return recv_scales + int64_t(slot) * local_experts() * rows_per_expert() * scales_per_row() * 4;
   }

@@ -305,22 +305,32 @@ class CudaBackend:
                     self._ll.write_mask(self.nvl.masked)
         return self._ll
 
-    def _ll_launch(self, launch, return_recv_hook: bool, stream: int):
+    def _ll_launch(self, launch, return_recv_hook: bool, stream: int, keep=()):
         """Without a hook: ``launch(SEND | RECV, stream)``, both halves in one kernel. With a hook: the send half
         now, and a hook that launches the receive half once, on the stream current when it is called, so no SM
-        waits in between. Returns the hook the caller hands out."""
+        waits in between. When that is another stream, an event recorded after the send orders the receive after
+        it (its call number is the one the send leaves behind). ``keep``: the caller's tensors the receive half
+        reads; the hook holds them until it has launched and marks them in use on its stream. Returns the hook."""
         if not return_recv_hook:
             launch(LL_BOTH, stream)
             return _noop
         launch(LL_SEND, stream)
-        done = []
+        sent = torch.cuda.Event()
+        sent.record(torch.cuda.current_stream(self.device))
+        held = [keep]
 
         def hook() -> None:
-            if done:
+            if not held:
                 return
-            done.append(True)
+            tensors = held.pop()
             self.nvl.check_error(low_latency=True)
-            launch(LL_RECV, torch.cuda.current_stream(self.device).cuda_stream)
+            current = torch.cuda.current_stream(self.device)
+            if current.cuda_stream != stream:
+                current.wait_event(sent)
+            launch(LL_RECV, current.cuda_stream)
+            if current.cuda_stream != stream:
+                for t in tensors:
+                    t.record_stream(current)
         return hook
 
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, use_ue8m0,
@@ -351,8 +361,9 @@ class CudaBackend:
         out = torch.empty(T, H, dtype=torch.bfloat16, device=self.device)
         blocks, slot, stream = self.ll_blocks, handle.slot, torch.cuda.current_stream(self.device).cuda_stream
         ptrs = (x.data_ptr(), topk_weights.data_ptr(), topk_idx.data_ptr(), out.data_ptr())
+        # the receive half reads x (our own tokens' partial), topk_idx and topk_weights, and writes out
         hook = self._ll_launch(lambda phases, s: ll.ctx.combine(phases, blocks, *ptrs, T, K, slot, use_fp8, s),
-                               return_recv_hook, stream)
+                               return_recv_hook, stream, keep=(x, topk_idx, topk_weights, out))
         return out, hook
 
     @property

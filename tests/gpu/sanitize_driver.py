@@ -64,7 +64,16 @@ def _low_latency_rounds(buf, gen, E: int, K: int, T: int, H: int, M: int) -> int
             assert torch.allclose(out.float(), want, rtol=2e-2, atol=2e-2), "low-latency combine"
         assert bool(torch.isfinite(out.float()).all())
         rounds += 1
-    return rounds
+    # every slot names expert 0: more entries than its R * M rows. Reported (ValueError at the next look), and
+    # memcheck proves nothing lands out of bounds.
+    flood = torch.zeros(T, K, dtype=torch.int64, device=dev)
+    buf.low_latency_dispatch(torch.randn(T, H, generator=gen).to(torch.bfloat16).to(dev), flood, M, E)
+    try:
+        buf.synchronize()
+        raise AssertionError("a flood of duplicate ids was not reported")
+    except ValueError as e:
+        assert "topk_idx" in str(e), e
+    return rounds + 1
 
 
 def main() -> int:

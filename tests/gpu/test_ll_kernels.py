@@ -1,6 +1,7 @@
 """Low-latency kernels against the reference backend, bit for bit: 1..256 tokens, -1 slots, all tokens to one
 expert, hidden 2048/5120/7168, BF16/FP8/UE8M0, hook mode, two micro-batches in flight (also interleaved with a
-combine), bad ids found on the device, CUDA-graph replay; the optional FP8 combine against the reference's FP8 math."""
+combine), bad ids found on the device (a flood of duplicates included), hooks on another stream, CUDA-graph replay;
+the optional FP8 combine against the reference's FP8 math."""
 import pytest
 import torch
 
@@ -115,6 +116,37 @@ def _worker(rank, world):
         x = torch.randn(16, 2048, generator=gen).to(torch.bfloat16).to(dev)
         _check_dispatch(cuda.low_latency_dispatch(x, idx, M, 64, use_fp8=False),
                         ref.low_latency_dispatch(x, idx, M, 64, use_fp8=False), f"after {fault}")
+
+    # every slot of every token naming one expert: far more entries than its R * M rows; reported as duplicates,
+    # nothing is written out of bounds, and the next call is right
+    flood = torch.zeros(T, K, dtype=torch.int64, device=dev)
+    cuda.low_latency_dispatch(torch.randn(T, H, device=dev).to(torch.bfloat16), flood, M, E, use_fp8=True)
+    with pytest.raises(ValueError, match="topk_idx"):
+        cuda.synchronize()
+    idx, w = _routing(gen, T, E, K, "random", dev)
+    x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(dev)
+    _check_dispatch(cuda.low_latency_dispatch(x, idx, M, E, use_fp8=True),
+                    ref.low_latency_dispatch(x, idx, M, E, use_fp8=True), "after the duplicate flood")
+
+    # hooks called on another stream, with the combine's inputs dropped by the caller before the hook
+    side = torch.cuda.Stream(dev)
+    idx, w = _routing(gen, T, E, K, "masked", dev)
+    x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(dev)
+    want = ref.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+    got = cuda.low_latency_dispatch(x, idx, M, E, use_fp8=False, return_recv_hook=True)
+    with torch.cuda.stream(side):
+        got[3]()
+    side.synchronize()
+    _check_dispatch(got, want, "hook on another stream")
+    y = torch.randn(E // world, world * M, H, generator=gen).to(torch.bfloat16).to(dev)
+    ref_out = ref.low_latency_combine(y, idx, w, want[2])[0]
+    out, hook = cuda.low_latency_combine(y, idx, w, got[2], return_recv_hook=True)
+    del y
+    torch.randn(E // world, world * M, H, device=dev).to(torch.bfloat16)  # reuses freed blocks if it could
+    with torch.cuda.stream(side):
+        hook()
+    side.synchronize()
+    assert torch.equal(out, ref_out), "combine hook on another stream"
 
     # CUDA graph: dispatch + combine captured once, replayed with new inputs
     xs = torch.zeros(T, H, dtype=torch.bfloat16, device=dev)
