@@ -147,7 +147,7 @@ PYBIND11_MODULE(_C, m) {
                           std::vector<int64_t> out_offsets, int64_t capacity, uintptr_t stream) {
         DC_HOST_ASSERT(out_offsets.size() == 5, "dispatch: out_offsets needs 5 entries");
         DispatchArgs a{ptr<const void>(x), ptr<const void>(scales), ptr<const int64_t>(topk_idx),
-                       ptr<const float>(topk_weights), ptr<const int>(send_pos), ptr<const int>(count_matrix),
+                       ptr<const float>(topk_weights), ptr<int>(send_pos), ptr<int>(count_matrix),
                        ptr<const int>(invalid_count), T, K, L, x_row_bytes, scale_row_bytes, {}, capacity};
         for (int i = 0; i < 5; ++i) a.out_offsets[i] = out_offsets[i];
         launch_dispatch(a, num_blocks, c.layout, c.peers, c.wait_ctx(), stream_of(stream));

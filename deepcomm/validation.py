@@ -17,6 +17,8 @@ from .handle import Handle, LowLatencyHandle
 
 FP8_DTYPE = torch.float8_e4m3fn
 ROW_ALIGN = 8  # non-FP8 hidden must be a multiple of 8 (16-byte bf16 rows)
+DATA_ALIGN = 16  # row data is moved in 16-byte vectors: x must start on a 16-byte boundary
+MAX_TOPK = 32  # slots per token: the kernels give each a lane of one warp
 
 
 def fail(name: str, message: str):
@@ -60,6 +62,13 @@ def check_tensor(name: str, t, dtypes: Sequence[torch.dtype], device: torch.devi
     return t
 
 
+def check_aligned(name: str, t: torch.Tensor) -> None:
+    """Row data (x of every call) starts on a 16-byte boundary: a view at an odd offset of a larger tensor does
+    not, and would fault the vector loads of a kernel (every backend takes the same inputs)."""
+    if t.data_ptr() % DATA_ALIGN:
+        fail(name, f"data must start on a {DATA_ALIGN}-byte boundary (a view at an odd offset? pass a copy)")
+
+
 def check_num_experts(num_experts, world_size: int) -> int:
     if num_experts is None:
         fail("num_experts", "required when no handle is given")
@@ -75,6 +84,8 @@ def check_topk_idx(topk_idx, num_tokens: int, num_experts: int, device: torch.de
     if topk_idx is None:
         fail("topk_idx", "required when no handle is given")
     check_tensor("topk_idx", topk_idx, (torch.int64,), device, 2, (num_tokens, None))
+    if topk_idx.shape[1] > MAX_TOPK:
+        fail("topk_idx", f"at most {MAX_TOPK} slots per token, got {topk_idx.shape[1]}")
     if check_values and topk_idx.numel() and _values_readable(topk_idx):
         # One device-to-host read for all value checks (each read is a sync on a GPU).
         stats = [topk_idx.min(), topk_idx.max()]
@@ -123,6 +134,7 @@ def check_dispatch_x(x, device: torch.device, dtypes: Sequence[torch.dtype], max
             fail("x", f"an FP8 input must be a (values, scales) pair, got {len(x)} items")
         values, scales = x
         check_tensor("x[0]", values, (FP8_DTYPE,), device, 2)
+        check_aligned("x[0]", values)
         num_tokens, hidden = values.shape
         check_hidden("x[0]", hidden, BLOCK, max_hidden)
         check_fp8_scales("x[1]", scales, num_tokens, hidden, device)
@@ -131,6 +143,7 @@ def check_dispatch_x(x, device: torch.device, dtypes: Sequence[torch.dtype], max
     if isinstance(x, torch.Tensor) and x.dtype == FP8_DTYPE:
         fail("x", "float8_e4m3fn input must be passed as a (values, scales) pair")
     check_tensor("x", x, dtypes, device, 2)
+    check_aligned("x", x)
     num_tokens, hidden = x.shape
     check_hidden("x", hidden, ROW_ALIGN, max_hidden)
     check_num_tokens("x", num_tokens, max_tokens, "max_tokens_per_rank")
@@ -166,6 +179,7 @@ def check_combine_x(x, handle: Handle, device: torch.device, dtypes: Sequence[to
     if isinstance(x, (tuple, list)):
         fail("x", "combine takes a tensor, not an FP8 pair")
     check_tensor("x", x, (torch.bfloat16,) if use_fp8 else dtypes, device, 2)
+    check_aligned("x", x)
     if x.shape[0] != handle.num_recv:
         fail("x", f"expected {handle.num_recv} rows (handle.num_recv), got {x.shape[0]}")
     check_hidden("x", x.shape[1], BLOCK if use_fp8 else ROW_ALIGN, max_hidden)
@@ -185,6 +199,7 @@ def check_low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, nu
     if use_ue8m0 and not use_fp8:
         fail("use_ue8m0", "requires use_fp8=True")
     check_tensor("x", x, (torch.bfloat16,), device, 2)
+    check_aligned("x", x)
     num_tokens, hidden = x.shape
     check_hidden("x", hidden, BLOCK, max_hidden)
     check_num_tokens("x", num_tokens, num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank")
@@ -196,6 +211,7 @@ def check_low_latency_combine(x, topk_idx, topk_weights, handle: LowLatencyHandl
     experts_per_rank = handle.num_experts // world_size
     rows = world_size * handle.num_max_dispatch_tokens_per_rank
     check_tensor("x", x, (torch.bfloat16,), device, 3, (experts_per_rank, rows, None))
+    check_aligned("x", x)
     check_hidden("x", x.shape[2], ROW_ALIGN, max_hidden)
     check_tensor("topk_idx", topk_idx, (torch.int64,), device, 2, tuple(handle.recv_pos.shape))
     check_topk_weights(topk_weights, tuple(handle.recv_pos.shape), device)

@@ -54,6 +54,9 @@ CASES = {
     "x_tokens_over_max": ("x", lambda c: _dispatch(c, x=torch.zeros(17, H, dtype=torch.bfloat16),
                                                    idx=torch.zeros(17, K, dtype=torch.int64))),
     "x_pair_of_three": ("x", lambda c: _dispatch(c, x=(c.pair[0], c.pair[1], c.pair[1]))),
+    "x_misaligned_view": ("x", lambda c: _dispatch(c, x=torch.zeros(T * H + 1, dtype=torch.bfloat16)[1:].view(T, H))),
+    "topk_idx_too_many_slots": ("topk_idx", lambda c: _dispatch(c, idx=torch.zeros(T, 33, dtype=torch.int64))),
+    "ll_x_misaligned_view": ("x", lambda c: _ll(c, x=torch.zeros(T * H + 1, dtype=torch.bfloat16)[1:].view(T, H))),
     "fp8_values_not_fp8": ("x[0]", lambda c: _dispatch(c, x=(c.x, c.pair[1]))),
     "fp8_hidden_not_multiple_of_128": ("x[0]", lambda c: _dispatch(
         c, x=(torch.zeros(T, 136, dtype=torch.float8_e4m3fn), torch.ones(T, 1)))),

@@ -40,15 +40,18 @@ void launch_notify_dispatch(const int64_t* topk_idx, int num_tokens, int topk, i
 // the receivers publish at kernel start). out_offsets: byte offsets in *our* buffer of our output arrays
 // {x, scales, topk_idx, topk_weights, src_idx} (topk ones ignored when the inputs are null).
 // invalid_count (nullable): when it points at a non-zero count (bad expert ids on some rank, from notify),
-// every rank returns at once without moving data and records kStageInvalidIds. Rows past a receiver's
-// capacity are dropped and recorded as kStageOverflow (only possible with a worst-case-sized output).
+// every rank returns at once without moving data and records kStageInvalidIds; it also clears its send_pos and
+// count_matrix, so a combine or cached dispatch on the same handle (a replayed graph runs one without a host
+// check in between) moves nothing instead of reading rows that never came. Rows past a receiver's
+// capacity are dropped and recorded as kStageOverflow (only possible with a worst-case-sized output); their
+// send_pos entries become -1, so a combine on the same handle neither sends nor waits for them.
 struct DispatchArgs {
   const void* x;              // [T][x_row_bytes]
   const void* scales;         // [T][scale_row_bytes] or null
   const int64_t* topk_idx;    // [T][K] or null (cached re-dispatch)
   const float* topk_weights;  // [T][K] or null
-  const int* send_pos;        // [T][R]
-  const int* count_matrix;    // [R][R] device copy
+  int* send_pos;              // [T][R]; dropped rows are set to -1
+  int* count_matrix;          // [R][R] device copy; cleared with send_pos on bad ids
   const int* invalid_count;   // or null
   int num_tokens, topk, num_local_experts;
   int64_t x_row_bytes, scale_row_bytes;

@@ -53,9 +53,14 @@ __global__ void __launch_bounds__(kDispatchThreads, 1)
   __shared__ DispatchShared sh;
   const int R = layout.num_ranks, rank = ctx.rank, tid = threadIdx.x, lane = tid & 31;
   uint8_t* self = peers.base[rank];
-  // Bad expert ids anywhere: every rank sees the same count (from notify) and stops before any handshake.
+  // Bad expert ids anywhere: every rank sees the same count (from notify) and stops before any handshake. The
+  // route is cleared, so whatever runs next on this handle (a combine in the same graph) moves nothing.
   if (a.invalid_count != nullptr && *a.invalid_count != 0) {
     if (blockIdx.x == 0 && tid == 0) report_input_error(ctx, -1, kStageInvalidIds);
+    for (int64_t i = int64_t(blockIdx.x) * blockDim.x + tid; i < int64_t(a.num_tokens) * R;
+         i += int64_t(gridDim.x) * blockDim.x)
+      a.send_pos[i] = -1;
+    if (blockIdx.x == 0 && tid < R * R) a.count_matrix[tid] = 0;
     return;
   }
   if (tid == 0) sh.ok = 1;
@@ -94,7 +99,10 @@ __global__ void __launch_bounds__(kDispatchThreads, 1)
     for (int d = 0; d < kMaxRanks; ++d) {
       pos[d] = __shfl_sync(0xffffffffu, my_pos, d);
       if (d < R && pos[d] >= 0 && sh.row_base[d] + pos[d] >= sh.capacity[d]) {
-        if (lane == 0) report_input_error(ctx, d, kStageOverflow);
+        if (lane == 0) {
+          report_input_error(ctx, d, kStageOverflow);
+          a.send_pos[int64_t(t) * R + d] = -1;  // the combine skips it: no row comes back for it
+        }
         pos[d] = -1;
       }
       const int row = d < R ? sh.row_base[d] + pos[d] : 0;

@@ -84,6 +84,10 @@ class Arena:
                 return off, size
         return None
 
+    def release(self, offset: int, size: int) -> None:
+        """Give back a reserved range that never became a tensor (its launch failed)."""
+        self._released.append((offset, size))
+
     def tensor(self, offset: int, size: int) -> torch.Tensor:
         """A uint8 tensor over a reserved range; the range returns to the arena when its last view dies."""
         return torch.as_tensor(_Block(self, offset, size), device=self.device)

@@ -79,6 +79,7 @@ class CudaBackend:
             raise RuntimeError("the CUDA extension deepcomm._C is not built")
         self.C, self.group, self.config = C, group, config
         self.rank, self.world_size, self.device = rank, world_size, device
+        self.set_num_sms(config.num_sms)  # before anything is allocated
         if config.low_latency_memory == "nvshmem":  # fail at construction, before any collective, if it is missing
             from .nvshmem_library import load_library
             load_library()
@@ -123,8 +124,13 @@ class CudaBackend:
             caller.wait_stream(self.comm_stream)
 
     def set_num_sms(self, num_sms: int) -> None:
-        if num_sms > self.C.MAX_BLOCKS:
-            raise ValueError(f"num_sms: at most {self.C.MAX_BLOCKS} on the CUDA backend, got {num_sms}")
+        # Every block of the normal combine must be resident at once (its reducers wait for other blocks' senders),
+        # one block per SM: at most the GPU's SMs, and at most the flag capacity.
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        limit = min(self.C.MAX_BLOCKS, sms)
+        if num_sms > limit:
+            raise ValueError(f"num_sms: at most {limit} on the CUDA backend ({sms} SMs, {self.C.MAX_BLOCKS} flag "
+                             f"slots), got {num_sms}")
 
     def size_bytes(self) -> int:
         """Device bytes this rank holds: the NVLink buffer, plus the low-latency buffer once one was made."""
@@ -205,13 +211,18 @@ class CudaBackend:
         if bounced:
             reserved = (self.bounce_offset, lay["total"])
         base = self.nvl.layout["arena"] + reserved[0]
-        self.nvl.ctx.dispatch(self.config.num_sms, values.data_ptr(), x_row_bytes,
-                              scales.data_ptr() if scales is not None else 0, scale_row_bytes,
-                              topk_idx.data_ptr() if topk_idx is not None else 0,
-                              topk_weights.data_ptr() if topk_weights is not None else 0, K, T, L,
-                              send_pos.data_ptr(), count_matrix.data_ptr(),
-                              invalid_count.data_ptr() if invalid_count is not None else 0,
-                              [base + lay[k] for k in OUTPUTS], num_recv, comm.cuda_stream)
+        try:
+            self.nvl.ctx.dispatch(self.config.num_sms, values.data_ptr(), x_row_bytes,
+                                  scales.data_ptr() if scales is not None else 0, scale_row_bytes,
+                                  topk_idx.data_ptr() if topk_idx is not None else 0,
+                                  topk_weights.data_ptr() if topk_weights is not None else 0, K, T, L,
+                                  send_pos.data_ptr(), count_matrix.data_ptr(),
+                                  invalid_count.data_ptr() if invalid_count is not None else 0,
+                                  [base + lay[k] for k in OUTPUTS], num_recv, comm.cuda_stream)
+        except Exception:
+            if not bounced:  # the range never became a tensor: give it back
+                self.arena.release(*reserved)
+            raise
         block = self.bounce if bounced else self.arena.tensor(*reserved)
         out = self._carve_outputs(block, lay, num_recv, H, values.dtype,
                                   scales.dtype if scales is not None else None, scale_cols, K,

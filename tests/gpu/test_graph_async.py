@@ -99,7 +99,29 @@ def _worker(rank, world):
     cuda.dispatch(x, topk_idx=idx, num_experts=E, num_worst_tokens=1)
     with pytest.raises(ValueError, match="num_worst_tokens"):
         cuda.synchronize()
-    # the buffer is still usable after both
+    # 6. the same inside a replayed graph, where the combine runs with no host check in between: the dropped rows
+    # are neither sent back nor waited for, so the replay completes and the overflow is what is reported
+    def small_step():
+        rx, _, rw, _, hh = cuda.dispatch(xs, topk_idx=idxs, topk_weights=ws, num_experts=E, num_worst_tokens=1)
+        return cuda.combine(_expert(rx), hh, topk_weights=rw)
+
+    small_graph = torch.cuda.CUDAGraph()  # no eager warm-up: that would report the overflow before the capture
+    with torch.cuda.graph(small_graph):
+        small_step()
+    small_graph.replay()
+    with pytest.raises(ValueError, match="num_worst_tokens"):
+        cuda.synchronize()
+    del small_graph
+    # 7. bad ids in a replay of the step-2 graph (dispatch + combine, no host check in between): the dispatch
+    # clears its route, so the combine moves nothing and the replay completes; the ids are what is reported
+    bad = idxs.clone()
+    if rank == 0:
+        bad[0, 0] = E + 3
+    idxs.copy_(bad)
+    graph.replay()
+    with pytest.raises(ValueError, match="topk_idx"):
+        cuda.synchronize()
+    # the buffer is still usable after all of these
     out = cuda.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E, expert_alignment=4)
     assert torch.equal(out[0], _reference_step(ref, x, idx, w)[0])
     cuda.synchronize()
