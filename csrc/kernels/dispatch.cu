@@ -86,6 +86,13 @@ __global__ void __launch_bounds__(kDispatchThreads, 1)
   }
   __syncthreads();
   if (!sh.ok) return;
+  // Rows some receiver cannot hold (worst-case output too small): every rank has the whole count matrix and every
+  // capacity, so every rank records it, not only the senders whose rows are dropped.
+  if (blockIdx.x == 0 && tid < R) {
+    int arriving = 0;
+    for (int s = 0; s < R; ++s) arriving += a.count_matrix[s * R + tid];
+    if (arriving > sh.capacity[tid]) report_input_error(ctx, tid, kStageOverflow);
+  }
 
   const int K = a.topk, L = a.num_local_experts;
   const int64_t n16 = a.x_row_bytes / 16, nscale = a.scale_row_bytes / 4;

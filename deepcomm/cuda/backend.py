@@ -94,14 +94,28 @@ class CudaBackend:
         self.bounce = as_device_bytes(self.nvl.arena_ptr + arena, worst, device)
         self.bounce_offset = arena
         self.event: Optional[torch.cuda.Event] = None
+        # an input error found on the device by an earlier call: raised once the current call has been launched
+        self._pending_input: Optional[ValueError] = None
         self._ll: Optional[LlBuffer] = None
         self.ll_blocks = low_latency_blocks(C, device)
 
     # ---- plumbing ----
+    def _check(self, low_latency: bool = False) -> None:
+        """Timeouts raise now; an input error an earlier call left on the device is kept for _raise_pending."""
+        err = self.nvl.check_error(low_latency=low_latency, defer_input=True)
+        if err is not None and self._pending_input is None:
+            self._pending_input = err
+
+    def _raise_pending(self) -> None:
+        """After a call's kernels are launched (so every rank joined it): raise the kept input error, if any."""
+        err, self._pending_input = self._pending_input, None
+        if err is not None:
+            raise err
+
     def _begin(self, previous_event: Optional[torch.cuda.Event]) -> torch.cuda.Stream:
         """Order the communication stream after the caller's work and start a new collective: bump the device
         sequence number of the NVLink context."""
-        self.nvl.check_error()
+        self._check()
         caller = torch.cuda.current_stream(self.device)
         if previous_event is not None:
             self.comm_stream.wait_event(previous_event)
@@ -122,6 +136,7 @@ class CudaBackend:
                         pass  # not from the caching allocator (an arena view): its lifetime is ours already
         else:
             caller.wait_stream(self.comm_stream)
+        self._raise_pending()
 
     def set_num_sms(self, num_sms: int) -> None:
         # Every block of the normal combine must be resident at once (its reducers wait for other blocks' senders),
@@ -255,7 +270,7 @@ class CudaBackend:
         From that sync to the dispatch launch the GPU idles, so this is plain Python on one list."""
         R, rank = self.world_size, self.rank
         L = num_experts // R
-        self.nvl.check_error()
+        self._check()
         bad_all, bad_mine = host[R * R + L], host[R * R + L + 1]
         if bad_mine:
             raise ValueError(f"topk_idx: {bad_mine} expert ids outside [-1, {num_experts}) "
@@ -334,7 +349,7 @@ class CudaBackend:
             if not held:
                 return
             tensors = held.pop()
-            self.nvl.check_error(low_latency=True)
+            self._check(low_latency=True)
             current = torch.cuda.current_stream(self.device)
             if current.cuda_stream != stream:
                 current.wait_event(sent)
@@ -342,6 +357,7 @@ class CudaBackend:
             if current.cuda_stream != stream:
                 for t in tensors:
                     t.record_stream(current)
+            self._raise_pending()
         return hook
 
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, use_ue8m0,
@@ -351,7 +367,7 @@ class CudaBackend:
         T, H = x.shape
         K, M = topk_idx.shape[1], num_max_dispatch_tokens_per_rank
         ll = self._ll_buffer(num_experts, M, H)
-        self.nvl.check_error(low_latency=True)
+        self._check(low_latency=True)
         slot = ll.calls & 1
         ll.calls += 1
         blocks, stream = self.ll_blocks, torch.cuda.current_stream(self.device).cuda_stream
@@ -362,19 +378,21 @@ class CudaBackend:
         handle = LowLatencyHandle(src_info=src_info, layout=layout, recv_pos=ll.recv_pos(slot, T, K),
                                   num_experts=num_experts, num_max_dispatch_tokens_per_rank=M, hidden=H,
                                   buffer_id=-1, slot=slot)
+        self._raise_pending()
         return recv_x, recv_count, handle, hook
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, return_recv_hook, use_fp8=False):
         T, K = topk_idx.shape
         H = x.shape[2]
         ll = self._ll_buffer(handle.num_experts, handle.num_max_dispatch_tokens_per_rank, handle.hidden)
-        self.nvl.check_error(low_latency=True)
+        self._check(low_latency=True)
         out = torch.empty(T, H, dtype=torch.bfloat16, device=self.device)
         blocks, slot, stream = self.ll_blocks, handle.slot, torch.cuda.current_stream(self.device).cuda_stream
         ptrs = (x.data_ptr(), topk_weights.data_ptr(), topk_idx.data_ptr(), out.data_ptr())
         # the receive half reads x (our own tokens' partial), topk_idx and topk_weights, and writes out
         hook = self._ll_launch(lambda phases, s: ll.ctx.combine(phases, blocks, *ptrs, T, K, slot, use_fp8, s),
                                return_recv_hook, stream, keep=(x, topk_idx, topk_weights, out))
+        self._raise_pending()
         return out, hook
 
     @property
@@ -404,7 +422,8 @@ class CudaBackend:
     def synchronize(self) -> None:
         # low-latency kernels run on the caller's streams, normal mode on the communication stream: wait for all
         torch.cuda.synchronize(self.device)
-        self.nvl.check_error(low_latency=True)
+        self._check(low_latency=True)
+        self._raise_pending()
 
     def destroy(self) -> None:
         """Local (no collective): safe after a timeout, even with a dead peer."""

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import socket
-from typing import List
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -83,10 +83,13 @@ class NvlBuffer:
     def size_bytes(self) -> int:
         return self.layout["total"]
 
-    def check_error(self, low_latency: bool = False) -> None:
+    def check_error(self, low_latency: bool = False, defer_input: bool = False) -> Optional[ValueError]:
         """Raise CommTimeoutError if a kernel recorded a timed-out wait; the buffer is then unusable (until the
         peer it waited for is masked, for low-latency mode). Normal mode needs every rank: it refuses to run while
-        ranks are masked."""
+        ranks are masked. A recorded input error (found on the device) is cleared and raised as ValueError, or,
+        with ``defer_input``, returned: a call then joins its collective first and raises after it, because
+        ranks see such a record at different times and one that skipped the call would leave the others waiting
+        and the call numbers out of step. A record still being written (flag 2) is left for the next look."""
         if self.broken:
             raise RuntimeError("deepcomm: this Buffer had a communication timeout; destroy it and build a new one on "
                                "every rank, or mask the lost peer (Buffer.mask_ranks) to go on in low-latency mode")
@@ -94,9 +97,14 @@ class NvlBuffer:
             raise RuntimeError(f"deepcomm: ranks {sorted(self.masked)} are masked; normal mode needs every rank "
                                "(unmask them on every rank, or build a new Buffer)")
         flag, rank, peer, stage, seq, waited_ns = self.C.read_error(self.err_host)
-        if flag and stage in INPUT_ERRORS:
+        if flag != 1:
+            return None
+        if stage in INPUT_ERRORS:
             self.C.clear_error(self.err_host)  # the Buffer stays usable
-            raise ValueError(INPUT_ERRORS[stage].format(peer=peer, peer_or_some="some rank" if peer < 0 else peer))
+            err = ValueError(INPUT_ERRORS[stage].format(peer=peer, peer_or_some="some rank" if peer < 0 else peer))
+            if defer_input:
+                return err
+            raise err
         if flag:
             self.broken, self.broken_peer = True, peer
             raise CommTimeoutError(rank, peer, STAGES.get(stage, f"stage {stage}"),
