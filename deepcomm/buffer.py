@@ -49,8 +49,15 @@ class Buffer:
                              low_latency_memory=low_latency_memory,
                              internode_transport=internode_transport)
         self.buffer_id = next(_buffer_ids)
-        # every rank is here before the first collective, or a CommTimeoutError names who is not (bounded)
-        wait_for_group(self._group, self._rank, self.config.timeout_s)
+        # every rank is here before the first collective, or a CommTimeoutError names who is not (bounded); and the
+        # settings that lay out the shared buffers or pair blocks across ranks agree (ValueError naming one if not)
+        wait_for_group(self._group, self._rank, self.config.timeout_s, settings={
+            "backend": backend, "max_tokens_per_rank": self.config.max_tokens_per_rank,
+            "hidden": self.config.hidden, "num_sms": self.config.num_sms,
+            "num_max_low_latency_tokens": self.config.num_max_low_latency_tokens,
+            "low_latency_memory": self.config.low_latency_memory,
+            "internode_transport": self.config.internode_transport,
+            "gpus_per_node": self.config.gpus_per_node})
         self._backend, self._backend_name = make_backend(backend, self._group, self.config, self._rank,
                                                          self._world_size, self._device)
         # dtypes of a non-FP8 x the backend takes in normal mode (the CUDA backend: bf16 only)

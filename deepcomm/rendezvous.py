@@ -9,11 +9,17 @@ has arrived the collectives start with every rank present.
 
 Marks are keyed by the group's ranks and a per-group count of Buffers built, which every rank advances in the
 same order (building a Buffer is collective). Where no store is reachable (an unusual init), the check is skipped.
+
+Each mark carries the rank's Buffer settings that must agree across the group (sizes that lay out the shared
+buffers, the block count whose blocks pair up across ranks, ...): settings that differ raise ``ValueError`` naming
+the first such setting on every rank, before any collective, instead of peers writing into regions laid out
+differently.
 """
 from __future__ import annotations
 
 import datetime
-from typing import Dict, Tuple
+import json
+from typing import Dict, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -30,9 +36,10 @@ def _store():
         return None
 
 
-def wait_for_group(group, rank: int, timeout_s: float) -> None:
+def wait_for_group(group, rank: int, timeout_s: float, settings: Optional[Dict[str, object]] = None) -> None:
     """Return once every rank of ``group`` has called this for the same Buffer; raise CommTimeoutError naming the
-    first missing rank (group-local) after ``timeout_s``."""
+    first missing rank (group-local) after ``timeout_s``, or ValueError naming the first of ``settings`` that is
+    not the same on every rank."""
     store = _store()
     if store is None:
         return
@@ -41,12 +48,22 @@ def wait_for_group(group, rank: int, timeout_s: float) -> None:
     _built[ranks] = n + 1
     prefix = f"deepcomm/{STAGE}/{','.join(map(str, ranks))}/{n}"
     keys = [f"{prefix}/{r}" for r in range(len(ranks))]
-    store.set(keys[rank], "1")
+    store.set(keys[rank], json.dumps(settings or {}, sort_keys=True))
     try:
         store.wait(keys, datetime.timedelta(seconds=timeout_s))
     except RuntimeError as e:  # DistStoreError (a RuntimeError) on timeout
         missing = [r for r, k in enumerate(keys) if not store.check([k])]
-        if not missing:
-            return  # everyone arrived just as the wait gave up
-        raise CommTimeoutError(rank, missing[0], STAGE,
-                               f"ranks {missing} did not build their Buffer within {timeout_s:g} s") from e
+        if missing:
+            raise CommTimeoutError(rank, missing[0], STAGE,
+                                   f"ranks {missing} did not build their Buffer within {timeout_s:g} s") from e
+    if settings:
+        _check_same(settings, [json.loads(store.get(k)) for k in keys])
+
+
+def _check_same(mine: Dict[str, object], every: list) -> None:
+    for name in sorted(mine):
+        values = [marks.get(name) for marks in every]
+        if any(v != values[0] for v in values):
+            odd = next(r for r, v in enumerate(values) if v != values[0])
+            raise ValueError(f"{name}: must be the same on every rank of the group; rank 0 has {values[0]!r}, "
+                             f"rank {odd} has {values[odd]!r}")

@@ -1,5 +1,7 @@
 """Building a Buffer is bounded by timeout_s: a rank that never builds its Buffer is named in a CommTimeoutError
-(stage buffer:create) on the others, instead of a collective that waits for torch.distributed's own timeout."""
+(stage buffer:create) on the others, instead of a collective that waits for torch.distributed's own timeout; and
+settings that must agree across ranks (sizes of the shared buffers, ...) are compared there too: ValueError naming
+the first that differs, on every rank."""
 from __future__ import annotations
 
 import time
@@ -38,3 +40,24 @@ def _one_rank_stays_away(rank, world, absent):
 
 def test_rank_that_never_builds_is_named():
     assert run_ranks(_one_rank_stays_away, 3, 2, timeout=60) == ["timed out", "timed out", "absent"]
+
+
+def _settings_differ(rank, world):
+    import deepcomm
+    outcomes = []
+    for name, mine in (("hidden", 128 if rank == 0 else 256), ("max_tokens_per_rank", 8 + (rank == 1))):
+        kw = dict(backend="reference", hidden=128, max_tokens_per_rank=8, timeout_s=5.0)
+        kw[name] = mine
+        try:
+            deepcomm.Buffer(**kw).destroy()
+            outcomes.append("built")
+        except ValueError as e:  # every rank sees the same marks and refuses alike, before any collective
+            assert str(e).startswith(name + ":") and "rank 1" in str(e), str(e)
+            outcomes.append(name)
+    dist.barrier()
+    deepcomm.Buffer(backend="reference", hidden=128, max_tokens_per_rank=8, timeout_s=5.0).destroy()
+    return outcomes
+
+
+def test_settings_that_differ_between_ranks_are_named():
+    assert run_ranks(_settings_differ, 2, timeout=60) == [["hidden", "max_tokens_per_rank"]] * 2

@@ -15,9 +15,12 @@ __global__ void __launch_bounds__(kLayoutThreads, 1)
   write_layout_counts(sh, expert_count, num_experts, num_ranks, tokens_per_rank, tokens_per_expert);
 }
 
+// Past 48 KB of shared memory in all (the kernel's static part counts too) a launch needs the opt-in.
 void set_layout_smem(const void* kernel, int num_experts) {
   const int bytes = num_experts * int(sizeof(int));
-  if (bytes > 48 * 1024)
+  cudaFuncAttributes attr;
+  DC_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+  if (bytes + int(attr.sharedSizeBytes) > 48 * 1024)
     DC_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
 }
 
