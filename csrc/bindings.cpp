@@ -171,6 +171,7 @@ PYBIND11_MODULE(_C, m) {
         d["total"] = l.total;
         d["mask"] = l.mask;
         d["weights"] = l.weights;
+        d["input_err"] = l.input_err;
         d["arrivals"] = l.arrivals;
         d["arrivals_end"] = l.arrival_at(1, 1, l.num_ranks - 1, kMaxBlocks - 1) + 8;
         d["signal_bytes"] = l.signal_bytes();

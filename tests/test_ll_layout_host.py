@@ -21,5 +21,7 @@ def test_tagged_weights_are_zeroed_with_the_signals(ranks, experts, max_tokens, 
     # one arrival word per (kind, slot, rank, block): the call numbers restart from zero after unmasking
     assert 0 < lay["arrivals"] < lay["arrivals_end"] <= lay["signal_bytes"], lay
     assert lay["arrivals_end"] - lay["arrivals"] == 2 * 2 * ranks * C.MAX_BLOCKS * 8, lay
+    # the words that tell every rank about bad input hold call counts too
+    assert 0 < lay["input_err"] and lay["input_err"] + 2 * 2 * ranks * 8 <= lay["signal_bytes"], lay
     slots = [lay[k][1] for k in ("recv_x_slot", "out_count_slot", "out_recv_pos_slot")]
     assert all(lay["signal_bytes"] <= s < lay["total"] for s in slots), lay

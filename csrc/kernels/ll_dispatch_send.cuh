@@ -98,6 +98,17 @@ __device__ __forceinline__ void load_row_item(const LlDispatchArgs& a, const LlL
   load_token_chunk(a, l, t, c, lane, r.v);
 }
 
+// Bad input in this call (which: 0 ids out of range, 1 a duplicate expert in a row): recorded here and told to
+// every live rank, whose receive half records it too, so every rank raises, not only the one that passed it.
+__device__ __forceinline__ void report_bad_input(const LlDispatchArgs& a, const LlLayout& l, const Peers& peers,
+                                                 const WaitCtx& ctx, uint32_t alive, uint64_t calls, int which) {
+  report_input_error(ctx, ctx.rank, which == 0 ? kStageLlInvalidIds : kStageLlDuplicateIds);
+  for (int d = 0; d < l.num_ranks; ++d)
+    if (ll_is_alive(alive, d))
+      ptx::st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(peers.base[d] + l.input_err_at(a.slot, which, ctx.rank)),
+                              calls);
+}
+
 // The rows of tokens [t0, t1): the block's warps take (token, chunk) items, item w first (already in `r`); each
 // token goes once to every rank holding any of its experts.
 __device__ __forceinline__ void send_rows(const LlDispatchArgs& a, const LlLayout& l, const Peers& peers, int rank,
@@ -151,7 +162,8 @@ __device__ __forceinline__ void rank_range_early(const LlDispatchArgs& a, const 
 // given, so an entry's rank can pass 16 bits only then: such an entry gets no key (the receiver likewise drops rows
 // past an expert's R * M), and nothing is written out of bounds.
 __device__ __forceinline__ void send_range_meta(const LlDispatchArgs& a, const LlLayout& l, const Peers& peers,
-                                                const WaitCtx& ctx, uint32_t alive, int t0, int n, const RangeMeta& m) {
+                                                const WaitCtx& ctx, uint32_t alive, uint64_t calls, int t0, int n,
+                                                const RangeMeta& m) {
   const int R = l.num_ranks, E = l.num_experts, L = l.local_experts(), rank = ctx.rank;
   const int K = a.topk, tid = threadIdx.x;
   __syncthreads();  // warp 0's ranking of a short range is complete
@@ -174,7 +186,7 @@ __device__ __forceinline__ void send_range_meta(const LlDispatchArgs& a, const L
     keys[j] = e >= 0 && m.rank_in[j] <= 0xffff ? (e << 16 | m.rank_in[j]) : -1;
     bool dup = false;
     for (int q = j - j % K; q < j; ++q) dup |= e >= 0 && m.own[q] == e;
-    if (dup) report_input_error(ctx, rank, kStageLlDuplicateIds);
+    if (dup) report_bad_input(a, l, peers, ctx, alive, calls, 1);
   }
 }
 
@@ -182,7 +194,7 @@ __device__ __forceinline__ void send_range_meta(const LlDispatchArgs& a, const L
 // token count, and the range check of the ids (out-of-range slots count as -1; the call still completes on every
 // rank and the error is reported, not waited on). smem: E ints.
 __device__ __forceinline__ void send_counts(const LlDispatchArgs& a, const LlLayout& l, const Peers& peers,
-                                            const WaitCtx& ctx, uint32_t alive, int* smem) {
+                                            const WaitCtx& ctx, uint32_t alive, uint64_t calls, int* smem) {
   const int R = l.num_ranks, E = l.num_experts, rank = ctx.rank, T = a.num_tokens, P = T * a.topk;
   const int tid = threadIdx.x;
   int* counts = smem;  // [E]
@@ -201,7 +213,7 @@ __device__ __forceinline__ void send_counts(const LlDispatchArgs& a, const LlLay
     if (ll_is_alive(alive, i / E))
       reinterpret_cast<int*>(peers.base[i / E] + l.counts_at(a.slot))[rank * E + i % E] = counts[i % E];
   if (tid < R && ll_is_alive(alive, tid)) reinterpret_cast<int*>(peers.base[tid] + l.ntok_at(a.slot))[rank] = T;
-  if (tid == 0 && bad_id) report_input_error(ctx, rank, kStageLlInvalidIds);
+  if (tid == 0 && bad_id) report_bad_input(a, l, peers, ctx, alive, calls, 0);
 }
 
 // Block 0 sends the counts; the other blocks each take a contiguous range of our tokens: they histogram the ids
@@ -222,10 +234,10 @@ __device__ __forceinline__ void dispatch_send_phase(const LlDispatchArgs& a, con
     rank_range_early(a, l, alive, t0, n, m);
     send_rows(a, l, peers, ctx.rank, alive, t0, t1, nchunks, r);
     ll_trace(a.trace, kLlTraceSendData);
-    send_range_meta(a, l, peers, ctx, alive, t0, n, m);
+    send_range_meta(a, l, peers, ctx, alive, calls, t0, n, m);
     __syncthreads();  // smem is reused below by a single block
   }
-  if (blockIdx.x == 0) send_counts(a, l, peers, ctx, alive, smem);
+  if (blockIdx.x == 0) send_counts(a, l, peers, ctx, alive, calls, smem);
   ll_trace(a.trace, kLlTraceSendMeta);
   ll_finish_send(peers.base[ctx.rank], peers, l, kLlDispatch, a.slot, ctx.seq, calls, ctx.rank, alive, nullptr,
                  a.trace);

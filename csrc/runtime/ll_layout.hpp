@@ -16,6 +16,9 @@
 //                                          waits for its own count in every (live rank, block) word. B = kMaxBlocks
 //   mask         int32 [R]                 ranks this rank treats as gone (written by the host): nothing is sent
 //                                          to them, nothing awaited from them, their experts count as absent
+//   input_err    u64   [2][2][R]           per slot: rank s found bad input in its dispatch of that call: [0] ids
+//                                          out of range, [1] a duplicate expert in a row; holds the slot's call
+//                                          count then (every receiver records it, not only the rank that passed it)
 //   weights      u64   [2][R][M][K]        per slot: rank s's combine weights, each tagged with its call:
 //                                          (low 32 bits of the combine's sequence number << 32) | f32 bits
 //   counts       int32 [2][R][E]           per slot: entries rank s sends to every expert
@@ -49,9 +52,9 @@ enum LlKind : int { kLlDispatch = 0, kLlCombine = 1 };
 struct LlLayout {
   int num_ranks, num_experts, max_tokens, topk_max;
   int64_t hidden;
-  int64_t seq, slot_seq, slot_calls, done_count, arrivals, mask, counts, ntok, meta, entry, weights, stage_x,
-      stage_scales, recv_x, recv_scales, partials, entry_key, out_count, out_layout, out_src_info, out_recv_pos,
-      total;
+  int64_t seq, slot_seq, slot_calls, done_count, arrivals, mask, input_err, counts, ntok, meta, entry, weights,
+      stage_x, stage_scales, recv_x, recv_scales, partials, entry_key, out_count, out_layout, out_src_info,
+      out_recv_pos, total;
 
   DC_HD int local_experts() const { return num_experts / num_ranks; }
   DC_HD int64_t rows_per_expert() const { return int64_t(num_ranks) * max_tokens; }
@@ -73,6 +76,7 @@ struct LlLayout {
     done_count = take(2 * 4);
     arrivals = take(4 * R * kMaxBlocks * 8);
     mask = take(R * 4);
+    input_err = take(2 * 2 * R * 8);
     weights = take(2 * R * M * K * 8);  // zeroed with the signals: a stale tag must never match a new call
     counts = take(2 * R * experts * 4);
     ntok = take(2 * R * 4);
@@ -94,6 +98,10 @@ struct LlLayout {
   // numbers, counters, flags, and the tagged weights, whose old tags would otherwise match the restarted calls).
   DC_HD int64_t signal_bytes() const { return counts; }
 
+  // which: 0 = ids out of range, 1 = a duplicate expert in a row
+  DC_HD int64_t input_err_at(int slot, int which, int s) const {
+    return input_err + (int64_t(slot * 2 + which) * num_ranks + s) * 8;
+  }
   // the word of block b of rank s, per kind and slot
   DC_HD int64_t arrival_at(int kind, int slot, int s, int b) const {
     return arrivals + ((int64_t(kind * 2 + slot) * num_ranks + s) * kMaxBlocks + b) * 8;

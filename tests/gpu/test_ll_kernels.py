@@ -117,6 +117,14 @@ def _worker(rank, world):
         _check_dispatch(cuda.low_latency_dispatch(x, idx, M, 64, use_fp8=False),
                         ref.low_latency_dispatch(x, idx, M, 64, use_fp8=False), f"after {fault}")
 
+    # bad ids on rank 0 only: every rank is told in the same call and raises, naming rank 0
+    idx, _ = _routing(gen, 16, 64, 4, "random", dev)
+    if rank == 0:
+        idx[5, 2] = idx[5, 0]
+    cuda.low_latency_dispatch(torch.randn(16, 2048, device=dev).to(torch.bfloat16), idx, M, 64, use_fp8=False)
+    with pytest.raises(ValueError, match="on rank 0 had a token naming the same expert twice"):
+        cuda.synchronize()
+
     # every slot of every token naming one expert: far more entries than its R * M rows; reported as duplicates,
     # nothing is written out of bounds, and the next call is right
     flood = torch.zeros(T, K, dtype=torch.int64, device=dev)
