@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import sys
 from typing import Optional
 
@@ -52,7 +53,10 @@ class Buffer:
         # every rank is here before the first collective, or a CommTimeoutError names who is not (bounded); and the
         # settings that lay out the shared buffers or pair blocks across ranks agree (ValueError naming one if not)
         wait_for_group(self._group, self._rank, self.config.timeout_s, settings={
-            "backend": backend, "max_tokens_per_rank": self.config.max_tokens_per_rank,
+            # "auto" and "cuda" may meet (auto picks cuda where it can); "reference" must meet itself
+            "backend": "reference" if backend == "reference" else "cuda or auto",
+            "DEEPCOMM_LL_NUM_SMS": os.environ.get("DEEPCOMM_LL_NUM_SMS"),  # low-latency blocks pair up across ranks
+            "max_tokens_per_rank": self.config.max_tokens_per_rank,
             "hidden": self.config.hidden, "num_sms": self.config.num_sms,
             "num_max_low_latency_tokens": self.config.num_max_low_latency_tokens,
             "low_latency_memory": self.config.low_latency_memory,

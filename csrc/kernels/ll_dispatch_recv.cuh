@@ -27,10 +27,18 @@ __device__ __forceinline__ void dispatch_recv_phase(const LlDispatchArgs& a, con
   __shared__ int ok, items;
   if (!ll_wait_arrivals(self, l, kLlDispatch, slot, calls, alive, ctx, kStageLlDispatchData, &ok)) return;
   ll_trace(a.trace, kLlTraceArrived);
-  if (blockIdx.x == 0 && tid < 2 * R && ll_is_alive(alive, tid % R)) {  // bad input some rank passed in this call
-    const auto* word = reinterpret_cast<const uint64_t*>(self + l.input_err_at(slot, tid / R, tid % R));
-    if (ptx::ld_relaxed_sys_u64(word) == calls)
-      report_input_error(ctx, tid % R, tid < R ? kStageLlInvalidIds : kStageLlDuplicateIds);
+  // Bad input some rank passed in this call (report_bad_input): one record, the same on every rank: ids out of range
+  // before duplicates, lowest rank first.
+  if (blockIdx.x == 0 && tid == 0) {
+    bool found = false;
+    for (int which = 0; which < 2 && !found; ++which)
+      for (int s = 0; s < R && !found; ++s) {
+        const auto* word = reinterpret_cast<const uint64_t*>(self + l.input_err_at(slot, which, s));
+        if (ll_is_alive(alive, s) && ptx::ld_relaxed_sys_u64(word) == calls) {
+          report_input_error(ctx, s, which == 0 ? kStageLlInvalidIds : kStageLlDuplicateIds);
+          found = true;
+        }
+      }
   }
   const int* counts = reinterpret_cast<const int*>(self + l.counts_at(slot));
   const int* ntok = reinterpret_cast<const int*>(self + l.ntok_at(slot));

@@ -98,11 +98,10 @@ __device__ __forceinline__ void load_row_item(const LlDispatchArgs& a, const LlL
   load_token_chunk(a, l, t, c, lane, r.v);
 }
 
-// Bad input in this call (which: 0 ids out of range, 1 a duplicate expert in a row): recorded here and told to
-// every live rank, whose receive half records it too, so every rank raises, not only the one that passed it.
+// Bad input in this call (which: 0 ids out of range, 1 a duplicate expert in a row): told to every live rank, us
+// included, whose receive half records it (ll_record_bad_input), so every rank raises the same error once.
 __device__ __forceinline__ void report_bad_input(const LlDispatchArgs& a, const LlLayout& l, const Peers& peers,
                                                  const WaitCtx& ctx, uint32_t alive, uint64_t calls, int which) {
-  report_input_error(ctx, ctx.rank, which == 0 ? kStageLlInvalidIds : kStageLlDuplicateIds);
   for (int d = 0; d < l.num_ranks; ++d)
     if (ll_is_alive(alive, d))
       ptx::st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(peers.base[d] + l.input_err_at(a.slot, which, ctx.rank)),

@@ -101,9 +101,11 @@ class CudaBackend:
 
     # ---- plumbing ----
     def _check(self, low_latency: bool = False) -> None:
-        """Timeouts raise now; an input error an earlier call left on the device is kept for _raise_pending."""
-        err = self.nvl.check_error(low_latency=low_latency, defer_input=True)
-        if err is not None and self._pending_input is None:
+        """Timeouts raise now; an input error an earlier call left on the device is kept for _raise_pending (one
+        at a time: while one is held, the next stays recorded for a later look)."""
+        held = self._pending_input is not None
+        err = self.nvl.check_error(low_latency=low_latency, defer_input=True, leave_input=held)
+        if err is not None:
             self._pending_input = err
 
     def _raise_pending(self) -> None:
@@ -272,12 +274,15 @@ class CudaBackend:
         L = num_experts // R
         self._check()
         bad_all, bad_mine = host[R * R + L], host[R * R + L + 1]
-        if bad_mine:
-            raise ValueError(f"topk_idx: {bad_mine} expert ids outside [-1, {num_experts}) "
-                             f"(num_experts={num_experts}); nothing was dispatched")
-        if bad_all:
+        # this call's bad ids: every rank has the same counts and stops here alike (no kernel follows)
+        if bad_mine or bad_all:
+            earlier, self._pending_input = self._pending_input, None
+            also = f" (also, from an earlier call: {earlier})" if earlier is not None else ""
+            if bad_mine:
+                raise ValueError(f"topk_idx: {bad_mine} expert ids outside [-1, {num_experts}) "
+                                 f"(num_experts={num_experts}); nothing was dispatched{also}")
             raise ValueError(f"topk_idx: another rank passed expert ids outside [-1, {num_experts}); "
-                             "nothing was dispatched")
+                             f"nothing was dispatched{also}")
         return sum(host[s * R + rank] for s in range(R)), _align(host[R * R:R * R + L], expert_alignment)
 
     @staticmethod
@@ -378,7 +383,8 @@ class CudaBackend:
         handle = LowLatencyHandle(src_info=src_info, layout=layout, recv_pos=ll.recv_pos(slot, T, K),
                                   num_experts=num_experts, num_max_dispatch_tokens_per_rank=M, hidden=H,
                                   buffer_id=-1, slot=slot)
-        self._raise_pending()
+        if not return_recv_hook:  # with a hook, the hook raises it once the receive half is launched
+            self._raise_pending()
         return recv_x, recv_count, handle, hook
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, return_recv_hook, use_fp8=False):
@@ -392,7 +398,8 @@ class CudaBackend:
         # the receive half reads x (our own tokens' partial), topk_idx and topk_weights, and writes out
         hook = self._ll_launch(lambda phases, s: ll.ctx.combine(phases, blocks, *ptrs, T, K, slot, use_fp8, s),
                                return_recv_hook, stream, keep=(x, topk_idx, topk_weights, out))
-        self._raise_pending()
+        if not return_recv_hook:  # with a hook, the hook raises it once the receive half is launched
+            self._raise_pending()
         return out, hook
 
     @property

@@ -83,13 +83,15 @@ class NvlBuffer:
     def size_bytes(self) -> int:
         return self.layout["total"]
 
-    def check_error(self, low_latency: bool = False, defer_input: bool = False) -> Optional[ValueError]:
+    def check_error(self, low_latency: bool = False, defer_input: bool = False,
+                    leave_input: bool = False) -> Optional[ValueError]:
         """Raise CommTimeoutError if a kernel recorded a timed-out wait; the buffer is then unusable (until the
         peer it waited for is masked, for low-latency mode). Normal mode needs every rank: it refuses to run while
         ranks are masked. A recorded input error (found on the device) is cleared and raised as ValueError, or,
         with ``defer_input``, returned: a call then joins its collective first and raises after it, because
         ranks see such a record at different times and one that skipped the call would leave the others waiting
-        and the call numbers out of step. A record still being written (flag 2) is left for the next look."""
+        and the call numbers out of step. ``leave_input``: an input error stays recorded, for a later look (the
+        caller already holds one). A record still being written (flag 2) is left for the next look."""
         if self.broken:
             raise RuntimeError("deepcomm: this Buffer had a communication timeout; destroy it and build a new one on "
                                "every rank, or mask the lost peer (Buffer.mask_ranks) to go on in low-latency mode")
@@ -100,6 +102,8 @@ class NvlBuffer:
         if flag != 1:
             return None
         if stage in INPUT_ERRORS:
+            if leave_input:
+                return None
             self.C.clear_error(self.err_host)  # the Buffer stays usable
             err = ValueError(INPUT_ERRORS[stage].format(peer=peer, peer_or_some="some rank" if peer < 0 else peer))
             if defer_input:

@@ -128,9 +128,22 @@ def _worker(rank, world):
     # every slot of every token naming one expert: far more entries than its R * M rows; reported as duplicates,
     # nothing is written out of bounds, and the next call is right
     flood = torch.zeros(T, K, dtype=torch.int64, device=dev)
-    cuda.low_latency_dispatch(torch.randn(T, H, device=dev).to(torch.bfloat16), flood, M, E, use_fp8=True)
+    _, cnt, fh, _ = cuda.low_latency_dispatch(torch.randn(T, H, device=dev).to(torch.bfloat16), flood, M, E,
+                                              use_fp8=True)
     with pytest.raises(ValueError, match="topk_idx"):
         cuda.synchronize()
+    # Each rank sends T * K = 1024 entries to expert 0 (rank 0's), which has world * M = 512 rows: rank 0's own
+    # first 512 are kept, the rest dropped (recv_pos -1); no other expert's rows were touched.
+    rows = world * M
+    if rank == 0:
+        assert int(cnt[0]) == rows and int(cnt[1:].sum()) == 0
+        assert torch.equal(fh.src_info[0], torch.arange(rows, device=dev, dtype=torch.int32) // K)
+        assert bool((fh.src_info[1:] == -1).all())
+    else:
+        assert int(cnt.sum()) == 0 and bool((fh.src_info == -1).all())
+    pos = fh.recv_pos.flatten()
+    kept = torch.arange(rows, device=dev, dtype=pos.dtype) if rank == 0 else pos[:0]
+    assert torch.equal(pos[:kept.numel()], kept) and bool((pos[kept.numel():] == -1).all())
     idx, w = _routing(gen, T, E, K, "random", dev)
     x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(dev)
     _check_dispatch(cuda.low_latency_dispatch(x, idx, M, E, use_fp8=True),
