@@ -37,9 +37,13 @@ __global__ void __launch_bounds__(kLlThreads, 1)
 template <int kPhases>
 void launch_phases(const LlDispatchArgs& args, int num_blocks, int smem, const LlLayout& layout, const Peers& peers,
                    const WaitCtx& ctx, cudaStream_t stream) {
-  cudaFuncAttributes attr;  // past 48 KB in all (the static part counts too) a launch needs the opt-in
-  DC_CUDA_CHECK(cudaFuncGetAttributes(&attr, ll_dispatch_kernel<kPhases>));
-  if (smem + int(attr.sharedSizeBytes) > 48 * 1024)
+  // past 48 KB in all (the static part counts too) a launch needs the opt-in; the static part is asked once
+  static const int static_smem = [] {
+    cudaFuncAttributes attr;
+    DC_CUDA_CHECK(cudaFuncGetAttributes(&attr, ll_dispatch_kernel<kPhases>));
+    return int(attr.sharedSizeBytes);
+  }();
+  if (smem + static_smem > 48 * 1024)
     DC_CUDA_CHECK(cudaFuncSetAttribute(ll_dispatch_kernel<kPhases>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   ll_dispatch_kernel<kPhases><<<num_blocks, kLlThreads, smem, stream>>>(args, layout, peers, ctx);
 }
