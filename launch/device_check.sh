@@ -4,8 +4,8 @@
 #   (default quick; full = tests + soak + sanitize + bench, more than one device call's 600 s now: run its modes
 #    apart; verify = tests + soak, no bench; sanitize = compute-sanitizer memcheck/racecheck/synccheck on the
 #    intranode kernels, launch/sanitize.sh; ll = the low-latency loop: its GPU tests, the phase trace
-#    (launch/profile_low_latency.py) and the low-latency benchmark, about 4 minutes; round = one device call that
-#    checks a whole round's code within 600 s: every GPU test, the 10k soak, the three sanitizers)
+#    (launch/profile_low_latency.py) and the low-latency benchmark, about 4 minutes; round = every GPU test and the
+#    10k soak in one device call (under 600 s; run `sanitize` as a second call))
 # Used with the device tool on nvidia-h200-x2; every step is bounded by `timeout` so the call always returns.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
@@ -47,12 +47,10 @@ if [[ "$MODE" == round ]]; then
   echo "gpu tests: rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$summary"
   tail -8 "$OUT/gpu_tests.log"
   t0=$(date +%s)
-  timeout 110 python3 -m deepcomm.soak --backend cuda --iterations 10000 --seconds 100 > "$OUT/soak.log" 2>&1
+  # the soak's --seconds clock starts after start-up (processes, NCCL, Buffers): leave room for that and teardown
+  timeout 140 python3 -m deepcomm.soak --backend cuda --iterations 10000 --seconds 100 > "$OUT/soak.log" 2>&1
   echo "soak: rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$summary"
   grep -A8 "deepcomm soak" "$OUT/soak.log" | tee -a "$summary"
-  t0=$(date +%s)
-  SANITIZE_STEP_TIMEOUT=40 OUT="$OUT" timeout 120 bash launch/sanitize.sh > /dev/null 2>&1
-  echo "sanitize: rc=$? $(( $(date +%s) - t0 )) s (sanitize.log)" | tee -a "$summary"
   exit 0
 fi
 
