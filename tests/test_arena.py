@@ -16,3 +16,11 @@ def test_reserve_release_coalesce():
     arena.release(*a)
     assert arena.free_bytes() == 8 * ALIGN
     assert arena.reserve(8 * ALIGN) == (0, 8 * ALIGN)  # the released ranges merged back into one
+
+
+def test_releases_are_counted():
+    arena = Arena(0, 4 * ALIGN, torch.device("cpu"))
+    got = arena.reserve(ALIGN)
+    assert arena.releases == 0
+    arena.release(*got)
+    assert arena.releases == 1  # the CUDA backend's _begin compares this with the count it last saw

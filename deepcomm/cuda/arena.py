@@ -47,6 +47,7 @@ class _Block:
 
     def __del__(self):
         self._arena._released.append((self.offset, self.nbytes))
+        self._arena.releases += 1
 
 
 class Arena:
@@ -54,6 +55,7 @@ class Arena:
         self.base_ptr, self.nbytes, self.device = base_ptr, nbytes, device
         self._free: List[Tuple[int, int]] = [(0, nbytes)]  # sorted (offset, size), coalesced
         self._released: Deque[Tuple[int, int]] = deque()  # filled by _Block.__del__, drained by alloc
+        self.releases = 0  # ranges given back so far (a caller compares it with the count it last saw)
 
     def _drain(self) -> None:
         while self._released:
@@ -87,6 +89,7 @@ class Arena:
     def release(self, offset: int, size: int) -> None:
         """Give back a reserved range that never became a tensor (its launch failed)."""
         self._released.append((offset, size))
+        self.releases += 1
 
     def tensor(self, offset: int, size: int) -> torch.Tensor:
         """A uint8 tensor over a reserved range; the range returns to the arena when its last view dies."""

@@ -89,6 +89,7 @@ class CudaBackend:
                                  config.hidden, TOPK_MAX, arena + worst, config.timeout_s)
             self.comm_stream = torch.cuda.Stream(device)
         self.arena = Arena(self.nvl.arena_ptr, arena, device)
+        self._releases_seen = 0  # arena releases already covered by a wait on the caller's stream (_begin)
         # When more dispatch outputs are alive than the arena holds (e.g. training keeps every layer's recv_x for
         # backward), a dispatch lands in this bounce area and is copied out into ordinary torch tensors.
         self.bounce = as_device_bytes(self.nvl.arena_ptr + arena, worst, device)
@@ -121,8 +122,13 @@ class CudaBackend:
         caller = torch.cuda.current_stream(self.device)
         if previous_event is not None:
             self.comm_stream.wait_event(previous_event)
+            # A dispatch output freed since the last call may be reused by this one, while work the caller queued
+            # after the event may still read it: then wait for the caller's stream after all.
+            if self.arena.releases != self._releases_seen:
+                self.comm_stream.wait_stream(caller)
         else:
             self.comm_stream.wait_stream(caller)
+        self._releases_seen = self.arena.releases
         self.nvl.ctx.bump_seq(self.comm_stream.cuda_stream)
         return caller
 
