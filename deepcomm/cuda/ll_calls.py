@@ -1,0 +1,144 @@
+"""Low-latency mode of the CUDA backend (a mixin of CudaBackend, deepcomm/cuda/backend.py): the double-buffered
+low-latency buffer (deepcomm/cuda/ll_buffer.py), the kernel launches with and without a receive hook, and masking
+lost ranks. Everything runs on the caller's stream with no host sync, so calls can be captured in CUDA graphs;
+everything a dispatch returns is a view of the buffer, valid until the same slot is used again two low-latency
+dispatches later.
+
+The host side of CudaBackend the methods use: ``C``, ``group``, ``rank``, ``world_size``, ``device``, ``config``,
+``nvl`` (deepcomm/cuda/nvl_buffer.py), ``ll_blocks``, ``_ll`` and the error plumbing ``_check`` /
+``_raise_pending``.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from ..handle import LowLatencyHandle
+from .ll_buffer import LlBuffer
+
+LL_SEND, LL_RECV, LL_BOTH = 1, 2, 3  # low-latency launch phases (csrc/kernels/api.hpp)
+
+
+def _noop() -> None:
+    return None
+
+
+def low_latency_blocks(C, device: torch.device) -> int:
+    """Blocks of every low-latency kernel: one per SM (they are short, and hook mode holds none while waiting),
+    at most the flag capacity; DEEPCOMM_LL_NUM_SMS overrides it (every rank must use the same number)."""
+    env = os.environ.get("DEEPCOMM_LL_NUM_SMS")
+    if env:
+        n = int(env)
+        if not 1 <= n <= C.MAX_BLOCKS:
+            raise ValueError(f"DEEPCOMM_LL_NUM_SMS: expected 1..{C.MAX_BLOCKS}, got {env}")
+        return n
+    return min(torch.cuda.get_device_properties(device).multi_processor_count, C.MAX_BLOCKS)
+
+
+class LowLatencyCalls:
+    def _ll_buffer(self, num_experts: int, max_tokens: int, hidden: int) -> LlBuffer:
+        """The low-latency buffer for this shape; (re)made collectively on the first call of a new shape."""
+        key = (num_experts, max_tokens, hidden)
+        if self._ll is None or self._ll.key != key:
+            if self._ll is not None:
+                torch.cuda.synchronize(self.device)
+                self._ll.close()
+                self._ll = None
+            with torch.cuda.device(self.device):
+                self._ll = LlBuffer(self.C, self.group, self.rank, self.world_size, self.device, num_experts,
+                                    max_tokens, hidden, self.nvl.err_dev, self.nvl.timeout_ns,
+                                    self.config.low_latency_memory)
+                if self.nvl.masked:
+                    self._ll.write_mask(self.nvl.masked)
+        return self._ll
+
+    def _ll_launch(self, launch, return_recv_hook: bool, stream: int, keep=()):
+        """Without a hook: ``launch(SEND | RECV, stream)``, both halves in one kernel. With a hook: the send half
+        now, and a hook that launches the receive half once, on the stream current when it is called, so no SM
+        waits in between. When that is another stream, an event recorded after the send orders the receive after
+        it (its call number is the one the send leaves behind). ``keep``: the caller's tensors the receive half
+        reads; the hook holds them until it has launched and marks them in use on its stream. Returns the hook."""
+        if not return_recv_hook:
+            launch(LL_BOTH, stream)
+            return _noop
+        launch(LL_SEND, stream)
+        sent = torch.cuda.Event()
+        sent.record(torch.cuda.current_stream(self.device))
+        held = [keep]
+
+        def hook() -> None:
+            if not held:
+                return
+            tensors = held.pop()
+            self._check(low_latency=True)
+            current = torch.cuda.current_stream(self.device)
+            if current.cuda_stream != stream:
+                current.wait_event(sent)
+            launch(LL_RECV, current.cuda_stream)
+            if current.cuda_stream != stream:
+                for t in tensors:
+                    t.record_stream(current)
+            self._raise_pending()
+        return hook
+
+    def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, use_ue8m0,
+                             return_recv_hook):
+        # Runs on the caller's stream with no host sync (so it can be captured in a CUDA graph): expert ids are
+        # checked by the kernel, and a bad id raises ValueError at the next look at the error record.
+        T, H = x.shape
+        K, M = topk_idx.shape[1], num_max_dispatch_tokens_per_rank
+        ll = self._ll_buffer(num_experts, M, H)
+        self._check(low_latency=True)
+        slot = ll.calls & 1
+        ll.calls += 1
+        blocks, stream = self.ll_blocks, torch.cuda.current_stream(self.device).cuda_stream
+        x_ptr, idx_ptr = x.data_ptr(), topk_idx.data_ptr()
+        hook = self._ll_launch(lambda phases, s: ll.ctx.dispatch(phases, blocks, x_ptr, idx_ptr, T, K, slot, use_fp8,
+                                                                 use_ue8m0, s), return_recv_hook, stream)
+        recv_x, recv_count, layout, src_info = ll.outputs(slot, use_fp8)
+        handle = LowLatencyHandle(src_info=src_info, layout=layout, recv_pos=ll.recv_pos(slot, T, K),
+                                  num_experts=num_experts, num_max_dispatch_tokens_per_rank=M, hidden=H,
+                                  buffer_id=-1, slot=slot)
+        if not return_recv_hook:  # with a hook, the hook raises it once the receive half is launched
+            self._raise_pending()
+        return recv_x, recv_count, handle, hook
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, return_recv_hook, use_fp8=False):
+        T, K = topk_idx.shape
+        H = x.shape[2]
+        ll = self._ll_buffer(handle.num_experts, handle.num_max_dispatch_tokens_per_rank, handle.hidden)
+        self._check(low_latency=True)
+        out = torch.empty(T, H, dtype=torch.bfloat16, device=self.device)
+        blocks, slot, stream = self.ll_blocks, handle.slot, torch.cuda.current_stream(self.device).cuda_stream
+        ptrs = (x.data_ptr(), topk_weights.data_ptr(), topk_idx.data_ptr(), out.data_ptr())
+        # the receive half reads x (our own tokens' partial), topk_idx and topk_weights, and writes out
+        hook = self._ll_launch(lambda phases, s: ll.ctx.combine(phases, blocks, *ptrs, T, K, slot, use_fp8, s),
+                               return_recv_hook, stream, keep=(x, topk_idx, topk_weights, out))
+        if not return_recv_hook:  # with a hook, the hook raises it once the receive half is launched
+            self._raise_pending()
+        return out, hook
+
+    @property
+    def masked(self) -> frozenset:
+        return self.nvl.masked
+
+    def mask_ranks(self, ranks: frozenset) -> None:
+        """Leave ``ranks`` out of low-latency mode from the next call on (no collective: survivors of a lost peer
+        call it on their own)."""
+        masked = self.nvl.masked | ranks
+        self.nvl.set_masked(masked)
+        if self._ll is not None:
+            self._ll.write_mask(masked)
+
+    def unmask_ranks(self) -> None:
+        """Every rank again; collective (every rank calls it, with no low-latency call in flight): the kernels'
+        call numbers and counters restart from zero everywhere, since masked ranks missed calls."""
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)
+        if self._ll is not None:
+            self._ll.reset_signals()
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)
+        self.nvl.set_masked(frozenset())
