@@ -1,5 +1,6 @@
 // get_dispatch_layout on the GPU: one block, no communication.
 #include "../runtime/cuda_check.hpp"
+#include "../runtime/smem_opt_in.hpp"
 #include "api.hpp"
 #include "layout_block.cuh"
 
@@ -15,21 +16,12 @@ __global__ void __launch_bounds__(kLayoutThreads, 1)
   write_layout_counts(sh, expert_count, num_experts, num_ranks, tokens_per_rank, tokens_per_expert);
 }
 
-// Past 48 KB of shared memory in all (the kernel's static part counts too) a launch needs the opt-in.
-void set_layout_smem(const void* kernel, int num_experts) {
-  const int bytes = num_experts * int(sizeof(int));
-  cudaFuncAttributes attr;
-  DC_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
-  if (bytes + int(attr.sharedSizeBytes) > 48 * 1024)
-    DC_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-}
-
 void launch_dispatch_layout(const int64_t* topk_idx, int num_tokens, int topk, int num_experts, int num_ranks,
                             int* tokens_per_rank, int* tokens_per_expert, bool* is_token_in_rank, int* send_pos,
                             cudaStream_t stream) {
   DC_HOST_ASSERT(num_ranks >= 1 && num_ranks <= kLayoutMaxRanks, "layout: num_ranks must be in [1, 64]");
   DC_HOST_ASSERT(num_experts % num_ranks == 0, "layout: num_experts must be a multiple of num_ranks");
-  set_layout_smem(reinterpret_cast<const void*>(dispatch_layout_kernel), num_experts);
+  opt_in_dynamic_smem<dispatch_layout_kernel>(num_experts * int(sizeof(int)));
   dispatch_layout_kernel<<<1, kLayoutThreads, num_experts * sizeof(int), stream>>>(
       topk_idx, num_tokens, topk, num_experts, num_ranks, tokens_per_rank, tokens_per_expert, is_token_in_rank,
       send_pos);

@@ -13,6 +13,7 @@
 // The halves live in ll_dispatch_send.cuh and ll_dispatch_recv.cuh; this file holds the kernel and its launcher.
 
 #include "../runtime/cuda_check.hpp"
+#include "../runtime/smem_opt_in.hpp"
 #include "api.hpp"
 #include "ll_common.cuh"
 #include "ll_dispatch_recv.cuh"
@@ -37,14 +38,7 @@ __global__ void __launch_bounds__(kLlThreads, 1)
 template <int kPhases>
 void launch_phases(const LlDispatchArgs& args, int num_blocks, int smem, const LlLayout& layout, const Peers& peers,
                    const WaitCtx& ctx, cudaStream_t stream) {
-  // past 48 KB in all (the static part counts too) a launch needs the opt-in; the static part is asked once
-  static const int static_smem = [] {
-    cudaFuncAttributes attr;
-    DC_CUDA_CHECK(cudaFuncGetAttributes(&attr, ll_dispatch_kernel<kPhases>));
-    return int(attr.sharedSizeBytes);
-  }();
-  if (smem + static_smem > 48 * 1024)
-    DC_CUDA_CHECK(cudaFuncSetAttribute(ll_dispatch_kernel<kPhases>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  opt_in_dynamic_smem<ll_dispatch_kernel<kPhases>>(smem);
   ll_dispatch_kernel<kPhases><<<num_blocks, kLlThreads, smem, stream>>>(args, layout, peers, ctx);
 }
 

@@ -1,13 +1,12 @@
 // Notify: compute this rank's layout, send each peer our row of the count matrix and its experts' counts,
 // and collect everyone's. One block; the count exchange is a handful of NVLink stores and flags.
 #include "../runtime/cuda_check.hpp"
+#include "../runtime/smem_opt_in.hpp"
 #include "../runtime/wait.cuh"
 #include "api.hpp"
 #include "layout_block.cuh"
 
 namespace dc {
-
-void set_layout_smem(const void* kernel, int num_experts);
 
 __global__ void __launch_bounds__(kLayoutThreads, 1)
     notify_dispatch_kernel(const int64_t* topk_idx, int num_tokens, int topk, int num_experts, int* tokens_per_rank,
@@ -64,7 +63,7 @@ void launch_notify_dispatch(const int64_t* topk_idx, int num_tokens, int topk, i
   DC_HOST_ASSERT(layout.num_ranks <= kMaxRanks, "notify: too many ranks for the NVLink transport");
   DC_HOST_ASSERT(num_experts % layout.num_ranks == 0 && num_experts / layout.num_ranks <= layout.num_local_experts,
                  "notify: num_experts is over the buffer's capacity");
-  set_layout_smem(reinterpret_cast<const void*>(notify_dispatch_kernel), num_experts);
+  opt_in_dynamic_smem<notify_dispatch_kernel>(num_experts * int(sizeof(int)));
   notify_dispatch_kernel<<<1, kLayoutThreads, num_experts * sizeof(int), stream>>>(
       topk_idx, num_tokens, topk, num_experts, tokens_per_rank, tokens_per_expert, is_token_in_rank, send_pos,
       notify_out, layout, peers, ctx);
