@@ -86,8 +86,7 @@ __device__ __forceinline__ void combine_send_phase(const LlCombineArgs& a, const
   int* n = smem;  // [R] tokens each other source dispatched in this slot (0 for masked ranks and for us)
   __shared__ int ok, items;
   if (tid == 0) ok = 1;
-  const int* ntok = reinterpret_cast<const int*>(self + l.ntok_at(a.slot));
-  if (tid < R) n[tid] = ll_is_alive(alive, tid) && tid != rank ? ptx::ld_volatile_s32(ntok + tid) : 0;
+  ll_load_ntok(self, l, a.slot, alive & ~(1u << rank), n);
 
   // Our weights to every other rank, each tagged with this call: one 8-byte store carries both, so a reader that
   // sees the tag sees the weight, with no flag and no fence to wait for.
@@ -100,11 +99,7 @@ __device__ __forceinline__ void combine_send_phase(const LlCombineArgs& a, const
   }
   const int nchunks = int((H + kChunk - 1) / kChunk);
   __syncthreads();
-  if (tid == 0) {
-    int sum = 0;
-    for (int s = 0; s < R; ++s) sum += n[s];
-    items = sum * nchunks;
-  }
+  if (tid == 0) items = ll_item_count(n, R, nchunks);
   __syncthreads();
   ll_trace(a.trace, kLlTraceWeights);
 

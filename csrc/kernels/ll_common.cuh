@@ -125,6 +125,17 @@ __device__ __forceinline__ bool ll_wait_arrivals(const uint8_t* self, const LlLa
   return *ok != 0;
 }
 
+// v[0], v[stride], ..., v[(n - 1) * stride] become their exclusive prefix sums; returns the total. One thread.
+__device__ __forceinline__ int ll_exclusive_prefix(int* v, int stride, int n) {
+  int run = 0;
+  for (int i = 0; i < n; ++i) {
+    const int c = v[i * stride];
+    v[i * stride] = run;
+    run += c;
+  }
+  return run;
+}
+
 // One warp ranks the entries [begin, end) (at most 32 past begin per call): each valid entry p (expert >= 0) gets
 // run[e] plus the earlier lanes with the same expert (shuffles against all 32: a fixed cost, unlike match_any with
 // many distinct values), and run[e] advances past the chunk. run: shared, per expert.
@@ -162,15 +173,8 @@ __device__ __forceinline__ void ll_rank_entries(const int* experts, int n, int n
   for (int base = warp * span; base < end; base += 32)
     ll_rank_chunk(experts, base, end, wcount + warp * num_experts, rank_in);
   __syncthreads();
-  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
-    int run = 0;
-    for (int w = 0; w < kLlWarps; ++w) {
-      const int c = wcount[w * num_experts + e];
-      wcount[w * num_experts + e] = run;
-      run += c;
-    }
-    counts[e] = run;
-  }
+  for (int e = threadIdx.x; e < num_experts; e += blockDim.x)
+    counts[e] = ll_exclusive_prefix(wcount + e, num_experts, kLlWarps);
   __syncthreads();
   for (int p = threadIdx.x; p < n; p += blockDim.x)
     if (experts[p] >= 0) rank_in[p] += wcount[(p / span) * num_experts + experts[p]];
@@ -190,20 +194,31 @@ __device__ __forceinline__ void ll_expert_bases(const int* counts, const LlLayou
   for (int i = threadIdx.x; i < L * R; i += blockDim.x)  // all loads in flight at once, then the prefixes
     base[i] = ll_count(counts, l, alive, i % R, rank * L + i / R);
   __syncthreads();
-  for (int le = threadIdx.x; le < L; le += blockDim.x) {
-    int acc = 0;
-    for (int s = 0; s < R; ++s) {
-      const int c = base[le * R + s];
-      base[le * R + s] = acc;
-      acc += c;
-    }
-    total[le] = acc;
-  }
+  for (int le = threadIdx.x; le < L; le += blockDim.x) total[le] = ll_exclusive_prefix(base + le * R, 1, R);
   __syncthreads();
 }
 
 // The flat item space of the receive halves (and the combine's send): `per_token` items for each token of each
 // live source rank, sources ascending. n: [R] tokens per source (0 for masked ranks), read once per block.
+
+// n[s] = tokens source s dispatched in `slot`, 0 for a source not in `sources` (a rank bit mask). Threads
+// 0..R-1; the caller's next barrier publishes it.
+__device__ __forceinline__ void ll_load_ntok(const uint8_t* self, const LlLayout& l, int slot, uint32_t sources,
+                                             int* n) {
+  const int s = threadIdx.x;
+  if (s < l.num_ranks)
+    n[s] = ll_is_alive(sources, s) ? ptx::ld_volatile_s32(reinterpret_cast<const int*>(self + l.ntok_at(slot)) + s)
+                                   : 0;
+}
+
+// Items in all (thread 0 stores it for the block).
+__device__ __forceinline__ int ll_item_count(const int* n, int R, int per_token) {
+  int sum = 0;
+  for (int s = 0; s < R; ++s) sum += n[s];
+  return sum * per_token;
+}
+
+// Which source an item belongs to, and the item's index among that source's items.
 __device__ __forceinline__ void ll_item_source(const int* n, int R, int per_token, int item, int* s, int* rest) {
   int k = 0;
   while (k < R - 1 && item >= n[k] * per_token) item -= n[k++] * per_token;

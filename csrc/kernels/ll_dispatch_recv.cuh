@@ -41,19 +41,14 @@ __device__ __forceinline__ void dispatch_recv_phase(const LlDispatchArgs& a, con
       }
   }
   const int* counts = reinterpret_cast<const int*>(self + l.counts_at(slot));
-  const int* ntok = reinterpret_cast<const int*>(self + l.ntok_at(slot));
-  if (tid < R) n[tid] = ll_is_alive(alive, tid) ? ptx::ld_volatile_s32(ntok + tid) : 0;
+  ll_load_ntok(self, l, slot, alive, n);
   ll_expert_bases(counts, l, rank, alive, base, total);  // starts and ends with __syncthreads
 
   // Fan-out: warps take (source rank, token, chunk) items and copy the staged row to each of its entries here.
   // The row's loads go out with its keys (a token not sent here is loaded for nothing: cheaper than waiting).
   const int64_t x_bytes = use_fp8 ? l.hidden : l.hidden * 2, spr = l.scales_per_row(), n16 = x_bytes / 16;
   const int nchunks = int((x_bytes + kCopyChunkBytes - 1) / kCopyChunkBytes);
-  if (tid == 0) {
-    int sum = 0;
-    for (int s = 0; s < R; ++s) sum += n[s];
-    items = sum * nchunks;
-  }
+  if (tid == 0) items = ll_item_count(n, R, nchunks);
   __syncthreads();
   ll_trace(a.trace, kLlTraceRecvMeta);
   uint8_t* recv_x = self + l.recv_x_at(slot);
