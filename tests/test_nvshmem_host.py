@@ -1,5 +1,5 @@
-"""NVSHMEM selection and loading, off the GPU: the DEEPCOMM_LL_MEMORY setting, where the host library is looked
-for, the errors when it or the extension's NVSHMEM support is missing, and (where NVSHMEM_HOME or the
+"""NVSHMEM loading, off the GPU (the DEEPCOMM_LL_MEMORY setting: tests/test_config_choices.py): where the host
+library is looked for, the errors when it or the extension's NVSHMEM support is missing, and (where NVSHMEM_HOME or the
 nvidia-nvshmem wheel provides it) loading the real library and making a unique id, which needs no GPU.
 Loading is per process, so those cases run in a fresh interpreter."""
 import os
@@ -9,7 +9,6 @@ import textwrap
 
 import pytest
 
-from deepcomm.config import Config, resolve_low_latency_memory
 from deepcomm.cuda import nvshmem_library as nl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,20 +24,6 @@ def _python(code: str, **env):
     full = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **env)
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=full, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120)
-
-
-def test_low_latency_memory_setting(monkeypatch):
-    monkeypatch.delenv("DEEPCOMM_LL_MEMORY", raising=False)
-    assert Config().low_latency_memory == "ipc"
-    assert Config(low_latency_memory="nvshmem").low_latency_memory == "nvshmem"
-    monkeypatch.setenv("DEEPCOMM_LL_MEMORY", " NVSHMEM ")
-    assert Config().low_latency_memory == "nvshmem"
-    assert Config(low_latency_memory="ipc").low_latency_memory == "ipc"  # the argument wins over the environment
-    monkeypatch.setenv("DEEPCOMM_LL_MEMORY", "shm")
-    with pytest.raises(ValueError, match="DEEPCOMM_LL_MEMORY: expected one of ipc, nvshmem, got 'shm'"):
-        Config()
-    with pytest.raises(ValueError, match="low_latency_memory"):
-        resolve_low_latency_memory("cuda_ipc")
 
 
 def test_library_candidates_in_order(tmp_path, monkeypatch):

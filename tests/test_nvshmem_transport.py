@@ -3,7 +3,8 @@ the NVSHMEM calls a round issues (addresses, signal values, zero-byte blocks, ba
 round protocol carried out between CPU processes by a stand-in that applies those calls with NVSHMEM's
 symmetric-address rule (under the hierarchical routing, hier_normal.py over HierComm with the NVLink hop of
 tests/test_internode_comm.py: dispatch and combine equal the reference backend bit for bit, and no call goes to a
-rank that is not a rail peer), the selection setting, the stage names, and the extension's NVSHMEM symbol table.
+rank that is not a rail peer), a Buffer refusing an unknown transport (the setting itself:
+tests/test_config_choices.py), the stage names, and the extension's NVSHMEM symbol table.
 The GPU run: tests/gpu/test_internode_nvshmem.py."""
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from deepcomm.config import Config, resolve_internode_transport
 from deepcomm.cuda.nvshmem_transport import (NvshmemTransport, Op, TOTAL_FIELDS, block_ops, credit_ops,
                                              region_layout)
 from multiproc import run_ranks
@@ -209,21 +209,6 @@ def test_round_protocol_under_hierarchical_routing_matches_reference(world, gpn,
 
 
 # ---- selection ----
-
-def test_internode_transport_setting(monkeypatch):
-    monkeypatch.delenv("DEEPCOMM_INTERNODE_TRANSPORT", raising=False)
-    assert Config().internode_transport == "emulated"
-    assert Config(internode_transport="nvshmem").internode_transport == "nvshmem"
-    monkeypatch.setenv("DEEPCOMM_INTERNODE_TRANSPORT", " NVSHMEM ")
-    assert Config().internode_transport == "nvshmem"
-    assert Config(internode_transport="emulated").internode_transport == "emulated"  # the argument wins
-    monkeypatch.setenv("DEEPCOMM_INTERNODE_TRANSPORT", "ibgda")
-    with pytest.raises(ValueError,
-                       match="DEEPCOMM_INTERNODE_TRANSPORT: expected one of emulated, nvshmem, got 'ibgda'"):
-        Config()
-    with pytest.raises(ValueError, match="^internode_transport: expected one of 'emulated', 'nvshmem'"):
-        resolve_internode_transport("NVSHMEM")  # arguments are exact, like low_latency_memory
-
 
 def _buffer_worker(rank, world):
     import deepcomm
