@@ -76,6 +76,13 @@ __device__ __forceinline__ uint64_t ll_enter(const uint8_t* self, const LlLayout
   return ll_slot_calls(self, l, kind, slot) + (kSend ? 1 : 0);
 }
 
+// One thread stores `value` at byte `offset` of every live rank's buffer (a word the ranks keep for us there).
+__device__ __forceinline__ void ll_store_to_live(const Peers& peers, const LlLayout& l, uint32_t alive, int64_t offset,
+                                                 uint64_t value) {
+  for (int r = 0; r < l.num_ranks; ++r)
+    if (ll_is_alive(alive, r)) ptx::st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(peers.base[r] + offset), value);
+}
+
 // Every block of a send calls this once, on every path, at its very end; *ok (shared, or null for "always") is 0
 // when some warp of the block gave up (a timed-out wait); it is read after the block barrier, once every warp
 // has had its say. A block that did not give up tells every live rank that its stores into it are complete: a
@@ -89,12 +96,7 @@ __device__ __forceinline__ void ll_finish_send(uint8_t* self, const Peers& peers
   __syncthreads();
   if (threadIdx.x != 0) return;
   ptx::fence_acq_rel_sys();
-  if (ok == nullptr || *ok != 0) {
-    for (int r = 0; r < l.num_ranks; ++r)
-      if (ll_is_alive(alive, r))
-        ptx::st_relaxed_sys_u64(
-            reinterpret_cast<uint64_t*>(peers.base[r] + l.arrival_at(kind, slot, rank, blockIdx.x)), calls);
-  }
+  if (ok == nullptr || *ok != 0) ll_store_to_live(peers, l, alive, l.arrival_at(kind, slot, rank, blockIdx.x), calls);
   ll_trace(trace, kLlTraceFinished);
   auto* done = reinterpret_cast<unsigned int*>(self + l.done_count) + kind;
   if (atomicAdd(done, 1u) != gridDim.x - 1) return;

@@ -102,10 +102,7 @@ __device__ __forceinline__ void load_row_item(const LlDispatchArgs& a, const LlL
 // included, whose receive half records it (ll_record_bad_input), so every rank raises the same error once.
 __device__ __forceinline__ void report_bad_input(const LlDispatchArgs& a, const LlLayout& l, const Peers& peers,
                                                  const WaitCtx& ctx, uint32_t alive, uint64_t calls, int which) {
-  for (int d = 0; d < l.num_ranks; ++d)
-    if (ll_is_alive(alive, d))
-      ptx::st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(peers.base[d] + l.input_err_at(a.slot, which, ctx.rank)),
-                              calls);
+  ll_store_to_live(peers, l, alive, l.input_err_at(a.slot, which, ctx.rank), calls);
 }
 
 // The rows of tokens [t0, t1): the block's warps take (token, chunk) items, item w first (already in `r`); each
