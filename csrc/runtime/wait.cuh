@@ -16,13 +16,14 @@ __device__ __forceinline__ void write_record(const WaitCtx& ctx, int peer, int s
 }
 
 // The first failure wins (flag: 0 = none, 2 = being written, 1 = complete); a timeout also replaces a recorded
-// input error (stage >= kStageInvalidIds), which is only a ValueError waiting for the host.
+// input error (stage >= kStageInvalidIds), which is only a ValueError waiting for the host. The claim is a
+// GPU-scope CAS: the record is in mapped host memory and only this GPU writes it.
 __device__ __forceinline__ void report_timeout(const WaitCtx& ctx, int peer, int stage, uint64_t waited) {
   auto* flag = reinterpret_cast<uint32_t*>(&ctx.err->flag);
-  if (ptx::atom_cas_acquire_sys_u32(flag, 0u, 2u) == 0u) {
+  if (ptx::atom_cas_acquire_gpu_u32(flag, 0u, 2u) == 0u) {
     write_record(ctx, peer, stage, waited);
   } else if (stage < kStageInvalidIds && ptx::ld_volatile_s32(&ctx.err->stage) >= kStageInvalidIds &&
-             ptx::atom_cas_acquire_sys_u32(flag, 1u, 2u) == 1u) {
+             ptx::atom_cas_acquire_gpu_u32(flag, 1u, 2u) == 1u) {
     write_record(ctx, peer, stage, waited);
   }
 }
