@@ -16,25 +16,36 @@ __device__ __forceinline__ float ue8m0_round_up(float scale) {
   return __uint_as_float((exponent + up) << 23);
 }
 
-// Half a warp quantizes one 128-element block: each lane holds 8 consecutive elements as fp32 and gets back their
-// 8 e4m3 bytes (packed little-endian) and the block's scale. Every lane of the warp must call it (the amax
-// reduction shuffles within each 16-lane half); lanes past the row pass zeros and ignore the result.
-__device__ __forceinline__ uint2 quantize8_e4m3(const float (&v)[8], bool use_ue8m0, float* scale_out) {
+// 128 / N lanes quantize one 128-element block: each lane holds N (8 or 16) consecutive elements as fp32 and gets
+// back their N e4m3 bytes (packed little-endian, 4 per word) and the block's scale. Every lane of the warp must call
+// it (the amax reduction shuffles within each group of 128 / N lanes); lanes past the row pass zeros and ignore the
+// result.
+template <int N>
+__device__ __forceinline__ void quantize_e4m3(const float (&v)[N], bool use_ue8m0, float* scale_out,
+                                              uint32_t (&packed)[N / 4]) {
+  static_assert(N == 8 || N == 16, "8 or 16 elements per lane");
   float amax = 0.0f;
 #pragma unroll
-  for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(v[j]));
+  for (int j = 0; j < N; ++j) amax = fmaxf(amax, fabsf(v[j]));
 #pragma unroll
-  for (int off = 8; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+  for (int off = 64 / N; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
   amax = fmaxf(amax, 1e-4f);
   float scale = __fdiv_rn(amax, 448.0f);
   if (use_ue8m0) scale = ue8m0_round_up(scale);
-  uint32_t packed[2] = {0u, 0u};
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
+  for (int w = 0; w < N / 4; ++w) packed[w] = 0u;
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
     const __nv_fp8_storage_t q = __nv_cvt_float_to_fp8(__fdiv_rn(v[j], scale), __NV_SATFINITE, __NV_E4M3);
     packed[j / 4] |= uint32_t(q) << (8 * (j % 4));
   }
   *scale_out = scale;
+}
+
+// Half a warp per 128-element block, 8 elements per lane (quantize_e4m3<8>).
+__device__ __forceinline__ uint2 quantize8_e4m3(const float (&v)[8], bool use_ue8m0, float* scale_out) {
+  uint32_t packed[2];
+  quantize_e4m3<8>(v, use_ue8m0, scale_out, packed);
   return make_uint2(packed[0], packed[1]);
 }
 

@@ -17,6 +17,13 @@ constexpr int kShortRange = 64;                           // entries one warp ra
 constexpr int kSendUnroll = 4;                            // 8-element vectors per lane per item
 constexpr int kSendChunk = 32 * 8 * kSendUnroll;          // elements of a row one warp sends per item
 
+// Element index of a lane's vector u (8 elements) in chunk c. BF16 rows: vectors interleave across the lanes, one
+// 16-byte store each. FP8 rows: each lane holds 16 consecutive elements per pair of vectors, so its 16 e4m3 bytes
+// leave as one 16-byte store (half the store instructions of 8 bytes per lane), and 8 lanes share a 128-block.
+__device__ __forceinline__ int64_t send_elem(int c, int u, int lane, bool fp8) {
+  return int64_t(c) * kSendChunk + (fp8 ? (u / 2) * 512 + lane * 16 + (u % 2) * 8 : u * 256 + lane * 8);
+}
+
 // One warp loads elements [c * kSendChunk, ...) of token t.
 __device__ __forceinline__ void load_token_chunk(const LlDispatchArgs& a, const LlLayout& l, int t, int c, int lane,
                                                  int4 (&v)[kSendUnroll]) {
@@ -24,7 +31,7 @@ __device__ __forceinline__ void load_token_chunk(const LlDispatchArgs& a, const 
   const auto* src = static_cast<const __nv_bfloat16*>(a.x) + int64_t(t) * H;
 #pragma unroll
   for (int u = 0; u < kSendUnroll; ++u) {
-    const int64_t idx = int64_t(c) * kSendChunk + u * 256 + lane * 8;
+    const int64_t idx = send_elem(c, u, lane, a.use_fp8);
     v[u] = idx < H ? ptx::ld_nc_na_v4(reinterpret_cast<const int4*>(src + idx)) : make_int4(0, 0, 0, 0);
   }
 }
@@ -39,30 +46,38 @@ __device__ __forceinline__ void send_token_chunk(const LlDispatchArgs& a, const 
       uint8_t* row = peers.base[__ffs(m) - 1] + l.stage_x_at(a.slot, rank, t);
 #pragma unroll
       for (int u = 0; u < kSendUnroll; ++u) {
-        const int64_t idx = int64_t(c) * kSendChunk + u * 256 + lane * 8;
+        const int64_t idx = send_elem(c, u, lane, false);
         if (idx < H) ptx::st_na_v4(reinterpret_cast<int4*>(row + idx * 2), v[u]);
       }
     }
     return;
   }
-  uint2 q[kSendUnroll];
-  float scale[kSendUnroll];
+  constexpr int kPairs = kSendUnroll / 2;
+  uint32_t q[kPairs][4];
+  float scale[kPairs];
 #pragma unroll
-  for (int u = 0; u < kSendUnroll; ++u) {
-    float f[8];
-    unpack_bf16x8(v[u], f);
-    q[u] = quantize8_e4m3(f, a.use_ue8m0, &scale[u]);
+  for (int g = 0; g < kPairs; ++g) {
+    float lo[8], hi[8], f[16];
+    unpack_bf16x8(v[2 * g], lo);
+    unpack_bf16x8(v[2 * g + 1], hi);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      f[j] = lo[j];
+      f[8 + j] = hi[j];
+    }
+    quantize_e4m3<16>(f, a.use_ue8m0, &scale[g], q[g]);
   }
   for (uint32_t m = dests; m; m &= m - 1) {
     const int d = __ffs(m) - 1;
     uint8_t* row = peers.base[d] + l.stage_x_at(a.slot, rank, t);
     auto* scales = reinterpret_cast<float*>(peers.base[d] + l.stage_scales_at(a.slot, rank, t));
 #pragma unroll
-    for (int u = 0; u < kSendUnroll; ++u) {
-      const int64_t idx = int64_t(c) * kSendChunk + u * 256 + lane * 8;
+    for (int g = 0; g < kPairs; ++g) {
+      const int64_t idx = send_elem(c, 2 * g, lane, true);  // 16-aligned; H % 128 == 0 keeps a block whole
       if (idx >= H) continue;
-      ptx::st_na_u64(reinterpret_cast<uint64_t*>(row + idx), (uint64_t(q[u].y) << 32) | q[u].x);
-      if ((lane & 15) == 0) scales[idx / 128] = scale[u];
+      ptx::st_na_v4(reinterpret_cast<int4*>(row + idx), make_int4(int(q[g][0]), int(q[g][1]), int(q[g][2]),
+                                                                  int(q[g][3])));
+      if ((lane & 7) == 0) scales[idx / 128] = scale[g];
     }
   }
 }
