@@ -48,7 +48,7 @@ if [[ "$MODE" == round ]]; then
   tail -8 "$OUT/gpu_tests.log"
   t0=$(date +%s)
   # the soak's --seconds clock starts after start-up (processes, NCCL, Buffers): leave room for that and teardown
-  timeout 140 python3 -m deepcomm.soak --backend cuda --iterations 10000 --seconds 100 > "$OUT/soak.log" 2>&1
+  timeout 170 python3 -m deepcomm.soak --backend cuda --iterations 10000 --seconds 130 > "$OUT/soak.log" 2>&1
   echo "soak: rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$summary"
   grep -A8 "deepcomm soak" "$OUT/soak.log" | tee -a "$summary"
   exit 0
