@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import traceback
 
 import torch
@@ -22,12 +23,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank, world, port, fn, args, errors):
+def _child(rank, world, port, fn, args, errors, device):
     import torch.distributed as dist
     try:
-        torch.cuda.set_device(rank)
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                device_id=torch.device("cuda", rank))
+        try:
+            if device == "cuda":
+                torch.cuda.set_device(rank)
+                dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                        device_id=torch.device("cuda", rank))
+            else:  # the runner's own CPU test
+                dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        except dist.DistNetworkError:
+            # the port _free_port found was taken again before rank 0 could listen on it: the parent retries
+            errors.put((rank, _PORT_TAKEN + traceback.format_exc()))
+            return
         fn(rank, world, *args)
         dist.barrier()
         dist.destroy_process_group()
@@ -36,22 +45,48 @@ def _child(rank, world, port, fn, args, errors):
         raise
 
 
-def run_on_gpus(fn, world: int, *args, timeout_s: float = 300.0) -> None:
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
+_PORT_TAKEN = "port taken: "
+
+
+def _launch(ctx, fn, world, args, errors, device):
     port = _free_port()
-    procs = [ctx.Process(target=_child, args=(r, world, port, fn, args, errors)) for r in range(world)]
+    procs = [ctx.Process(target=_child, args=(r, world, port, fn, args, errors, device)) for r in range(world)]
     for p in procs:
         p.start()
-    for p in procs:
-        p.join(timeout_s)
+    return procs
+
+
+def run_on_gpus(fn, world: int, *args, timeout_s: float = 300.0, attempts: int = 3, device: str = "cuda") -> None:
+    """Runs fn(rank, world, *args) on `world` GPU processes (device="cpu": processes joined by gloo, for the runner's
+    own test). A rendezvous port taken between choosing it and listening on it (another process got it first)
+    starts the processes again on a new port, up to `attempts` times."""
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    procs = _launch(ctx, fn, world, args, errors, device)
+    deadline = time.monotonic() + timeout_s
+    first = None
+    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+        while first is None and not errors.empty():
+            rank, tb = errors.get()
+            if tb.startswith(_PORT_TAKEN) and attempts > 1:
+                for p in procs:
+                    p.kill()
+                    p.join()
+                return run_on_gpus(fn, world, *args, timeout_s=max(deadline - time.monotonic(), 1.0),
+                                   attempts=attempts - 1, device=device)
+            first = (rank, tb)
+            deadline = min(deadline, time.monotonic() + 10.0)  # the others may be stuck waiting for that rank
+        time.sleep(0.05)
     hung = [i for i, p in enumerate(procs) if p.is_alive()]
     for p in procs:
         if p.is_alive():
             p.kill()
-    if not errors.empty():
-        rank, tb = errors.get()
-        raise AssertionError(f"rank {rank} failed:\n{tb}")
+        p.join()
+    while first is None and not errors.empty():
+        first = errors.get()
+    if first is not None:
+        rank, tb = first
+        raise AssertionError(f"rank {rank} failed:\n{tb.removeprefix(_PORT_TAKEN)}")
     if hung:
         raise AssertionError(f"ranks {hung} did not finish within {timeout_s} s")
     bad = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode != 0]
