@@ -13,10 +13,9 @@ import signal
 import time
 import traceback
 
-import torch
 import torch.multiprocessing as mp
 
-from nccl_run import _free_port
+from nccl_run import _free_port, init_group
 
 
 def die() -> None:
@@ -25,18 +24,12 @@ def die() -> None:
 
 
 def _child(rank, world, port, fn, args, results, device):
-    import torch.distributed as dist
     # What torch's NCCL watchdog does about a dead peer (it may end the process) is not under test here: deepcomm's
     # own report is. The survivors run no collective after the fault anyway.
     os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
     verdict = ("ok", "")
     try:
-        if device == "cuda":
-            torch.cuda.set_device(rank)
-            dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                    device_id=torch.device("cuda", rank))
-        else:  # the runner's own CPU test
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        init_group(rank, world, port, device)
         fn(rank, world, *args)
     except BaseException:  # noqa: BLE001 - every failure goes to the parent
         verdict = ("error", traceback.format_exc())

@@ -23,16 +23,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def init_group(rank: int, world: int, port: int, device: str) -> None:
+    """This process joins the test's process group: NCCL on GPU `rank`, or gloo for the runners' own CPU tests."""
+    import torch.distributed as dist
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                device_id=torch.device("cuda", rank))
+    else:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+
+
 def _child(rank, world, port, fn, args, errors, device):
     import torch.distributed as dist
     try:
         try:
-            if device == "cuda":
-                torch.cuda.set_device(rank)
-                dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                        device_id=torch.device("cuda", rank))
-            else:  # the runner's own CPU test
-                dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+            init_group(rank, world, port, device)
         except dist.DistNetworkError:
             # the port _free_port found was taken again before rank 0 could listen on it: the parent retries
             errors.put((rank, _PORT_TAKEN + traceback.format_exc()))
