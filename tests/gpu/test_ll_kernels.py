@@ -1,5 +1,5 @@
 """Low-latency kernels against the reference backend, bit for bit: 1..256 tokens, -1 slots, all tokens to one
-expert, hidden 2048/5120/7168, BF16/FP8/UE8M0, hook mode, two micro-batches in flight (also interleaved with a
+expert, hidden 384/2048/2176/5120/7168, BF16/FP8/UE8M0, hook mode, two micro-batches in flight (also interleaved with a
 combine), bad ids found on the device (a flood of duplicates included), hooks on another stream, CUDA-graph replay;
 the optional FP8 combine against the reference's FP8 math."""
 import pytest
@@ -68,7 +68,9 @@ def _worker(rank, world):
     ref = deepcomm.Buffer(max_tokens_per_rank=256, hidden=7168, backend="reference", num_max_low_latency_tokens=M)
     cases = [(1, 7168, 256, 8, "random", "bf16"), (7, 2048, 64, 4, "masked", "fp8"),
              (128, 7168, 256, 8, "random", "fp8"), (256, 5120, 32, 6, "masked", "ue8m0"),
-             (128, 7168, 256, 8, "one_expert", "bf16"), (0 if rank == 0 else 5, 2048, 64, 4, "random", "fp8")]
+             (128, 7168, 256, 8, "one_expert", "bf16"), (0 if rank == 0 else 5, 2048, 64, 4, "random", "fp8"),
+             # rows that end in a partial 1024-element chunk, or fit in less than one
+             (5, 384, 64, 4, "random", "fp8"), (33, 2176, 32, 6, "masked", "bf16"), (17, 2176, 32, 6, "random", "ue8m0")]
     check_cases(cuda, ref, cases, gen, dev, world)
 
     # hook mode, with two micro-batches in flight (both slots) before either is received
