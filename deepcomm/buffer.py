@@ -1,6 +1,7 @@
 """Buffer: the user-facing object. Validates every input, then delegates to a backend."""
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import sys
@@ -11,12 +12,36 @@ import torch.distributed as dist
 
 from . import validation as v
 from .backends import group_device, make_backend
+from .call_check import CallChecker, resolve_check_calls
 from .config import DEFAULT_HIDDEN, DEFAULT_TIMEOUT_S, Config, default_num_sms
 from .handle import Handle, LowLatencyHandle
-from .rendezvous import wait_for_group
+from .rendezvous import _store, wait_for_group
 from .topology import resolve_topology
 
 _buffer_ids = itertools.count(1)
+
+
+def _collective(op: str):
+    """A collective call of a Buffer. With check_calls on (deepcomm/call_check.py) the call's signature is compared
+    across ranks right before the backend runs (Buffer._agree); a ValueError of this rank's own validation before
+    that point is published instead, so the other ranks raise too instead of waiting for this rank's kernels."""
+    def wrap(method):
+        @functools.wraps(method)
+        def call(self, *args, **kwargs):
+            if self._call_checker is None:
+                return method(self, *args, **kwargs)
+            self._pending_op = op
+            try:
+                return method(self, *args, **kwargs)
+            except ValueError as e:
+                if self._pending_op is not None:
+                    self._pending_op = None
+                    self._call_checker.agree(op, {}, error=str(e))
+                raise
+            finally:
+                self._pending_op = None
+        return call
+    return wrap
 
 
 class Buffer:
@@ -25,8 +50,11 @@ class Buffer:
     def __init__(self, group=None, max_tokens_per_rank: int = 4096, hidden: Optional[int] = None,
                  num_sms: Optional[int] = None, backend: str = "auto", num_max_low_latency_tokens: int = 128,
                  timeout_s: Optional[float] = None, gpus_per_node: Optional[int] = None,
-                 low_latency_memory: Optional[str] = None, internode_transport: Optional[str] = None):
+                 low_latency_memory: Optional[str] = None, internode_transport: Optional[str] = None,
+                 check_calls: Optional[bool] = None):
         self._backend = None
+        self._call_checker = None
+        self._pending_op = None
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("deepcomm.Buffer: torch.distributed is not initialized "
                                "(call torch.distributed.init_process_group first)")
@@ -50,9 +78,10 @@ class Buffer:
                              low_latency_memory=low_latency_memory,
                              internode_transport=internode_transport)
         self.buffer_id = next(_buffer_ids)
+        check_calls = resolve_check_calls(check_calls)
         # every rank is here before the first collective, or a CommTimeoutError names who is not (bounded); and the
         # settings that lay out the shared buffers or pair blocks across ranks agree (ValueError naming one if not)
-        wait_for_group(self._group, self._rank, self.config.timeout_s, settings={
+        number = wait_for_group(self._group, self._rank, self.config.timeout_s, settings={
             # "auto" and "cuda" may meet (auto picks cuda where it can); "reference" must meet itself
             "backend": "reference" if backend == "reference" else "cuda or auto",
             "DEEPCOMM_LL_NUM_SMS": os.environ.get("DEEPCOMM_LL_NUM_SMS"),  # low-latency blocks pair up across ranks
@@ -61,7 +90,10 @@ class Buffer:
             "num_max_low_latency_tokens": self.config.num_max_low_latency_tokens,
             "low_latency_memory": self.config.low_latency_memory,
             "internode_transport": self.config.internode_transport,
-            "gpus_per_node": self.config.gpus_per_node})
+            "gpus_per_node": self.config.gpus_per_node, "check_calls": check_calls})
+        if check_calls and number is not None:
+            self._call_checker = CallChecker(_store(), self._group, self._rank, self._world_size,
+                                             self.config.timeout_s, f"b{number}")
         self._backend, self._backend_name = make_backend(backend, self._group, self.config, self._rank,
                                                          self._world_size, self._device)
         # dtypes of a non-FP8 x the backend takes in normal mode (the CUDA backend: bf16 only)
@@ -117,6 +149,7 @@ class Buffer:
         v.check_topk_idx(topk_idx, None, num_experts, self._device)
         return backend.get_dispatch_layout(topk_idx, num_experts)
 
+    @_collective("dispatch")
     def dispatch(self, x, topk_idx=None, topk_weights=None, num_experts=None, handle=None, expert_alignment=1,
                  num_worst_tokens=0, previous_event=None, async_finish=False):
         """``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert, handle)``.
@@ -149,6 +182,7 @@ class Buffer:
             if topk_weights is not None:
                 shape = tuple(topk_idx.shape) if topk_idx is not None else (num_tokens, None)
                 v.check_topk_weights(topk_weights, shape, self._device)
+            self._agree(self._dispatch_fields(x, topk_idx, topk_weights, handle.num_experts, handle))
             return backend.dispatch(x, None, topk_weights, handle.num_experts, handle, expert_alignment, **extra)
         if topk_idx is None:
             v.fail("topk_idx", "required when no handle is given")
@@ -157,10 +191,12 @@ class Buffer:
                          check_values=not getattr(backend, "checks_expert_ids_on_device", False))
         if topk_weights is not None:
             v.check_topk_weights(topk_weights, tuple(topk_idx.shape), self._device)
+        self._agree(self._dispatch_fields(x, topk_idx, topk_weights, num_experts, None))
         out = backend.dispatch(x, topk_idx, topk_weights, num_experts, None, expert_alignment, **extra)
         out[-1].buffer_id = self.buffer_id
         return out
 
+    @_collective("combine")
     def combine(self, x, handle, topk_weights=None, previous_event=None, async_finish=False, use_fp8=False):
         """``(combined_x, combined_topk_weights)``: the reverse route of ``handle``, copies summed.
         ``previous_event`` / ``async_finish`` as in ``dispatch``. ``use_fp8``: rows that cross to another rank
@@ -172,6 +208,8 @@ class Buffer:
         if topk_weights is not None:
             v.check_topk_weights(topk_weights, (handle.num_recv, None), self._device)
         self._check_stream_args(previous_event, async_finish)
+        self._agree({"hidden": x.shape[1], "dtype": str(x.dtype), "topk_weights": topk_weights is not None,
+                     "use_fp8": use_fp8})
         return backend.combine(x, handle, topk_weights, previous_event=previous_event, async_finish=async_finish,
                                use_fp8=use_fp8)
 
@@ -181,6 +219,24 @@ class Buffer:
         on the reference backend, whose calls finish before they return)."""
         return getattr(self._live(), "event", None)
 
+    def _agree(self, fields) -> None:
+        """With check_calls on: this call's signature against every rank's (deepcomm/call_check.py)."""
+        if self._call_checker is not None:
+            op, self._pending_op = self._pending_op, None
+            self._call_checker.agree(op, fields)
+
+    @staticmethod
+    def _dispatch_fields(x, topk_idx, topk_weights, num_experts, handle) -> dict:
+        """What must agree across ranks for one normal dispatch: everything that shapes its rows and its route
+        (the token count may differ)."""
+        values, scales = (x[0], x[1]) if isinstance(x, (tuple, list)) else (x, None)
+        k = topk_idx.shape[1] if topk_idx is not None else (topk_weights.shape[1] if topk_weights is not None else 0)
+        return {"hidden": values.shape[1], "dtype": str(values.dtype),
+                "scales": None if scales is None else [scales.shape[1], str(scales.dtype)],
+                "topk": k if handle is None or topk_weights is not None else None,
+                "topk_weights": topk_weights is not None, "num_experts": num_experts,
+                "cached_handle": handle is not None}
+
     @staticmethod
     def _check_stream_args(previous_event, async_finish) -> None:
         if previous_event is not None and not isinstance(previous_event, torch.cuda.Event):
@@ -189,6 +245,7 @@ class Buffer:
             v.fail("async_finish", f"expected a bool, got {type(async_finish).__name__}")
 
     # ---- low-latency mode -------------------------------------------------------------------------------
+    @_collective("low_latency_dispatch")
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8=True,
                              use_ue8m0=False, return_recv_hook=False):
         """``(recv_x, recv_count, handle, hook)``."""
@@ -198,11 +255,14 @@ class Buffer:
                                      self.config.num_max_low_latency_tokens,
                                      check_values=not getattr(backend, "checks_expert_ids_on_device", False))
         self._check_hook_flag(return_recv_hook)
+        self._agree({"hidden": x.shape[1], "topk": topk_idx.shape[1], "num_experts": num_experts,
+                     "num_max_dispatch_tokens_per_rank": num_max_dispatch_tokens_per_rank, "use_fp8": use_fp8})
         recv_x, recv_count, handle, hook = backend.low_latency_dispatch(
             x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, use_ue8m0, return_recv_hook)
         handle.buffer_id = self.buffer_id
         return recv_x, recv_count, handle, hook
 
+    @_collective("low_latency_combine")
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, return_recv_hook=False, use_fp8=False):
         """``(combined_x, hook)``: bf16 ``[T, H]``, the weighted sum of each token's expert outputs.
         ``use_fp8``: the partial sums that cross to another rank travel as e4m3 + fp32 scales (off by default)."""
@@ -213,6 +273,7 @@ class Buffer:
         self._check_hook_flag(return_recv_hook)
         if not isinstance(use_fp8, bool):
             v.fail("use_fp8", f"expected a bool, got {type(use_fp8).__name__}")
+        self._agree({"hidden": x.shape[2], "topk": topk_idx.shape[1], "use_fp8": use_fp8})
         if use_fp8:
             return backend.low_latency_combine(x, topk_idx, topk_weights, handle, return_recv_hook, use_fp8=True)
         return backend.low_latency_combine(x, topk_idx, topk_weights, handle, return_recv_hook)

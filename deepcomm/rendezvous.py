@@ -36,13 +36,14 @@ def _store():
         return None
 
 
-def wait_for_group(group, rank: int, timeout_s: float, settings: Optional[Dict[str, object]] = None) -> None:
+def wait_for_group(group, rank: int, timeout_s: float, settings: Optional[Dict[str, object]] = None) -> Optional[int]:
     """Return once every rank of ``group`` has called this for the same Buffer; raise CommTimeoutError naming the
     first missing rank (group-local) after ``timeout_s``, or ValueError naming the first of ``settings`` that is
-    not the same on every rank."""
+    not the same on every rank. Returns the Buffer's number in the group (the same on every rank), or None where
+    no store is reachable."""
     store = _store()
     if store is None:
-        return
+        return None
     ranks = tuple(dist.get_process_group_ranks(group))
     n = _built.get(ranks, 0)
     _built[ranks] = n + 1
@@ -58,6 +59,7 @@ def wait_for_group(group, rank: int, timeout_s: float, settings: Optional[Dict[s
                                    f"ranks {missing} did not build their Buffer within {timeout_s:g} s") from e
     if settings:
         _check_same(settings, [json.loads(store.get(k)) for k in keys])
+    return n
 
 
 def _check_same(mine: Dict[str, object], every: list) -> None:

@@ -65,39 +65,40 @@ def _launch(ctx, fn, world, args, errors, device):
 def run_on_gpus(fn, world: int, *args, timeout_s: float = 300.0, attempts: int = 3, device: str = "cuda") -> None:
     """Runs fn(rank, world, *args) on `world` GPU processes (device="cpu": processes joined by gloo, for the runner's
     own test). A rendezvous port taken between choosing it and listening on it (another process got it first)
-    starts the processes again on a new port, up to `attempts` times."""
+    starts the processes again on a new port, up to `attempts` times, within the same `timeout_s`."""
     ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    procs = _launch(ctx, fn, world, args, errors, device)
     deadline = time.monotonic() + timeout_s
-    first = None
-    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+    for attempt in range(attempts):
+        errors = ctx.SimpleQueue()
+        procs = _launch(ctx, fn, world, args, errors, device)
+        first, retry, end = None, False, deadline
+        while any(p.is_alive() for p in procs) and time.monotonic() < end and not retry:
+            while first is None and not errors.empty():
+                rank, tb = errors.get()
+                if tb.startswith(_PORT_TAKEN) and attempt + 1 < attempts:
+                    retry = True
+                    break
+                first = (rank, tb)
+                end = min(end, time.monotonic() + 10.0)  # the others may be stuck waiting for that rank
+            time.sleep(0.05)
+        hung = [i for i, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+        if retry:
+            continue
         while first is None and not errors.empty():
-            rank, tb = errors.get()
-            if tb.startswith(_PORT_TAKEN) and attempts > 1:
-                for p in procs:
-                    p.kill()
-                    p.join()
-                return run_on_gpus(fn, world, *args, timeout_s=max(deadline - time.monotonic(), 1.0),
-                                   attempts=attempts - 1, device=device)
-            first = (rank, tb)
-            deadline = min(deadline, time.monotonic() + 10.0)  # the others may be stuck waiting for that rank
-        time.sleep(0.05)
-    hung = [i for i, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-        p.join()
-    while first is None and not errors.empty():
-        first = errors.get()
-    if first is not None:
-        rank, tb = first
-        raise AssertionError(f"rank {rank} failed:\n{tb.removeprefix(_PORT_TAKEN)}")
-    if hung:
-        raise AssertionError(f"ranks {hung} did not finish within {timeout_s} s")
-    bad = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode != 0]
-    if bad:
-        raise AssertionError(f"processes exited with codes {bad}")
+            first = errors.get()
+        if first is not None:
+            rank, tb = first
+            raise AssertionError(f"rank {rank} failed:\n{tb.removeprefix(_PORT_TAKEN)}")
+        if hung:
+            raise AssertionError(f"ranks {hung} did not finish within {timeout_s} s")
+        bad = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode != 0]
+        if bad:
+            raise AssertionError(f"processes exited with codes {bad}")
+        return
 
 
 def ranks_for_tests() -> int:
