@@ -15,7 +15,7 @@ from .backends import group_device, make_backend
 from .call_check import CallChecker, resolve_check_calls
 from .config import DEFAULT_HIDDEN, DEFAULT_TIMEOUT_S, Config, default_num_sms
 from .handle import Handle, LowLatencyHandle
-from .rendezvous import _store, wait_for_group
+from .rendezvous import default_store, wait_for_group
 from .topology import resolve_topology
 
 _buffer_ids = itertools.count(1)
@@ -92,7 +92,7 @@ class Buffer:
             "internode_transport": self.config.internode_transport,
             "gpus_per_node": self.config.gpus_per_node, "check_calls": check_calls})
         if check_calls and number is not None:
-            self._call_checker = CallChecker(_store(), self._group, self._rank, self._world_size,
+            self._call_checker = CallChecker(default_store(), self._group, self._rank, self._world_size,
                                              self.config.timeout_s, f"b{number}")
         self._backend, self._backend_name = make_backend(backend, self._group, self.config, self._rank,
                                                          self._world_size, self._device)

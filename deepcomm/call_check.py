@@ -13,14 +13,13 @@ default.
 """
 from __future__ import annotations
 
-import datetime
 import json
 import os
 from typing import Dict, Optional
 
 import torch.distributed as dist
 
-from .errors import CommTimeoutError
+from .rendezvous import check_same, wait_for_marks
 
 ENV = "DEEPCOMM_CHECK_CALLS"
 
@@ -63,15 +62,8 @@ class CallChecker:
         if n > 2:
             self.store.delete_key(self._key(n - 2, self.rank))
         keys = [self._key(n, r) for r in range(self.world_size)]
-        try:
-            self.store.wait(keys, datetime.timedelta(seconds=self.timeout_s))
-        except RuntimeError as e:  # DistStoreError (a RuntimeError) on timeout
-            missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
-            if missing:
-                raise CommTimeoutError(self.rank, missing[0], f"call:{op}",
-                                       f"ranks {missing} did not make call #{n} on this Buffer within "
-                                       f"{self.timeout_s:g} s (check_calls)") from e
-            raise
+        wait_for_marks(self.store, keys, self.timeout_s, self.rank, f"call:{op}",
+                       f"did not make call #{n} on this Buffer (check_calls)")
         if error is not None:
             return  # the caller raises its own error
         every = [json.loads(self.store.get(k)) for k in keys]
@@ -82,9 +74,4 @@ class CallChecker:
             if call["op"] != op:
                 raise ValueError(f"call order: call #{n} on this Buffer is {op} on rank {self.rank} but "
                                  f"{call['op']} on rank {r}; every rank must make the same calls in the same order")
-        for name in sorted(fields):
-            values = [call["fields"].get(name) for call in every]
-            odd = next((r for r, value in enumerate(values) if value != values[0]), None)
-            if odd is not None:
-                raise ValueError(f"{name}: must be the same on every rank for {op} (call #{n} on this Buffer); "
-                                 f"rank 0 has {values[0]!r}, rank {odd} has {values[odd]!r}")
+        check_same(fields, [call["fields"] for call in every], f"for {op} (call #{n} on this Buffer)")

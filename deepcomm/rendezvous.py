@@ -29,7 +29,8 @@ STAGE = "buffer:create"
 _built: Dict[Tuple[int, ...], int] = {}
 
 
-def _store():
+def default_store():
+    """The process group's key-value store, or None where none is reachable."""
     try:
         return dist.distributed_c10d._get_default_store()
     except (AttributeError, RuntimeError, ValueError):
@@ -41,7 +42,7 @@ def wait_for_group(group, rank: int, timeout_s: float, settings: Optional[Dict[s
     first missing rank (group-local) after ``timeout_s``, or ValueError naming the first of ``settings`` that is
     not the same on every rank. Returns the Buffer's number in the group (the same on every rank), or None where
     no store is reachable."""
-    store = _store()
+    store = default_store()
     if store is None:
         return None
     ranks = tuple(dist.get_process_group_ranks(group))
@@ -50,22 +51,29 @@ def wait_for_group(group, rank: int, timeout_s: float, settings: Optional[Dict[s
     prefix = f"deepcomm/{STAGE}/{','.join(map(str, ranks))}/{n}"
     keys = [f"{prefix}/{r}" for r in range(len(ranks))]
     store.set(keys[rank], json.dumps(settings or {}, sort_keys=True))
+    wait_for_marks(store, keys, timeout_s, rank, STAGE, "did not build their Buffer")
+    if settings:
+        check_same(settings, [json.loads(store.get(k)) for k in keys], "of the group")
+    return n
+
+
+def wait_for_marks(store, keys, timeout_s: float, rank: int, stage: str, what: str) -> None:
+    """Wait at most ``timeout_s`` until every key of ``keys`` (one per rank of the group, in rank order) is set;
+    otherwise raise CommTimeoutError naming the first missing rank: "ranks [...] <what> within <timeout_s> s"."""
     try:
         store.wait(keys, datetime.timedelta(seconds=timeout_s))
     except RuntimeError as e:  # DistStoreError (a RuntimeError) on timeout
         missing = [r for r, k in enumerate(keys) if not store.check([k])]
         if missing:
-            raise CommTimeoutError(rank, missing[0], STAGE,
-                                   f"ranks {missing} did not build their Buffer within {timeout_s:g} s") from e
-    if settings:
-        _check_same(settings, [json.loads(store.get(k)) for k in keys])
-    return n
+            raise CommTimeoutError(rank, missing[0], stage, f"ranks {missing} {what} within {timeout_s:g} s") from e
 
 
-def _check_same(mine: Dict[str, object], every: list) -> None:
+def check_same(mine: Dict[str, object], every: list, where: str) -> None:
+    """ValueError naming the first (sorted) of ``mine``'s names whose value differs between the ranks' ``every``
+    (dicts in rank order): "<name>: must be the same on every rank <where>; rank 0 has ..., rank r has ..."."""
     for name in sorted(mine):
         values = [marks.get(name) for marks in every]
-        if any(v != values[0] for v in values):
-            odd = next(r for r, v in enumerate(values) if v != values[0])
-            raise ValueError(f"{name}: must be the same on every rank of the group; rank 0 has {values[0]!r}, "
+        odd = next((r for r, v in enumerate(values) if v != values[0]), None)
+        if odd is not None:
+            raise ValueError(f"{name}: must be the same on every rank {where}; rank 0 has {values[0]!r}, "
                              f"rank {odd} has {values[odd]!r}")

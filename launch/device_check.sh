@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # One full check on a GPU machine: build, GPU tests, benchmark. Logs and JSON go to $OUT (default ./out).
-#   bash launch/device_check.sh [quick|full|tests|bench|soak|verify|sanitize|ll|round]
+#   bash launch/device_check.sh [quick|full|tests|bench|soak|verify|sanitize|ll|ll-ab|round]
 #   (default quick; full = tests + soak + sanitize + bench, more than one device call's 600 s now: run its modes
 #    apart; verify = tests + soak, no bench; sanitize = compute-sanitizer memcheck/racecheck/synccheck on the
-#    intranode kernels, launch/sanitize.sh; ll = the low-latency loop: its GPU tests, the phase trace
-#    (launch/profile_low_latency.py) and the low-latency benchmark, about 4 minutes; round = every GPU test and the
+#    intranode kernels, launch/sanitize.sh; ll = the low-latency loop: its GPU tests, the low-latency benchmark and
+#    the phase trace (launch/profile_low_latency.py), about 4 minutes; round = every GPU test and the
 #    10k soak in one device call (under 600 s; run `sanitize` as a second call); ll-ab = an A/B of a kernel change
 #    in one call: the low-latency GPU tests and benchmark on the tree as it is (A), then again with the patch file
 #    $AB_PATCH applied (B; e.g. `git diff main exp/branch > ab.patch`, an untracked file in the tree), about 7 minutes)
@@ -23,23 +23,29 @@ summary="$OUT/summary.txt"
 } > "$summary" 2>&1
 cat "$summary"
 
-t0=$(date +%s)
-if ! timeout 300 python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; then
-  tail -60 "$OUT/build.log"; echo "BUILD FAILED"; exit 1
-fi
+# Build and install the extension in place; $1 names the build in the log lines (empty for the first).
+build() {
+  local t0
+  t0=$(date +%s)
+  if ! timeout 300 python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; then
+    tail -60 "$OUT/build.log"; echo "BUILD${1:+ $1} FAILED"; exit 1
+  fi
+  rm -f "$OUT/build.log"  # at most 8 files come back from the device tool
+  echo "build${1:+ $1}: $(( $(date +%s) - t0 )) s" | tee -a "$summary"
+}
+
+build ""
 python3 -c 'import deepcomm, deepcomm._C as C; print("extension ok; gpus", C.device_count(), "backends", deepcomm.available_backends())' | tee -a "$summary"
-echo "build: $(( $(date +%s) - t0 )) s" | tee -a "$summary"
-rm -f "$OUT/build.log"  # at most 8 files come back from the device tool
 
 # The low-latency GPU tests, then the low-latency benchmark into $OUT/bench_ll$1.json (no phase trace).
 ll_tests_and_bench() {
   local tag="$1" t0
   t0=$(date +%s)
-  timeout 200 python3 -m pytest -q -ra -m gpu tests/gpu/test_ll_kernels.py tests/gpu/test_shrink_gpu.py \
+  timeout 240 python3 -m pytest -q -ra -m gpu tests/gpu/test_ll_kernels.py tests/gpu/test_shrink_gpu.py \
     tests/gpu/test_faults.py > "$OUT/gpu_tests$tag.log" 2>&1
   echo "low-latency gpu tests$tag: rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$summary"
   tail -4 "$OUT/gpu_tests$tag.log"
-  DEEPCOMM_LL_TRACE=0 timeout 150 python3 -m deepcomm.bench --modes low_latency --no-progress \
+  DEEPCOMM_LL_TRACE=0 timeout 200 python3 -m deepcomm.bench --modes low_latency --no-progress \
     --json "$OUT/bench_ll$tag.json" 2>&1 | grep "deepcomm.*cuda-graph\|hook" | tee -a "$summary"
 }
 
@@ -47,25 +53,15 @@ if [[ "$MODE" == ll-ab ]]; then
   [[ -f "${AB_PATCH:-}" ]] || { echo "ll-ab: set AB_PATCH to a patch file in the tree"; exit 1; }
   ll_tests_and_bench "-A"
   git apply "$AB_PATCH" || { echo "ll-ab: the patch does not apply"; exit 1; }
-  t0=$(date +%s)
-  if ! timeout 300 python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; then
-    tail -60 "$OUT/build.log"; echo "BUILD B FAILED"; exit 1
-  fi
-  rm -f "$OUT/build.log"
-  echo "build B: $(( $(date +%s) - t0 )) s" | tee -a "$summary"
+  build B
   ll_tests_and_bench "-B"
   exit 0
 fi
 
 if [[ "$MODE" == ll ]]; then
-  t0=$(date +%s)
-  timeout 240 python3 -m pytest -q -ra -m gpu tests/gpu/test_ll_kernels.py tests/gpu/test_shrink_gpu.py \
-    tests/gpu/test_faults.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
-  echo "low-latency gpu tests: rc=${PIPESTATUS[0]} $(( $(date +%s) - t0 )) s" | tee -a "$summary"
+  ll_tests_and_bench ""
   timeout 120 python3 launch/profile_low_latency.py > "$OUT/profile.log" 2>&1
   echo "profile: rc=$? (profile.log)" | tee -a "$summary"
-  DEEPCOMM_LL_TRACE=0 timeout 200 python3 -m deepcomm.bench --modes low_latency --no-progress \
-    --json "$OUT/bench_ll.json" 2>&1 | grep "deepcomm.*cuda-graph\|hook" | tee -a "$summary"
   exit 0
 fi
 

@@ -59,9 +59,12 @@ class LowLatencyCalls:
         now, and a hook that launches the receive half once, on the stream current when it is called, so no SM
         waits in between. When that is another stream, an event recorded after the send orders the receive after
         it (its call number is the one the send leaves behind). ``keep``: the caller's tensors the receive half
-        reads; the hook holds them until it has launched and marks them in use on its stream. Returns the hook."""
+        reads; the hook holds them until it has launched and marks them in use on its stream. An input error an
+        earlier call left is raised once the receive half is launched: here without a hook, else by the hook.
+        Returns the hook."""
         if not return_recv_hook:
             launch(LL_BOTH, stream)
+            self._raise_pending()
             return _noop
         launch(LL_SEND, stream)
         sent = torch.cuda.Event()
@@ -101,8 +104,6 @@ class LowLatencyCalls:
         handle = LowLatencyHandle(src_info=src_info, layout=layout, recv_pos=ll.recv_pos(slot, T, K),
                                   num_experts=num_experts, num_max_dispatch_tokens_per_rank=M, hidden=H,
                                   buffer_id=-1, slot=slot)
-        if not return_recv_hook:  # with a hook, the hook raises it once the receive half is launched
-            self._raise_pending()
         return recv_x, recv_count, handle, hook
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, return_recv_hook, use_fp8=False):
@@ -116,8 +117,6 @@ class LowLatencyCalls:
         # the receive half reads x (our own tokens' partial), topk_idx and topk_weights, and writes out
         hook = self._ll_launch(lambda phases, s: ll.ctx.combine(phases, blocks, *ptrs, T, K, slot, use_fp8, s),
                                return_recv_hook, stream, keep=(x, topk_idx, topk_weights, out))
-        if not return_recv_hook:  # with a hook, the hook raises it once the receive half is launched
-            self._raise_pending()
         return out, hook
 
     @property
