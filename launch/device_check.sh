@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # One full check on a GPU machine: build, GPU tests, benchmark. Logs and JSON go to $OUT (default ./out).
-#   bash launch/device_check.sh [quick|full|tests|bench|soak|verify|sanitize|ll|ll-ab|round]
+#   bash launch/device_check.sh [quick|full|tests|bench|soak|verify|sanitize|ll|ll-ab|round|internode]
 #   (default quick; full = tests + soak + sanitize + bench, more than one device call's 600 s now: run its modes
 #    apart; verify = tests + soak, no bench; sanitize = compute-sanitizer memcheck/racecheck/synccheck on the
 #    intranode kernels, launch/sanitize.sh; ll = the low-latency loop: its GPU tests, the low-latency benchmark and
 #    the phase trace (launch/profile_low_latency.py), about 4 minutes; round = every GPU test and the
 #    10k soak in one device call (under 600 s; run `sanitize` as a second call); ll-ab = an A/B of a kernel change
 #    in one call: the low-latency GPU tests and benchmark on the tree as it is (A), then again with the patch file
-#    $AB_PATCH applied (B; e.g. `git diff main exp/branch > ab.patch`, an untracked file in the tree), about 7 minutes)
+#    $AB_PATCH applied (B; e.g. `git diff main exp/branch > ab.patch`, an untracked file in the tree), about 7 minutes;
+#    internode = the internode GPU tests (emulated NIC and NVSHMEM transports) and the internode benchmark)
 # Used with the device tool on nvidia-h200-x2; every step is bounded by `timeout` so the call always returns.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
@@ -55,6 +56,19 @@ if [[ "$MODE" == ll-ab ]]; then
   git apply "$AB_PATCH" || { echo "ll-ab: the patch does not apply"; exit 1; }
   build B
   ll_tests_and_bench "-B"
+  exit 0
+fi
+
+if [[ "$MODE" == internode ]]; then
+  t0=$(date +%s)
+  timeout 300 python3 -m pytest -q -ra -m gpu tests/gpu/test_internode.py tests/gpu/test_internode_nvshmem.py \
+    > "$OUT/gpu_tests.log" 2>&1
+  echo "internode gpu tests: rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$summary"
+  tail -15 "$OUT/gpu_tests.log"
+  t0=$(date +%s)
+  timeout 200 python3 -m deepcomm.bench --modes internode --gpus-per-node 1 --tokens 512,4096 --no-progress \
+    --json "$OUT/bench_internode.json" 2>&1 | tail -30 | tee "$OUT/bench.log"
+  echo "bench internode: rc=${PIPESTATUS[0]} $(( $(date +%s) - t0 )) s" | tee -a "$summary"
   exit 0
 fi
 

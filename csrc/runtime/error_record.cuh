@@ -30,6 +30,10 @@ enum WaitStage : int {
   kStageNvshmemCredit = 27,    // waiting for a peer to free its receive slot for us (its credit signal)
   kStageNvshmemSignal = 28,    // waiting for a peer's put-with-signal: its block for us has landed
   kStageNodeBarrier = 29,      // internode NVLink hop: waiting for a GPU of our node at the node barrier
+  // The hierarchical internode kernels (csrc/kernels/hier_kernels.hpp).
+  kStageHierFree = 30,         // waiting for a GPU of our node to free its area for this launch's rows
+  kStageHierArrive = 31,       // waiting for a GPU of our node to finish writing rows into our area
+  kStageHierLocal = 32,        // waiting for this launch's own blocks (packing or reducing done)
   // Not timeouts: input problems found on the device. Every rank stops the call consistently, so the Buffer
   // stays usable and the host raises ValueError.
   kStageInvalidIds = 100,      // some rank's topk_idx had ids outside [-1, E) (no host sync to catch it earlier)

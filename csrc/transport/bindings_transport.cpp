@@ -260,4 +260,5 @@ void bind_transport(py::module_& parent) {
 
   bind_device_qp(m);
   bind_internode(m);
+  bind_hier(m);
 }

@@ -10,3 +10,6 @@ void bind_device_qp(pybind11::module_& m);
 
 // The internode exchange round (csrc/transport/bindings_internode.cpp).
 void bind_internode(pybind11::module_& m);
+
+// The hierarchical internode dispatch and combine kernels (csrc/transport/bindings_hier.cpp).
+void bind_hier(pybind11::module_& m);

@@ -149,7 +149,7 @@ def dispatch(comm: HierComm, x, topk_idx: Optional[torch.Tensor], topk_weights: 
 
 
 # ----------------------------------------------------------------------------------------------------------- combine
-def _combine_area_row(comm: HierComm, counts: List[List[int]], s: int, d: int) -> int:
+def combine_area_row(comm: HierComm, counts: List[List[int]], s: int, d: int) -> int:
     """First row of block (source s, holder d) in the area of s's forwarder on d's node: the forwarder's rail
     sources ascending, then the node's ranks ascending."""
     node = d // comm.gpus
@@ -192,7 +192,7 @@ def combine(comm: HierComm, x: torch.Tensor, handle: Handle, topk_weights: Optio
     with comm.node_hop("combine:gather") as hop:
         for s in range(R):
             if held[s] and s != rank:
-                hop.put(s % G, _combine_area_row(comm, counts, s, rank) * nvl_stride,
+                hop.put(s % G, combine_area_row(comm, counts, s, rank) * nvl_stride,
                         packed[begins[s]:begins[s] + held[s]])
 
     def as_values(tensors: List[torch.Tensor]):
@@ -215,7 +215,7 @@ def combine(comm: HierComm, x: torch.Tensor, handle: Handle, topk_weights: Optio
                 b = begins[s]
                 pieces.append((src_idx[b:b + n], xs[b:b + n].float(), w[b:b + n] if w is not None else None, None))
             else:
-                o = _combine_area_row(comm, counts, s, d) * nvl_stride
+                o = combine_area_row(comm, counts, s, d) * nvl_stride
                 raw = area[o:o + n * nvl_stride].view(n, nvl_stride)
                 tensors = unpack_rows(raw, nvl_parts, nvl_row_bytes)
                 vals, wv = as_values(tensors)

@@ -17,6 +17,7 @@ reads the error record, and rows are packed, forwarded and unpacked by torch cop
 """
 from __future__ import annotations
 
+import os
 import socket
 from typing import Dict, List, Optional, Sequence
 
@@ -25,11 +26,12 @@ import torch.distributed as dist
 
 from ..config import Config
 from ..reference import normal
-from . import hier_normal
+from . import hier_kernels, hier_normal
 from .align import round_up
 from .arena import as_device_bytes
 from .exchange_record import ExchangeRecord, check_round, peer_list
 from .hier_comm import HierComm
+from .hier_kernels import HierKernels
 from .node_link import NodeLink
 from .peer_memory import PeerMemory
 
@@ -137,15 +139,10 @@ class NicTransport(ExchangeRecord):
         return self.qp_mem.data_ptr() + len(self.peers) * self.qp_bytes + i * 128
 
     # ---- one round ----
-    def exchange(self, send_bytes: Sequence[int], send_begin: Sequence[int]) -> None:
-        """Send bytes [send_begin[d], + send_bytes[d]) of the send area to every peer d, into d's receive slot
-        for us (``send_bytes[d]`` must be 0 for a rank that is not a peer); return once every peer's block for us
-        has landed (synchronizes the device, then raises CommTimeoutError if a wait timed out). Collective: every
-        rank calls it the same number of times."""
-        self.refuse_if_broken()
+    def peer_rows(self, send_bytes: Sequence[int], send_begin: Sequence[int]) -> List[List[int]]:
+        """One InternodePeer row (csrc/kernels/internode_exchange.hpp) per peer, peers ascending: our block for d
+        at ``send_begin[d]`` of the send area, ``send_bytes[d]`` long, into d's receive slot for us."""
         me, R = self.rank, self.world_size
-        check_round(send_bytes, send_begin, me, R, self.peers, self.slot_bytes)
-        self.round += 1
         rows = []
         for i, d in enumerate(self.peers):
             peer_base = self.bases[d]
@@ -162,6 +159,18 @@ class NicTransport(ExchangeRecord):
                 self._aux_ptr(i), self._aux_ptr(i) + 64,
             ])
         assert len(rows[0]) == self.T.INTERNODE_PEER_FIELDS
+        return rows
+
+    def exchange(self, send_bytes: Sequence[int], send_begin: Sequence[int]) -> None:
+        """Send bytes [send_begin[d], + send_bytes[d]) of the send area to every peer d, into d's receive slot
+        for us (``send_bytes[d]`` must be 0 for a rank that is not a peer); return once every peer's block for us
+        has landed (synchronizes the device, then raises CommTimeoutError if a wait timed out). Collective: every
+        rank calls it the same number of times."""
+        self.refuse_if_broken()
+        me, R = self.rank, self.world_size
+        check_round(send_bytes, send_begin, me, R, self.peers, self.slot_bytes)
+        self.round += 1
+        rows = self.peer_rows(send_bytes, send_begin)
         with torch.cuda.device(self.device):  # the launcher uses the current device
             stream = torch.cuda.current_stream(self.device)
             table = torch.tensor(rows, dtype=torch.int64).to(self.device)
@@ -224,6 +233,11 @@ class InternodeBackend:
                 self.transport.close()
                 raise
         self.comm = HierComm(self.transport, self.link, rank, world_size, G, device)
+        # The dedicated kernels (hier_kernels.py) carry the emulated transport unless DEEPCOMM_INTERNODE_KERNELS=0;
+        # the NVSHMEM transport's host-side puts keep the torch routing (hier_normal.py).
+        self.kernels = None
+        if transport_cls is NicTransport and os.environ.get("DEEPCOMM_INTERNODE_KERNELS", "1") != "0":
+            self.kernels = HierKernels(self.comm, config.num_sms)
 
     def get_dispatch_layout(self, topk_idx, num_experts):
         from .. import layout
@@ -243,13 +257,20 @@ class InternodeBackend:
         if handle is not None and torch.is_tensor(handle.num_recv_tokens_per_expert):
             num_worst_tokens = handle.num_recv
         with torch.cuda.device(self.device):
-            out = hier_normal.dispatch(self.comm, x, topk_idx, topk_weights, num_experts, handle, expert_alignment)
+            if self.kernels is not None:
+                out = hier_kernels.dispatch(self.kernels, x, topk_idx, topk_weights, num_experts, handle,
+                                            expert_alignment)
+            else:
+                out = hier_normal.dispatch(self.comm, x, topk_idx, topk_weights, num_experts, handle,
+                                           expert_alignment)
         return normal.pad_to_worst(out, num_worst_tokens, handle is not None) if num_worst_tokens else out
 
     def combine(self, x, handle, topk_weights, previous_event=None, async_finish=False, use_fp8=False):
         if topk_weights is not None:
             self._check_topk(topk_weights.shape[1])
         with torch.cuda.device(self.device):
+            if self.kernels is not None:
+                return hier_kernels.combine(self.kernels, x, handle, topk_weights, use_fp8)
             return hier_normal.combine(self.comm, x, handle, topk_weights, use_fp8)
 
     def low_latency_dispatch(self, *args, **kwargs):
@@ -263,7 +284,10 @@ class InternodeBackend:
         return self.transport.nic_totals()
 
     def set_num_sms(self, num_sms: int) -> None:
-        return None  # the transport decides: one posting and one NIC block per peer (emulated), NVSHMEM (nvshmem)
+        """The kernels split num_sms between the RDMA and NVLink roles (their poster and NIC blocks come on top);
+        the torch routing (NVSHMEM transport) has no SM setting."""
+        if self.kernels is not None:
+            self.kernels.set_num_sms(num_sms)
 
     def size_bytes(self) -> int:
         return self.transport.size_bytes() + self.link.mem.nbytes

@@ -5,6 +5,8 @@ Each rank allocates one IPC region and maps only the regions of its own node's r
 nodes are not reachable over NVLink):
 
     flags  u64 [G]          flags[i]: the last barrier epoch node GPU i announced to us (written by GPU i)
+    free   u64 [G]          free[i]: the last epoch node GPU i freed its area (the hierarchical kernels,
+    arrive u64 [G]          arrive[i]: ... finished writing into ours; csrc/kernels/hier_kernels.hpp)
     area   bytes [area]     rows the node's GPUs put here during one NVLink stage (see hier_comm.NodeHop)
 
 ``put`` copies rows into a node GPU's area on the current stream (``cudaMemcpyAsync`` to the peer pointer: peer
@@ -39,7 +41,7 @@ class NodeLink(RecordedWaits):
                              f"{C.transport.MAX_NODE_GPUS}")
         self.C, self.device, self.timeout_s = C, device, timeout_s
         self.gpus, self.local, self.first_rank = G, rank % G, rank - rank % G
-        self.flags_bytes = round_up(8 * G, 256)
+        self.flags_bytes = round_up(3 * 8 * G, 256)
         self.area_bytes = round_up(area_bytes, 256)
         self.mem = PeerMemory(C, group, rank, world_size, self.flags_bytes + self.area_bytes,
                               peers=range(self.first_rank, self.first_rank + G))
@@ -56,6 +58,22 @@ class NodeLink(RecordedWaits):
         self.epoch = 0
         self.stage = ""
         self.broken = False
+
+    def area_ptrs(self) -> List[int]:
+        """Every node GPU's area as mapped here (ours at ``local``)."""
+        return [b + self.flags_bytes for b in self._bases]
+
+    def word_ptrs(self, name: str) -> List[int]:
+        """Every node GPU's ``free`` or ``arrive`` array as mapped here (ours at ``local``)."""
+        at = {"free": 1, "arrive": 2}[name] * 8 * self.gpus
+        return [b + at for b in self._bases]
+
+    def next_epoch(self) -> int:
+        """The epoch of the next hierarchical kernel launch (the same sequence as the barrier's)."""
+        if self.broken:
+            raise RuntimeError("deepcomm: this Buffer timed out earlier; destroy it and build a new one on every rank")
+        self.epoch += 1
+        return self.epoch
 
     def area(self) -> torch.Tensor:
         """Our area, uint8 ``[area_bytes]``."""

@@ -32,6 +32,9 @@ STAGES = {
     27: "nvshmem:credit (a peer has not freed its receive slot for us)",
     28: "nvshmem:signal (a peer's block for us has not landed)",
     29: "node:barrier (a GPU of our node has not reached the NVLink hop's barrier)",
+    30: "hier:free (a GPU of our node has not freed its area for this call's rows)",
+    31: "hier:arrive (a GPU of our node has not finished putting its rows into our area)",
+    32: "hier:local (this call's own blocks did not finish packing or reducing)",
 }
 # Input problems found on the device (not timeouts): every rank stopped the call consistently.
 INPUT_ERRORS = {

@@ -1,0 +1,246 @@
+// The hierarchical internode dispatch, one launch (contract in hier_kernels.hpp; shared roles in hier_roles.cuh).
+//   pack blocks:    our tokens' rows into the send section of every node that needs them (ours too: the self
+//                   section), with the node's GPU mask at mask_off when G > 1; then counters[0] += 1.
+//   forward blocks: free our area, then per rail source (our own node first) forward each row to the node GPUs
+//                   its mask names, at the row the reference order gives it; route / singles for the combine;
+//                   the last one raises arrive at every node GPU; block 0 waits for every node GPU's arrive.
+//   poster block:   the exchange round with every rail peer once every pack block is done.
+//   NIC blocks:     one per queue pair (emulated NIC only).
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "../runtime/cuda_check.hpp"
+#include "hier_kernels.hpp"
+#include "hier_roles.cuh"
+#include "warp_copy.cuh"
+
+namespace dc {
+
+namespace {
+
+using namespace hier;
+
+constexpr int kWarps = kHierThreads / 32;
+constexpr uint32_t kFull = 0xffffffffu;
+
+__device__ __forceinline__ uint32_t gpu_bits(int G) { return G >= 32 ? kFull : (1u << G) - 1u; }
+
+// The mask word of a row written during this launch (our pack blocks, or the peer's NIC), already ordered by an
+// acquire; only bits of existing node GPUs count.
+__device__ __forceinline__ uint32_t row_mask(const uint8_t* row, uint32_t mask_off, uint32_t bits) {
+  return ptx::ld_relaxed_gpu_u32(reinterpret_cast<const uint32_t*>(row + mask_off)) & bits;
+}
+
+__device__ __forceinline__ void pack_block(const HierDispatchArgs& a, int b) {
+  const HierTopo& t = a.topo;
+  const int N = t.num_nodes, warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+  const int begin = int(int64_t(b) * a.num_tokens / a.rdma_blocks);
+  const int end = int(int64_t(b + 1) * a.num_tokens / a.rdma_blocks);
+  const int64_t n16 = a.stride / 16;
+  for (int tok = begin + warp; tok < end; tok += kWarps) {
+    // Lane m holds node m's slot (and mask): one load each for the whole warp.
+    const int32_t slot = lane < N ? a.rdma_slot[int64_t(tok) * N + lane] : -1;
+    const int32_t mask = (lane < N && t.gpus > 1) ? a.masks[int64_t(tok) * N + lane] : 0;
+    const auto* src = reinterpret_cast<const int4*>(a.rows + int64_t(tok) * a.stride);
+    for (uint32_t need = __ballot_sync(kFull, slot >= 0); need != 0; need &= need - 1) {
+      const int m = __ffs(need) - 1;
+      const int32_t s = __shfl_sync(kFull, slot, m);
+      const int32_t mk = __shfl_sync(kFull, mask, m);
+      uint8_t* dst = a.rdma.send + int64_t(rail_rank(t, m)) * a.rdma.slot_bytes + int64_t(s) * a.stride;
+      warp_copy_v4<4>(src, reinterpret_cast<int4*>(dst), n16, lane);  // rows: never written during the launch
+      if (t.gpus > 1) {
+        __syncwarp();  // the lane that copied the vector holding the mask word stored it before this overwrite
+        if (lane == 0) *reinterpret_cast<int32_t*>(dst + a.mask_off) = mk;
+      }
+    }
+  }
+  block_done(&a.counters[0]);
+}
+
+// Forward rows [begin, end) of rail source m (n rows at `src`) to the node GPUs, writing their route entries.
+// Returns false after a failed wait (the caller returns at once).
+__device__ __forceinline__ bool forward_source(const HierDispatchArgs& a, int m, int b, const WaitCtx& ctx) {
+  const HierTopo& t = a.topo;
+  const int G = t.gpus, warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+  const int n = a.rows_from[m], nb = a.nvl_blocks;
+  const int begin = int(int64_t(b) * n / nb), end = int(int64_t(b + 1) * n / nb);
+  const bool last = b == nb - 1;  // its range ends at n: it knows the source's singles
+  const int64_t n16 = a.stride / 16;
+  int32_t* route = a.route + int64_t(m) * a.max_rows * (G + 1);
+
+  __shared__ uint8_t* s_dst[kMaxNodeGpus];  // node GPU g's first row for this source in its area
+  __shared__ int s_before[kMaxNodeGpus + 1];  // rows of [0, begin) for g; [G]: single-holder rows of [0, begin)
+
+  __syncthreads();  // every warp is done with the previous source's shared state
+  if (begin == end) {
+    if (last && threadIdx.x == 0) a.singles[m] = 0;  // n == 0 (the last range is empty only then)
+    return true;
+  }
+  const uint8_t* src;
+  bool ok;
+  if (m == t.node) {
+    src = a.rdma.send + int64_t(t.rank) * a.rdma.slot_bytes;
+    ok = block_wait_count(&a.counters[0], uint32_t(a.rdma_blocks), ctx);
+  } else {
+    src = a.rdma.recv + int64_t(rail_rank(t, m)) * a.rdma.slot_bytes;
+    ok = block_wait_signal(a.rdma, rail_rank(t, m), ctx);
+  }
+  if (!ok) return false;
+  if (int(threadIdx.x) < G)
+    s_dst[threadIdx.x] = a.nvl.area[threadIdx.x] + int64_t(a.first_row[m * G + threadIdx.x]) * a.stride;
+  if (int(threadIdx.x) <= G) s_before[threadIdx.x] = 0;
+  __syncthreads();
+
+  if (G == 1) {  // every row to us, in order; each row has exactly one holder
+    for (int i = begin + warp; i < end; i += kWarps) {
+      warp_copy_fresh(reinterpret_cast<const int4*>(src + int64_t(i) * a.stride),
+                      reinterpret_cast<int4*>(s_dst[0] + int64_t(i) * a.stride), n16, lane);
+      if (lane == 0) route[2 * int64_t(i)] = route[2 * int64_t(i) + 1] = i;
+    }
+    if (last && threadIdx.x == 0) a.singles[m] = n;
+    return true;
+  }
+
+  // Ranks need the counts over the rows before our range: every warp takes 32-row chunks of [0, begin).
+  const uint32_t bits = gpu_bits(G), lt = ptx::lanemask_lt();
+  {
+    int mine = 0, single = 0;  // lane g < G: rows for g; single: the same in every lane
+    for (int i0 = warp * 32; i0 < begin; i0 += kWarps * 32) {
+      const int i = i0 + lane;
+      const uint32_t mk = i < begin ? row_mask(src + int64_t(i) * a.stride, a.mask_off, bits) : 0u;
+      for (int g = 0; g < G; ++g) {
+        const int c = __popc(__ballot_sync(kFull, (mk >> g) & 1u));
+        if (lane == g) mine += c;
+      }
+      single += __popc(__ballot_sync(kFull, __popc(mk) == 1));
+    }
+    if (lane < G && mine != 0) atomicAdd(&s_before[lane], mine);
+    if (lane == 0 && single != 0) atomicAdd(&s_before[G], single);
+  }
+  __syncthreads();
+
+  // Warp 0 walks our range in order and writes every row's route (read back by the copying warps below).
+  if (warp == 0) {
+    int base = lane < G ? s_before[lane] : 0;  // lane g: the next rank for g
+    int singles = s_before[G], multis = begin - singles;
+    for (int i0 = begin; i0 < end; i0 += 32) {
+      const int i = i0 + lane;
+      const bool valid = i < end;
+      const uint32_t mk = valid ? row_mask(src + int64_t(i) * a.stride, a.mask_off, bits) : 0u;
+      int32_t* r = route + int64_t(i) * (G + 1);
+      for (int g = 0; g < G; ++g) {
+        const bool has = (mk >> g) & 1u;
+        const uint32_t set = __ballot_sync(kFull, has);
+        const int at = __shfl_sync(kFull, base, g);
+        if (valid) r[g] = has ? at + __popc(set & lt) : -1;
+        if (lane == g) base += __popc(set);
+      }
+      // A row with one holder travels back as that holder's row, else as an fp32 partial (a mask of 0 too).
+      const bool one = __popc(mk) == 1;
+      const uint32_t ones = __ballot_sync(kFull, valid && one), several = __ballot_sync(kFull, valid && !one);
+      if (valid) r[G] = one ? singles + __popc(ones & lt) : -(multis + __popc(several & lt)) - 1;
+      singles += __popc(ones);
+      multis += __popc(several);
+    }
+    if (last && lane == 0) a.singles[m] = singles;
+  }
+  __syncthreads();  // route of our range written (global stores of this block, ordered by the barrier)
+
+  for (int i = begin + warp; i < end; i += kWarps) {
+    const uint8_t* row = src + int64_t(i) * a.stride;
+    const int32_t* r = route + int64_t(i) * (G + 1);
+    for (uint32_t mk = row_mask(row, a.mask_off, bits); mk != 0; mk &= mk - 1) {
+      const int g = __ffs(mk) - 1;
+      warp_copy_fresh(reinterpret_cast<const int4*>(row),
+                      reinterpret_cast<int4*>(s_dst[g] + int64_t(r[g]) * a.stride), n16, lane);
+    }
+  }
+  return true;
+}
+
+__device__ __forceinline__ void forward_block(const HierDispatchArgs& a, int b, const WaitCtx& ctx) {
+  const HierTopo& t = a.topo;
+  const uint64_t epoch = a.nvl.epoch;
+  // Our area is free for this launch (the stream's earlier reads of it are done); others wait for it.
+  if (b == 0) raise_node_words(a.nvl.free_words, t, epoch);
+  for (int g = 0; g < t.gpus; ++g)
+    if (!block_wait_node_word(a.nvl.free_words[t.local], g, epoch, t, ctx, kStageHierFree)) return;
+
+  // Our own node first: its rows need no network.
+  for (int j = 0; j < t.num_nodes; ++j)
+    if (!forward_source(a, (t.node + j) % t.num_nodes, b, ctx)) return;
+
+  // Every forward block's rows are visible at system scope before the last one raises arrive.
+  const uint32_t before = block_done(&a.counters[1]);
+  if (before == uint32_t(a.nvl_blocks - 1)) raise_node_words(a.nvl.arrive_words, t, epoch);
+  if (b == 0) {  // after our own block_done: never waits on itself
+    for (int g = 0; g < t.gpus; ++g)
+      if (!block_wait_node_word(a.nvl.arrive_words[t.local], g, epoch, t, ctx, kStageHierArrive)) return;
+  }
+}
+
+__global__ void __launch_bounds__(kHierThreads) hier_dispatch_kernel(HierDispatchArgs a, KeyTable keys,
+                                                                     WaitCtx ctx_in) {
+  const WaitCtx ctx = ctx_in.resolved();
+  const int blk = int(blockIdx.x);
+  const int poster = a.rdma_blocks + a.nvl_blocks;
+  if (blk < a.rdma_blocks) {
+    pack_block(a, blk);
+  } else if (blk < poster) {
+    forward_block(a, blk - a.rdma_blocks, ctx);
+  } else if (blk == poster) {
+    const HierTopo t = a.topo;
+    const int* rows_to = a.rows_to;
+    const uint64_t stride = a.stride;
+    poster_block(
+        a.rdma, &a.counters[0], uint32_t(a.rdma_blocks),
+        [&](int j) { return uint64_t(rows_to[j < t.node ? j : j + 1]) * stride; }, ctx);
+  } else {
+    nic_block(a.rdma, blk - poster - 1, keys, ctx);
+  }
+}
+
+}  // namespace
+
+static_assert(sizeof(HierDispatchArgs) + sizeof(KeyTable) + sizeof(WaitCtx) < 4000,
+              "hier_dispatch: kernel parameters must fit the 4 KB parameter space");
+
+void launch_hier_dispatch(const HierDispatchArgs& args, const transport::KeyTable& keys, const WaitCtx& ctx,
+                          cudaStream_t stream) {
+  const HierTopo& t = args.topo;
+  const int N = t.num_nodes, G = t.gpus;
+  DC_HOST_ASSERT(N >= 1 && N <= kHierMaxNodes, "hier_dispatch: num_nodes must be in [1, " +
+                                                   std::to_string(kHierMaxNodes) + "]");
+  DC_HOST_ASSERT(G >= 1 && G <= kMaxNodeGpus,
+                 "hier_dispatch: gpus must be in [1, " + std::to_string(kMaxNodeGpus) + "]");
+  DC_HOST_ASSERT(t.node >= 0 && t.node < N && t.local >= 0 && t.local < G && t.rank == t.node * G + t.local,
+                 "hier_dispatch: topo must have node < num_nodes, local < gpus, rank = node * gpus + local");
+  DC_HOST_ASSERT(args.rdma.num_peers == N - 1 && args.rdma.num_peers <= kHierThreads,
+                 "hier_dispatch: num_peers must be num_nodes - 1");
+  DC_HOST_ASSERT(args.rdma_blocks >= 1 && args.nvl_blocks >= 1, "hier_dispatch: rdma_blocks and nvl_blocks >= 1");
+  DC_HOST_ASSERT(args.stride >= 16 && args.stride % 16 == 0, "hier_dispatch: stride must be a multiple of 16");
+  DC_HOST_ASSERT(G == 1 || (args.mask_off % 4 == 0 && uint64_t(args.mask_off) + 4 <= args.stride),
+                 "hier_dispatch: mask_off must be 4-byte aligned and inside the row");
+  DC_HOST_ASSERT(args.num_tokens >= 0, "hier_dispatch: num_tokens must be >= 0");
+  DC_HOST_ASSERT(args.rows_from[t.node] == args.rows_to[t.node],
+                 "hier_dispatch: rows_from[node] must equal rows_to[node]");
+  for (int m = 0; m < N; ++m) {
+    DC_HOST_ASSERT(args.rows_from[m] >= 0 && args.rows_from[m] <= args.max_rows && args.rows_to[m] >= 0,
+                   "hier_dispatch: rows of node " + std::to_string(m) + " outside [0, max_rows]");
+    DC_HOST_ASSERT(uint64_t(args.rows_from[m]) * args.stride <= args.rdma.slot_bytes &&
+                       uint64_t(args.rows_to[m]) * args.stride <= args.rdma.slot_bytes,
+                   "hier_dispatch: rows of node " + std::to_string(m) + " do not fit slot_bytes");
+  }
+  int device = 0, sms = 0;
+  DC_CUDA_CHECK(cudaGetDevice(&device));
+  DC_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int blocks = args.rdma_blocks + args.nvl_blocks + 1 + (args.rdma.emulate_nic ? args.rdma.num_peers : 0);
+  // Blocks wait on each other (pack -> poster -> NIC -> forward): every one must be resident at once.
+  DC_HOST_ASSERT(blocks <= sms, "hier_dispatch: rdma_blocks + nvl_blocks + 1 + NIC blocks = " +
+                                    std::to_string(blocks) + " exceeds num_sms (" + std::to_string(sms) + ")");
+  hier_dispatch_kernel<<<blocks, kHierThreads, 0, stream>>>(args, keys, ctx);
+  DC_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace dc

@@ -1,0 +1,149 @@
+// The internode normal kernels: hierarchical dispatch and combine, each one launch (docs/internode.md).
+//
+// Ranks R = N nodes x G GPUs; rank r is GPU r % G of node r / G. Between nodes bytes travel only between ranks
+// of the same local index (the "rail"), as GPU-posted mlx5 WQEs (the exchange round of internode_round.hpp:
+// credit, writes, signal) executed by the device emulated NIC (blocks of the same grid) or a ConnectX; inside a
+// node rows move over NVLink peer pointers. Rows are opaque to the dispatch kernel (packed and unpacked by
+// torch, no host sync); the combine kernel decodes and sums them.
+//
+// Grid: rdma_blocks | nvl_blocks | one poster block (one thread per rail peer) | num_peers NIC blocks (only
+// with emulate_nic). Every block must be resident at once (they wait on each other, bounded by WaitCtx).
+//
+// The NVLink hop's words (NodeLink, deepcomm/cuda/node_link.py), per node GPU g, u64 [G] each:
+//   free[i]:   the last epoch node GPU i declared its area readable-and-done (it raises it at the start of a
+//              launch: everything its stream read from its area before is finished); a writer into GPU i's
+//              area waits for our free[i] >= epoch.
+//   arrive[i]: the last epoch node GPU i finished writing into our area (raised after a system fence); a reader
+//              of its own area waits for arrive[i] >= epoch for every i.
+// Epochs are 1, 2, ... the same on every GPU of the node (shared with the node barrier's sequence).
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "../runtime/error_record.cuh"
+#include "../transport/key_table.hpp"
+#include "internode_exchange.hpp"
+#include "node_barrier.hpp"
+
+namespace dc {
+
+constexpr int kHierMaxNodes = 32;
+constexpr int kHierThreads = 512;
+
+struct HierTopo {
+  int num_nodes, gpus, node, local, rank;  // rank = node * gpus + local
+};
+
+// The RDMA hop of one launch (NicTransport's memory and queue pairs).
+struct HierRdma {
+  const InternodePeer* peers;  // device [num_peers]: the rail rank of every other node, nodes ascending (ours
+                               // skipped); the kernel decides send_bytes (the field is ignored) and send_addr is
+                               // the section's start
+  int num_peers;               // num_nodes - 1
+  uint32_t lkey;
+  uint64_t round;              // the exchange round of this launch (one per launch, same on every rank)
+  uint32_t chunk_bytes, log_wqebbs, log_cqes;
+  uint8_t* send;               // our send area: the section for rail rank d at send + d * slot_bytes (ours: the
+                               // section at our own rank, never posted: our own node's rows)
+  const uint8_t* recv;         // our receive area: the block rail rank s sent us at recv + s * slot_bytes
+  const uint64_t* signal;      // our signal[R]: signal[s] >= round when s's block of this round has landed
+  uint64_t slot_bytes;
+  bool emulate_nic;            // launch one NIC block per queue pair
+};
+
+// The NVLink hop: node GPU g's area and words as mapped here (ours at `local`).
+struct HierNode {
+  uint8_t* area[kMaxNodeGpus];
+  uint64_t* free_words[kMaxNodeGpus];    // GPU g's free[G]; we store [local]
+  uint64_t* arrive_words[kMaxNodeGpus];  // GPU g's arrive[G]; we store [local]
+  uint64_t epoch;
+};
+
+// ---------------------------------------------------------------------------------------------------- dispatch
+// rdma blocks: copy each token's row (`rows`, stride bytes) into the send section of every node m that needs it
+//   (rdma_slot[t][m] >= 0, the row index there; our own node too), writing masks[t][m] (int32) at mask_off when
+//   G > 1; then count themselves done (counters[0]).
+// poster: per rail peer, once every rdma block is done: the exchange round with rows_to[m] * stride bytes.
+// nvl blocks: for every rail source m (its section when it is our node, else its block in recv once signal
+//   says it landed) forward row i to each node GPU g in its mask (G == 1: every row to us) at row
+//   first_row[m][g] + (rank of row i among source m's rows for g) of g's area, after g freed it; write
+//   route[m][i][g] = that rank or -1, and route[m][i][G] = the row's place in the combine's RDMA block
+//   (exactly one node GPU holds it: k >= 0, its rank among such rows; several: -(rank among those) - 1);
+//   singles[m] = how many rows of source m one node GPU holds. Then arrive (the last nvl block, after a
+//   system fence, at every node GPU) and wait for every node GPU's arrive: the kernel ends with our area
+//   holding every row for us, source rank then token order.
+struct HierDispatchArgs {
+  HierTopo topo;
+  HierRdma rdma;
+  HierNode nvl;
+  const uint8_t* rows;         // [num_tokens][stride], 16-byte aligned, stride % 16 == 0
+  uint32_t stride;
+  uint32_t mask_off;           // % 4 == 0; only with G > 1
+  int num_tokens;
+  const int32_t* masks;        // [T][N] bit g: node m's GPU g holds an expert of token t (read only when G > 1)
+  const int32_t* rdma_slot;    // [T][N]
+  int rows_to[kHierMaxNodes];  // our tokens node m needs (rows of our section for m)
+  int rows_from[kHierMaxNodes];  // rows the rail rank of node m sends us (ours: rows_to[node])
+  const int32_t* first_row;    // [N][G]
+  int32_t* route;              // out [N][max_rows][G + 1]
+  int32_t* singles;            // out [N]
+  int max_rows;                // >= every rows_from[m]
+  uint32_t* counters;          // [4], zeroed before the launch on the same stream
+  int rdma_blocks, nvl_blocks;
+};
+
+// ----------------------------------------------------------------------------------------------------- combine
+// Held rows (what this rank received in the dispatch, as the expert outputs): [real][held_stride], x at 0 (bf16
+// [H], or with fp8 e4m3 [H] then fp32 scales [H/128]), fp32 weights [K] at w_off (K may be 0).
+// nvl blocks: raise free (block 0 at every node GPU), then copy the held rows of each source s != rank
+//   (gather[s] = {first row, rows, byte offset}) into the area of node GPU s % G, after it freed it; the last
+//   nvl block raises arrive at every node GPU after a system fence.
+// rdma blocks: wait for every node GPU's arrive; for each rail source m and row i < rows_from[m], sum in fp32
+//   from +0, node GPUs ascending, the rows route[m][i][g] >= 0 names: the row at area_off[m][g] + route * held_stride
+//   of our area, or for our own tokens held by us (m == node, g == local) own_x / own_w row own_begin + route
+//   (bf16, never quantized); fp8 rows are dequantized with one fp32 multiply per element, never fused into
+//   the add. Write the partial:
+//     m == node: fp32 [H] then fp32 [K] at row i * partial_stride of our own section;
+//     else at route[m][i][G] = k >= 0 (one holder): that holder's row bytes as held (held_stride bytes, exact)
+//       at k * held_stride of the section for m; k < 0: the fp32 partial at
+//       singles[m] * held_stride + (-k - 1) * partial_stride.
+//   Count themselves done (counters[1]); then, once every rdma block is done and every rail peer's block
+//   landed, sum per token t, nodes ascending, fp32 from +0: recv_off[t][m] >= 0: an fp32 partial at that byte
+//   offset (our own node: of our own section; else of node m's block in recv); <= -2: a held row at
+//   -recv_off - 2 of node m's block; -1: nothing from node m. out_x = bf16 (round to nearest even), out_w fp32.
+// poster: per rail peer m, once every rdma block is done: the exchange round with
+//   singles[m] * held_stride + (rows_from[m] - singles[m]) * partial_stride bytes.
+struct HierCombineArgs {
+  HierTopo topo;
+  HierRdma rdma;
+  HierNode nvl;
+  const uint8_t* held;         // [real][held_stride]
+  uint32_t held_stride, w_off; // held_stride % 16 == 0, w_off % 4 == 0
+  int hidden, topk;
+  bool fp8;                    // held x is e4m3 + scales (hidden % 128 == 0)
+  const uint16_t* own_x;       // bf16 [real][hidden]: our rows, for our own tokens at own_begin..
+  const float* own_w;          // fp32 [real][topk] or null when topk == 0
+  int own_begin;
+  const int64_t* gather;       // [R][3]
+  const int32_t* route;        // [N][max_rows][G + 1], from the dispatch
+  const int32_t* singles;      // [N], from the dispatch
+  int max_rows;
+  int rows_from[kHierMaxNodes];
+  const int64_t* area_off;     // [N][G] byte offset in our area (unused for m == node, g == local)
+  uint32_t partial_stride;     // round_up(4 * hidden + 4 * topk, 16)
+  const int64_t* recv_off;     // [T][N]
+  int num_tokens;
+  uint16_t* out_x;             // bf16 [T][hidden]
+  float* out_w;                // fp32 [T][topk] or null
+  uint32_t* counters;          // [4], zeroed before the launch
+  int rdma_blocks, nvl_blocks;
+};
+
+// Launch on `stream`; the grid must fit the device (every block resident), checked on the host.
+void launch_hier_dispatch(const HierDispatchArgs& args, const transport::KeyTable& keys, const WaitCtx& ctx,
+                          cudaStream_t stream);
+void launch_hier_combine(const HierCombineArgs& args, const transport::KeyTable& keys, const WaitCtx& ctx,
+                         cudaStream_t stream);
+
+}  // namespace dc

@@ -1,0 +1,134 @@
+// Pieces both hierarchical kernels share (contract in hier_kernels.hpp): the poster and NIC blocks of the RDMA
+// hop, the free / arrive words of the NVLink hop, the block-done counters, and row copies that read memory other
+// agents write during the launch.
+#pragma once
+#include "../runtime/wait.cuh"
+#include "../transport/device_qp.cuh"
+#include "../transport/nic_serve_block.cuh"
+#include "hier_kernels.hpp"
+#include "internode_round.hpp"
+
+namespace dc::hier {
+
+using namespace transport;
+
+__device__ __forceinline__ int rail_rank(const HierTopo& t, int node) { return node * t.gpus + t.local; }
+__device__ __forceinline__ int node_rank(const HierTopo& t, int g) { return t.node * t.gpus + g; }
+// Index of node m's queue pair in HierRdma::peers (nodes ascending, ours skipped).
+__device__ __forceinline__ int peer_index(const HierTopo& t, int m) { return m < t.node ? m : m - 1; }
+
+// A warp copies n16 16-byte vectors with coherent loads (the source may have been written during this launch,
+// by our NIC or a node GPU, before the acquire that ordered it) and plain stores (local or peer memory).
+__device__ __forceinline__ void warp_copy_fresh(const int4* src, int4* dst, int64_t n16, int lane) {
+  constexpr int kUnroll = 4;
+  for (int64_t i0 = lane; i0 < n16; i0 += 32 * kUnroll) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (i0 + u * 32 < n16) v[u] = ptx::ld_relaxed_gpu_v4(src + i0 + u * 32);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (i0 + u * 32 < n16) dst[i0 + u * 32] = v[u];
+  }
+}
+
+// Block-wide: every thread's earlier stores are visible at system scope, then thread 0 adds 1 to the launch
+// counter. Returns (in every thread) the count before our add, so the caller can tell it was the last block.
+__device__ __forceinline__ uint32_t block_done(uint32_t* counter) {
+  __shared__ uint32_t before;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    ptx::fence_acq_rel_sys();
+    before = ptx::atom_add_release_gpu_u32(counter, 1u);
+    ptx::fence_acq_rel_sys();  // what the blocks counted before us did is ordered before what we do next
+  }
+  __syncthreads();
+  return before;
+}
+
+// Thread 0 waits (bounded) until the launch counter reaches `target`; the block then sees what those blocks did.
+__device__ __forceinline__ bool block_wait_count(const uint32_t* counter, uint32_t target, const WaitCtx& ctx) {
+  __shared__ bool ok;
+  __syncthreads();  // every thread has read `ok` of the previous wait
+  if (threadIdx.x == 0) {
+    ok = wait_until([&] { return ptx::ld_acquire_sys_u32(counter) >= target; }, ctx, ctx.rank, kStageHierLocal);
+    ptx::fence_acq_rel_sys();
+  }
+  __syncthreads();
+  return ok;
+}
+
+// Threads 0..G-1 store `epoch` into word [local] of every node GPU's array (a system fence first: everything
+// this block ordered before is visible at that GPU before the word).
+__device__ __forceinline__ void raise_node_words(uint64_t* const* words, const HierTopo& t, uint64_t epoch) {
+  __syncthreads();
+  if (int(threadIdx.x) < t.gpus) {
+    ptx::fence_acq_rel_sys();
+    ptx::st_release_sys_u64(words[threadIdx.x] + t.local, epoch);
+  }
+  __syncthreads();
+}
+
+// Thread 0 waits until our word [g] (raised by node GPU g) reaches epoch; the whole block returns the result.
+__device__ __forceinline__ bool block_wait_node_word(const uint64_t* mine, int g, uint64_t epoch, const HierTopo& t,
+                                                     const WaitCtx& ctx, int stage) {
+  __shared__ bool ok;
+  __syncthreads();  // every thread has read `ok` of the previous wait
+  if (threadIdx.x == 0) {
+    ok = wait_flag_geq(mine + g, epoch, ctx, node_rank(t, g), stage);
+    ptx::fence_acq_rel_sys();
+  }
+  __syncthreads();
+  return ok;
+}
+
+// Thread 0 waits until rail rank s's block of this round has landed in recv (its NIC raised our signal[s]).
+__device__ __forceinline__ bool block_wait_signal(const HierRdma& r, int s, const WaitCtx& ctx) {
+  __shared__ bool ok;
+  __syncthreads();  // every thread has read `ok` of the previous wait
+  if (threadIdx.x == 0) {
+    ok = wait_flag_geq(r.signal + s, r.round, ctx, s, kStageQpSignal);
+    ptx::fence_acq_rel_sys();
+  }
+  __syncthreads();
+  return ok;
+}
+
+// The poster block: thread j < num_peers runs the exchange round with peer j once the launch counter says every
+// one of `blocks` producer blocks is done; bytes_of(j) gives the block's size then.
+template <typename Bytes>
+__device__ void poster_block(const HierRdma& r, const uint32_t* done, uint32_t blocks, Bytes bytes_of,
+                             const WaitCtx& ctx) {
+  const int j = int(threadIdx.x);
+  if (j >= r.num_peers) return;
+  InternodePeer p = r.peers[j];
+  const DeviceQp qp = DeviceQp::at(reinterpret_cast<uint8_t*>(p.qp_base),
+                                   DeviceQpLayout::make(r.log_wqebbs, r.log_cqes), uint32_t(p.qpn));
+  const DeviceWaiter waiter{ctx, int(p.rank)};
+  const bool ready = wait_until([&] { return ptx::ld_acquire_sys_u32(done) >= blocks; }, ctx, ctx.rank,
+                                kStageHierLocal);
+  if (ready) {
+    ptx::fence_acq_rel_sys();
+    p.send_bytes = bytes_of(j);
+    InternodeExchangeArgs a{};
+    a.lkey = r.lkey;
+    a.round = r.round;
+    a.chunk_bytes = r.chunk_bytes;
+    a.log_wqebbs = r.log_wqebbs;
+    a.log_cqes = r.log_cqes;
+    internode_post_round(a, p, qp, waiter);
+  }
+  ptx::atom_add_release_gpu_u32(reinterpret_cast<uint32_t*>(p.stop_ptr), 1u);  // our NIC stops even after a failure
+}
+
+// NIC block j (emulated NIC): serves queue pair j until its poster is done with this round.
+__device__ __forceinline__ void nic_block(const HierRdma& r, int j, const KeyTable& keys, const WaitCtx& ctx) {
+  const InternodePeer p = r.peers[j];
+  const DeviceQp qp = DeviceQp::at(reinterpret_cast<uint8_t*>(p.qp_base),
+                                   DeviceQpLayout::make(r.log_wqebbs, r.log_cqes), uint32_t(p.qpn));
+  const DeviceWaiter waiter{ctx, int(p.rank)};
+  nic_serve_block(qp, keys, reinterpret_cast<uint32_t*>(p.stop_ptr), uint32_t(r.round), waiter,
+                  reinterpret_cast<NicTotals*>(p.totals_ptr));
+}
+
+}  // namespace dc::hier

@@ -1,0 +1,262 @@
+"""Internode normal dispatch and combine as dedicated kernels (csrc/kernels/hier_kernels.hpp): the same routes
+and the same results, bit for bit, as hier_normal.py, but each call's RDMA hop, NVLink forwarding, node
+reduction and final sum run in one launch, with ``num_sms`` split between the RDMA role (packing, reducing,
+summing) and the NVLink role (forwarding, gathering); the poster block and, on the emulated transport, one NIC
+block per rail peer come on top.
+
+Host work per call: the count exchange of a fresh dispatch (one exchange round and its host sync, as before),
+the layout arithmetic from the count matrix (host lists), torch packing of the rows before the launch and
+unpacking after it (no sync), and one sync after the launch that reads the error record, so a timeout is a
+CommTimeoutError of this call.
+
+Only with the emulated NIC transport (GPU-posted WQEs); the NVSHMEM transport keeps hier_normal.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Optional
+
+import torch
+
+from .. import layout
+from ..fp8 import per_token_cast_to_fp8
+from ..handle import Handle
+from ..reference import normal
+from ..reference.collectives import as_byte_rows, part_row_bytes, unpack_rows
+from .align import round_up
+from .hier_comm import HierComm
+from .hier_normal import combine_area_row, node_masks, pack_rows
+
+
+@dataclasses.dataclass
+class NodeRoute:
+    """What a dispatch's forwarding decided, for the combine (kept in ``Handle.node_route``)."""
+    route: torch.Tensor        # int32 [N, max_rows, G + 1] (hier_kernels.hpp)
+    singles: torch.Tensor      # int32 [N]
+    rows_from: List[int]       # rows the rail rank of each node sent us
+    counts: List[List[int]]    # the count matrix, on the host
+
+
+def split_sms(num_sms: int, sm_count: int, extra_blocks: int) -> tuple:
+    """(rdma_blocks, nvl_blocks): half of ``num_sms`` each, at least one, leaving room on a device of
+    ``sm_count`` SMs for the ``extra_blocks`` (poster and NIC blocks) every block of the grid must be resident
+    beside."""
+    usable = max(2, min(num_sms, sm_count - extra_blocks))
+    rdma = max(1, usable // 2)
+    return rdma, max(1, usable - rdma)
+
+
+class HierKernels:
+    """Launches the hierarchical kernels over a HierComm whose transport is a NicTransport."""
+
+    def __init__(self, comm: HierComm, num_sms: int):
+        self.comm = comm
+        self.tr, self.link = comm.transport, comm.link
+        self.counters = torch.zeros(4, dtype=torch.int32, device=comm.device)
+        self.set_num_sms(num_sms)
+
+    def set_num_sms(self, num_sms: int) -> None:
+        sms = torch.cuda.get_device_properties(self.comm.device).multi_processor_count
+        self.rdma_blocks, self.nvl_blocks = split_sms(num_sms, sms, 1 + len(self.tr.peers))
+
+    # ---- one launch ----
+    def _fields(self, **kw) -> dict:
+        """The fields every launch shares; starts the launch's exchange round and node epoch."""
+        from .internode import CHUNK_BYTES, LOG_WQEBBS  # internode.py imports this module
+        comm, tr, link = self.comm, self.tr, self.link
+        tr.refuse_if_broken()
+        tr.round += 1
+        R = comm.world_size
+        rows = tr.peer_rows([0] * R, [d * tr.slot_bytes for d in range(R)])
+        table = torch.tensor(rows, dtype=torch.int64).to(comm.device)
+        tr.seq.fill_(tr.round)
+        self.counters.zero_()
+        self._keep = table  # alive until the launch is done (the sync after it)
+        fields = dict(
+            num_nodes=comm.num_nodes, gpus=comm.gpus, node=comm.node, local=comm.local,
+            peers=table.data_ptr(), num_peers=len(tr.peers), lkey=tr.lkey, round=tr.round, chunk_bytes=CHUNK_BYTES,
+            log_wqebbs=LOG_WQEBBS, log_cqes=LOG_WQEBBS, send=tr.mem.ptr + tr.offsets["send"],
+            recv=tr.mem.ptr + tr.offsets["recv"], signal=tr.mem.ptr + tr.offsets["signal"],
+            slot_bytes=tr.slot_bytes, emulate_nic=True,
+            area=link.area_ptrs(), free_words=link.word_ptrs("free"), arrive_words=link.word_ptrs("arrive"),
+            epoch=link.next_epoch(), counters=self.counters.data_ptr(), rdma_blocks=self.rdma_blocks,
+            nvl_blocks=self.nvl_blocks, err_dev=tr.err_dev, timeout_s=tr.timeout_s, seq_ptr=tr.seq.data_ptr())
+        fields.update(kw)
+        return fields
+
+    def _launch(self, fn, fields: dict) -> None:
+        stream = torch.cuda.current_stream(self.comm.device)
+        fn(fields, self.tr.keys, stream.cuda_stream)
+        stream.synchronize()
+        self._keep = None
+        self.tr.check_error()
+
+    def _check_area(self, rows_into: List[int], stride: int) -> None:
+        most = max(rows_into) * stride if rows_into else 0
+        if most > self.link.area_bytes:
+            raise ValueError(f"x: {most} bytes of rows into one GPU's NVLink area exceed it ({self.link.area_bytes} "
+                             "bytes); raise max_tokens_per_rank or hidden of the Buffer")
+
+    def _check_slot(self, nbytes: int) -> None:
+        if nbytes > self.tr.slot_bytes:
+            raise ValueError(f"x: a block of {nbytes} bytes between rail ranks exceeds the receive slot "
+                             f"({self.tr.slot_bytes} bytes); raise max_tokens_per_rank or hidden")
+
+
+def _rdma_slots(in_node: torch.Tensor) -> torch.Tensor:
+    """int32 ``[T, N]``: the row of token t in the section for node m (tokens in order), -1 where m needs none."""
+    ranks = torch.cumsum(in_node.to(torch.int32), dim=0, dtype=torch.int32) - 1
+    return torch.where(in_node, ranks, torch.full_like(ranks, -1)).contiguous()
+
+
+# ---------------------------------------------------------------------------------------------------------- dispatch
+def dispatch(k: HierKernels, x, topk_idx: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor],
+             num_experts: int, handle: Optional[Handle], expert_alignment: int):
+    """Returns ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert, handle)``."""
+    comm = k.comm
+    rank, R, N, G = comm.rank, comm.world_size, comm.num_nodes, comm.gpus
+    is_pair = isinstance(x, (tuple, list))
+    rows = list(x) if is_pair else [x]
+    T = rows[0].shape[0]
+    dev = rows[0].device
+
+    if handle is None:
+        in_rank = layout.token_in_rank(topk_idx, num_experts, R)
+        send_pos = layout.send_positions(in_rank)
+        in_node = in_rank.view(T, N, G).any(dim=2)
+        row = in_rank.sum(dim=0, dtype=torch.int32)
+        if G > 1:
+            row = torch.cat([row, in_node.sum(dim=0, dtype=torch.int32)])
+        gathered = comm.all_gather(row, "dispatch:counts")  # one exchange round, one host sync
+        count_matrix = gathered[:, :R].contiguous()
+        node_counts = gathered[:, R:].contiguous() if G > 1 else count_matrix
+        counts, ncounts = count_matrix.tolist(), node_counts.tolist()
+    else:
+        in_rank, send_pos, count_matrix = handle.is_token_in_rank, handle.send_pos, handle.count_matrix
+        node_counts = handle.node_count_matrix
+        route = handle.node_route
+        if node_counts is None or route is None:
+            raise ValueError("handle: it has no node route; pass a handle from this Buffer's dispatch")
+        in_node = in_rank.view(T, N, G).any(dim=2)
+        counts = route.counts
+        ncounts = node_counts.tolist() if G > 1 else counts
+
+    parts = list(rows)
+    if handle is None:
+        parts += [topk_idx, torch.arange(T, dtype=torch.int32, device=dev)]
+    if topk_weights is not None:
+        parts.append(topk_weights)
+    row_bytes = [part_row_bytes(p) for p in parts]
+    mask_off = round_up(sum(row_bytes), 4)
+    stride = round_up(mask_off + (4 if G > 1 else 0), 16)
+    packed = pack_rows(parts, T, stride)
+
+    rows_to = [ncounts[rank][m] for m in range(N)]
+    rows_from = [ncounts[comm.rank_of(m, comm.local)][comm.node] for m in range(N)]
+    node = comm.node_ranks()
+    first_row = [[sum(counts[q][d] for q in range(comm.rank_of(m, comm.local))) for d in node] for m in range(N)]
+    for n in rows_to + rows_from:
+        k._check_slot(n * stride)
+    k._check_area([sum(counts[s][d] for s in range(R)) for d in node], stride)
+    max_rows = max(rows_from + [1])
+    route = torch.empty(N, max_rows, G + 1, dtype=torch.int32, device=dev)
+    singles = torch.empty(N, dtype=torch.int32, device=dev)
+    masks = node_masks(in_rank, N, G).contiguous() if G > 1 else None
+    slots = _rdma_slots(in_node)
+    first = torch.tensor(first_row, dtype=torch.int32).to(dev)
+    with torch.cuda.device(dev):
+        k._launch(k.tr.T.hier_dispatch, k._fields(
+            rows=packed.data_ptr(), stride=stride, mask_off=mask_off, num_tokens=T,
+            masks=masks.data_ptr() if masks is not None else 0, rdma_slot=slots.data_ptr(), rows_to=rows_to,
+            rows_from=rows_from, first_row=first.data_ptr(), route=route.data_ptr(), singles=singles.data_ptr(),
+            max_rows=max_rows))
+
+    n_recv = sum(counts[s][rank] for s in range(R))
+    area = k.link.area()[:n_recv * stride].view(n_recv, stride).clone()
+    received = unpack_rows(area, parts, row_bytes)
+    out = normal.dispatch_outputs(received, len(rows), is_pair, topk_weights is not None, handle, rank, R,
+                                  num_experts, T, rows[0].shape[1], in_rank, send_pos, count_matrix,
+                                  expert_alignment)
+    if handle is None:
+        out = out[:4] + (dataclasses.replace(out[4], node_count_matrix=node_counts,
+                                             node_route=NodeRoute(route, singles, rows_from, counts)),)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------- combine
+def _held_rows(xs: torch.Tensor, w: Optional[torch.Tensor], use_fp8: bool):
+    """uint8 ``[n, stride]`` rows as a holder sends them: x (bf16, or e4m3 then fp32 scales) at 0, fp32 weights
+    at ``w_off``; returns (rows, stride, w_off)."""
+    n = xs.shape[0]
+    x_parts = list(per_token_cast_to_fp8(xs)) if use_fp8 else [xs]
+    x_bytes = sum(part_row_bytes(p) for p in x_parts)
+    w_off = round_up(x_bytes, 4)
+    K = w.shape[1] if w is not None else 0
+    stride = round_up(w_off + 4 * K, 16)
+    out = pack_rows(x_parts, n, stride) if n else torch.zeros(0, stride, dtype=torch.uint8, device=xs.device)
+    if w is not None and n:
+        out[:, w_off:w_off + 4 * K] = as_byte_rows(w.to(torch.float32), n, 4 * K)
+    return out, stride, w_off
+
+
+def combine(k: HierKernels, x: torch.Tensor, handle: Handle, topk_weights: Optional[torch.Tensor],
+            use_fp8: bool = False):
+    """Returns ``(combined_x, combined_topk_weights)``."""
+    comm = k.comm
+    rank, R, N, G = comm.rank, comm.world_size, comm.num_nodes, comm.gpus
+    info = handle.node_route
+    if info is None:
+        raise ValueError("handle: it has no node route; pass a handle from this Buffer's dispatch")
+    counts = info.counts
+    dev, H, T = x.device, x.shape[1], handle.num_tokens
+    held = [counts[s][rank] for s in range(R)]
+    begins = [sum(held[:s]) for s in range(R)]
+    real = sum(held)
+    xs = x[:real].contiguous()
+    w = topk_weights[:real].to(torch.float32).contiguous() if topk_weights is not None else None
+    K = w.shape[1] if w is not None else 0
+    rows, held_stride, w_off = _held_rows(xs, w, use_fp8)
+    partial_stride = round_up(4 * H + 4 * K, 16)
+
+    gather = [[begins[s], held[s] if s != rank else 0,
+               combine_area_row(comm, counts, s, rank) * held_stride if held[s] and s != rank else 0]
+              for s in range(R)]
+    node = comm.node_ranks()
+    area_off = [[combine_area_row(comm, counts, comm.rank_of(m, comm.local), d) * held_stride
+                 if counts[comm.rank_of(m, comm.local)][d] else 0 for d in node] for m in range(N)]
+    # rows into our area: every node GPU's rows for every source of our rail (ours for ourselves excluded)
+    into = sum(counts[comm.rank_of(m, comm.local)][d] for m in range(N) for d in node)
+    k._check_area([into], held_stride)
+    for n in info.rows_from:
+        k._check_slot(n * max(held_stride, partial_stride))
+
+    # Where token t's partial from node m lands (hier_kernels.hpp: >= 0 fp32, <= -2 held row, -1 none).
+    holders = handle.is_token_in_rank.view(T, N, G).sum(dim=2)  # [T, N]
+    recv_off = torch.full((T, N), -1, dtype=torch.int64, device=dev)
+    for m in range(N):
+        has = holders[:, m] > 0
+        if m == comm.node:
+            slot = torch.cumsum(has.to(torch.int64), 0) - 1
+            recv_off[:, m] = torch.where(has, slot * partial_stride, recv_off[:, m])
+            continue
+        one, several = holders[:, m] == 1, holders[:, m] > 1
+        r1 = torch.cumsum(one.to(torch.int64), 0) - 1
+        r2 = torch.cumsum(several.to(torch.int64), 0) - 1
+        n1 = one.to(torch.int64).sum()
+        recv_off[:, m] = torch.where(one, -(r1 * held_stride) - 2,
+                                     torch.where(several, n1 * held_stride + r2 * partial_stride, recv_off[:, m]))
+
+    out_x = torch.empty(T, H, dtype=x.dtype, device=dev)
+    out_w = torch.empty(T, K, dtype=torch.float32, device=dev) if w is not None else None
+    gather_t = torch.tensor(gather, dtype=torch.int64).to(dev)
+    area_t = torch.tensor(area_off, dtype=torch.int64).to(dev)
+    own_w = w if w is not None else None
+    with torch.cuda.device(dev):
+        k._launch(k.tr.T.hier_combine, k._fields(
+            held=rows.data_ptr(), held_stride=held_stride, w_off=w_off, hidden=H, topk=K, fp8=bool(use_fp8),
+            own_x=xs.data_ptr(), own_w=own_w.data_ptr() if own_w is not None else 0, own_begin=begins[rank],
+            gather=gather_t.data_ptr(), route=info.route.data_ptr(), singles=info.singles.data_ptr(),
+            max_rows=info.route.shape[1], rows_from=info.rows_from, area_off=area_t.data_ptr(),
+            partial_stride=partial_stride, recv_off=recv_off.data_ptr(), num_tokens=T, out_x=out_x.data_ptr(),
+            out_w=out_w.data_ptr() if out_w is not None else 0))
+    return out_x, out_w
