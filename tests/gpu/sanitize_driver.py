@@ -1,4 +1,6 @@
-"""A few small dispatch/combine rounds of the intranode kernels, normal and low-latency mode, for compute-sanitizer.
+"""A few small dispatch/combine rounds of the intranode kernels, normal and low-latency mode, and of the internode
+kernels (the 2 GPUs posing as 2 nodes x 1: hier_dispatch / hier_combine with their poster and emulated-NIC
+blocks), for compute-sanitizer.
 
 One process per GPU, started by launch/sanitize.sh with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set, each
 under its own compute-sanitizer. No reference backend (its NCCL kernels would only slow the sanitizer down):
@@ -97,6 +99,13 @@ def main() -> int:
     rounds += _low_latency_rounds(buf, gen, a.experts, a.topk, a.tokens, a.hidden, M)
     buf.synchronize()
     buf.destroy()
+    # the internode kernels: the same normal rounds (their checks hold for any route) on 2 nodes x 1 GPU
+    inter = deepcomm.Buffer(backend="cuda", max_tokens_per_rank=a.tokens, hidden=a.hidden, num_sms=4,
+                            gpus_per_node=1, timeout_s=a.timeout_s)
+    assert type(inter._backend).__name__ == "InternodeBackend" and inter._backend.kernels is not None
+    rounds += _normal_rounds(inter, gen, a.experts, a.topk, a.tokens, a.hidden)
+    inter.synchronize()
+    inter.destroy()
     dist.barrier()
     dist.destroy_process_group()
     print(f"sanitize driver rank {rank}: ok, {rounds} rounds", flush=True)
