@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from deepcomm.cuda.hier_kernels import _rdma_slots, split_sms
+from deepcomm.cuda.hier_kernels import _rdma_slots, nic_blocks_for, split_sms
 
 
 def test_split_sms_halves_and_leaves_room_for_poster_and_nics():
@@ -15,6 +15,17 @@ def test_split_sms_halves_and_leaves_room_for_poster_and_nics():
     assert sum(split_sms(132, 132, 2)) == 130       # poster + one NIC block must stay resident beside them
     assert sum(split_sms(132, 132, 31)) == 101      # 32 nodes: 31 NIC blocks
     assert split_sms(8, 3, 2) == (1, 1)             # a device too small for the grid: the launcher refuses it
+
+
+def test_nic_blocks_share_the_sms_left_and_stay_in_range():
+    assert nic_blocks_for(132 - 24 - 1, 1, 8) == 8   # 2 nodes, default num_sms: the most blocks per queue
+    assert nic_blocks_for(132 - 24 - 1, 31, 8) == 3  # 32 nodes: 107 SMs shared by 31 queues
+    assert nic_blocks_for(1, 1, 8) == 1              # num_sms took every SM but one NIC block per queue
+    assert nic_blocks_for(0, 3, 8) == 1              # never below one (the launcher refuses a grid too large)
+    for free in range(0, 140):
+        for peers in (1, 2, 7, 31):
+            n = nic_blocks_for(free, peers, 8)
+            assert 1 <= n <= 8 and (n == 1 or peers * n <= free)
 
 
 def test_rdma_slots_number_each_nodes_tokens_in_order():

@@ -66,7 +66,7 @@ def test_unsignaled_wqes_larger_than_the_ring_time_out_waiting_for_room():
     slot, messages = 220, 64
     sizes = [T.qp_test_message_bytes(0, m, slot, 1) for m in range(messages)]
     first_big = next(m for m, n in enumerate(sizes) if _wqebbs(n, True) == 4)
-    src, r, _ = _run(1, messages, slot, 1, 2, 0, timeout_s=0.3)
+    src, r, _ = _run(1, messages, slot, 1, 2, 0, timeout_s=1.5)  # room for a loaded 2-core CI machine
     assert r["failed_stage"] == STAGE_QP_ROOM
     assert r["counters"] == [first_big]
     _check_delivered(src, r, [sizes], slot, upto=first_big)

@@ -44,19 +44,27 @@ __device__ __forceinline__ void warp_store_row_e4m3(const int4* src, uint8_t* ds
   }
 }
 
-// acc[j] += e4m3 value j of q times scale, j = 0..7 (byte j of q, little-endian); the product is rounded on its own
-// (__fmul_rn is never contracted into an FMA) so the sum matches the reference's dequantize-then-add.
-__device__ __forceinline__ void accumulate_e4m3x8(float* acc, const uint2& q, float scale) {
+// f[j] = e4m3 value j of q times scale, j = 0..7 (byte j of q, little-endian; e4m3 -> half is exact); each product
+// is rounded on its own (__fmul_rn is never contracted into an FMA), as the reference's dequantize.
+__device__ __forceinline__ void dequant_e4m3x8(const uint2& q, float scale, float (&f)[8]) {
   const uint32_t words[2] = {q.x, q.y};
 #pragma unroll
   for (int w = 0; w < 2; ++w)
 #pragma unroll
     for (int p = 0; p < 2; ++p) {
       const auto pair = static_cast<__nv_fp8x2_storage_t>((words[w] >> (16 * p)) & 0xffffu);
-      const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3)));
-      acc[4 * w + 2 * p] += __fmul_rn(f.x, scale);
-      acc[4 * w + 2 * p + 1] += __fmul_rn(f.y, scale);
+      const float2 v = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3)));
+      f[4 * w + 2 * p] = __fmul_rn(v.x, scale);
+      f[4 * w + 2 * p + 1] = __fmul_rn(v.y, scale);
     }
+}
+
+// acc[j] += the dequantized value j: the sum matches the reference's dequantize-then-add.
+__device__ __forceinline__ void accumulate_e4m3x8(float* acc, const uint2& q, float scale) {
+  float f[8];
+  dequant_e4m3x8(q, scale, f);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) acc[j] += f[j];
 }
 
 }  // namespace dc

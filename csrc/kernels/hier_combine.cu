@@ -17,6 +17,7 @@
 
 #include "../runtime/cuda_check.hpp"
 #include "bf16_vec.cuh"
+#include "combine_fp8.cuh"
 #include "hier_roles.cuh"
 
 namespace dc {
@@ -59,19 +60,6 @@ __device__ __forceinline__ int set_sources(Sources& s, bool valid, const uint8_t
 __device__ __forceinline__ bool vector_ok(int hidden, bool valid, const void* x, const void* dst) {
   const uint32_t low = __reduce_or_sync(kFull, valid ? uint32_t(reinterpret_cast<uintptr_t>(x)) : 0u);
   return hidden % 8 == 0 && ((low | uint32_t(reinterpret_cast<uintptr_t>(dst))) & 15u) == 0u;
-}
-
-__device__ __forceinline__ void dequant_e4m3x8(const uint2& q, float scale, float (&f)[8]) {
-  const uint32_t words[2] = {q.x, q.y};
-#pragma unroll
-  for (int w = 0; w < 2; ++w)
-#pragma unroll
-    for (int p = 0; p < 2; ++p) {
-      const auto pair = static_cast<__nv_fp8x2_storage_t>((words[w] >> (16 * p)) & 0xffffu);
-      const float2 v = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3)));  // exact
-      f[4 * w + 2 * p] = __fmul_rn(v.x, scale);
-      f[4 * w + 2 * p + 1] = __fmul_rn(v.y, scale);
-    }
 }
 
 // Chunks c0 + 32u (8 elements each) of x as fp32; the loads of all kUnroll chunks are issued before any use.
@@ -356,7 +344,10 @@ void launch_hier_combine(const HierCombineArgs& a, const KeyTable& keys, const W
                  "hier_combine: inconsistent topology (rank = node * gpus + local)");
   DC_HOST_ASSERT(a.rdma.num_peers == t.num_nodes - 1, "hier_combine: num_peers must be num_nodes - 1");
   DC_HOST_ASSERT(a.rdma_blocks >= 1 && a.nvl_blocks >= 1, "hier_combine: rdma_blocks and nvl_blocks must be >= 1");
-  const int blocks = a.rdma_blocks + a.nvl_blocks + 1 + (a.rdma.emulate_nic ? a.rdma.num_peers : 0);
+  DC_HOST_ASSERT(!a.rdma.emulate_nic || (a.rdma.nic_blocks >= 1 && a.rdma.nic_blocks <= kNicMaxBlocks),
+                 "hier_combine: nic_blocks must be in [1, " + std::to_string(kNicMaxBlocks) + "]");
+  const int blocks = a.rdma_blocks + a.nvl_blocks + 1 +
+                     (a.rdma.emulate_nic ? a.rdma.num_peers * a.rdma.nic_blocks : 0);
   // Blocks wait on each other: every one must be resident at once.
   DC_HOST_ASSERT(blocks <= sms, "hier_combine: " + std::to_string(blocks) +
                                     " blocks (rdma + nvl + poster + NICs) exceed the " + std::to_string(sms) +

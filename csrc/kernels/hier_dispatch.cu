@@ -5,7 +5,7 @@
 //                   its mask names, at the row the reference order gives it; route / singles for the combine;
 //                   the last one raises arrive at every node GPU; block 0 waits for every node GPU's arrive.
 //   poster block:   the exchange round with every rail peer once every pack block is done.
-//   NIC blocks:     one per queue pair (emulated NIC only).
+//   NIC blocks:     nic_blocks per queue pair (emulated NIC only), the first of each its leader.
 #include <cuda_runtime.h>
 
 #include <string>
@@ -235,7 +235,11 @@ void launch_hier_dispatch(const HierDispatchArgs& args, const transport::KeyTabl
   int device = 0, sms = 0;
   DC_CUDA_CHECK(cudaGetDevice(&device));
   DC_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int blocks = args.rdma_blocks + args.nvl_blocks + 1 + (args.rdma.emulate_nic ? args.rdma.num_peers : 0);
+  DC_HOST_ASSERT(!args.rdma.emulate_nic ||
+                     (args.rdma.nic_blocks >= 1 && args.rdma.nic_blocks <= transport::kNicMaxBlocks),
+                 "hier_dispatch: nic_blocks must be in [1, " + std::to_string(transport::kNicMaxBlocks) + "]");
+  const int blocks = args.rdma_blocks + args.nvl_blocks + 1 +
+                     (args.rdma.emulate_nic ? args.rdma.num_peers * args.rdma.nic_blocks : 0);
   // Blocks wait on each other (pack -> poster -> NIC -> forward): every one must be resident at once.
   DC_HOST_ASSERT(blocks <= sms, "hier_dispatch: rdma_blocks + nvl_blocks + 1 + NIC blocks = " +
                                     std::to_string(blocks) + " exceeds num_sms (" + std::to_string(sms) + ")");

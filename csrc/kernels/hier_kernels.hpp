@@ -6,8 +6,9 @@
 // node rows move over NVLink peer pointers. Rows are opaque to the dispatch kernel (packed and unpacked by
 // torch, no host sync); the combine kernel decodes and sums them.
 //
-// Grid: rdma_blocks | nvl_blocks | one poster block (one thread per rail peer) | num_peers NIC blocks (only
-// with emulate_nic). Every block must be resident at once (they wait on each other, bounded by WaitCtx).
+// Grid: rdma_blocks | nvl_blocks | one poster block (one thread per rail peer) | num_peers * nic_blocks NIC
+// blocks (only with emulate_nic; queue j's at j * nic_blocks.., its leader first). Every block must be resident
+// at once (they wait on each other, bounded by WaitCtx).
 //
 // The NVLink hop's words (NodeLink, deepcomm/cuda/node_link.py), per node GPU g, u64 [G] each:
 //   free[i]:   the last epoch node GPU i declared its area readable-and-done (it raises it at the start of a
@@ -49,7 +50,8 @@ struct HierRdma {
   const uint8_t* recv;         // our receive area: the block rail rank s sent us at recv + s * slot_bytes
   const uint64_t* signal;      // our signal[R]: signal[s] >= round when s's block of this round has landed
   uint64_t slot_bytes;
-  bool emulate_nic;            // launch one NIC block per queue pair
+  bool emulate_nic;            // launch NIC blocks for the queue pairs
+  int nic_blocks;              // NIC blocks per queue pair (emulate_nic), in [1, transport::kNicMaxBlocks]
 };
 
 // The NVLink hop: node GPU g's area and words as mapped here (ours at `local`).

@@ -7,6 +7,7 @@
 #include "../transport/nic_serve_block.cuh"
 #include "hier_kernels.hpp"
 #include "internode_round.hpp"
+#include "warp_copy.cuh"
 
 namespace dc::hier {
 
@@ -18,18 +19,9 @@ __device__ __forceinline__ int node_rank(const HierTopo& t, int g) { return t.no
 __device__ __forceinline__ int peer_index(const HierTopo& t, int m) { return m < t.node ? m : m - 1; }
 
 // A warp copies n16 16-byte vectors with coherent loads (the source may have been written during this launch,
-// by our NIC or a node GPU, before the acquire that ordered it) and plain stores (local or peer memory).
+// by our NIC or a node GPU, before the acquire that ordered it).
 __device__ __forceinline__ void warp_copy_fresh(const int4* src, int4* dst, int64_t n16, int lane) {
-  constexpr int kUnroll = 4;
-  for (int64_t i0 = lane; i0 < n16; i0 += 32 * kUnroll) {
-    int4 v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
-      if (i0 + u * 32 < n16) v[u] = ptx::ld_relaxed_gpu_v4(src + i0 + u * 32);
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
-      if (i0 + u * 32 < n16) dst[i0 + u * 32] = v[u];
-  }
+  warp_copy_v4<4, true>(src, dst, n16, lane);
 }
 
 // Block-wide: every thread's earlier stores are visible at system scope, then thread 0 adds 1 to the launch
@@ -121,14 +113,16 @@ __device__ void poster_block(const HierRdma& r, const uint32_t* done, uint32_t b
   ptx::atom_add_release_gpu_u32(reinterpret_cast<uint32_t*>(p.stop_ptr), 1u);  // our NIC stops even after a failure
 }
 
-// NIC block j (emulated NIC): serves queue pair j until its poster is done with this round.
-__device__ __forceinline__ void nic_block(const HierRdma& r, int j, const KeyTable& keys, const WaitCtx& ctx) {
-  const InternodePeer p = r.peers[j];
+// NIC block i (emulated NIC): block i % nic_blocks of queue pair i / nic_blocks's NIC, which serves the queue
+// until its poster is done with this round.
+__device__ __forceinline__ void nic_block(const HierRdma& r, int i, const KeyTable& keys, const WaitCtx& ctx) {
+  const InternodePeer p = r.peers[i / r.nic_blocks];
   const DeviceQp qp = DeviceQp::at(reinterpret_cast<uint8_t*>(p.qp_base),
                                    DeviceQpLayout::make(r.log_wqebbs, r.log_cqes), uint32_t(p.qpn));
   const DeviceWaiter waiter{ctx, int(p.rank)};
-  nic_serve_block(qp, keys, reinterpret_cast<uint32_t*>(p.stop_ptr), uint32_t(r.round), waiter,
-                  reinterpret_cast<NicTotals*>(p.totals_ptr));
+  nic_crew_block(i % r.nic_blocks, r.nic_blocks, qp, keys, reinterpret_cast<uint32_t*>(p.stop_ptr),
+                 uint32_t(r.round), waiter, reinterpret_cast<NicTotals*>(p.totals_ptr),
+                 reinterpret_cast<NicCrew*>(p.crew_ptr));
 }
 
 }  // namespace dc::hier

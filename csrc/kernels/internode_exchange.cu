@@ -1,5 +1,6 @@
 // One round of the internode exchange (contract in internode_exchange.hpp): blocks [0, P) post, one thread
-// each (internode_round.hpp); blocks [P, 2P) are the NICs of the P queue pairs (nic_serve_block.cuh).
+// each (internode_round.hpp); blocks [P, P + P * nic_blocks) are the NICs of the P queue pairs, nic_blocks each
+// (nic_serve_block.cuh).
 #include <cuda_runtime.h>
 
 #include <string>
@@ -23,13 +24,15 @@ __global__ void __launch_bounds__(kThreads) internode_exchange_kernel(InternodeE
                                                                       WaitCtx ctx_in) {
   const WaitCtx ctx = ctx_in.resolved();
   const bool is_nic = int(blockIdx.x) >= a.num_peers;
-  const InternodePeer p = a.peers[is_nic ? blockIdx.x - a.num_peers : blockIdx.x];
+  const int nic = int(blockIdx.x) - a.num_peers;  // NIC block index: queue nic / nic_blocks
+  const InternodePeer p = a.peers[is_nic ? nic / a.nic_blocks : int(blockIdx.x)];
   const DeviceQp qp = DeviceQp::at(reinterpret_cast<uint8_t*>(p.qp_base),
                                    DeviceQpLayout::make(a.log_wqebbs, a.log_cqes), uint32_t(p.qpn));
   const DeviceWaiter waiter{ctx, int(p.rank)};
   auto* stop = reinterpret_cast<uint32_t*>(p.stop_ptr);
   if (is_nic) {
-    nic_serve_block(qp, keys, stop, uint32_t(a.round), waiter, reinterpret_cast<NicTotals*>(p.totals_ptr));
+    nic_crew_block(nic % a.nic_blocks, a.nic_blocks, qp, keys, stop, uint32_t(a.round), waiter,
+                   reinterpret_cast<NicTotals*>(p.totals_ptr), reinterpret_cast<NicCrew*>(p.crew_ptr));
     return;
   }
   if (threadIdx.x != 0) return;
@@ -46,10 +49,12 @@ void launch_internode_exchange(const InternodeExchangeArgs& args, const KeyTable
   int device = 0, sms = 0;
   DC_CUDA_CHECK(cudaGetDevice(&device));
   DC_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int blocks = 2 * args.num_peers;
+  DC_HOST_ASSERT(args.nic_blocks >= 1 && args.nic_blocks <= kNicMaxBlocks,
+                 "internode_exchange: nic_blocks must be in [1, " + std::to_string(kNicMaxBlocks) + "]");
+  const int blocks = args.num_peers * (1 + args.nic_blocks);
   // NIC blocks spin while the posters run: every block must be resident at once.
   DC_HOST_ASSERT(args.num_peers >= 1 && blocks <= sms,
-                 "internode_exchange: peers must be in [1, " + std::to_string(sms / 2) + "]");
+                 "internode_exchange: peers * (1 + nic_blocks) must be in [2, " + std::to_string(sms) + "]");
   DC_HOST_ASSERT(args.chunk_bytes >= 16 && args.chunk_bytes % 16 == 0, "internode_exchange: chunk_bytes % 16");
   internode_exchange_kernel<<<blocks, kThreads, 0, stream>>>(args, keys, ctx);
   DC_CUDA_CHECK(cudaGetLastError());

@@ -2,7 +2,7 @@
 // (one queue pair per peer), executed by the device emulated NIC over NVLink peer pointers, or by a ConnectX on
 // a cluster. deepcomm/cuda/internode.py builds normal dispatch and combine on it.
 //
-// One round, per peer p (one poster thread per peer, one NIC block per queue pair, all in one grid):
+// One round, per peer p (one poster thread per peer, nic_blocks NIC blocks per queue pair; one grid):
 //   1. credit: a signaled fetch-add of 1 on p's credit[me]: "my receive slot for you is free" (this round's
 //      launch is ordered after our last read of it);
 //   2. wait until our credit[p] >= round: p's slot for us is free;
@@ -40,6 +40,7 @@ struct InternodePeer {
   uint64_t credit_ptr;     // ptr: our credit[p]
   uint64_t stop_ptr;       // ptr: u32, +1 per round once the poster is done with the queue (the NIC's stop word)
   uint64_t totals_ptr;     // ptr: transport::NicTotals of this queue's NIC, accumulated
+  uint64_t crew_ptr;       // ptr: transport::NicCrew of this queue's NIC (zeroed once; used with nic_blocks > 1)
 };
 constexpr int kInternodePeerFields = sizeof(InternodePeer) / 8;
 static_assert(sizeof(InternodePeer) % 8 == 0, "InternodePeer must be 64-bit fields only");
@@ -51,9 +52,11 @@ struct InternodeExchangeArgs {
   uint64_t round;              // 1, 2, ... the same on every rank
   uint32_t chunk_bytes;        // bytes per RDMA write WQE (a multiple of 16)
   uint32_t log_wqebbs, log_cqes;
+  int nic_blocks;              // blocks per queue pair's NIC, in [1, transport::kNicMaxBlocks]
 };
 
-// Launch one round: 2 * num_peers blocks (posters, then NIC blocks), no more than the SMs (all resident).
+// Launch one round: num_peers poster blocks, then num_peers * nic_blocks NIC blocks (queue j's at
+// j * nic_blocks.., its leader first), no more than the SMs (all resident).
 void launch_internode_exchange(const InternodeExchangeArgs& args, const transport::KeyTable& keys,
                                const WaitCtx& ctx, cudaStream_t stream);
 

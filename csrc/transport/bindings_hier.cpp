@@ -9,6 +9,7 @@
 
 #include "../kernels/hier_kernels.hpp"
 #include "bindings_transport.hpp"
+#include "device_qp_layout.hpp"
 
 namespace py = pybind11;
 using namespace dc;
@@ -59,6 +60,9 @@ HierRdma rdma_of(const py::dict& d) {
   r.signal = ptr<const uint64_t>(d, "signal");
   r.slot_bytes = get<uint64_t>(d, "slot_bytes");
   r.emulate_nic = get<bool>(d, "emulate_nic");
+  r.nic_blocks = get<int>(d, "nic_blocks");
+  if (r.nic_blocks < 1 || r.nic_blocks > kNicMaxBlocks)
+    throw std::invalid_argument("hier launch: nic_blocks must be in [1, " + std::to_string(kNicMaxBlocks) + "]");
   return r;
 }
 

@@ -24,9 +24,11 @@ void bind_internode(py::module_& m) {
   m.attr("INTERNODE_PEER_FIELDS") = kInternodePeerFields;
   m.attr("NIC_TOTALS_FIELDS") = py::make_tuple("wqes", "bytes", "writes", "atomics");
   m.attr("NIC_TOTALS_BYTES") = sizeof(NicTotals);
+  m.attr("NIC_CREW_BYTES") = sizeof(NicCrew);
+  m.attr("NIC_MAX_BLOCKS") = kNicMaxBlocks;
   m.def("internode_exchange", [](uintptr_t peers, int num_peers, uint32_t lkey, uint64_t round, uint32_t chunk_bytes,
                                  uint32_t log_wqebbs, uint32_t log_cqes, const KeyTable& keys, uintptr_t err_dev,
-                                 double timeout_s, int rank, uintptr_t seq_ptr, uintptr_t stream) {
+                                 double timeout_s, int rank, uintptr_t seq_ptr, uintptr_t stream, int nic_blocks) {
     if (log_wqebbs < 2 || log_wqebbs > kMaxLogWqebbs || log_cqes < log_wqebbs || log_cqes > kMaxLogCqes)
       throw std::invalid_argument("log_wqebbs must be in [2, 15] and log_cqes in [log_wqebbs, 16]");
     InternodeExchangeArgs a{};
@@ -37,12 +39,14 @@ void bind_internode(py::module_& m) {
     a.chunk_bytes = chunk_bytes;
     a.log_wqebbs = log_wqebbs;
     a.log_cqes = log_cqes;
+    a.nic_blocks = nic_blocks;
     launch_internode_exchange(a, keys, wait_ctx(err_dev, timeout_s, rank, seq_ptr),
                               reinterpret_cast<cudaStream_t>(stream));
   }, py::arg("peers"), py::arg("num_peers"), py::arg("lkey"), py::arg("round"), py::arg("chunk_bytes"),
      py::arg("log_wqebbs"), py::arg("log_cqes"), py::arg("keys"), py::arg("err_dev"), py::arg("timeout_s"),
-     py::arg("rank"), py::arg("seq_ptr"), py::arg("stream"),
-     "Launch one exchange round; peers: device int64 [num_peers][INTERNODE_PEER_FIELDS] (InternodePeer).");
+     py::arg("rank"), py::arg("seq_ptr"), py::arg("stream"), py::arg("nic_blocks") = 1,
+     "Launch one exchange round; peers: device int64 [num_peers][INTERNODE_PEER_FIELDS] (InternodePeer); "
+     "nic_blocks: blocks per queue pair's emulated NIC, 1..NIC_MAX_BLOCKS.");
 
   // The NVLink hop of the hierarchical exchange: a bounded barrier among the GPUs of a node.
   m.attr("STAGE_NODE_BARRIER") = int(kStageNodeBarrier);

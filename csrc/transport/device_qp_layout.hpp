@@ -48,6 +48,22 @@ struct NicTotals {
   uint64_t atomics;  // successful fetch-adds
 };
 
+// A queue's block NIC may be several blocks (nic_serve_block.cuh): a leader that walks the queue and up to
+// kNicMaxBlocks - 1 helpers that copy parts of large writes. NicCrew is their hand-off, one per queue pair in
+// zeroed memory beside the NicTotals. Every control word holds the launch's round (the stop target) in its high
+// half and a count in its low half, so words an earlier launch left are never taken for this launch's.
+constexpr int kNicMaxBlocks = 8;
+constexpr uint32_t kNicCrewExit = 0xffffffffu;  // low half of `ctl` once the leader has returned
+
+struct NicCrew {
+  uint64_t ctl;                    // round | n: copy task n (1, 2, ... per launch) is published; round | exit
+  uint64_t beat;                   // round | k: bumped by the leader before each of its doorbell waits
+  uint64_t dst, src, bytes, part;  // task n: helper h copies [h * part, min((h + 1) * part, bytes))
+  uint64_t unused[2];
+  uint64_t done[kNicMaxBlocks - 1][8];  // [h - 1][0]: round | the last task helper h finished (own 64 bytes)
+};
+static_assert(sizeof(NicCrew) == 64 * kNicMaxBlocks, "NicCrew: 64 bytes of task, 64 per helper");
+
 struct DeviceQpLayout {
   uint32_t log_wqebbs, log_cqes;
   uint64_t ring, cqes, dbrec, doorbell, cq_dbrec, poster, nic, total;

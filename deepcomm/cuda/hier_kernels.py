@@ -18,14 +18,13 @@ from typing import List, Optional
 
 import torch
 
-from .. import layout
 from ..fp8 import per_token_cast_to_fp8
 from ..handle import Handle
 from ..reference import normal
 from ..reference.collectives import as_byte_rows, part_row_bytes, unpack_rows
 from .align import round_up
 from .hier_comm import HierComm
-from .hier_normal import combine_area_row, node_masks, pack_rows
+from .hier_normal import combine_area_row, fresh_route, node_masks, pack_rows, payload_parts
 
 
 @dataclasses.dataclass
@@ -46,6 +45,13 @@ def split_sms(num_sms: int, sm_count: int, extra_blocks: int) -> tuple:
     return rdma, max(1, usable - rdma)
 
 
+def nic_blocks_for(free_sms: int, num_peers: int, most: int) -> int:
+    """Blocks per queue pair's emulated NIC (its leader and helpers, csrc/transport/nic_serve_block.cuh): the
+    ``free_sms`` SMs the rest of the grid leaves, shared evenly by the ``num_peers`` queues, in [1, most]. One
+    block copies ~15-20 GB/s over NVLink; a large write is split among them."""
+    return max(1, min(most, free_sms // max(1, num_peers)))
+
+
 class HierKernels:
     """Launches the hierarchical kernels over a HierComm whose transport is a NicTransport."""
 
@@ -57,7 +63,10 @@ class HierKernels:
 
     def set_num_sms(self, num_sms: int) -> None:
         sms = torch.cuda.get_device_properties(self.comm.device).multi_processor_count
-        self.rdma_blocks, self.nvl_blocks = split_sms(num_sms, sms, 1 + len(self.tr.peers))
+        P = len(self.tr.peers)
+        self.rdma_blocks, self.nvl_blocks = split_sms(num_sms, sms, 1 + P)  # room for one NIC block per queue
+        # every SM the roles and the poster leave goes to the NICs (all blocks stay resident)
+        self.nic_blocks = nic_blocks_for(sms - self.rdma_blocks - self.nvl_blocks - 1, P, self.tr.T.NIC_MAX_BLOCKS)
 
     # ---- one launch ----
     def _fields(self, **kw) -> dict:
@@ -77,7 +86,7 @@ class HierKernels:
             peers=table.data_ptr(), num_peers=len(tr.peers), lkey=tr.lkey, round=tr.round, chunk_bytes=CHUNK_BYTES,
             log_wqebbs=LOG_WQEBBS, log_cqes=LOG_WQEBBS, send=tr.mem.ptr + tr.offsets["send"],
             recv=tr.mem.ptr + tr.offsets["recv"], signal=tr.mem.ptr + tr.offsets["signal"],
-            slot_bytes=tr.slot_bytes, emulate_nic=True,
+            slot_bytes=tr.slot_bytes, emulate_nic=True, nic_blocks=self.nic_blocks,
             area=link.area_ptrs(), free_words=link.word_ptrs("free"), arrive_words=link.word_ptrs("arrive"),
             epoch=link.next_epoch(), counters=self.counters.data_ptr(), rdma_blocks=self.rdma_blocks,
             nvl_blocks=self.nvl_blocks, err_dev=tr.err_dev, timeout_s=tr.timeout_s, seq_ptr=tr.seq.data_ptr())
@@ -121,16 +130,8 @@ def dispatch(k: HierKernels, x, topk_idx: Optional[torch.Tensor], topk_weights: 
     dev = rows[0].device
 
     if handle is None:
-        in_rank = layout.token_in_rank(topk_idx, num_experts, R)
-        send_pos = layout.send_positions(in_rank)
-        in_node = in_rank.view(T, N, G).any(dim=2)
-        row = in_rank.sum(dim=0, dtype=torch.int32)
-        if G > 1:
-            row = torch.cat([row, in_node.sum(dim=0, dtype=torch.int32)])
-        gathered = comm.all_gather(row, "dispatch:counts")  # one exchange round, one host sync
-        count_matrix = gathered[:, :R].contiguous()
-        node_counts = gathered[:, R:].contiguous() if G > 1 else count_matrix
-        counts, ncounts = count_matrix.tolist(), node_counts.tolist()
+        in_rank, send_pos, in_node, count_matrix, node_counts = fresh_route(comm, topk_idx, num_experts, T)
+        counts, ncounts = count_matrix.tolist(), node_counts.tolist()  # the host sync of the count round
     else:
         in_rank, send_pos, count_matrix = handle.is_token_in_rank, handle.send_pos, handle.count_matrix
         node_counts = handle.node_count_matrix
@@ -141,11 +142,7 @@ def dispatch(k: HierKernels, x, topk_idx: Optional[torch.Tensor], topk_weights: 
         counts = route.counts
         ncounts = node_counts.tolist() if G > 1 else counts
 
-    parts = list(rows)
-    if handle is None:
-        parts += [topk_idx, torch.arange(T, dtype=torch.int32, device=dev)]
-    if topk_weights is not None:
-        parts.append(topk_weights)
+    parts = payload_parts(rows, topk_idx, topk_weights, handle is None)
     row_bytes = [part_row_bytes(p) for p in parts]
     mask_off = round_up(sum(row_bytes), 4)
     stride = round_up(mask_off + (4 if G > 1 else 0), 16)

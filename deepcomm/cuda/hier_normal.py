@@ -69,6 +69,35 @@ def _mask_bits(mask_bytes: torch.Tensor, gpus: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------------- dispatch
+def fresh_route(comm: HierComm, topk_idx: torch.Tensor, num_experts: int, T: int):
+    """``(is_token_in_rank, send_pos, in_node, count_matrix, node_counts)`` of a fresh dispatch: the route from the
+    ids, then the count round over both hops. ``count_matrix`` ``[R, R]``: tokens s sends to rank d;
+    ``node_counts`` ``[R, N]``: to node m (the count matrix itself with one GPU per node)."""
+    R, N, G = comm.world_size, comm.num_nodes, comm.gpus
+    in_rank = layout.token_in_rank(topk_idx, num_experts, R)
+    send_pos = layout.send_positions(in_rank)
+    in_node = in_rank.view(T, N, G).any(dim=2)
+    row = in_rank.sum(dim=0, dtype=torch.int32)
+    if G > 1:
+        row = torch.cat([row, in_node.sum(dim=0, dtype=torch.int32)])
+    gathered = comm.all_gather(row, "dispatch:counts")
+    count_matrix = gathered[:, :R].contiguous()
+    node_counts = gathered[:, R:].contiguous() if G > 1 else count_matrix
+    return in_rank, send_pos, in_node, count_matrix, node_counts
+
+
+def payload_parts(rows: List[torch.Tensor], topk_idx: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor],
+                  fresh: bool) -> List[torch.Tensor]:
+    """A dispatch row's parts, as the reference sends them: x (or its FP8 values and scales), then on a fresh
+    dispatch the global top-k ids and the source token index, then the weights if any."""
+    parts = list(rows)
+    if fresh:
+        parts += [topk_idx, torch.arange(rows[0].shape[0], dtype=torch.int32, device=rows[0].device)]
+    if topk_weights is not None:
+        parts.append(topk_weights)
+    return parts
+
+
 def dispatch(comm: HierComm, x, topk_idx: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor],
              num_experts: int, handle: Optional[Handle], expert_alignment: int):
     """Returns ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert, handle)``."""
@@ -78,17 +107,8 @@ def dispatch(comm: HierComm, x, topk_idx: Optional[torch.Tensor], topk_weights: 
     T, H = rows[0].shape
     dev = rows[0].device
 
-    # Route and counts: count_matrix [R, R] (tokens s sends to rank d) and node_counts [R, N] (to node m).
     if handle is None:
-        in_rank = layout.token_in_rank(topk_idx, num_experts, R)
-        send_pos = layout.send_positions(in_rank)
-        in_node = in_rank.view(T, N, G).any(dim=2)
-        row = in_rank.sum(dim=0, dtype=torch.int32)
-        if G > 1:  # with one GPU per node, node counts are the count matrix
-            row = torch.cat([row, in_node.sum(dim=0, dtype=torch.int32)])
-        gathered = comm.all_gather(row, "dispatch:counts")
-        count_matrix = gathered[:, :R].contiguous()
-        node_counts = gathered[:, R:].contiguous() if G > 1 else count_matrix
+        in_rank, send_pos, in_node, count_matrix, node_counts = fresh_route(comm, topk_idx, num_experts, T)
     else:
         in_rank, send_pos, count_matrix = handle.is_token_in_rank, handle.send_pos, handle.count_matrix
         node_counts = handle.node_count_matrix
@@ -98,11 +118,7 @@ def dispatch(comm: HierComm, x, topk_idx: Optional[torch.Tensor], topk_weights: 
     counts, ncounts = count_matrix.tolist(), node_counts.tolist()
 
     # Our rows, token order: the reference's parts, then (G > 1) room for the node mask.
-    parts = list(rows)
-    if handle is None:
-        parts += [topk_idx, torch.arange(T, dtype=torch.int32, device=dev)]
-    if topk_weights is not None:
-        parts.append(topk_weights)
+    parts = payload_parts(rows, topk_idx, topk_weights, handle is None)
     row_bytes = [part_row_bytes(p) for p in parts]
     mask_at = sum(row_bytes)
     stride = round_up(mask_at + (4 if G > 1 else 0), 16)

@@ -112,11 +112,16 @@ class NicTransport(ExchangeRecord):
             for p in self.peers:
                 self.keys.add(RKEY_BASE + p, bases[p], at, self.mem.peer_ptrs[p])  # the peer "node", over NVLink
 
-            # queue pairs, then per queue a u32 stop word (64 B) and NicTotals (64 B)
+            # queue pairs, then per queue a u32 stop word (64 B), NicTotals (64 B) and the NicCrew its NIC blocks
+            # share (csrc/transport/device_qp_layout.hpp), all zeroed once
             self.qp_layout = self.T.device_qp_layout(LOG_WQEBBS, LOG_WQEBBS)
             self.qp_bytes = round_up(self.qp_layout["total"], 256)
+            self.aux_bytes = 128 + self.T.NIC_CREW_BYTES
             P = len(self.peers)
-            self.qp_mem = torch.zeros(P * self.qp_bytes + P * 128, dtype=torch.uint8, device=device)
+            self.qp_mem = torch.zeros(P * self.qp_bytes + P * self.aux_bytes, dtype=torch.uint8, device=device)
+            # The exchange kernel's NIC blocks per queue: every SM beside the P posters, shared by the queues.
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
+            self.nic_blocks = hier_kernels.nic_blocks_for(sms - P, P, self.T.NIC_MAX_BLOCKS)
             stream = torch.cuda.current_stream(device).cuda_stream
             for i in range(P):
                 self.T.device_qp_init(self.qp_ptr(i), LOG_WQEBBS, LOG_WQEBBS, 0, stream)
@@ -136,7 +141,7 @@ class NicTransport(ExchangeRecord):
         return self.qp_mem.data_ptr() + i * self.qp_bytes
 
     def _aux_ptr(self, i: int) -> int:
-        return self.qp_mem.data_ptr() + len(self.peers) * self.qp_bytes + i * 128
+        return self.qp_mem.data_ptr() + len(self.peers) * self.qp_bytes + i * self.aux_bytes
 
     # ---- one round ----
     def peer_rows(self, send_bytes: Sequence[int], send_begin: Sequence[int]) -> List[List[int]]:
@@ -156,7 +161,7 @@ class NicTransport(ExchangeRecord):
                 self.mem.ptr + self.offsets["fa_old"] + 16 * d,
                 self.mem.ptr + self.offsets["signal"] + 8 * d,
                 self.mem.ptr + self.offsets["credit"] + 8 * d,
-                self._aux_ptr(i), self._aux_ptr(i) + 64,
+                self._aux_ptr(i), self._aux_ptr(i) + 64, self._aux_ptr(i) + 128,
             ])
         assert len(rows[0]) == self.T.INTERNODE_PEER_FIELDS
         return rows
@@ -177,7 +182,7 @@ class NicTransport(ExchangeRecord):
             self.seq.fill_(self.round)
             self.T.internode_exchange(table.data_ptr(), len(self.peers), self.lkey, self.round, CHUNK_BYTES,
                                       LOG_WQEBBS, LOG_WQEBBS, self.keys, self.err_dev, self.timeout_s, me,
-                                      self.seq.data_ptr(), stream.cuda_stream)
+                                      self.seq.data_ptr(), stream.cuda_stream, nic_blocks=self.nic_blocks)
             stream.synchronize()
         self.check_error()
 
@@ -187,7 +192,7 @@ class NicTransport(ExchangeRecord):
         names = self.T.NIC_TOTALS_FIELDS
         out = {}
         for i, d in enumerate(self.peers):
-            o = len(self.peers) * self.qp_bytes + i * 128 + 64
+            o = len(self.peers) * self.qp_bytes + i * self.aux_bytes + 64
             vals = self.qp_mem[o:o + 8 * len(names)].view(torch.int64).tolist()
             out[d] = dict(zip(names, vals))
         return out
