@@ -220,7 +220,8 @@ PYBIND11_MODULE(_C, m) {
       .def("set_error_record", [](LlContext& c, uintptr_t dev) { c.err_device = ptr<ErrorRecord>(dev); })
       .def("set_timeout_ns", [](LlContext& c, uint64_t ns) { c.timeout_ns = ns; })
       .def("set_trace", [](LlContext& c, uintptr_t dev) { c.trace = ptr<uint64_t>(dev); })
-      // phases: 1 send half, 2 receive half, 3 both in one kernel (csrc/kernels/api.hpp)
+      // phases: 1 send half, 2 receive half, 3 both in one kernel, 4 (combine only) the weights alone
+      // (LlPhases, csrc/kernels/ll_common.cuh)
       .def("dispatch", [](const LlContext& c, int phases, int num_blocks, uintptr_t x, uintptr_t topk_idx, int T,
                           int K, int slot, bool use_fp8, bool use_ue8m0, uintptr_t stream) {
         LlDispatchArgs a{ptr<const void>(x), ptr<const int64_t>(topk_idx), T, K, slot, use_fp8, use_ue8m0, c.trace};

@@ -57,8 +57,9 @@ __device__ __forceinline__ void ll_trace(uint64_t* trace, int point) {
 
 // Which halves a launch runs: the send half, the receive half (hook mode launches them apart, so no SM is held
 // in between), or both in one kernel (no hook: one launch per call, and a block goes on to receive as soon as the
-// data it waits for has landed).
-enum LlPhases : int { kLlSendPhase = 1, kLlRecvPhase = 2, kLlBothPhases = 3 };
+// data it waits for has landed). kLlWeightsPhase (combine only, with peers reached by puts): just the combine's
+// tagged weights, so the host can put them before the send half, which waits for every source's weights.
+enum LlPhases : int { kLlSendPhase = 1, kLlRecvPhase = 2, kLlBothPhases = 3, kLlWeightsPhase = 4 };
 
 // Sends of this kind already made in `slot` (advanced by the last block of each send, ll_finish_send).
 __device__ __forceinline__ uint64_t ll_slot_calls(const uint8_t* self, const LlLayout& l, LlKind kind, int slot) {
