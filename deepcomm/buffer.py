@@ -85,6 +85,7 @@ class Buffer:
             # "auto" and "cuda" may meet (auto picks cuda where it can); "reference" must meet itself
             "backend": "reference" if backend == "reference" else "cuda or auto",
             "DEEPCOMM_LL_NUM_SMS": os.environ.get("DEEPCOMM_LL_NUM_SMS"),  # low-latency blocks pair up across ranks
+            "DEEPCOMM_LL_FORCE_PUTS": os.environ.get("DEEPCOMM_LL_FORCE_PUTS", "").strip() not in ("", "0"),
             "max_tokens_per_rank": self.config.max_tokens_per_rank,
             "hidden": self.config.hidden, "num_sms": self.config.num_sms,
             "num_max_low_latency_tokens": self.config.num_max_low_latency_tokens,

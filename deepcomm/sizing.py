@@ -30,14 +30,17 @@ def nvl_buffer_bytes(num_ranks: int, max_tokens_per_rank: int, hidden: int) -> O
             "arena": lay["total"] - lay["arena"], "total": lay["total"]}
 
 
-def ll_buffer_bytes(num_ranks: int, num_experts: int, max_tokens: int, hidden: int) -> Optional[int]:
+def ll_buffer_bytes(num_ranks: int, num_experts: int, max_tokens: int, hidden: int,
+                    outbox: bool = False) -> Optional[int]:
     """Bytes of one rank's low-latency buffer, made at the first low-latency call of this (experts, tokens, hidden)
-    shape (``None`` without the extension). ``Buffer.size_bytes()`` counts it once it exists."""
+    shape (``None`` without the extension). ``Buffer.size_bytes()`` counts it once it exists. ``outbox``: with the
+    outbox of a buffer that reaches some peers by NVSHMEM puts (deepcomm/cuda/ll_buffer.py), as NVSHMEM's heap
+    must then hold."""
     C = load_extension()
     if C is None:
         return None
     from .cuda.ll_buffer import TOPK_MAX
-    return C.LlContext(0, num_ranks, num_experts, max_tokens, hidden, TOPK_MAX).layout()["total"]
+    return C.LlContext(0, num_ranks, num_experts, max_tokens, hidden, TOPK_MAX, outbox).layout()["total"]
 
 
 def _fmt(n: int) -> str:

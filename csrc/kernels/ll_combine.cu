@@ -75,12 +75,27 @@ __device__ __forceinline__ bool sum_expert_rows(const LlCombineArgs& a, int64_t 
   return true;
 }
 
+// Our weights to every other rank, each tagged with this call: one 8-byte store carries both, so a reader that sees
+// the tag sees the weight, with no flag and no fence to wait for. (A put peer gets them in our outbox; with put
+// peers the weights phase stores them once ahead of the send half, so the host can put them first.)
+__device__ __forceinline__ void store_weights(const LlCombineArgs& a, const LlLayout& l, const Peers& peers,
+                                              const WaitCtx& ctx, uint32_t alive) {
+  const int R = l.num_ranks, rank = ctx.rank, K = a.topk, T = a.num_tokens;
+  const uint64_t tag = uint64_t(uint32_t(ctx.seq)) << 32;
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < R * T * K; i += gridDim.x * blockDim.x) {
+    const int d = i / (T * K), j = i % (T * K);
+    if (!ll_is_alive(alive, d) || d == rank) continue;
+    auto* word = reinterpret_cast<uint64_t*>(peers.base[d] + l.weights_at(a.slot, rank, j / K)) + j % K;
+    ptx::st_relaxed_sys_u64(word, tag | __float_as_uint(a.topk_weights[j]));
+  }
+}
+
 // The send half serves the other ranks only: our own tokens' partial is summed by the receive half, straight from
 // the expert rows (the same sum, so the result is the same bit for bit), and never stored.
 __device__ __forceinline__ void combine_send_phase(const LlCombineArgs& a, const LlLayout& l, const Peers& peers,
                                                    const WaitCtx& ctx, uint32_t alive, uint64_t calls, int* smem) {
   const int R = l.num_ranks, rank = ctx.rank;
-  const int K = a.topk, T = a.num_tokens, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int K = a.topk, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t H = l.hidden;
   uint8_t* self = peers.base[rank];
   int* n = smem;  // [R] tokens each other source dispatched in this slot (0 for masked ranks and for us)
@@ -88,15 +103,8 @@ __device__ __forceinline__ void combine_send_phase(const LlCombineArgs& a, const
   if (tid == 0) ok = 1;
   ll_load_ntok(self, l, a.slot, alive & ~(1u << rank), n);
 
-  // Our weights to every other rank, each tagged with this call: one 8-byte store carries both, so a reader that
-  // sees the tag sees the weight, with no flag and no fence to wait for.
+  store_weights(a, l, peers, ctx, alive);
   const uint64_t tag = uint64_t(uint32_t(ctx.seq)) << 32;
-  for (int i = blockIdx.x * blockDim.x + tid; i < R * T * K; i += gridDim.x * blockDim.x) {
-    const int d = i / (T * K), j = i % (T * K);
-    if (!ll_is_alive(alive, d) || d == rank) continue;
-    auto* word = reinterpret_cast<uint64_t*>(peers.base[d] + l.weights_at(a.slot, rank, j / K)) + j % K;
-    ptx::st_relaxed_sys_u64(word, tag | __float_as_uint(a.topk_weights[j]));
-  }
   const int nchunks = int((H + kChunk - 1) / kChunk);
   __syncthreads();
   if (tid == 0) items = ll_item_count(n, R, nchunks);
@@ -247,13 +255,19 @@ __device__ __forceinline__ void combine_recv_phase(const LlCombineArgs& a, const
 template <int kPhases>
 __global__ void __launch_bounds__(kLlThreads, 1)
     ll_combine_kernel(LlCombineArgs a, LlLayout l, Peers peers, WaitCtx ctx) {
-  constexpr bool kSend = kPhases & kLlSendPhase, kRecv = kPhases & kLlRecvPhase;
+  constexpr bool kSend = kPhases & (kLlSendPhase | kLlWeightsPhase), kRecv = kPhases & kLlRecvPhase;
   uint32_t alive;
   const uint64_t calls = ll_enter<kSend>(peers.base[ctx.rank], l, kLlCombine, a.slot, ctx, &alive);
-  ll_trace(a.trace, kLlTraceEntry);
-  extern __shared__ int smem[];
-  if (kSend) combine_send_phase(a, l, peers, ctx, alive, calls, smem);
-  if (kRecv) combine_recv_phase(a, l, peers, ctx, alive, calls);
+  if constexpr (kPhases == kLlWeightsPhase) {
+    // the weights alone; nothing advances the call numbers, so the send half that follows uses the same sequence
+    // number (the same tags)
+    store_weights(a, l, peers, ctx, alive);
+  } else {
+    ll_trace(a.trace, kLlTraceEntry);
+    extern __shared__ int smem[];
+    if (kSend) combine_send_phase(a, l, peers, ctx, alive, calls, smem);
+    if (kRecv) combine_recv_phase(a, l, peers, ctx, alive, calls);
+  }
 }
 
 }  // namespace
@@ -274,7 +288,11 @@ void launch_ll_combine(const LlCombineArgs& args, int phases, int num_blocks, co
     case kLlBothPhases:
       ll_combine_kernel<kLlBothPhases><<<num_blocks, kLlThreads, smem, stream>>>(args, layout, peers, ctx);
       break;
-    default: DC_HOST_ASSERT(false, "low_latency_combine: phases must be 1 (send), 2 (receive) or 3 (both)");
+    case kLlWeightsPhase:  // with peers reached by puts: the weights alone, put before the send half
+      ll_combine_kernel<kLlWeightsPhase><<<num_blocks, kLlThreads, 0, stream>>>(args, layout, peers, ctx);
+      break;
+    default:
+      DC_HOST_ASSERT(false, "low_latency_combine: phases must be 1 (send), 2 (receive), 3 (both) or 4 (weights)");
   }
   DC_CUDA_CHECK(cudaGetLastError());
 }

@@ -57,8 +57,9 @@ __device__ __forceinline__ void ll_trace(uint64_t* trace, int point) {
 
 // Which halves a launch runs: the send half, the receive half (hook mode launches them apart, so no SM is held
 // in between), or both in one kernel (no hook: one launch per call, and a block goes on to receive as soon as the
-// data it waits for has landed).
-enum LlPhases : int { kLlSendPhase = 1, kLlRecvPhase = 2, kLlBothPhases = 3 };
+// data it waits for has landed). kLlWeightsPhase (combine only, with peers reached by puts): just the combine's
+// tagged weights, so the host can put them before the send half, which waits for every source's weights.
+enum LlPhases : int { kLlSendPhase = 1, kLlRecvPhase = 2, kLlBothPhases = 3, kLlWeightsPhase = 4 };
 
 // Sends of this kind already made in `slot` (advanced by the last block of each send, ll_finish_send).
 __device__ __forceinline__ uint64_t ll_slot_calls(const uint8_t* self, const LlLayout& l, LlKind kind, int slot) {
@@ -183,18 +184,22 @@ __device__ __forceinline__ void ll_rank_entries(const int* experts, int n, int n
   __syncthreads();
 }
 
-// Entries rank s sends to expert e, as it wrote them; 0 for masked ranks (their area may hold anything).
-__device__ __forceinline__ int ll_count(const int* counts, const LlLayout& l, uint32_t alive, int s, int e) {
-  return ll_is_alive(alive, s) ? ptx::ld_volatile_s32(counts + s * l.num_experts + e) : 0;
+// Entries rank s sends to expert e in `slot`, as it wrote them (E ints in its inbox block here); 0 for masked
+// ranks (their area may hold anything).
+__device__ __forceinline__ int ll_count(const uint8_t* self, const LlLayout& l, int slot, uint32_t alive, int s,
+                                        int e) {
+  return ll_is_alive(alive, s)
+             ? ptx::ld_volatile_s32(reinterpret_cast<const int*>(self + l.counts_at(slot, s)) + e)
+             : 0;
 }
 
 // Packed rows of our local experts: rows of local expert le coming from rank s start at base[le * R + s];
-// total[le] rows in all. counts: [R][E] as the senders wrote them. Whole block; ends with __syncthreads.
-__device__ __forceinline__ void ll_expert_bases(const int* counts, const LlLayout& l, int rank, uint32_t alive,
-                                                int* base, int* total) {
+// total[le] rows in all, from the counts as the senders wrote them. Whole block; ends with __syncthreads.
+__device__ __forceinline__ void ll_expert_bases(const uint8_t* self, const LlLayout& l, int slot, int rank,
+                                                uint32_t alive, int* base, int* total) {
   const int R = l.num_ranks, L = l.local_experts();
   for (int i = threadIdx.x; i < L * R; i += blockDim.x)  // all loads in flight at once, then the prefixes
-    base[i] = ll_count(counts, l, alive, i % R, rank * L + i / R);
+    base[i] = ll_count(self, l, slot, alive, i % R, rank * L + i / R);
   __syncthreads();
   for (int le = threadIdx.x; le < L; le += blockDim.x) total[le] = ll_exclusive_prefix(base + le * R, 1, R);
   __syncthreads();
@@ -209,7 +214,7 @@ __device__ __forceinline__ void ll_load_ntok(const uint8_t* self, const LlLayout
                                              int* n) {
   const int s = threadIdx.x;
   if (s < l.num_ranks)
-    n[s] = ll_is_alive(sources, s) ? ptx::ld_volatile_s32(reinterpret_cast<const int*>(self + l.ntok_at(slot)) + s)
+    n[s] = ll_is_alive(sources, s) ? ptx::ld_volatile_s32(reinterpret_cast<const int*>(self + l.ntok_at(slot, s)))
                                    : 0;
 }
 

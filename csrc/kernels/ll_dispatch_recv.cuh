@@ -40,9 +40,8 @@ __device__ __forceinline__ void dispatch_recv_phase(const LlDispatchArgs& a, con
         }
       }
   }
-  const int* counts = reinterpret_cast<const int*>(self + l.counts_at(slot));
   ll_load_ntok(self, l, slot, alive, n);
-  ll_expert_bases(counts, l, rank, alive, base, total);  // starts and ends with __syncthreads
+  ll_expert_bases(self, l, slot, rank, alive, base, total);  // starts and ends with __syncthreads
 
   // Fan-out: warps take (source rank, token, chunk) items and copy the staged row to each of its entries here.
   // The row's loads go out with its keys (a token not sent here is loaded for nothing: cheaper than waiting).
@@ -109,7 +108,7 @@ __device__ __forceinline__ void dispatch_recv_phase(const LlDispatchArgs& a, con
     for (int i = tid; i < L * R; i += blockDim.x) {
       const int le = i / R, s = i % R;
       out_layout[2 * i] = base[i];
-      out_layout[2 * i + 1] = ll_count(counts, l, alive, s, rank * L + le);
+      out_layout[2 * i + 1] = ll_count(self, l, slot, alive, s, rank * L + le);
       if (s == 0) out_count[le] = min(int64_t(total[le]), rows);
     }
   }
@@ -124,7 +123,7 @@ __device__ __forceinline__ void dispatch_recv_phase(const LlDispatchArgs& a, con
     int pos = -1;
     if (key >= 0) {
       pos = key & 0xffff;
-      for (int s = 0; s < rank; ++s) pos += ll_count(counts, l, alive, s, key >> 16);
+      for (int s = 0; s < rank; ++s) pos += ll_count(self, l, slot, alive, s, key >> 16);
       if (pos >= rows) pos = -1;  // dropped at the owner (duplicate ids)
     }
     recv_pos[p] = pos;

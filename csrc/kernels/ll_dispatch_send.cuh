@@ -222,8 +222,8 @@ __device__ __forceinline__ void send_counts(const LlDispatchArgs& a, const LlLay
   ll_trace(a.trace, kLlTraceCounts);
   for (int i = tid; i < R * E; i += blockDim.x)
     if (ll_is_alive(alive, i / E))
-      reinterpret_cast<int*>(peers.base[i / E] + l.counts_at(a.slot))[rank * E + i % E] = counts[i % E];
-  if (tid < R && ll_is_alive(alive, tid)) reinterpret_cast<int*>(peers.base[tid] + l.ntok_at(a.slot))[rank] = T;
+      reinterpret_cast<int*>(peers.base[i / E] + l.counts_at(a.slot, rank))[i % E] = counts[i % E];
+  if (tid < R && ll_is_alive(alive, tid)) *reinterpret_cast<int*>(peers.base[tid] + l.ntok_at(a.slot, rank)) = T;
   if (tid == 0 && bad_id) report_bad_input(a, l, peers, ctx, alive, calls, 0);
 }
 

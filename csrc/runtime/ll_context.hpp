@@ -17,8 +17,10 @@ struct LlContext {
   uint64_t timeout_ns = 100ull * 1000 * 1000 * 1000;
   uint64_t* trace = nullptr;  // diagnostics: [kMaxBlocks][kLlTracePoints] timer stamps, or null (ll_common.cuh)
 
-  LlContext(int rank_, int num_ranks, int num_experts, int max_tokens, int64_t hidden, int topk_max)
-      : layout(num_ranks, num_experts, max_tokens, hidden, topk_max), rank(rank_) {}
+  // outbox: room for peers reached by puts (csrc/runtime/ll_layout.hpp "outbox")
+  LlContext(int rank_, int num_ranks, int num_experts, int max_tokens, int64_t hidden, int topk_max,
+            bool outbox = false)
+      : layout(num_ranks, num_experts, max_tokens, hidden, topk_max, outbox), rank(rank_) {}
 
   // The low-latency kernels keep their own call numbers in the buffer (csrc/kernels/ll_common.cuh).
   WaitCtx wait_ctx() const { return WaitCtx{err_device, timeout_ns, rank, 0, nullptr}; }

@@ -2,6 +2,14 @@
 mapped into every rank, sharing the NVLink buffer's error record and timeout. Its memory is a CUDA IPC allocation
 (``memory="ipc"``) or a block of NVSHMEM's symmetric heap (``"nvshmem"``); the kernels see peer pointers either way.
 
+With NVSHMEM memory, a peer that ``nvshmem_ptr`` cannot map (another node without a shared NVLink domain; or every
+peer with ``DEEPCOMM_LL_FORCE_PUTS=1``, to prove the path on one host) is a **put peer**: the buffer gets an outbox
+(ll_layout.hpp), the kernels' base for that peer points into it, so everything a send half writes for the peer
+lands in our own outbox block for it, and ``put(kind, slot, stream)`` then sends that block's data section, a
+quiet, its flags section and a quiet with NVSHMEM's stream-ordered puts into the peer's inbox for us. Calls with
+put peers always launch the send and receive halves apart (the puts go in between); a combine first launches a
+weights-only phase and puts the weights (``put_weights``), because its send half waits for every source's weights.
+
 Everything a dispatch returns (recv_x, recv_count and the handle's tensors) is a view of this buffer, made once
 per slot and handed out again on every call: valid until the same slot is used again two dispatches later."""
 from __future__ import annotations
@@ -10,6 +18,7 @@ import os
 from typing import Dict, Tuple
 
 import torch
+import torch.distributed as dist
 
 from .arena import as_device_bytes
 from .nvshmem_memory import NvshmemMemory
@@ -18,16 +27,53 @@ from .peer_memory import PeerMemory
 TOPK_MAX = 32
 TRACE_POINTS = 10  # kLlTracePoints
 MEMORY = {"ipc": PeerMemory, "nvshmem": NvshmemMemory}  # deepcomm.config.LL_MEMORY_KINDS
+FORCE_PUTS_ENV = "DEEPCOMM_LL_FORCE_PUTS"
+
+
+def force_puts(memory: str) -> bool:
+    """``DEEPCOMM_LL_FORCE_PUTS=1``: reach every peer by puts, even one NVLink could map (NVSHMEM memory only)."""
+    value = os.environ.get(FORCE_PUTS_ENV, "").strip()
+    if value in ("", "0"):
+        return False
+    if value != "1":
+        raise ValueError(f"{FORCE_PUTS_ENV}: expected 1 or 0, got {value!r}")
+    if memory != "nvshmem":
+        raise ValueError(f"{FORCE_PUTS_ENV}=1 needs the low-latency buffer in NVSHMEM memory "
+                         "(DEEPCOMM_LL_MEMORY=nvshmem or low_latency_memory='nvshmem')")
+    return True
 
 
 class LlBuffer:
     def __init__(self, C, group, rank: int, world_size: int, device: torch.device, num_experts: int,
                  max_tokens: int, hidden: int, err_dev: int, timeout_ns: int, memory: str = "ipc"):
         self.key = (num_experts, max_tokens, hidden)
-        self.ctx = C.LlContext(rank, world_size, num_experts, max_tokens, hidden, TOPK_MAX)
+        self.rank = rank
+        forced = force_puts(memory)
+        kw = {"allow_unreachable": True} if memory == "nvshmem" else {}
+        if memory == "nvshmem":
+            # a heap that also holds the outbox, should a peer turn out to need puts (sized once per process)
+            from . import nvshmem_session
+            with_outbox = C.LlContext(rank, world_size, num_experts, max_tokens, hidden, TOPK_MAX, True)
+            nvshmem_session.session_for(group, heap_bytes=with_outbox.layout()["total"])
+        self.ctx = C.LlContext(rank, world_size, num_experts, max_tokens, hidden, TOPK_MAX, forced)
         self.layout = self.ctx.layout()
-        self.memory = MEMORY[memory](C, group, rank, world_size, self.layout["total"])
+        self.memory = MEMORY[memory](C, group, rank, world_size, self.layout["total"], **kw)
+        if memory == "nvshmem" and not forced:
+            # a peer NVSHMEM cannot map: every rank remakes its block with an outbox (collective decision)
+            unmapped = [None] * world_size
+            dist.all_gather_object(unmapped, any(p == 0 for p in self.memory.peer_ptrs), group=group)
+            if any(unmapped):
+                self.memory.close()
+                self.ctx = C.LlContext(rank, world_size, num_experts, max_tokens, hidden, TOPK_MAX, True)
+                self.layout = self.ctx.layout()
+                self.memory = MEMORY[memory](C, group, rank, world_size, self.layout["total"], **kw)
+        lay = self.layout
+        self.put_peers = [r for r, p in enumerate(self.memory.peer_ptrs)
+                          if r != rank and (forced or p == 0)]
         for r, p in enumerate(self.memory.peer_ptrs):
+            if r in self.put_peers:
+                # stores meant for r at inbox_at(slot, rank) + f land at outbox_at(slot, r) + f, for either slot
+                p = self.memory.ptr + lay["outbox"] - lay["inbox"] + (r - rank) * lay["block"]
             self.ctx.set_peer(r, p)
         self.ctx.set_error_record(err_dev)
         self.ctx.set_timeout_ns(timeout_ns)
@@ -77,6 +123,48 @@ class LlBuffer:
         flags = [1 if r in masked else 0 for r in range(self.world_size)]
         self._view(self.layout["mask"], 4 * self.world_size, torch.int32).copy_(
             torch.tensor(flags, dtype=torch.int32), non_blocking=False)
+
+    def put(self, kind: int, slot: int, stream: int, masked=frozenset()) -> None:
+        """After a send half of ``kind`` (0 dispatch, 1 combine) into ``slot``, on ``stream``: for every live put
+        peer d, our outbox block for d goes into d's inbox for us: the data section (everything but the arrival
+        words), a quiet, then the flags section (the per-block arrival words, csrc/runtime/ll_layout.hpp), so a
+        receiver that sees an arrival word sees the data; then another quiet, so nothing of the call lands after
+        anything later on the stream. The receive half waits for the arrival words as it does for stores over
+        NVLink."""
+        peers = [d for d in self.put_peers if d not in masked]
+        if not peers:
+            return
+        from . import nvshmem_session
+        n = nvshmem_session.load_library()
+        lay, base = self.layout, self.memory.ptr
+        mine = lay["inbox"] + (slot * self.world_size + self.rank) * lay["block"]  # d's inbox for us: same offset
+        signal = base + mine + lay["put_seq"] + 8 * kind
+        for section in ("data", "flags"):
+            begin, end = lay[section][kind]
+            for d in peers:
+                outbox = lay["outbox"] + (slot * self.world_size + d) * lay["block"]
+                n.putmem_signal_on_stream(base + mine + begin, base + outbox + begin, end - begin, signal, 1,
+                                          n.SIGNAL_ADD, d, stream)
+            # data before flags; and the flags delivered before anything later on the stream (a reset of the
+            # signals, a free of the buffer, the next call's puts into the same slot)
+            n.quiet_on_stream(stream)
+
+    def put_weights(self, slot: int, stream: int, masked=frozenset()) -> None:
+        """Before a combine's send half, after its weights-only launch: our tagged weights to every live put peer,
+        whose send half polls them (each carries its call's tag, so no order and no quiet are needed here; the
+        data put after the send half carries the same words again, and its quiet covers this put too)."""
+        peers = [d for d in self.put_peers if d not in masked]
+        if not peers:
+            return
+        from . import nvshmem_session
+        n = nvshmem_session.load_library()
+        lay, base = self.layout, self.memory.ptr
+        mine = lay["inbox"] + (slot * self.world_size + self.rank) * lay["block"]
+        begin, end = lay["ib"]["weights"], lay["ib"]["partials"]
+        for d in peers:
+            outbox = lay["outbox"] + (slot * self.world_size + d) * lay["block"]
+            n.putmem_signal_on_stream(base + mine + begin, base + outbox + begin, end - begin,
+                                      base + mine + lay["put_seq"] + 8, 1, n.SIGNAL_ADD, d, stream)
 
     def reset_signals(self) -> None:
         """Zero the call numbers, counters and flags (and the mask): every rank at once, with no kernel running."""

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ..handle import LowLatencyHandle
 from .ll_buffer import LlBuffer
 
-LL_SEND, LL_RECV, LL_BOTH = 1, 2, 3  # low-latency launch phases (csrc/kernels/api.hpp)
+LL_SEND, LL_RECV, LL_BOTH, LL_WEIGHTS = 1, 2, 3, 4  # low-latency launch phases (csrc/kernels/ll_common.cuh)
 
 
 def _noop() -> None:
@@ -54,19 +54,27 @@ class LowLatencyCalls:
                     self._ll.write_mask(self.nvl.masked)
         return self._ll
 
-    def _ll_launch(self, launch, return_recv_hook: bool, stream: int, keep=()):
+    def _ll_launch(self, launch, return_recv_hook: bool, stream: int, keep=(), after_send=None):
         """Without a hook: ``launch(SEND | RECV, stream)``, both halves in one kernel. With a hook: the send half
         now, and a hook that launches the receive half once, on the stream current when it is called, so no SM
         waits in between. When that is another stream, an event recorded after the send orders the receive after
         it (its call number is the one the send leaves behind). ``keep``: the caller's tensors the receive half
-        reads; the hook holds them until it has launched and marks them in use on its stream. An input error an
-        earlier call left is raised once the receive half is launched: here without a hook, else by the hook.
-        Returns the hook."""
-        if not return_recv_hook:
+        reads; the hook holds them until it has launched and marks them in use on its stream. ``after_send``:
+        ``after_send(stream)`` runs right after the send half (the puts to peers reached by NVSHMEM puts); then the
+        halves are always two launches, the receive half at once when there is no hook. An input error an earlier
+        call left is raised once the receive half is launched: here without a hook, else by the hook. Returns the
+        hook."""
+        if not return_recv_hook and after_send is None:
             launch(LL_BOTH, stream)
             self._raise_pending()
             return _noop
         launch(LL_SEND, stream)
+        if after_send is not None:
+            after_send(stream)
+        if not return_recv_hook:
+            launch(LL_RECV, stream)
+            self._raise_pending()
+            return _noop
         sent = torch.cuda.Event()
         sent.record(torch.cuda.current_stream(self.device))
         held = [keep]
@@ -86,6 +94,12 @@ class LowLatencyCalls:
             self._raise_pending()
         return hook
 
+    def _ll_puts(self, ll: LlBuffer, kind: int, slot: int):
+        """The after_send of a call with peers reached by puts (LlBuffer.put), else None."""
+        if not ll.put_peers:
+            return None
+        return lambda stream: ll.put(kind, slot, stream, self.nvl.masked)
+
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, use_ue8m0,
                              return_recv_hook):
         # Runs on the caller's stream with no host sync (so it can be captured in a CUDA graph): expert ids are
@@ -99,7 +113,8 @@ class LowLatencyCalls:
         blocks, stream = self.ll_blocks, torch.cuda.current_stream(self.device).cuda_stream
         x_ptr, idx_ptr = x.data_ptr(), topk_idx.data_ptr()
         hook = self._ll_launch(lambda phases, s: ll.ctx.dispatch(phases, blocks, x_ptr, idx_ptr, T, K, slot, use_fp8,
-                                                                 use_ue8m0, s), return_recv_hook, stream)
+                                                                 use_ue8m0, s), return_recv_hook, stream,
+                               after_send=self._ll_puts(ll, 0, slot))
         recv_x, recv_count, layout, src_info = ll.outputs(slot, use_fp8)
         handle = LowLatencyHandle(src_info=src_info, layout=layout, recv_pos=ll.recv_pos(slot, T, K),
                                   num_experts=num_experts, num_max_dispatch_tokens_per_rank=M, hidden=H,
@@ -114,9 +129,14 @@ class LowLatencyCalls:
         out = torch.empty(T, H, dtype=torch.bfloat16, device=self.device)
         blocks, slot, stream = self.ll_blocks, handle.slot, torch.cuda.current_stream(self.device).cuda_stream
         ptrs = (x.data_ptr(), topk_weights.data_ptr(), topk_idx.data_ptr(), out.data_ptr())
+        if ll.put_peers:
+            # the send half waits for every source's weights: put peers get ours first (a weights-only launch)
+            ll.ctx.combine(LL_WEIGHTS, blocks, *ptrs, T, K, slot, use_fp8, stream)
+            ll.put_weights(slot, stream, self.nvl.masked)
         # the receive half reads x (our own tokens' partial), topk_idx and topk_weights, and writes out
         hook = self._ll_launch(lambda phases, s: ll.ctx.combine(phases, blocks, *ptrs, T, K, slot, use_fp8, s),
-                               return_recv_hook, stream, keep=(x, topk_idx, topk_weights, out))
+                               return_recv_hook, stream, keep=(x, topk_idx, topk_weights, out),
+                               after_send=self._ll_puts(ll, 1, slot))
         return out, hook
 
     @property

@@ -14,15 +14,17 @@ from .arena import as_device_bytes
 class NvshmemMemory:
     """``ptr``: our block (zero-filled); ``peer_ptrs[r]``: rank r's block as mapped here (``nvshmem_ptr``; ours
     at ``rank``), or None with ``map_peers=False`` (for users that reach peers through NVSHMEM's own puts, which
-    need no load/store mapping). Collective: every rank of the group constructs it with the same size, at the
+    need no load/store mapping; with ``allow_unreachable`` a peer NVSHMEM cannot map is 0 there). Collective:
+    every rank of the group constructs it with the same size, at the
     same time. The first one in a process initializes NVSHMEM over the group (see nvshmem_session)."""
 
-    def __init__(self, C, group, rank: int, world_size: int, nbytes: int, map_peers: bool = True):
+    def __init__(self, C, group, rank: int, world_size: int, nbytes: int, map_peers: bool = True,
+                 allow_unreachable: bool = False):
         self.rank, self.nbytes = rank, nbytes
         self.block, self.ptr = nvshmem_session.allocate(group, nbytes)
         try:
-            self.peer_ptrs: Optional[List[int]] = (nvshmem_session.peer_ptrs(self.ptr, world_size) if map_peers
-                                                   else None)
+            self.peer_ptrs: Optional[List[int]] = (
+                nvshmem_session.peer_ptrs(self.ptr, world_size, allow_unreachable) if map_peers else None)
             device = torch.device("cuda", torch.cuda.current_device())
             view = as_device_bytes(self.ptr, nbytes, device)
             if view.data_ptr() != self.ptr:  # torch placed the pointer on another device and copied it

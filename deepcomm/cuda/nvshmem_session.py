@@ -143,12 +143,13 @@ def release(block: int) -> None:
         _session.released.add(block)
 
 
-def peer_ptrs(ptr: int, world_size: int) -> List[int]:
-    """Every PE's copy of the symmetric block at ``ptr``, mapped here (``nvshmem_ptr``); ours at our PE."""
+def peer_ptrs(ptr: int, world_size: int, allow_unreachable: bool = False) -> List[int]:
+    """Every PE's copy of the symmetric block at ``ptr``, mapped here (``nvshmem_ptr``); ours at our PE. A PE with
+    no load/store mapping is 0 with ``allow_unreachable`` (the caller reaches it by puts), else an error."""
     n = load_library()
     out = [n.peer_ptr(ptr, pe) for pe in range(world_size)]
     unreachable = [pe for pe, p in enumerate(out) if p == 0]
-    if unreachable:
+    if unreachable and not allow_unreachable:
         raise RuntimeError(f"deepcomm: NVSHMEM gives no load/store mapping of ranks {unreachable} (nvshmem_ptr "
                            "returned NULL): the low-latency kernels need every peer reachable over NVLink / P2P; "
                            "use DEEPCOMM_LL_MEMORY=ipc, or keep the group on one NVLink domain")

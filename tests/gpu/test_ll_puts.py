@@ -1,0 +1,86 @@
+"""Low-latency mode with every peer reached by NVSHMEM puts (DEEPCOMM_LL_FORCE_PUTS=1 on NVSHMEM memory), on 2 GPUs
+that NVLink could map: the send halves write into our own outbox blocks, the host puts their data and then their
+flags (the per-block arrival words) into the peer's inbox, and the results match the reference bit for bit, with and
+without a hook, and in a replayed CUDA graph. This is the path of peers on other nodes (deepcomm/cuda/ll_buffer.py),
+proven here between NVLink peers. Not run on GPUs yet."""
+import os
+
+import pytest
+import torch
+
+from deepcomm.bench.peers import capture_graph
+from nccl_run import gpu_count, has_nvshmem_wheel, run_on_gpus
+from test_ll_kernels import M, _check_dispatch, _routing, check_cases
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_count() < 2, reason="needs 2 GPUs with peer access"),
+              pytest.mark.skipif(not has_nvshmem_wheel(),
+                                 reason="nvidia.nvshmem is not importable (pip install nvidia-nvshmem-cu13)")]
+
+
+def _forced_puts_worker(rank, world):
+    os.environ["DEEPCOMM_LL_MEMORY"] = "nvshmem"
+    os.environ["DEEPCOMM_LL_FORCE_PUTS"] = "1"
+    import deepcomm
+    dev = torch.device("cuda", rank)
+    gen = torch.Generator().manual_seed(900 + rank)
+    cuda = deepcomm.Buffer(max_tokens_per_rank=256, hidden=7168, backend="cuda", num_max_low_latency_tokens=M,
+                           num_sms=16, timeout_s=20)
+    ref = deepcomm.Buffer(max_tokens_per_rank=256, hidden=7168, backend="reference", num_max_low_latency_tokens=M)
+    # largest shape first: it sizes the symmetric heap
+    cases = [(128, 7168, 64, 8, "random", "fp8"), (7, 2048, 64, 4, "masked", "bf16"),
+             (0 if rank == 0 else 5, 2176, 32, 6, "random", "ue8m0"), (33, 2176, 32, 6, "one_expert", "bf16")]
+    check_cases(cuda, ref, cases, gen, dev, world)
+    ll = cuda._backend._ll
+    assert ll.put_peers == [1 - rank], ll.put_peers
+    assert cuda.low_latency_buffer_info()["memory"] == "nvshmem"
+
+    # hook mode, both slots in flight before either is received
+    T, H, E, K = 64, 2176, 32, 6
+    pending = []
+    for _ in range(2):
+        idx, w = _routing(gen, T, E, K, "random", dev)
+        x = (torch.randn(T, H, generator=gen) * 2).to(torch.bfloat16).to(dev)
+        got = cuda.low_latency_dispatch(x, idx, M, E, use_fp8=True, return_recv_hook=True)
+        pending.append((x, idx, w, got))
+    for x, idx, w, got in pending:
+        got[3]()
+        want = ref.low_latency_dispatch(x, idx, M, E, use_fp8=True)
+        _check_dispatch(got, want, "hook")
+        y = torch.randn(E // world, world * M, H, generator=gen).to(torch.bfloat16).to(dev)
+        out, hook = cuda.low_latency_combine(y, idx, w, got[2], return_recv_hook=True)
+        hook()
+        assert torch.equal(out, ref.low_latency_combine(y, idx, w, want[2])[0]), "hook combine"
+    torch.cuda.synchronize(dev)
+
+    # CUDA graph: dispatch + combine (with their on-stream puts and the combine's weights phase) captured once,
+    # replayed with new inputs. Capture of NVSHMEM's on-stream puts is the untested part of this path.
+    xs = torch.zeros(T, H, dtype=torch.bfloat16, device=dev)
+    idxs, ws = _routing(gen, T, E, K, "random", dev)
+    ys = torch.zeros(E // world, world * M, H, dtype=torch.bfloat16, device=dev)
+
+    def step():
+        rx, cnt, h, _ = cuda.low_latency_dispatch(xs, idxs, M, E, use_fp8=False)
+        o, _ = cuda.low_latency_combine(ys, idxs, ws, h)
+        return rx, cnt, h, o
+
+    graph, static = capture_graph(step)
+    for replay in range(3):
+        x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(dev)
+        idx, w = _routing(gen, T, E, K, "masked", dev)
+        y = torch.randn(E // world, world * M, H, generator=gen).to(torch.bfloat16).to(dev)
+        xs.copy_(x), idxs.copy_(idx), ws.copy_(w), ys.copy_(y)
+        graph.replay()
+        torch.cuda.synchronize(dev)
+        want = ref.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+        _check_dispatch(static[:3] + (None,), want, f"graph replay {replay} with puts")
+        assert torch.equal(static[3], ref.low_latency_combine(y, idx, w, want[2])[0]), f"graph replay {replay}"
+    torch.cuda.synchronize(dev)
+    del graph, static
+    from deepcomm.cuda import nvshmem_session as ns
+    cuda.destroy()
+    ref.destroy()
+    ns.finalize()
+
+
+def test_low_latency_through_forced_puts_matches_reference():
+    run_on_gpus(_forced_puts_worker, 2, timeout_s=300)
