@@ -170,7 +170,7 @@ class Deepcomm:
         return True
 
     def reported_num_sms(self, case: Case):
-        if not self.uses_sms or case.mode == "internode":  # internode: one posting and one NIC block per peer
+        if not self.uses_sms:
             return None
         return case.num_sms if case.num_sms is not None else self.default_num_sms
 

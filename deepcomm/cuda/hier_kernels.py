@@ -1,8 +1,8 @@
 """Internode normal dispatch and combine as dedicated kernels (csrc/kernels/hier_kernels.hpp): the same routes
 and the same results, bit for bit, as hier_normal.py, but each call's RDMA hop, NVLink forwarding, node
 reduction and final sum run in one launch, with ``num_sms`` split between the RDMA role (packing, reducing,
-summing) and the NVLink role (forwarding, gathering); the poster block and, on the emulated transport, one NIC
-block per rail peer come on top.
+summing) and the NVLink role (forwarding, gathering); the poster block and, on the emulated transport, a crew of
+NIC blocks per rail peer (up to 8, as the SMs allow: csrc/transport/nic_serve_block.cuh) come on top.
 
 Host work per call: the count exchange of a fresh dispatch (one exchange round and its host sync, as before),
 the layout arithmetic from the count matrix (host lists), torch packing of the rows before the launch and

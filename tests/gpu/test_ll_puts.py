@@ -2,7 +2,7 @@
 that NVLink could map: the send halves write into our own outbox blocks, the host puts their data and then their
 flags (the per-block arrival words) into the peer's inbox, and the results match the reference bit for bit, with and
 without a hook, and in a replayed CUDA graph. This is the path of peers on other nodes (deepcomm/cuda/ll_buffer.py),
-proven here between NVLink peers. Not run on GPUs yet."""
+proven here between NVLink peers."""
 import os
 
 import pytest
