@@ -59,6 +59,32 @@ def check_cases(cuda, ref, cases, gen, dev, world):
         assert torch.equal(out8, ref.low_latency_combine(y, idx, w, want[2], use_fp8=True)[0]), f"{what}: fp8 combine"
 
 
+
+def check_graph_replay(cuda, ref, gen, dev, world, T, E, K, H, label):
+    """Dispatch + combine (bf16) captured once in a CUDA graph, replayed 3 times with new inputs copied into the
+    captured tensors; every replay's outputs against the reference."""
+    xs = torch.zeros(T, H, dtype=torch.bfloat16, device=dev)
+    idxs, ws = _routing(gen, T, E, K, "random", dev)
+    ys = torch.zeros(E // world, world * M, H, dtype=torch.bfloat16, device=dev)
+
+    def step():
+        rx, cnt, h, _ = cuda.low_latency_dispatch(xs, idxs, M, E, use_fp8=False)
+        o, _ = cuda.low_latency_combine(ys, idxs, ws, h)
+        return rx, cnt, h, o
+
+    graph, static = capture_graph(step)
+    for replay in range(3):
+        x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(dev)
+        idx, w = _routing(gen, T, E, K, "masked", dev)
+        y = torch.randn(E // world, world * M, H, generator=gen).to(torch.bfloat16).to(dev)
+        xs.copy_(x), idxs.copy_(idx), ws.copy_(w), ys.copy_(y)
+        graph.replay()
+        torch.cuda.synchronize(dev)
+        want = ref.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+        _check_dispatch(static[:3] + (None,), want, f"{label} {replay}")
+        assert torch.equal(static[3], ref.low_latency_combine(y, idx, w, want[2])[0]), f"{label} {replay}"
+    torch.cuda.synchronize(dev)
+
 def _worker(rank, world):
     import deepcomm
     dev = torch.device("cuda", rank)
@@ -172,28 +198,8 @@ def _worker(rank, world):
     assert torch.equal(out, ref_out), "combine hook on another stream"
 
     # CUDA graph: dispatch + combine captured once, replayed with new inputs
-    xs = torch.zeros(T, H, dtype=torch.bfloat16, device=dev)
-    idxs, ws = _routing(gen, T, E, K, "random", dev)
-    ys = torch.zeros(E // world, world * M, H, dtype=torch.bfloat16, device=dev)
-
-    def step():
-        rx, cnt, h, _ = cuda.low_latency_dispatch(xs, idxs, M, E, use_fp8=False)
-        o, _ = cuda.low_latency_combine(ys, idxs, ws, h)
-        return rx, cnt, h, o
-
-    graph, static = capture_graph(step)
-    for replay in range(3):
-        x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(dev)
-        idx, w = _routing(gen, T, E, K, "masked", dev)
-        y = torch.randn(E // world, world * M, H, generator=gen).to(torch.bfloat16).to(dev)
-        xs.copy_(x), idxs.copy_(idx), ws.copy_(w), ys.copy_(y)
-        graph.replay()
-        torch.cuda.synchronize()
-        want = ref.low_latency_dispatch(x, idx, M, E, use_fp8=False)
-        _check_dispatch(static[:3] + (None,), want, f"graph replay {replay}")
-        assert torch.equal(static[3], ref.low_latency_combine(y, idx, w, want[2])[0]), f"graph replay {replay}"
+    check_graph_replay(cuda, ref, gen, dev, world, T, E, K, H, "graph replay")  # the graph is freed on return
     cuda.synchronize()
-    del graph, static
     cuda.destroy()
     ref.destroy()
 

@@ -8,9 +8,8 @@ import os
 import pytest
 import torch
 
-from deepcomm.bench.peers import capture_graph
 from nccl_run import gpu_count, has_nvshmem_wheel, run_on_gpus
-from test_ll_kernels import M, _check_dispatch, _routing, check_cases
+from test_ll_kernels import M, _check_dispatch, _routing, check_cases, check_graph_replay
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_count() < 2, reason="needs 2 GPUs with peer access"),
               pytest.mark.skipif(not has_nvshmem_wheel(),
@@ -53,29 +52,8 @@ def _forced_puts_worker(rank, world):
     torch.cuda.synchronize(dev)
 
     # CUDA graph: dispatch + combine (with their on-stream puts and the combine's weights phase) captured once,
-    # replayed with new inputs. Capture of NVSHMEM's on-stream puts is the untested part of this path.
-    xs = torch.zeros(T, H, dtype=torch.bfloat16, device=dev)
-    idxs, ws = _routing(gen, T, E, K, "random", dev)
-    ys = torch.zeros(E // world, world * M, H, dtype=torch.bfloat16, device=dev)
-
-    def step():
-        rx, cnt, h, _ = cuda.low_latency_dispatch(xs, idxs, M, E, use_fp8=False)
-        o, _ = cuda.low_latency_combine(ys, idxs, ws, h)
-        return rx, cnt, h, o
-
-    graph, static = capture_graph(step)
-    for replay in range(3):
-        x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(dev)
-        idx, w = _routing(gen, T, E, K, "masked", dev)
-        y = torch.randn(E // world, world * M, H, generator=gen).to(torch.bfloat16).to(dev)
-        xs.copy_(x), idxs.copy_(idx), ws.copy_(w), ys.copy_(y)
-        graph.replay()
-        torch.cuda.synchronize(dev)
-        want = ref.low_latency_dispatch(x, idx, M, E, use_fp8=False)
-        _check_dispatch(static[:3] + (None,), want, f"graph replay {replay} with puts")
-        assert torch.equal(static[3], ref.low_latency_combine(y, idx, w, want[2])[0]), f"graph replay {replay}"
-    torch.cuda.synchronize(dev)
-    del graph, static
+    # replayed with new inputs.
+    check_graph_replay(cuda, ref, gen, dev, world, T, E, K, H, "graph replay with puts")
     from deepcomm.cuda import nvshmem_session as ns
     cuda.destroy()
     ref.destroy()
