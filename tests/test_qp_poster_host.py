@@ -62,12 +62,14 @@ def test_threads_post_through_nic_thread(channels, messages, slot, inline_every,
 
 def test_unsignaled_wqes_larger_than_the_ring_time_out_waiting_for_room():
     """A 4-WQEBB inline write (unsignaled) fills a 4-WQEBB ring: its signal can never get a slot. The poster
-    reports qp:room after its timeout instead of hanging; every message before it arrived."""
+    times out waiting for room (qp:room) instead of hanging; every message before it arrived. The NIC, waiting for
+    a doorbell that cannot come, times out after the same timeout: whichever of the two threads gets there first
+    is recorded, which one depends on the scheduling of a loaded machine."""
     slot, messages = 220, 64
     sizes = [T.qp_test_message_bytes(0, m, slot, 1) for m in range(messages)]
     first_big = next(m for m, n in enumerate(sizes) if _wqebbs(n, True) == 4)
-    src, r, _ = _run(1, messages, slot, 1, 2, 0, timeout_s=1.5)  # room for a loaded 2-core CI machine
-    assert r["failed_stage"] == STAGE_QP_ROOM
+    src, r, _ = _run(1, messages, slot, 1, 2, 0, timeout_s=0.5)
+    assert r["failed_stage"] in (STAGE_QP_ROOM, STAGE_NIC_DOORBELL), r["failed_stage"]
     assert r["counters"] == [first_big]
     _check_delivered(src, r, [sizes], slot, upto=first_big)
 

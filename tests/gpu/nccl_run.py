@@ -88,13 +88,13 @@ def run_on_gpus(fn, world: int, *args, timeout_s: float = 300.0, attempts: int =
             p.join()
         if retry:
             continue
+        if first is None and hung:  # what the killed ranks' peers report afterwards is a consequence, not the cause
+            raise AssertionError(f"ranks {hung} did not finish within {timeout_s} s")
         while first is None and not errors.empty():
             first = errors.get()
         if first is not None:
             rank, tb = first
             raise AssertionError(f"rank {rank} failed:\n{tb.removeprefix(_PORT_TAKEN)}")
-        if hung:
-            raise AssertionError(f"ranks {hung} did not finish within {timeout_s} s")
         bad = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode != 0]
         if bad:
             raise AssertionError(f"processes exited with codes {bad}")
