@@ -318,7 +318,7 @@ __global__ void __launch_bounds__(kHierThreads) hier_combine_kernel(HierCombineA
   } else if (b == a.rdma_blocks + a.nvl_blocks) {
     const HierTopo& t = a.topo;
     auto bytes_of = [&](int j) -> uint64_t {
-      const int m = j < t.node ? j : j + 1;
+      const int m = peer_node(t, j);
       const int single = a.singles[m];
       return uint64_t(single) * a.held_stride + uint64_t(a.rows_from[m] - single) * a.partial_stride;
     };
@@ -331,27 +331,8 @@ __global__ void __launch_bounds__(kHierThreads) hier_combine_kernel(HierCombineA
 }  // namespace
 
 void launch_hier_combine(const HierCombineArgs& a, const KeyTable& keys, const WaitCtx& ctx, cudaStream_t stream) {
-  int device = 0, sms = 0;
-  DC_CUDA_CHECK(cudaGetDevice(&device));
-  DC_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   const HierTopo& t = a.topo;
-  DC_HOST_ASSERT(t.num_nodes >= 1 && t.num_nodes <= kHierMaxNodes,
-                 "hier_combine: num_nodes must be in [1, " + std::to_string(kHierMaxNodes) + "]");
-  DC_HOST_ASSERT(t.gpus >= 1 && t.gpus <= kMaxNodeGpus,
-                 "hier_combine: gpus per node must be in [1, " + std::to_string(kMaxNodeGpus) + "]");
-  DC_HOST_ASSERT(t.node >= 0 && t.node < t.num_nodes && t.local >= 0 && t.local < t.gpus &&
-                     t.rank == t.node * t.gpus + t.local,
-                 "hier_combine: inconsistent topology (rank = node * gpus + local)");
-  DC_HOST_ASSERT(a.rdma.num_peers == t.num_nodes - 1, "hier_combine: num_peers must be num_nodes - 1");
-  DC_HOST_ASSERT(a.rdma_blocks >= 1 && a.nvl_blocks >= 1, "hier_combine: rdma_blocks and nvl_blocks must be >= 1");
-  DC_HOST_ASSERT(!a.rdma.emulate_nic || (a.rdma.nic_blocks >= 1 && a.rdma.nic_blocks <= kNicMaxBlocks),
-                 "hier_combine: nic_blocks must be in [1, " + std::to_string(kNicMaxBlocks) + "]");
-  const int blocks = a.rdma_blocks + a.nvl_blocks + 1 +
-                     (a.rdma.emulate_nic ? a.rdma.num_peers * a.rdma.nic_blocks : 0);
-  // Blocks wait on each other: every one must be resident at once.
-  DC_HOST_ASSERT(blocks <= sms, "hier_combine: " + std::to_string(blocks) +
-                                    " blocks (rdma + nvl + poster + NICs) exceed the " + std::to_string(sms) +
-                                    " SMs; lower num_sms");
+  const int blocks = checked_grid_blocks(t, a.rdma, a.rdma_blocks, a.nvl_blocks, "hier_combine");
   DC_HOST_ASSERT(a.hidden >= 1 && a.topk >= 0 && a.num_tokens >= 0, "hier_combine: bad hidden, topk or num_tokens");
   DC_HOST_ASSERT(!a.fp8 || a.hidden % 128 == 0, "hier_combine: fp8 needs hidden % 128 == 0");
   DC_HOST_ASSERT(a.held_stride % 16 == 0 && a.w_off % 4 == 0, "hier_combine: held_stride % 16, w_off % 4");

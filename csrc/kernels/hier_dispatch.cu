@@ -190,12 +190,9 @@ __global__ void __launch_bounds__(kHierThreads) hier_dispatch_kernel(HierDispatc
   } else if (blk < poster) {
     forward_block(a, blk - a.rdma_blocks, ctx);
   } else if (blk == poster) {
-    const HierTopo t = a.topo;
-    const int* rows_to = a.rows_to;
-    const uint64_t stride = a.stride;
     poster_block(
         a.rdma, &a.counters[0], uint32_t(a.rdma_blocks),
-        [&](int j) { return uint64_t(rows_to[j < t.node ? j : j + 1]) * stride; }, ctx);
+        [&](int j) { return uint64_t(a.rows_to[peer_node(a.topo, j)]) * a.stride; }, ctx);
   } else {
     nic_block(a.rdma, blk - poster - 1, keys, ctx);
   }
@@ -210,15 +207,7 @@ void launch_hier_dispatch(const HierDispatchArgs& args, const transport::KeyTabl
                           cudaStream_t stream) {
   const HierTopo& t = args.topo;
   const int N = t.num_nodes, G = t.gpus;
-  DC_HOST_ASSERT(N >= 1 && N <= kHierMaxNodes, "hier_dispatch: num_nodes must be in [1, " +
-                                                   std::to_string(kHierMaxNodes) + "]");
-  DC_HOST_ASSERT(G >= 1 && G <= kMaxNodeGpus,
-                 "hier_dispatch: gpus must be in [1, " + std::to_string(kMaxNodeGpus) + "]");
-  DC_HOST_ASSERT(t.node >= 0 && t.node < N && t.local >= 0 && t.local < G && t.rank == t.node * G + t.local,
-                 "hier_dispatch: topo must have node < num_nodes, local < gpus, rank = node * gpus + local");
-  DC_HOST_ASSERT(args.rdma.num_peers == N - 1 && args.rdma.num_peers <= kHierThreads,
-                 "hier_dispatch: num_peers must be num_nodes - 1");
-  DC_HOST_ASSERT(args.rdma_blocks >= 1 && args.nvl_blocks >= 1, "hier_dispatch: rdma_blocks and nvl_blocks >= 1");
+  const int blocks = checked_grid_blocks(t, args.rdma, args.rdma_blocks, args.nvl_blocks, "hier_dispatch");
   DC_HOST_ASSERT(args.stride >= 16 && args.stride % 16 == 0, "hier_dispatch: stride must be a multiple of 16");
   DC_HOST_ASSERT(G == 1 || (args.mask_off % 4 == 0 && uint64_t(args.mask_off) + 4 <= args.stride),
                  "hier_dispatch: mask_off must be 4-byte aligned and inside the row");
@@ -232,17 +221,6 @@ void launch_hier_dispatch(const HierDispatchArgs& args, const transport::KeyTabl
                        uint64_t(args.rows_to[m]) * args.stride <= args.rdma.slot_bytes,
                    "hier_dispatch: rows of node " + std::to_string(m) + " do not fit slot_bytes");
   }
-  int device = 0, sms = 0;
-  DC_CUDA_CHECK(cudaGetDevice(&device));
-  DC_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  DC_HOST_ASSERT(!args.rdma.emulate_nic ||
-                     (args.rdma.nic_blocks >= 1 && args.rdma.nic_blocks <= transport::kNicMaxBlocks),
-                 "hier_dispatch: nic_blocks must be in [1, " + std::to_string(transport::kNicMaxBlocks) + "]");
-  const int blocks = args.rdma_blocks + args.nvl_blocks + 1 +
-                     (args.rdma.emulate_nic ? args.rdma.num_peers * args.rdma.nic_blocks : 0);
-  // Blocks wait on each other (pack -> poster -> NIC -> forward): every one must be resident at once.
-  DC_HOST_ASSERT(blocks <= sms, "hier_dispatch: rdma_blocks + nvl_blocks + 1 + NIC blocks = " +
-                                    std::to_string(blocks) + " exceeds num_sms (" + std::to_string(sms) + ")");
   hier_dispatch_kernel<<<blocks, kHierThreads, 0, stream>>>(args, keys, ctx);
   DC_CUDA_CHECK(cudaGetLastError());
 }

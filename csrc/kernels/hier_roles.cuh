@@ -2,6 +2,9 @@
 // hop, the free / arrive words of the NVLink hop, the block-done counters, and row copies that read memory other
 // agents write during the launch.
 #pragma once
+#include <string>
+
+#include "../runtime/cuda_check.hpp"
 #include "../runtime/wait.cuh"
 #include "../transport/device_qp.cuh"
 #include "../transport/nic_serve_block.cuh"
@@ -15,8 +18,8 @@ using namespace transport;
 
 __device__ __forceinline__ int rail_rank(const HierTopo& t, int node) { return node * t.gpus + t.local; }
 __device__ __forceinline__ int node_rank(const HierTopo& t, int g) { return t.node * t.gpus + g; }
-// Index of node m's queue pair in HierRdma::peers (nodes ascending, ours skipped).
-__device__ __forceinline__ int peer_index(const HierTopo& t, int m) { return m < t.node ? m : m - 1; }
+// The node of queue pair j in HierRdma::peers (nodes ascending, ours skipped).
+__device__ __forceinline__ int peer_node(const HierTopo& t, int j) { return j < t.node ? j : j + 1; }
 
 // A warp copies n16 16-byte vectors with coherent loads (the source may have been written during this launch,
 // by our NIC or a node GPU, before the acquire that ordered it).
@@ -123,6 +126,31 @@ __device__ __forceinline__ void nic_block(const HierRdma& r, int i, const KeyTab
   nic_crew_block(i % r.nic_blocks, r.nic_blocks, qp, keys, reinterpret_cast<uint32_t*>(p.stop_ptr),
                  uint32_t(r.round), waiter, reinterpret_cast<NicTotals*>(p.totals_ptr),
                  reinterpret_cast<NicCrew*>(p.crew_ptr));
+}
+
+// Host: the checks both launchers share (topology, queue pairs, roles, NIC crews) and the grid's block count,
+// which must fit the device at once because the blocks wait on each other. `what` names the kernel in messages.
+inline int checked_grid_blocks(const HierTopo& t, const HierRdma& r, int rdma_blocks, int nvl_blocks,
+                               const std::string& what) {
+  DC_HOST_ASSERT(t.num_nodes >= 1 && t.num_nodes <= kHierMaxNodes,
+                 what + ": num_nodes must be in [1, " + std::to_string(kHierMaxNodes) + "]");
+  DC_HOST_ASSERT(t.gpus >= 1 && t.gpus <= kMaxNodeGpus,
+                 what + ": gpus per node must be in [1, " + std::to_string(kMaxNodeGpus) + "]");
+  DC_HOST_ASSERT(t.node >= 0 && t.node < t.num_nodes && t.local >= 0 && t.local < t.gpus &&
+                     t.rank == t.node * t.gpus + t.local,
+                 what + ": topo must have node < num_nodes, local < gpus, rank = node * gpus + local");
+  DC_HOST_ASSERT(r.num_peers == t.num_nodes - 1 && r.num_peers <= kHierThreads,
+                 what + ": num_peers must be num_nodes - 1");
+  DC_HOST_ASSERT(rdma_blocks >= 1 && nvl_blocks >= 1, what + ": rdma_blocks and nvl_blocks must be >= 1");
+  DC_HOST_ASSERT(!r.emulate_nic || (r.nic_blocks >= 1 && r.nic_blocks <= kNicMaxBlocks),
+                 what + ": nic_blocks must be in [1, " + std::to_string(kNicMaxBlocks) + "]");
+  int device = 0, sms = 0;
+  DC_CUDA_CHECK(cudaGetDevice(&device));
+  DC_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int blocks = rdma_blocks + nvl_blocks + 1 + (r.emulate_nic ? r.num_peers * r.nic_blocks : 0);
+  DC_HOST_ASSERT(blocks <= sms, what + ": " + std::to_string(blocks) + " blocks (rdma + nvl + poster + NICs) " +
+                                    "exceed the " + std::to_string(sms) + " SMs; lower num_sms");
+  return blocks;
 }
 
 }  // namespace dc::hier

@@ -87,6 +87,17 @@ WaitCtx ctx_of(const py::dict& d, int rank) {
                  ptr<const uint64_t>(d, "seq_ptr")};
 }
 
+// The fields both launches share: topology, RDMA hop, NVLink hop, launch counters and the role split.
+template <typename Args>
+void fill_common(Args& a, const py::dict& d) {
+  a.topo = topo_of(d);
+  a.rdma = rdma_of(d);
+  a.nvl = node_of(d, a.topo.gpus);
+  a.counters = ptr<uint32_t>(d, "counters");
+  a.rdma_blocks = get<int>(d, "rdma_blocks");
+  a.nvl_blocks = get<int>(d, "nvl_blocks");
+}
+
 }  // namespace
 
 void bind_hier(py::module_& m) {
@@ -97,9 +108,7 @@ void bind_hier(py::module_& m) {
 
   m.def("hier_dispatch", [](const py::dict& d, const KeyTable& keys, uintptr_t stream) {
     HierDispatchArgs a{};
-    a.topo = topo_of(d);
-    a.rdma = rdma_of(d);
-    a.nvl = node_of(d, a.topo.gpus);
+    fill_common(a, d);
     a.rows = ptr<const uint8_t>(d, "rows");
     a.stride = get<uint32_t>(d, "stride");
     a.mask_off = get<uint32_t>(d, "mask_off");
@@ -112,18 +121,13 @@ void bind_hier(py::module_& m) {
     a.route = ptr<int32_t>(d, "route");
     a.singles = ptr<int32_t>(d, "singles");
     a.max_rows = get<int>(d, "max_rows");
-    a.counters = ptr<uint32_t>(d, "counters");
-    a.rdma_blocks = get<int>(d, "rdma_blocks");
-    a.nvl_blocks = get<int>(d, "nvl_blocks");
     launch_hier_dispatch(a, keys, ctx_of(d, a.topo.rank), reinterpret_cast<cudaStream_t>(stream));
   }, py::arg("fields"), py::arg("keys"), py::arg("stream"),
      "Launch one hierarchical internode dispatch (csrc/kernels/hier_kernels.hpp); fields: a dict of ints.");
 
   m.def("hier_combine", [](const py::dict& d, const KeyTable& keys, uintptr_t stream) {
     HierCombineArgs a{};
-    a.topo = topo_of(d);
-    a.rdma = rdma_of(d);
-    a.nvl = node_of(d, a.topo.gpus);
+    fill_common(a, d);
     a.held = ptr<const uint8_t>(d, "held");
     a.held_stride = get<uint32_t>(d, "held_stride");
     a.w_off = get<uint32_t>(d, "w_off");
@@ -144,9 +148,6 @@ void bind_hier(py::module_& m) {
     a.num_tokens = get<int>(d, "num_tokens");
     a.out_x = ptr<uint16_t>(d, "out_x");
     a.out_w = ptr<float>(d, "out_w");
-    a.counters = ptr<uint32_t>(d, "counters");
-    a.rdma_blocks = get<int>(d, "rdma_blocks");
-    a.nvl_blocks = get<int>(d, "nvl_blocks");
     launch_hier_combine(a, keys, ctx_of(d, a.topo.rank), reinterpret_cast<cudaStream_t>(stream));
   }, py::arg("fields"), py::arg("keys"), py::arg("stream"),
      "Launch one hierarchical internode combine (csrc/kernels/hier_kernels.hpp); fields: a dict of ints.");

@@ -59,6 +59,11 @@ class HierKernels:
         self.comm = comm
         self.tr, self.link = comm.transport, comm.link
         self.counters = torch.zeros(4, dtype=torch.int32, device=comm.device)
+        # The queue pairs' table (InternodePeer rows) never changes: the section for rail rank d starts at
+        # d * slot_bytes and the kernels decide the bytes. Built once, not per launch.
+        R, tr = comm.world_size, self.tr
+        rows = tr.peer_rows([0] * R, [d * tr.slot_bytes for d in range(R)])
+        self.peer_table = torch.tensor(rows, dtype=torch.int64).to(comm.device)
         self.set_num_sms(num_sms)
 
     def set_num_sms(self, num_sms: int) -> None:
@@ -75,15 +80,11 @@ class HierKernels:
         comm, tr, link = self.comm, self.tr, self.link
         tr.refuse_if_broken()
         tr.round += 1
-        R = comm.world_size
-        rows = tr.peer_rows([0] * R, [d * tr.slot_bytes for d in range(R)])
-        table = torch.tensor(rows, dtype=torch.int64).to(comm.device)
         tr.seq.fill_(tr.round)
         self.counters.zero_()
-        self._keep = table  # alive until the launch is done (the sync after it)
         fields = dict(
             num_nodes=comm.num_nodes, gpus=comm.gpus, node=comm.node, local=comm.local,
-            peers=table.data_ptr(), num_peers=len(tr.peers), lkey=tr.lkey, round=tr.round, chunk_bytes=CHUNK_BYTES,
+            peers=self.peer_table.data_ptr(), num_peers=len(tr.peers), lkey=tr.lkey, round=tr.round, chunk_bytes=CHUNK_BYTES,
             log_wqebbs=LOG_WQEBBS, log_cqes=LOG_WQEBBS, send=tr.mem.ptr + tr.offsets["send"],
             recv=tr.mem.ptr + tr.offsets["recv"], signal=tr.mem.ptr + tr.offsets["signal"],
             slot_bytes=tr.slot_bytes, emulate_nic=True, nic_blocks=self.nic_blocks,
@@ -97,7 +98,6 @@ class HierKernels:
         stream = torch.cuda.current_stream(self.comm.device)
         fn(fields, self.tr.keys, stream.cuda_stream)
         stream.synchronize()
-        self._keep = None
         self.tr.check_error()
 
     def _check_area(self, rows_into: List[int], stride: int) -> None:
@@ -231,10 +231,9 @@ def combine(k: HierKernels, x: torch.Tensor, handle: Handle, topk_weights: Optio
     holders = handle.is_token_in_rank.view(T, N, G).sum(dim=2)  # [T, N]
     recv_off = torch.full((T, N), -1, dtype=torch.int64, device=dev)
     for m in range(N):
-        has = holders[:, m] > 0
-        if m == comm.node:
-            slot = torch.cumsum(has.to(torch.int64), 0) - 1
-            recv_off[:, m] = torch.where(has, slot * partial_stride, recv_off[:, m])
+        if m == comm.node:  # our own partials: row = the token's place among ours our node holds
+            slot = _rdma_slots(holders[:, m:m + 1] > 0)[:, 0].to(torch.int64)
+            recv_off[:, m] = torch.where(slot >= 0, slot * partial_stride, recv_off[:, m])
             continue
         one, several = holders[:, m] == 1, holders[:, m] > 1
         r1 = torch.cumsum(one.to(torch.int64), 0) - 1
@@ -247,11 +246,10 @@ def combine(k: HierKernels, x: torch.Tensor, handle: Handle, topk_weights: Optio
     out_w = torch.empty(T, K, dtype=torch.float32, device=dev) if w is not None else None
     gather_t = torch.tensor(gather, dtype=torch.int64).to(dev)
     area_t = torch.tensor(area_off, dtype=torch.int64).to(dev)
-    own_w = w if w is not None else None
     with torch.cuda.device(dev):
         k._launch(k.tr.T.hier_combine, k._fields(
             held=rows.data_ptr(), held_stride=held_stride, w_off=w_off, hidden=H, topk=K, fp8=bool(use_fp8),
-            own_x=xs.data_ptr(), own_w=own_w.data_ptr() if own_w is not None else 0, own_begin=begins[rank],
+            own_x=xs.data_ptr(), own_w=w.data_ptr() if w is not None else 0, own_begin=begins[rank],
             gather=gather_t.data_ptr(), route=info.route.data_ptr(), singles=info.singles.data_ptr(),
             max_rows=info.route.shape[1], rows_from=info.rows_from, area_off=area_t.data_ptr(),
             partial_stride=partial_stride, recv_off=recv_off.data_ptr(), num_tokens=T, out_x=out_x.data_ptr(),

@@ -50,12 +50,14 @@ class LlBuffer:
         self.rank = rank
         forced = force_puts(memory)
         kw = {"allow_unreachable": True} if memory == "nvshmem" else {}
+        with_outbox = None
         if memory == "nvshmem":
             # a heap that also holds the outbox, should a peer turn out to need puts (sized once per process)
             from . import nvshmem_session
             with_outbox = C.LlContext(rank, world_size, num_experts, max_tokens, hidden, TOPK_MAX, True)
             nvshmem_session.session_for(group, heap_bytes=with_outbox.layout()["total"])
-        self.ctx = C.LlContext(rank, world_size, num_experts, max_tokens, hidden, TOPK_MAX, forced)
+        self.ctx = with_outbox if forced else C.LlContext(rank, world_size, num_experts, max_tokens, hidden,
+                                                          TOPK_MAX, False)
         self.layout = self.ctx.layout()
         self.memory = MEMORY[memory](C, group, rank, world_size, self.layout["total"], **kw)
         if memory == "nvshmem" and not forced:
@@ -64,7 +66,7 @@ class LlBuffer:
             dist.all_gather_object(unmapped, any(p == 0 for p in self.memory.peer_ptrs), group=group)
             if any(unmapped):
                 self.memory.close()
-                self.ctx = C.LlContext(rank, world_size, num_experts, max_tokens, hidden, TOPK_MAX, True)
+                self.ctx = with_outbox
                 self.layout = self.ctx.layout()
                 self.memory = MEMORY[memory](C, group, rank, world_size, self.layout["total"], **kw)
         lay = self.layout
@@ -136,15 +138,9 @@ class LlBuffer:
             return
         from . import nvshmem_session
         n = nvshmem_session.load_library()
-        lay, base = self.layout, self.memory.ptr
-        mine = lay["inbox"] + (slot * self.world_size + self.rank) * lay["block"]  # d's inbox for us: same offset
-        signal = base + mine + lay["put_seq"] + 8 * kind
         for section in ("data", "flags"):
-            begin, end = lay[section][kind]
-            for d in peers:
-                outbox = lay["outbox"] + (slot * self.world_size + d) * lay["block"]
-                n.putmem_signal_on_stream(base + mine + begin, base + outbox + begin, end - begin, signal, 1,
-                                          n.SIGNAL_ADD, d, stream)
+            begin, end = self.layout[section][kind]
+            self._put_section(n, slot, peers, begin, end, kind, stream)
             # data before flags; and the flags delivered before anything later on the stream (a reset of the
             # signals, a free of the buffer, the next call's puts into the same slot)
             n.quiet_on_stream(stream)
@@ -154,17 +150,21 @@ class LlBuffer:
         whose send half polls them (each carries its call's tag, so no order and no quiet are needed here; the
         data put after the send half carries the same words again, and its quiet covers this put too)."""
         peers = [d for d in self.put_peers if d not in masked]
-        if not peers:
-            return
-        from . import nvshmem_session
-        n = nvshmem_session.load_library()
+        if peers:
+            from . import nvshmem_session
+            self._put_section(nvshmem_session.load_library(), slot, peers, self.layout["ib"]["weights"],
+                              self.layout["ib"]["partials"], 1, stream)
+
+    def _put_section(self, n, slot: int, peers, begin: int, end: int, kind: int, stream: int) -> None:
+        """With the NVSHMEM library ``n``: bytes [begin, end) of our outbox block for each of ``peers`` into its
+        inbox for us (the same offset in its symmetric block), signalling its put_seq word of ``kind``."""
         lay, base = self.layout, self.memory.ptr
-        mine = lay["inbox"] + (slot * self.world_size + self.rank) * lay["block"]
-        begin, end = lay["ib"]["weights"], lay["ib"]["partials"]
+        mine = lay["inbox"] + (slot * self.world_size + self.rank) * lay["block"]  # d's inbox for us: same offset
+        signal = base + mine + lay["put_seq"] + 8 * kind
         for d in peers:
             outbox = lay["outbox"] + (slot * self.world_size + d) * lay["block"]
-            n.putmem_signal_on_stream(base + mine + begin, base + outbox + begin, end - begin,
-                                      base + mine + lay["put_seq"] + 8, 1, n.SIGNAL_ADD, d, stream)
+            n.putmem_signal_on_stream(base + mine + begin, base + outbox + begin, end - begin, signal, 1,
+                                      n.SIGNAL_ADD, d, stream)
 
     def reset_signals(self) -> None:
         """Zero the call numbers, counters and flags (and the mask): every rank at once, with no kernel running."""
