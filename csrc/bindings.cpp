@@ -220,17 +220,22 @@ PYBIND11_MODULE(_C, m) {
       .def("set_error_record", [](LlContext& c, uintptr_t dev) { c.err_device = ptr<ErrorRecord>(dev); })
       .def("set_timeout_ns", [](LlContext& c, uint64_t ns) { c.timeout_ns = ns; })
       .def("set_trace", [](LlContext& c, uintptr_t dev) { c.trace = ptr<uint64_t>(dev); })
+      .def("set_pdl", [](LlContext& c, int mode) {
+        DC_HOST_ASSERT(mode >= 0 && mode <= 2, "set_pdl: mode must be 0, 1 or 2");
+        c.pdl = mode;
+      })
       // phases: 1 send half, 2 receive half, 3 both in one kernel, 4 (combine only) the weights alone
       // (LlPhases, csrc/kernels/ll_common.cuh)
       .def("dispatch", [](const LlContext& c, int phases, int num_blocks, uintptr_t x, uintptr_t topk_idx, int T,
                           int K, int slot, bool use_fp8, bool use_ue8m0, uintptr_t stream) {
-        LlDispatchArgs a{ptr<const void>(x), ptr<const int64_t>(topk_idx), T, K, slot, use_fp8, use_ue8m0, c.trace};
+        LlDispatchArgs a{ptr<const void>(x), ptr<const int64_t>(topk_idx), T, K, slot, use_fp8, use_ue8m0, c.trace,
+                         c.pdl};
         launch_ll_dispatch(a, phases, num_blocks, c.layout, c.peers, c.wait_ctx(), stream_of(stream));
       })
       .def("combine", [](const LlContext& c, int phases, int num_blocks, uintptr_t x, uintptr_t topk_weights,
                          uintptr_t topk_idx, uintptr_t out, int T, int K, int slot, bool use_fp8, uintptr_t stream) {
         LlCombineArgs a{ptr<const void>(x), ptr<const float>(topk_weights), ptr<const int64_t>(topk_idx), ptr<void>(out),
-                        T, K, slot, use_fp8, c.trace};
+                        T, K, slot, use_fp8, c.trace, c.pdl};
         launch_ll_combine(a, phases, num_blocks, c.layout, c.peers, c.wait_ctx(), stream_of(stream));
       });
 }

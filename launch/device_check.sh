@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One full check on a GPU machine: build, GPU tests, benchmark. Logs and JSON go to $OUT (default ./out).
-#   bash launch/device_check.sh [quick|full|tests|bench|soak|verify|sanitize|ll|ll-ab|round|internode]
+#   bash launch/device_check.sh [quick|full|tests|bench|soak|verify|sanitize|ll|ll-ab|ll-settings|round|internode]
 #   (default quick; full = tests + soak + sanitize + bench, more than one device call's 600 s now: run its modes
 #    apart; verify = tests + soak, no bench; sanitize = compute-sanitizer memcheck/racecheck/synccheck on the
 #    intranode kernels, launch/sanitize.sh; ll = the low-latency loop: its GPU tests, the low-latency benchmark and
@@ -56,6 +56,27 @@ if [[ "$MODE" == ll-ab ]]; then
   git apply "$AB_PATCH" || { echo "ll-ab: the patch does not apply"; exit 1; }
   build B
   ll_tests_and_bench "-B"
+  exit 0
+fi
+
+# ll-settings: the low-latency GPU tests once, then the low-latency benchmark (deepcomm only, 1/128/256 tokens)
+# under each environment in $LL_SETTINGS (';'-separated, e.g. "DEEPCOMM_LL_PDL=0;DEEPCOMM_LL_PDL=1"; an A/B of
+# run-time settings with no rebuild), then the full low-latency sweep with NCCL under the defaults into
+# bench_ll.json; about 2 minutes plus one per setting
+if [[ "$MODE" == ll-settings ]]; then
+  t0=$(date +%s)
+  timeout 240 python3 -m pytest -q -ra -m gpu tests/gpu/test_ll_kernels.py tests/gpu/test_ll_puts.py \
+    tests/gpu/test_graph_async.py > "$OUT/gpu_tests.log" 2>&1
+  echo "low-latency gpu tests: rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$summary"
+  tail -6 "$OUT/gpu_tests.log"
+  IFS=';' read -ra settings <<< "${LL_SETTINGS:-DEEPCOMM_LL_PDL=0}"
+  for setting in "${settings[@]}"; do
+    echo "== $setting" | tee -a "$summary"
+    env $setting timeout 100 python3 -m deepcomm.bench --modes low_latency --ll-tokens 1,128,256 \
+      --systems deepcomm --no-progress 2>&1 | grep "cuda-graph" | tee -a "$summary"
+  done
+  timeout 150 python3 -m deepcomm.bench --modes low_latency --no-progress --json "$OUT/bench_ll.json" 2>&1 \
+    | grep "deepcomm\|nccl" | tee -a "$summary"
   exit 0
 fi
 

@@ -19,5 +19,11 @@ DC_DEVICE uint64_t globaltimer_ns() {
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
+// Programmatic dependent launch (sm_90): a kernel launched with the programmatic-serialization attribute may
+// start while the kernel before it in the stream still runs; grid_dependency_wait blocks until that kernel has
+// completed and its memory is visible (a no-op when launched without the attribute), and
+// launch_dependents lets the next such kernel start its blocks early.
+DC_DEVICE void grid_dependency_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+DC_DEVICE void launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 #endif
 }  // namespace dc::ptx

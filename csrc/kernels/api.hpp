@@ -92,11 +92,13 @@ struct LlDispatchArgs {
   int num_tokens, topk, slot;
   bool use_fp8, use_ue8m0;
   uint64_t* trace;         // diagnostics: [blocks][8] timer stamps (ll_common.cuh), or null
+  int pdl;                 // programmatic dependent launch: 0 off, 1 on and early, 2 on (ll_common.cuh ll_gate)
 };
 // Dispatch, receive half: wait for every rank's tokens, fan them out into the packed expert rows recv_x [L][R*M],
 // and write the slot's out_count [L], out_layout [L][R][2] (begin, count per source rank), out_src_info [L][R*M]
 // (source token, -1 past the count) and out_recv_pos [T][K] (row of each of our entries at its expert); it reads
 // slot, topk and use_fp8 of the args.
+// args.pdl != 0: launched with programmatic dependent launch (csrc/runtime/pdl_launch.hpp); so is the combine.
 void launch_ll_dispatch(const LlDispatchArgs& args, int phases, int num_blocks, const LlLayout& layout,
                         const Peers& peers, const WaitCtx& ctx, cudaStream_t stream);
 
@@ -109,6 +111,7 @@ struct LlCombineArgs {
   int num_tokens, topk, slot;
   bool use_fp8;               // partials that cross to another rank travel as e4m3 + fp32 scales per 128
   uint64_t* trace;            // diagnostics: [blocks][8] timer stamps (ll_common.cuh), or null
+  int pdl;                    // as LlDispatchArgs::pdl
 };
 // Send half: publish our weights, wait for everyone's, then send one partial per (token, source rank) (bf16 to
 // another rank, fp32 to ourselves). Receive half: out[t] = sum over the ranks holding t's experts, ascending, of

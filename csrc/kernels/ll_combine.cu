@@ -12,6 +12,7 @@
 #include <cuda_bf16.h>
 
 #include "../runtime/cuda_check.hpp"
+#include "../runtime/pdl_launch.hpp"
 #include "api.hpp"
 #include "bf16_vec.cuh"
 #include "combine_fp8.cuh"
@@ -256,6 +257,7 @@ template <int kPhases>
 __global__ void __launch_bounds__(kLlThreads, 1)
     ll_combine_kernel(LlCombineArgs a, LlLayout l, Peers peers, WaitCtx ctx) {
   constexpr bool kSend = kPhases & (kLlSendPhase | kLlWeightsPhase), kRecv = kPhases & kLlRecvPhase;
+  ll_gate(a.pdl);
   uint32_t alive;
   const uint64_t calls = ll_enter<kSend>(peers.base[ctx.rank], l, kLlCombine, a.slot, ctx, &alive);
   if constexpr (kPhases == kLlWeightsPhase) {
@@ -278,19 +280,15 @@ void launch_ll_combine(const LlCombineArgs& args, int phases, int num_blocks, co
   DC_HOST_ASSERT(args.topk <= layout.topk_max && args.num_tokens <= layout.max_tokens,
                  "low_latency_combine: tokens or topk over the buffer's maximum");
   const int smem = layout.num_ranks * int(sizeof(int));  // the send half's token count per source
+  auto launch = [&](auto kernel, int bytes) {
+    launch_kernel(kernel, num_blocks, kLlThreads, bytes, stream, args.pdl != 0, args, layout, peers, ctx);
+  };
   switch (phases) {
-    case kLlSendPhase:
-      ll_combine_kernel<kLlSendPhase><<<num_blocks, kLlThreads, smem, stream>>>(args, layout, peers, ctx);
-      break;
-    case kLlRecvPhase:  // the receive half needs no shared memory
-      ll_combine_kernel<kLlRecvPhase><<<num_blocks, kLlThreads, 0, stream>>>(args, layout, peers, ctx);
-      break;
-    case kLlBothPhases:
-      ll_combine_kernel<kLlBothPhases><<<num_blocks, kLlThreads, smem, stream>>>(args, layout, peers, ctx);
-      break;
-    case kLlWeightsPhase:  // with peers reached by puts: the weights alone, put before the send half
-      ll_combine_kernel<kLlWeightsPhase><<<num_blocks, kLlThreads, 0, stream>>>(args, layout, peers, ctx);
-      break;
+    case kLlSendPhase: launch(ll_combine_kernel<kLlSendPhase>, smem); break;
+    case kLlRecvPhase: launch(ll_combine_kernel<kLlRecvPhase>, 0); break;  // no shared memory
+    case kLlBothPhases: launch(ll_combine_kernel<kLlBothPhases>, smem); break;
+    // with peers reached by puts: the weights alone, put before the send half
+    case kLlWeightsPhase: launch(ll_combine_kernel<kLlWeightsPhase>, 0); break;
     default:
       DC_HOST_ASSERT(false, "low_latency_combine: phases must be 1 (send), 2 (receive), 3 (both) or 4 (weights)");
   }

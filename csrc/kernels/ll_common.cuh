@@ -12,29 +12,7 @@ namespace dc {
 constexpr int kLlThreads = 256;
 constexpr int kLlWarps = kLlThreads / 32;
 
-// Bit r set when rank r is not masked (csrc/runtime/ll_layout.hpp "mask"); we are always alive.
-__device__ __forceinline__ uint32_t ll_alive_ranks(const uint8_t* self, const LlLayout& l, int rank) {
-  const int* mask = reinterpret_cast<const int*>(self + l.mask);
-  uint32_t alive = 1u << rank;
-  for (int r = 0; r < l.num_ranks; ++r)
-    if (ptx::ld_volatile_s32(mask + r) == 0) alive |= 1u << r;
-  return alive;
-}
-
 __device__ __forceinline__ bool ll_is_alive(uint32_t alive, int r) { return (alive >> r) & 1u; }
-
-// A send's call number: one more than the last one of its kind. Every block reads the counter at entry; the last
-// block to finish its send (ll_finish_send) stores the new value, so no block can read it early. No separate
-// launch is needed, and CUDA-graph replays advance it too.
-__device__ __forceinline__ uint64_t ll_send_seq(const uint8_t* self, const LlLayout& l, LlKind kind) {
-  return reinterpret_cast<const uint64_t*>(self + l.seq)[kind] + 1;
-}
-
-// The call number a receive kernel waits for: the one its slot's send used (sends of the other slot, or of the
-// other kind, may have run in between).
-__device__ __forceinline__ uint64_t ll_recv_seq(const uint8_t* self, const LlLayout& l, LlKind kind, int slot) {
-  return ptx::ld_relaxed_sys_u64(reinterpret_cast<const uint64_t*>(self + l.slot_seq) + kind * 2 + slot);
-}
 
 // Diagnostics (DEEPCOMM_LL_TRACE=1, launch/profile_low_latency.py): thread 0 of every block stamps the global
 // timer at numbered points of a call into trace[block][point] (kLlTrace* below); nothing when trace is null.
@@ -61,20 +39,37 @@ __device__ __forceinline__ void ll_trace(uint64_t* trace, int point) {
 // tagged weights, so the host can put them before the send half, which waits for every source's weights.
 enum LlPhases : int { kLlSendPhase = 1, kLlRecvPhase = 2, kLlBothPhases = 3, kLlWeightsPhase = 4 };
 
-// Sends of this kind already made in `slot` (advanced by the last block of each send, ll_finish_send).
-__device__ __forceinline__ uint64_t ll_slot_calls(const uint8_t* self, const LlLayout& l, LlKind kind, int slot) {
-  return ptx::ld_relaxed_sys_u64(reinterpret_cast<const uint64_t*>(self + l.slot_calls) + kind * 2 + slot);
+// First thing in every low-latency kernel. Launched with programmatic dependent launch (LlContext::pdl), a kernel
+// can be resident before the kernel ahead of it in the stream ends: it waits here for that kernel to complete (its
+// call numbers, rows and buffers included; a no-op without PDL). With pdl == 1 it then lets the next PDL launch
+// put its blocks on the SMs while this one runs: every block of this one is resident by then, so none it waits on
+// is kept out by the next kernel's.
+__device__ __forceinline__ void ll_gate(int pdl) {
+  ptx::grid_dependency_wait();
+  if (pdl == 1) ptx::launch_dependents();
 }
 
 // What every launch reads at entry, before its own send half can finish (that send's last block advances the
-// call numbers): the call's sequence number (into ctx.seq: a send's new number, or the one the slot's send used),
-// the slot's send count every rank must reach before the receive half runs (returned), and the live ranks.
+// call numbers): the call's sequence number (into ctx.seq), the slot's send count every rank must reach before the
+// receive half runs (returned), and the live ranks (bit r: rank r is not masked, ll_layout.hpp "mask"; we are
+// always alive). A send's call number is one more than the last one of its kind; a receive's is the one its slot's
+// send used (sends of the other slot, or of the other kind, may have run in between). The last block to finish a
+// send stores the new numbers (ll_finish_send), so no block reads them early, and CUDA-graph replays advance them
+// too. The words are loaded together, lane r taking rank r's mask word: one memory round trip at entry.
 template <bool kSend>
 __device__ __forceinline__ uint64_t ll_enter(const uint8_t* self, const LlLayout& l, LlKind kind, int slot,
                                              WaitCtx& ctx, uint32_t* alive) {
-  ctx.seq = kSend ? ll_send_seq(self, l, kind) : ll_recv_seq(self, l, kind, slot);
-  *alive = ll_alive_ranks(self, l, ctx.rank);
-  return ll_slot_calls(self, l, kind, slot) + (kSend ? 1 : 0);
+  const int lane = threadIdx.x & 31;
+  const bool has_rank = lane < l.num_ranks;
+  const int masked = has_rank ? ptx::ld_volatile_s32(reinterpret_cast<const int*>(self + l.mask) + lane) : 1;
+  const uint64_t seq =
+      ptx::ld_relaxed_sys_u64(reinterpret_cast<const uint64_t*>(self + (kSend ? l.seq : l.slot_seq)) +
+                              (kSend ? kind : kind * 2 + slot));
+  const uint64_t calls =
+      ptx::ld_relaxed_sys_u64(reinterpret_cast<const uint64_t*>(self + l.slot_calls) + kind * 2 + slot);
+  *alive = __ballot_sync(0xffffffffu, masked == 0) | 1u << ctx.rank;
+  ctx.seq = kSend ? seq + 1 : seq;
+  return calls + (kSend ? 1 : 0);
 }
 
 // One thread stores `value` at byte `offset` of every live rank's buffer (a word the ranks keep for us there).
@@ -193,13 +188,21 @@ __device__ __forceinline__ int ll_count(const uint8_t* self, const LlLayout& l, 
              : 0;
 }
 
+// Tokens source s dispatched in `slot`, 0 for a source not in `sources` (a rank bit mask).
+__device__ __forceinline__ int ll_ntok(const uint8_t* self, const LlLayout& l, int slot, uint32_t sources, int s) {
+  return ll_is_alive(sources, s) ? ptx::ld_volatile_s32(reinterpret_cast<const int*>(self + l.ntok_at(slot, s))) : 0;
+}
+
 // Packed rows of our local experts: rows of local expert le coming from rank s start at base[le * R + s];
-// total[le] rows in all, from the counts as the senders wrote them. Whole block; ends with __syncthreads.
+// total[le] rows in all, from the counts as the senders wrote them; and n[s] = ll_ntok of every rank, loaded with
+// the counts (one memory round trip for both). Whole block; ends with __syncthreads.
 __device__ __forceinline__ void ll_expert_bases(const uint8_t* self, const LlLayout& l, int slot, int rank,
-                                                uint32_t alive, int* base, int* total) {
-  const int R = l.num_ranks, L = l.local_experts();
-  for (int i = threadIdx.x; i < L * R; i += blockDim.x)  // all loads in flight at once, then the prefixes
+                                                uint32_t alive, int* base, int* total, int* n) {
+  const int R = l.num_ranks, L = l.local_experts(), tid = threadIdx.x;
+  const int ntok = tid < R ? ll_ntok(self, l, slot, alive, tid) : 0;
+  for (int i = tid; i < L * R; i += blockDim.x)  // all loads in flight at once, then the prefixes
     base[i] = ll_count(self, l, slot, alive, i % R, rank * L + i / R);
+  if (tid < R) n[tid] = ntok;
   __syncthreads();
   for (int le = threadIdx.x; le < L; le += blockDim.x) total[le] = ll_exclusive_prefix(base + le * R, 1, R);
   __syncthreads();
@@ -208,14 +211,10 @@ __device__ __forceinline__ void ll_expert_bases(const uint8_t* self, const LlLay
 // The flat item space of the receive halves (and the combine's send): `per_token` items for each token of each
 // live source rank, sources ascending. n: [R] tokens per source (0 for masked ranks), read once per block.
 
-// n[s] = tokens source s dispatched in `slot`, 0 for a source not in `sources` (a rank bit mask). Threads
-// 0..R-1; the caller's next barrier publishes it.
+// n[s] = ll_ntok(s) for every rank s. Threads 0..R-1; the caller's next barrier publishes it.
 __device__ __forceinline__ void ll_load_ntok(const uint8_t* self, const LlLayout& l, int slot, uint32_t sources,
                                              int* n) {
-  const int s = threadIdx.x;
-  if (s < l.num_ranks)
-    n[s] = ll_is_alive(sources, s) ? ptx::ld_volatile_s32(reinterpret_cast<const int*>(self + l.ntok_at(slot, s)))
-                                   : 0;
+  if (threadIdx.x < l.num_ranks) n[threadIdx.x] = ll_ntok(self, l, slot, sources, threadIdx.x);
 }
 
 // Items in all (thread 0 stores it for the block).

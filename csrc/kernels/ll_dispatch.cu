@@ -13,6 +13,7 @@
 // The halves live in ll_dispatch_send.cuh and ll_dispatch_recv.cuh; this file holds the kernel and its launcher.
 
 #include "../runtime/cuda_check.hpp"
+#include "../runtime/pdl_launch.hpp"
 #include "../runtime/smem_opt_in.hpp"
 #include "api.hpp"
 #include "ll_common.cuh"
@@ -27,11 +28,15 @@ template <int kPhases>
 __global__ void __launch_bounds__(kLlThreads, 1)
     ll_dispatch_kernel(LlDispatchArgs a, LlLayout l, Peers peers, WaitCtx ctx) {
   constexpr bool kSend = kPhases & kLlSendPhase, kRecv = kPhases & kLlRecvPhase;
+  ll_gate(a.pdl);
+  const SendRange range(a, l);
+  RowItem r;
+  if (kSend) range.load_first(a, l, r);
   uint32_t alive;
   const uint64_t calls = ll_enter<kSend>(peers.base[ctx.rank], l, kLlDispatch, a.slot, ctx, &alive);
   ll_trace(a.trace, kLlTraceEntry);
   extern __shared__ int smem[];
-  if (kSend) dispatch_send_phase(a, l, peers, ctx, alive, calls, smem);
+  if (kSend) dispatch_send_phase(a, l, peers, ctx, alive, calls, smem, range, r);
   if (kRecv) dispatch_recv_phase(a, l, peers, ctx, alive, calls, smem);  // smem reused: the send half is done
 }
 
@@ -39,7 +44,8 @@ template <int kPhases>
 void launch_phases(const LlDispatchArgs& args, int num_blocks, int smem, const LlLayout& layout, const Peers& peers,
                    const WaitCtx& ctx, cudaStream_t stream) {
   opt_in_dynamic_smem<ll_dispatch_kernel<kPhases>>(smem);
-  ll_dispatch_kernel<kPhases><<<num_blocks, kLlThreads, smem, stream>>>(args, layout, peers, ctx);
+  launch_kernel(ll_dispatch_kernel<kPhases>, num_blocks, kLlThreads, smem, stream, args.pdl != 0, args, layout, peers,
+                ctx);
 }
 
 }  // namespace

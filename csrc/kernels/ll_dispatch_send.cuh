@@ -156,13 +156,16 @@ struct RangeMeta {
 __device__ __forceinline__ void rank_range_early(const LlDispatchArgs& a, const LlLayout& l, uint32_t alive, int t0,
                                                  int n, const RangeMeta& m) {
   const int E = l.num_experts, p0 = t0 * a.topk, tid = threadIdx.x;
+  // a thread's first id of the range is in flight with the histogram's loads: one memory round trip for both
+  const int64_t first = tid < n ? __ldg(a.topk_idx + p0 + tid) : -1;
   for (int e = tid; e < E; e += blockDim.x) m.before[e] = 0;
-  for (int j = tid; j < n; j += blockDim.x) m.own[j] = valid_expert(l, alive, __ldg(a.topk_idx + p0 + j));
   __syncthreads();
   for_each_id(a.topk_idx, p0, [&](int64_t id) {
     const int e = valid_expert(l, alive, id);
     if (e >= 0) atomicAdd(m.before + e, 1);
   });
+  if (tid < n) m.own[tid] = valid_expert(l, alive, first);
+  for (int j = tid + blockDim.x; j < n; j += blockDim.x) m.own[j] = valid_expert(l, alive, __ldg(a.topk_idx + p0 + j));
   __syncthreads();
   if (n <= kShortRange && tid < 32)
     for (int base = 0; base < n; base += 32) ll_rank_chunk(m.own, base, n, m.before, m.rank_in);
@@ -227,20 +230,36 @@ __device__ __forceinline__ void send_counts(const LlDispatchArgs& a, const LlLay
   if (tid == 0 && bad_id) report_bad_input(a, l, peers, ctx, alive, calls, 0);
 }
 
+// A row block's contiguous range of our tokens, [t0, t1) (empty for block 0 when there are several blocks), and
+// the row chunks per token.
+struct SendRange {
+  int t0, t1, nchunks;
+  __device__ SendRange(const LlDispatchArgs& a, const LlLayout& l) {
+    const int T = a.num_tokens, G = gridDim.x;
+    const int row_blocks = G > 1 ? G - 1 : 1, row_block = G > 1 ? int(blockIdx.x) - 1 : 0;
+    const int per_block = (T + row_blocks - 1) / row_blocks;
+    t0 = row_block >= 0 ? min(T, row_block * per_block) : T;
+    t1 = min(T, t0 + per_block);
+    nchunks = int((l.hidden + kSendChunk - 1) / kSendChunk);
+  }
+  // The warp's first (token, chunk) item, loaded at kernel entry: x and the ids owe nothing to the call numbers,
+  // so their loads go out with ll_enter's.
+  __device__ void load_first(const LlDispatchArgs& a, const LlLayout& l, RowItem& r) const {
+    const int warp = threadIdx.x >> 5;
+    if (warp < (t1 - t0) * nchunks) load_row_item(a, l, t0 + warp / nchunks, warp % nchunks, r);
+  }
+};
+
 // Block 0 sends the counts; the other blocks each take a contiguous range of our tokens: they histogram the ids
 // before it, send its rows (a short range is ranked meanwhile by one warp), then its metadata while the rows drain.
 // Nothing on the way is ranked over all entries by one block, and every block signals its own arrival. A single
-// block does all of it.
+// block does all of it. r: the warp's first item (SendRange::load_first).
 __device__ __forceinline__ void dispatch_send_phase(const LlDispatchArgs& a, const LlLayout& l, const Peers& peers,
-                                                    const WaitCtx& ctx, uint32_t alive, uint64_t calls, int* smem) {
-  const int T = a.num_tokens, G = gridDim.x, warp = threadIdx.x >> 5;
-  const int row_blocks = G > 1 ? G - 1 : 1, row_block = G > 1 ? int(blockIdx.x) - 1 : 0;
-  const int per_block = (T + row_blocks - 1) / row_blocks;
-  const int t0 = row_block >= 0 ? min(T, row_block * per_block) : T, t1 = min(T, t0 + per_block);
+                                                    const WaitCtx& ctx, uint32_t alive, uint64_t calls, int* smem,
+                                                    const SendRange& range, RowItem& r) {
+  const int t0 = range.t0, t1 = range.t1, nchunks = range.nchunks;
   if (t1 > t0) {  // the same for the whole block
-    const int nchunks = int((l.hidden + kSendChunk - 1) / kSendChunk), n = (t1 - t0) * a.topk;
-    RowItem r;
-    if (warp < (t1 - t0) * nchunks) load_row_item(a, l, t0 + warp / nchunks, warp % nchunks, r);
+    const int n = (t1 - t0) * a.topk;
     const RangeMeta m(smem, n, l.num_experts);
     rank_range_early(a, l, alive, t0, n, m);
     send_rows(a, l, peers, ctx.rank, alive, t0, t1, nchunks, r);

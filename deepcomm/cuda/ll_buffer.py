@@ -10,6 +10,9 @@ quiet, its flags section and a quiet with NVSHMEM's stream-ordered puts into the
 put peers always launch the send and receive halves apart (the puts go in between); a combine first launches a
 weights-only phase and puts the weights (``put_weights``), because its send half waits for every source's weights.
 
+``DEEPCOMM_LL_PDL`` (pdl_mode) launches the kernels with programmatic dependent launch; read when the buffer is
+made.
+
 Everything a dispatch returns (recv_x, recv_count and the handle's tensors) is a view of this buffer, made once
 per slot and handed out again on every call: valid until the same slot is used again two dispatches later."""
 from __future__ import annotations
@@ -28,6 +31,20 @@ TOPK_MAX = 32
 TRACE_POINTS = 10  # kLlTracePoints
 MEMORY = {"ipc": PeerMemory, "nvshmem": NvshmemMemory}  # deepcomm.config.LL_MEMORY_KINDS
 FORCE_PUTS_ENV = "DEEPCOMM_LL_FORCE_PUTS"
+PDL_ENV = "DEEPCOMM_LL_PDL"
+PDL_DEFAULT = 2  # measured on 2 x H200: 2 is a little faster than 0; 1 slows dispatch + combine pairs (tuning.md)
+
+
+def pdl_mode() -> int:
+    """DEEPCOMM_LL_PDL: 0 plain launches, 1 programmatic dependent launch with an early trigger (the next low-latency
+    kernel's blocks get onto the SMs while this one runs), 2 programmatic dependent launch without it
+    (csrc/kernels/ll_common.cuh ll_gate)."""
+    value = os.environ.get(PDL_ENV, "").strip()
+    if value == "":
+        return PDL_DEFAULT
+    if value not in ("0", "1", "2"):
+        raise ValueError(f"{PDL_ENV}: expected 0, 1 or 2, got {value!r}")
+    return int(value)
 
 
 def force_puts(memory: str) -> bool:
@@ -77,6 +94,7 @@ class LlBuffer:
                 # stores meant for r at inbox_at(slot, rank) + f land at outbox_at(slot, r) + f, for either slot
                 p = self.memory.ptr + lay["outbox"] - lay["inbox"] + (r - rank) * lay["block"]
             self.ctx.set_peer(r, p)
+        self.ctx.set_pdl(pdl_mode())
         self.ctx.set_error_record(err_dev)
         self.ctx.set_timeout_ns(timeout_ns)
         self.bytes = as_device_bytes(self.memory.ptr, self.layout["total"], device)
