@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One full check on a GPU machine: build, GPU tests, benchmark. Logs and JSON go to $OUT (default ./out).
-#   bash launch/device_check.sh [quick|full|tests|bench|soak|verify|sanitize|ll|ll-ab|ll-settings|round|internode]
+#   bash launch/device_check.sh [quick|full|tests|bench|soak|verify|sanitize|ll|ll-ab|ll-bench-ab|ll-settings|round|
+#                                internode]
 #   (default quick; full = tests + soak + sanitize + bench, more than one device call's 600 s now: run its modes
 #    apart; verify = tests + soak, no bench; sanitize = compute-sanitizer memcheck/racecheck/synccheck on the
 #    intranode kernels, launch/sanitize.sh; ll = the low-latency loop: its GPU tests, the low-latency benchmark and
@@ -56,6 +57,32 @@ if [[ "$MODE" == ll-ab ]]; then
   git apply "$AB_PATCH" || { echo "ll-ab: the patch does not apply"; exit 1; }
   build B
   ll_tests_and_bench "-B"
+  exit 0
+fi
+
+# ll-bench-ab: the low-latency benchmark only (deepcomm, 1/128/256 tokens, CUDA graphs) of the tree as it is and of
+# each patch in $AB_PATCHES (space-separated patch files in the tree, e.g. `git diff main exp/x > x.patch`), each
+# applied alone and rebuilt, in two rounds so that drift shows; no tests (run the winner's with ll-ab or ll-settings);
+# about 40 s per build and benchmark
+if [[ "$MODE" == ll-bench-ab ]]; then
+  read -ra patches <<< "${AB_PATCHES:-}"
+  [[ ${#patches[@]} -gt 0 ]] || { echo "ll-bench-ab: set AB_PATCHES to patch files in the tree"; exit 1; }
+  quick_ll_bench() {
+    echo "== $1" | tee -a "$summary"
+    timeout 60 python3 -m deepcomm.bench --modes low_latency --ll-tokens 1,128,256 --systems deepcomm \
+      --no-progress 2>&1 | grep "cuda-graph" | awk '{print $3, $4, $5, $9}' | tr '\n' ';' | tee -a "$summary"
+    echo | tee -a "$summary"
+  }
+  for round in 1 2; do
+    quick_ll_bench "tree, round $round"
+    for p in "${patches[@]}"; do
+      git apply "$p" || { echo "ll-bench-ab: $p does not apply"; exit 1; }
+      build "$p"
+      quick_ll_bench "$p, round $round"
+      git apply -R "$p"
+    done
+    build "tree"
+  done
   exit 0
 fi
 
