@@ -64,15 +64,19 @@ fi
 # each patch in $AB_PATCHES (space-separated patch files in the tree, e.g. `git diff main exp/x > x.patch`), each
 # applied alone and rebuilt, in two rounds so that drift shows; no tests (run the winner's with ll-ab or ll-settings);
 # about 40 s per build and benchmark
+# The low-latency benchmark of deepcomm alone at 1/128/256 tokens, its CUDA-graph rows as "op dtype tokens median;"
+# on one line under "== label"; $2 (optional): environment settings for the run ("NAME=value NAME=value").
+quick_ll_bench() {
+  echo "== $1" | tee -a "$summary"
+  # shellcheck disable=SC2086  # $2 is a list of NAME=value words
+  env ${2:-} timeout 100 python3 -m deepcomm.bench --modes low_latency --ll-tokens 1,128,256 --systems deepcomm \
+    --no-progress 2>&1 | grep "cuda-graph" | awk '{print $3, $4, $5, $9}' | tr '\n' ';' | tee -a "$summary"
+  echo | tee -a "$summary"
+}
+
 if [[ "$MODE" == ll-bench-ab ]]; then
   read -ra patches <<< "${AB_PATCHES:-}"
   [[ ${#patches[@]} -gt 0 ]] || { echo "ll-bench-ab: set AB_PATCHES to patch files in the tree"; exit 1; }
-  quick_ll_bench() {
-    echo "== $1" | tee -a "$summary"
-    timeout 60 python3 -m deepcomm.bench --modes low_latency --ll-tokens 1,128,256 --systems deepcomm \
-      --no-progress 2>&1 | grep "cuda-graph" | awk '{print $3, $4, $5, $9}' | tr '\n' ';' | tee -a "$summary"
-    echo | tee -a "$summary"
-  }
   for round in 1 2; do
     quick_ll_bench "tree, round $round"
     for p in "${patches[@]}"; do
@@ -97,11 +101,7 @@ if [[ "$MODE" == ll-settings ]]; then
   echo "low-latency gpu tests: rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$summary"
   tail -6 "$OUT/gpu_tests.log"
   IFS=';' read -ra settings <<< "${LL_SETTINGS:-DEEPCOMM_LL_PDL=0}"
-  for setting in "${settings[@]}"; do
-    echo "== $setting" | tee -a "$summary"
-    env $setting timeout 100 python3 -m deepcomm.bench --modes low_latency --ll-tokens 1,128,256 \
-      --systems deepcomm --no-progress 2>&1 | grep "cuda-graph" | tee -a "$summary"
-  done
+  for setting in "${settings[@]}"; do quick_ll_bench "$setting" "$setting"; done
   timeout 150 python3 -m deepcomm.bench --modes low_latency --no-progress --json "$OUT/bench_ll.json" 2>&1 \
     | grep "deepcomm\|nccl" | tee -a "$summary"
   exit 0

@@ -207,59 +207,61 @@ def test_low_latency_matches_reference():
     run_on_gpus(_worker, ranks_for_tests())
 
 
-def _few_blocks_worker(rank, world):
-    """One block runs both send roles itself (rows, then metadata); two blocks split them. Both against the
-    reference, as with one block per SM; plain launches (no programmatic dependent launch)."""
+def _check_under_settings(rank, world, seed, settings, cases, more=None):
+    """``check_cases`` against the reference on a fresh CUDA Buffer under each environment in ``settings`` (dicts of
+    variables, set in this worker process before the Buffer is made); then, when given,
+    ``more(cuda, ref, gen, dev, world, label)``."""
     import os
 
     import deepcomm
-    os.environ["DEEPCOMM_LL_PDL"] = "0"
     dev = torch.device("cuda", rank)
-    gen = torch.Generator().manual_seed(700 + rank)
+    gen = torch.Generator().manual_seed(seed + rank)
     ref = deepcomm.Buffer(max_tokens_per_rank=256, hidden=7168, backend="reference", num_max_low_latency_tokens=M)
-    cases = [(1, 2048, 64, 4, "random", "bf16"), (128, 7168, 256, 8, "masked", "fp8"),
-             (0 if rank == 1 else 9, 5120, 32, 6, "one_expert", "ue8m0")]
-    for blocks in ("1", "2"):
-        os.environ["DEEPCOMM_LL_NUM_SMS"] = blocks
+    for env in settings:
+        os.environ.update(env)
         cuda = deepcomm.Buffer(max_tokens_per_rank=256, hidden=7168, backend="cuda", num_max_low_latency_tokens=M,
                                timeout_s=20)
         check_cases(cuda, ref, cases, gen, dev, world)
+        if more is not None:
+            more(cuda, ref, gen, dev, world, " ".join(f"{k}={v}" for k, v in env.items()))
+        cuda.synchronize()
         cuda.destroy()
     ref.destroy()
+
+
+def _few_blocks_worker(rank, world):
+    """One block runs both send roles itself (rows, then metadata); two blocks split them. Both against the
+    reference, as with one block per SM; plain launches (no programmatic dependent launch)."""
+    cases = [(1, 2048, 64, 4, "random", "bf16"), (128, 7168, 256, 8, "masked", "fp8"),
+             (0 if rank == 1 else 9, 5120, 32, 6, "one_expert", "ue8m0")]
+    _check_under_settings(rank, world, 700, [{"DEEPCOMM_LL_PDL": "0", "DEEPCOMM_LL_NUM_SMS": blocks}
+                                             for blocks in ("1", "2")], cases)
 
 
 def test_low_latency_few_blocks_match_reference():
     run_on_gpus(_few_blocks_worker, ranks_for_tests())
 
 
+def _back_to_back_and_graph(cuda, ref, gen, dev, world, label):
+    """Four dispatches queued back to back (no other kernel between them, so with programmatic dependent launch a
+    kernel's blocks start while the one before runs), each slot used twice, the last two checked; then a graph
+    replay."""
+    T, H, E, K = 128, 7168, 256, 8
+    inputs = [(torch.randn(T, H, generator=gen).to(torch.bfloat16).to(dev), _routing(gen, T, E, K, "random", dev)[0])
+              for _ in range(4)]
+    gots = [cuda.low_latency_dispatch(x, idx, M, E, use_fp8=True) for x, idx in inputs]
+    for (x, idx), got in zip(inputs[2:], gots[2:]):
+        _check_dispatch(got, ref.low_latency_dispatch(x, idx, M, E, use_fp8=True), f"{label}: back to back")
+    check_graph_replay(cuda, ref, gen, dev, world, T, E, K, H, f"graph replay, {label}")
+
+
 def _pdl_worker(rank, world):
     """The kernels launched with programmatic dependent launch, early trigger (1) and without it (2): the same cases,
-    back-to-back calls of one kind (where a kernel's blocks start while the one before runs), and a graph replay,
-    against the reference."""
-    import os
-
-    import deepcomm
-    dev = torch.device("cuda", rank)
-    gen = torch.Generator().manual_seed(900 + rank)
-    ref = deepcomm.Buffer(max_tokens_per_rank=256, hidden=7168, backend="reference", num_max_low_latency_tokens=M)
+    back-to-back calls of one kind and a graph replay, against the reference."""
     cases = [(1, 2048, 64, 4, "random", "bf16"), (128, 7168, 256, 8, "masked", "fp8"),
              (0 if rank == 1 else 9, 5120, 32, 6, "one_expert", "ue8m0"), (256, 2176, 32, 6, "random", "fp8")]
-    for mode in ("1", "2"):
-        os.environ["DEEPCOMM_LL_PDL"] = mode
-        cuda = deepcomm.Buffer(max_tokens_per_rank=256, hidden=7168, backend="cuda", num_max_low_latency_tokens=M,
-                               timeout_s=20)
-        check_cases(cuda, ref, cases, gen, dev, world)
-        T, H, E, K = 128, 7168, 256, 8
-        inputs = [(torch.randn(T, H, generator=gen).to(torch.bfloat16).to(dev), _routing(gen, T, E, K, "random", dev)[0])
-                  for _ in range(4)]
-        # four calls queued back to back (no other kernel between them), each slot used twice; the last two checked
-        gots = [cuda.low_latency_dispatch(x, idx, M, E, use_fp8=True) for x, idx in inputs]
-        for (x, idx), got in zip(inputs[2:], gots[2:]):
-            _check_dispatch(got, ref.low_latency_dispatch(x, idx, M, E, use_fp8=True), f"pdl {mode}: back to back")
-        check_graph_replay(cuda, ref, gen, dev, world, T, E, K, H, f"graph replay, pdl {mode}")
-        cuda.synchronize()
-        cuda.destroy()
-    ref.destroy()
+    _check_under_settings(rank, world, 900, [{"DEEPCOMM_LL_PDL": mode} for mode in ("1", "2")], cases,
+                          more=_back_to_back_and_graph)
 
 
 def test_low_latency_pdl_matches_reference():
