@@ -28,15 +28,18 @@ __device__ __forceinline__ void dispatch_recv_phase(const LlDispatchArgs& a, con
   if (!ll_wait_arrivals(self, l, kLlDispatch, slot, calls, alive, ctx, kStageLlDispatchData, &ok)) return;
   ll_trace(a.trace, kLlTraceArrived);
   ll_expert_bases(self, l, slot, rank, alive, base, total, n);  // ends with __syncthreads
+
+  // Fan-out: warps take (source rank, token, chunk) items and copy the staged row to each of its entries here.
+  // The row's loads go out with its keys (a token not sent here is loaded for nothing: cheaper than waiting).
   const int64_t x_bytes = use_fp8 ? l.hidden : l.hidden * 2, spr = l.scales_per_row(), n16 = x_bytes / 16;
   const int nchunks = int((x_bytes + kCopyChunkBytes - 1) / kCopyChunkBytes);
-  const int total_warps = gridDim.x * kLlWarps;
   if (tid == 0) items = ll_item_count(n, R, nchunks);
   __syncthreads();
   ll_trace(a.trace, kLlTraceRecvMeta);
   uint8_t* recv_x = self + l.recv_x_at(slot);
   auto* recv_scales = reinterpret_cast<float*>(self + l.recv_scales_at(slot));
   int* src_info = reinterpret_cast<int*>(self + l.out_src_info_at(slot));
+  const int total_warps = gridDim.x * kLlWarps;
   for (int item = blockIdx.x * kLlWarps + warp; item < items; item += total_warps) {
     int s, rest;
     ll_item_source(n, R, nchunks, item, &s, &rest);
@@ -73,8 +76,7 @@ __device__ __forceinline__ void dispatch_recv_phase(const LlDispatchArgs& a, con
       const auto* sc = reinterpret_cast<const uint32_t*>(self + l.stage_scales_at(slot, s, t));
       for (int j0 = 0; j0 < spr; j0 += 32) {
         const int j = j0 + lane;
-        const uint32_t bits = j < spr ? ptx::ld_relaxed_gpu_u32(sc + j) : 0u;
-        const float v = __uint_as_float(bits);
+        const float v = j < spr ? __uint_as_float(ptx::ld_relaxed_gpu_u32(sc + j)) : 0.0f;
         for (uint32_t m = mine; m; m &= m - 1) {
           const int64_t e = __shfl_sync(0xffffffffu, entry, __ffs(m) - 1);
           if (j < spr) recv_scales[e * spr + j] = v;
