@@ -18,7 +18,7 @@ SHAPES = [(2, 256, 128, 7168), (8, 256, 128, 7168), (4, 32, 1, 2048), (2, 2, 256
 def _sizes(experts, max_tokens, hidden):
     """Bytes of each field of one inbox block, and the bytes one kernel store region of it spans (per token /
     per block / per word)."""
-    return {"counts": experts * 4, "ntok": 4, "meta": max_tokens * TOPK_MAX * 4, "input_err": 16,
+    return {"counts": experts * 8, "ntok": 8, "meta": max_tokens * TOPK_MAX * 4, "input_err": 16,
             "stage_x": max_tokens * hidden * 2, "stage_scales": max_tokens * hidden // 128 * 4,
             "weights": max_tokens * TOPK_MAX * 8, "partials": max_tokens * hidden * 2,
             "arrivals_dispatch": C.MAX_BLOCKS * 8, "arrivals_combine": C.MAX_BLOCKS * 8}
@@ -75,7 +75,7 @@ def test_every_store_of_a_source_lands_in_its_inbox_block(ranks, experts, max_to
     lay = ctx.layout()
     sizes = _sizes(experts, max_tokens, hidden)
     # per field: the indices the kernels pass (token, block or bad-input word) and the bytes one index spans
-    span = {"counts": ([0], experts * 4), "ntok": ([0], 4), "meta": ([0, max_tokens - 1], TOPK_MAX * 4),
+    span = {"counts": ([0], experts * 8), "ntok": ([0], 8), "meta": ([0, max_tokens - 1], TOPK_MAX * 4),
             "input_err": ([0, 1], 8), "stage_x": ([0, max_tokens - 1], hidden * 2),
             "stage_scales": ([0, max_tokens - 1], hidden // 128 * 4), "weights": ([0, max_tokens - 1], TOPK_MAX * 8),
             "partials": ([0, max_tokens - 1], hidden * 2), "arrivals_dispatch": ([0, C.MAX_BLOCKS - 1], 8),

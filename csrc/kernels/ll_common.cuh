@@ -179,33 +179,70 @@ __device__ __forceinline__ void ll_rank_entries(const int* experts, int n, int n
   __syncthreads();
 }
 
-// Entries rank s sends to expert e in `slot`, as it wrote them (E ints in its inbox block here); 0 for masked
-// ranks (their area may hold anything).
-__device__ __forceinline__ int ll_count(const uint8_t* self, const LlLayout& l, int slot, uint32_t alive, int s,
-                                        int e) {
-  return ll_is_alive(alive, s)
-             ? ptx::ld_volatile_s32(reinterpret_cast<const int*>(self + l.counts_at(slot, s)) + e)
-             : 0;
+// Tagged words (the dispatch's counts and token counts): the low 32 bits of the slot's send count above a 32-bit
+// value, stored in one 8-byte store, so a reader that sees this call's tag sees the value, with no fence or flag.
+__device__ __forceinline__ uint64_t ll_tagged(uint64_t calls, int value) {
+  return uint64_t(uint32_t(calls)) << 32 | uint32_t(value);
+}
+__device__ __forceinline__ const uint64_t* ll_count_word(const uint8_t* self, const LlLayout& l, int slot, int s,
+                                                         int e) {
+  return reinterpret_cast<const uint64_t*>(self + l.counts_at(slot, s)) + e;
+}
+__device__ __forceinline__ const uint64_t* ll_ntok_word(const uint8_t* self, const LlLayout& l, int slot, int s) {
+  return reinterpret_cast<const uint64_t*>(self + l.ntok_at(slot, s));
 }
 
-// Tokens source s dispatched in `slot`, 0 for a source not in `sources` (a rank bit mask).
+// Entries rank s sends to expert e in `slot`, as it wrote them (E tagged words in its inbox block here), read once
+// the arrival words (or the tags) say this call's are there; 0 for masked ranks (their area may hold anything).
+__device__ __forceinline__ int ll_count(const uint8_t* self, const LlLayout& l, int slot, uint32_t alive, int s,
+                                        int e) {
+  return ll_is_alive(alive, s) ? int(uint32_t(ptx::ld_relaxed_sys_u64(ll_count_word(self, l, slot, s, e)))) : 0;
+}
+
+// Tokens source s dispatched in `slot`, 0 for a source not in `sources` (a rank bit mask); read like ll_count.
 __device__ __forceinline__ int ll_ntok(const uint8_t* self, const LlLayout& l, int slot, uint32_t sources, int s) {
-  return ll_is_alive(sources, s) ? ptx::ld_volatile_s32(reinterpret_cast<const int*>(self + l.ntok_at(slot, s))) : 0;
+  return ll_is_alive(sources, s) ? int(uint32_t(ptx::ld_relaxed_sys_u64(ll_ntok_word(self, l, slot, s)))) : 0;
+}
+
+// The value of tagged word w once it carries the tag of send count `calls`; v: a first load of it, already made
+// (so a thread's first loads go out together). After a timeout: *good = false, and the value is meaningless.
+__device__ __forceinline__ int ll_tagged_value(const uint64_t* w, uint64_t v, uint64_t calls, const WaitCtx& ctx,
+                                               int peer, int stage, bool* good) {
+  const uint32_t tag = uint32_t(calls);
+  if (uint32_t(v >> 32) != tag &&
+      !wait_until([&] { return uint32_t((v = ptx::ld_relaxed_sys_u64(w)) >> 32) == tag; }, ctx, peer, stage))
+    *good = false;
+  return int(uint32_t(v));
 }
 
 // Packed rows of our local experts: rows of local expert le coming from rank s start at base[le * R + s];
-// total[le] rows in all, from the counts as the senders wrote them; and n[s] = ll_ntok of every rank, loaded with
-// the counts (one memory round trip for both). Whole block; ends with __syncthreads.
-__device__ __forceinline__ void ll_expert_bases(const uint8_t* self, const LlLayout& l, int slot, int rank,
-                                                uint32_t alive, int* base, int* total, int* n) {
+// total[le] rows in all, from the counts as the senders wrote them; and n[s] = the token count of every rank.
+// Both are polled until they carry the tag of send count `calls`: block 0 of each source stores them first, with
+// no fence, so the bases are known before the rows' arrival words come in (a thread's first loads go out
+// together). Whole block; false for every thread after a timeout; ends with __syncthreads.
+__device__ __forceinline__ bool ll_expert_bases(const uint8_t* self, const LlLayout& l, int slot, int rank,
+                                                uint32_t alive, uint64_t calls, const WaitCtx& ctx, int stage,
+                                                int* base, int* total, int* n) {
   const int R = l.num_ranks, L = l.local_experts(), tid = threadIdx.x;
-  const int ntok = tid < R ? ll_ntok(self, l, slot, alive, tid) : 0;
-  for (int i = tid; i < L * R; i += blockDim.x)  // all loads in flight at once, then the prefixes
-    base[i] = ll_count(self, l, slot, alive, i % R, rank * L + i / R);
-  if (tid < R) n[tid] = ntok;
-  __syncthreads();
+  const int s0 = tid % R;
+  const bool count0 = tid < L * R && ll_is_alive(alive, s0), ntok = tid < R && ll_is_alive(alive, tid);
+  const uint64_t* cw = ll_count_word(self, l, slot, s0, rank * L + tid / R);
+  const uint64_t* nw = ll_ntok_word(self, l, slot, s0);
+  const uint64_t cv = count0 ? ptx::ld_relaxed_sys_u64(cw) : 0, nv = ntok ? ptx::ld_relaxed_sys_u64(nw) : 0;
+  bool good = true;
+  if (tid < L * R) base[tid] = count0 ? ll_tagged_value(cw, cv, calls, ctx, s0, stage, &good) : 0;
+  if (tid < R) n[tid] = ntok ? ll_tagged_value(nw, nv, calls, ctx, tid, stage, &good) : 0;
+  for (int i = tid + blockDim.x; i < L * R; i += blockDim.x) {
+    const int s = i % R;
+    const uint64_t* w = ll_count_word(self, l, slot, s, rank * L + i / R);
+    base[i] = ll_is_alive(alive, s) && good ? ll_tagged_value(w, ptx::ld_relaxed_sys_u64(w), calls, ctx, s, stage,
+                                                              &good)
+                                            : 0;
+  }
+  if (!__syncthreads_and(good)) return false;
   for (int le = threadIdx.x; le < L; le += blockDim.x) total[le] = ll_exclusive_prefix(base + le * R, 1, R);
   __syncthreads();
+  return true;
 }
 
 // The flat item space of the receive halves (and the combine's send): `per_token` items for each token of each

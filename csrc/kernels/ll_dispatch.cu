@@ -6,10 +6,10 @@
 //         and the entry's rank there (ranked on top of a histogram of the entries before the range); block 0 sends
 //         the per-expert counts. Nothing is waited for: no count exchange precedes the data, and each block's
 //         arrival word covers its rows and metadata alike.
-//   recv: waits for the arrival words of every block of every rank, then fans each staged token out to the packed
-//         rows of its local experts (source ranks ascending, then the sender's entry order), records where each
-//         entry landed (for the combine), and writes recv_count, layout, src_info and recv_pos as views the host
-//         hands out.
+//   recv: polls the tagged counts (they land first) for the expert bases, waits for the arrival words of every
+//         block of every rank, then fans each staged token out to the packed rows of its local experts (source
+//         ranks ascending, then the sender's entry order), records where each entry landed (for the combine), and
+//         writes recv_count, layout, src_info and recv_pos as views the host hands out.
 // The halves live in ll_dispatch_send.cuh and ll_dispatch_recv.cuh; this file holds the kernel and its launcher.
 
 #include "../runtime/cuda_check.hpp"

@@ -10,32 +10,22 @@ namespace dc {
 
 namespace {
 
-constexpr int kCopyUnroll = 4;                            // 16-byte vectors per lane per item
-constexpr int kCopyChunkBytes = 32 * 16 * kCopyUnroll;    // bytes of a staged row one warp fans out per item
+constexpr int kScalesAhead = 2;  // FP8 scales per lane loaded with a row's first chunk (64 cover hidden 8192)
 
-// calls: the slot's send count this receive waits for (every rank's).
-__device__ __forceinline__ void dispatch_recv_phase(const LlDispatchArgs& a, const LlLayout& l, const Peers& peers,
-                                                    const WaitCtx& ctx, uint32_t alive, uint64_t calls, int* smem) {
-  const int R = l.num_ranks, L = l.local_experts(), rank = ctx.rank, slot = a.slot;
-  const int K = a.topk, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+// Fan-out: warps take (source rank, token, chunk) items and copy the staged row to each of its entries here, and
+// record where each entry landed (for the combine). The row's loads (and, for a first chunk, its FP8 scales) go out
+// with its keys: a token not sent here is loaded for nothing, cheaper than waiting. kUnroll: 16-byte vectors per
+// lane per item (chunks of 512 * kUnroll bytes): 4 for FP8 rows and 8 for BF16 ones, about one item per warp for
+// either at 128 tokens of hidden 7168.
+template <int kUnroll>
+__device__ __forceinline__ void fan_out_rows(const LlDispatchArgs& a, const LlLayout& l, uint8_t* self,
+                                             const int* base, const int* n) {
+  constexpr int kChunkBytes = 32 * 16 * kUnroll;
+  const int R = l.num_ranks, slot = a.slot, K = a.topk, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const bool use_fp8 = a.use_fp8;
   const int64_t rows = l.rows_per_expert();
-  uint8_t* self = peers.base[rank];
-  int* base = smem;               // [L][R]
-  int* total = smem + L * R;      // [L]
-  int* n = total + L;             // [R] tokens of each source
-  __shared__ int ok, items;
-  if (!ll_wait_arrivals(self, l, kLlDispatch, slot, calls, alive, ctx, kStageLlDispatchData, &ok)) return;
-  ll_trace(a.trace, kLlTraceArrived);
-  ll_expert_bases(self, l, slot, rank, alive, base, total, n);  // ends with __syncthreads
-
-  // Fan-out: warps take (source rank, token, chunk) items and copy the staged row to each of its entries here.
-  // The row's loads go out with its keys (a token not sent here is loaded for nothing: cheaper than waiting).
   const int64_t x_bytes = use_fp8 ? l.hidden : l.hidden * 2, spr = l.scales_per_row(), n16 = x_bytes / 16;
-  const int nchunks = int((x_bytes + kCopyChunkBytes - 1) / kCopyChunkBytes);
-  if (tid == 0) items = ll_item_count(n, R, nchunks);
-  __syncthreads();
-  ll_trace(a.trace, kLlTraceRecvMeta);
+  const int nchunks = int((x_bytes + kChunkBytes - 1) / kChunkBytes), items = ll_item_count(n, R, nchunks);
   uint8_t* recv_x = self + l.recv_x_at(slot);
   auto* recv_scales = reinterpret_cast<float*>(self + l.recv_scales_at(slot));
   int* src_info = reinterpret_cast<int*>(self + l.out_src_info_at(slot));
@@ -47,11 +37,19 @@ __device__ __forceinline__ void dispatch_recv_phase(const LlDispatchArgs& a, con
     const int* meta = reinterpret_cast<const int*>(self + l.meta_at(slot, s, t));
     const int key = lane < K ? ptx::ld_volatile_s32(meta + lane) : -1;
     const auto* src = reinterpret_cast<const int4*>(self + l.stage_x_at(slot, s, t));
-    int4 v[kCopyUnroll];
+    int4 v[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u) {
-      const int64_t i = int64_t(c) * (kCopyChunkBytes / 16) + u * 32 + lane;
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = int64_t(c) * (kChunkBytes / 16) + u * 32 + lane;
       if (i < n16) v[u] = ptx::ld_relaxed_gpu_v4(src + i);
+    }
+    const auto* sc = reinterpret_cast<const uint32_t*>(self + l.stage_scales_at(slot, s, t));
+    const bool scales = use_fp8 && c == 0;
+    float sv[kScalesAhead];
+#pragma unroll
+    for (int u = 0; u < kScalesAhead; ++u) {
+      const int j = u * 32 + lane;
+      sv[u] = scales && j < spr ? __uint_as_float(ptx::ld_relaxed_gpu_u32(sc + j)) : 0.0f;
     }
     // a row past the expert's R * M (only duplicate ids, reported, get there) is dropped
     const int row = key >= 0 ? base[(key >> 16) * R + s] + (key & 0xffff) : -1;
@@ -64,26 +62,51 @@ __device__ __forceinline__ void dispatch_recv_phase(const LlDispatchArgs& a, con
       const int64_t e = __shfl_sync(0xffffffffu, entry, __ffs(m) - 1);
       auto* dst = reinterpret_cast<int4*>(recv_x + e * x_bytes);
 #pragma unroll
-      for (int u = 0; u < kCopyUnroll; ++u) {
-        const int64_t i = int64_t(c) * (kCopyChunkBytes / 16) + u * 32 + lane;
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t i = int64_t(c) * (kChunkBytes / 16) + u * 32 + lane;
         if (i < n16) ptx::st_na_v4(dst + i, v[u]);
       }
+      if (!scales) continue;
+#pragma unroll
+      for (int u = 0; u < kScalesAhead; ++u)
+        if (u * 32 + lane < spr) recv_scales[e * spr + u * 32 + lane] = sv[u];
     }
     if (c != 0) continue;
     if (entry >= 0) src_info[entry] = t;
-    if (use_fp8) {
-      // each scale is loaded once, then stored to every entry
-      const auto* sc = reinterpret_cast<const uint32_t*>(self + l.stage_scales_at(slot, s, t));
-      for (int j0 = 0; j0 < spr; j0 += 32) {
-        const int j = j0 + lane;
-        const float v = j < spr ? __uint_as_float(ptx::ld_relaxed_gpu_u32(sc + j)) : 0.0f;
-        for (uint32_t m = mine; m; m &= m - 1) {
-          const int64_t e = __shfl_sync(0xffffffffu, entry, __ffs(m) - 1);
-          if (j < spr) recv_scales[e * spr + j] = v;
-        }
+    // scales past the ones loaded ahead (hidden over 8192): each loaded once, then stored to every entry
+    for (int j0 = kScalesAhead * 32; use_fp8 && j0 < spr; j0 += 32) {
+      const int j = j0 + lane;
+      const float f = j < spr ? __uint_as_float(ptx::ld_relaxed_gpu_u32(sc + j)) : 0.0f;
+      for (uint32_t m = mine; m; m &= m - 1) {
+        const int64_t e = __shfl_sync(0xffffffffu, entry, __ffs(m) - 1);
+        if (j < spr) recv_scales[e * spr + j] = f;
       }
     }
   }
+}
+
+// calls: the slot's send count this receive waits for (every rank's).
+__device__ __forceinline__ void dispatch_recv_phase(const LlDispatchArgs& a, const LlLayout& l, const Peers& peers,
+                                                    const WaitCtx& ctx, uint32_t alive, uint64_t calls, int* smem) {
+  const int R = l.num_ranks, L = l.local_experts(), rank = ctx.rank, slot = a.slot;
+  const int K = a.topk, tid = threadIdx.x, warp = tid >> 5;
+  const int64_t rows = l.rows_per_expert();
+  uint8_t* self = peers.base[rank];
+  int* base = smem;               // [L][R]
+  int* total = smem + L * R;      // [L]
+  int* n = total + L;             // [R] tokens of each source
+  __shared__ int ok;
+  // the bases come from the tagged counts, which land before the rows: known by the time the arrivals are in
+  if (!ll_expert_bases(self, l, slot, rank, alive, calls, ctx, kStageLlDispatchData, base, total, n)) return;
+  ll_trace(a.trace, kLlTraceRecvMeta);
+  if (!ll_wait_arrivals(self, l, kLlDispatch, slot, calls, alive, ctx, kStageLlDispatchData, &ok)) return;
+  ll_trace(a.trace, kLlTraceArrived);
+  if (a.use_fp8)
+    fan_out_rows<4>(a, l, self, base, n);
+  else
+    fan_out_rows<8>(a, l, self, base, n);
+  const int lane = tid & 31;
+  int* src_info = reinterpret_cast<int*>(self + l.out_src_info_at(slot));
 
   // Bad input some rank passed in this call (report_bad_input): one record, the same on every rank: ids out of range
   // before duplicates, lowest rank first. Warp 0 of the last block, lane which * R + s loading word (which, s), all

@@ -204,9 +204,10 @@ __device__ __forceinline__ void send_range_meta(const LlDispatchArgs& a, const L
   }
 }
 
-// The counts, by one block: our entries per expert to every rank (a shared-memory histogram of every id), our
-// token count, and the range check of the ids (out-of-range slots count as -1; the call still completes on every
-// rank and the error is reported, not waited on). smem: E ints.
+// The counts, by one block: our entries per expert to every rank (a shared-memory histogram of every id) and our
+// token count, as words tagged with the call (ll_tagged: receivers poll them, so they need no fence), and the
+// range check of the ids (out-of-range slots count as -1; the call still completes on every rank and the error is
+// reported, not waited on). smem: E ints.
 __device__ __forceinline__ void send_counts(const LlDispatchArgs& a, const LlLayout& l, const Peers& peers,
                                             const WaitCtx& ctx, uint32_t alive, uint64_t calls, int* smem) {
   const int R = l.num_ranks, E = l.num_experts, rank = ctx.rank, T = a.num_tokens, P = T * a.topk;
@@ -225,8 +226,11 @@ __device__ __forceinline__ void send_counts(const LlDispatchArgs& a, const LlLay
   ll_trace(a.trace, kLlTraceCounts);
   for (int i = tid; i < R * E; i += blockDim.x)
     if (ll_is_alive(alive, i / E))
-      reinterpret_cast<int*>(peers.base[i / E] + l.counts_at(a.slot, rank))[i % E] = counts[i % E];
-  if (tid < R && ll_is_alive(alive, tid)) *reinterpret_cast<int*>(peers.base[tid] + l.ntok_at(a.slot, rank)) = T;
+      ptx::st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(peers.base[i / E] + l.counts_at(a.slot, rank)) + i % E,
+                              ll_tagged(calls, counts[i % E]));
+  if (tid < R && ll_is_alive(alive, tid))
+    ptx::st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(peers.base[tid] + l.ntok_at(a.slot, rank)),
+                            ll_tagged(calls, T));
   if (tid == 0 && bad_id) report_bad_input(a, l, peers, ctx, alive, calls, 0);
 }
 

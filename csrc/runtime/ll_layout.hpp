@@ -15,9 +15,11 @@
 //                                          to them, nothing awaited from them, their experts count as absent
 //   inbox        block [2][R]              per slot, everything rank s writes into us, contiguous (the unit a
 //                                          peer reached by NVSHMEM puts sends; see outbox), in four sections:
-//     dispatch data:  counts int32 [E] (entries rank s sends to every expert), ntok int32 (its token count),
-//                     meta int32 [M][K] (for slot k of token t: local expert << 16 | entry rank among rank s's
-//                     entries of that expert, -1 when not ours), input_err u64 [2] (rank s found bad input in
+//     dispatch data:  counts u64 [E] (entries rank s sends to every expert), ntok u64 (its token count), each
+//                     tagged with its call ((low 32 bits of the slot's send count << 32) | value, polled: the
+//                     receive knows its expert bases before the rows' arrival words), meta int32 [M][K] (for
+//                     slot k of token t: local expert << 16 | entry rank among rank s's entries of that expert,
+//                     -1 when not ours), input_err u64 [2] (rank s found bad input in
 //                     its dispatch of that call: [0] ids out of range, [1] a duplicate expert in a row; holds the
 //                     slot's call count then; every receiver records it, not only the rank that passed it),
 //                     stage_x bytes [M][H*2] (its tokens: bf16, or e4m3 in the first H bytes), stage_scales f32
@@ -33,7 +35,7 @@
 //     put_seq u64 [2]                      per kind, the signal word of the puts from rank s (counted, never read)
 //                                          The arrival words are the only completion signals: everything else a
 //                                          source writes is data, read once the arrivals say it is there (the
-//                                          tagged weights carry their own call and are polled)
+//                                          tagged counts and weights carry their own call and are polled)
 //   outbox       block [2][R]              only for a buffer with peers reached by puts: what we write into put
 //                                          peer d lands in our outbox block for d (its kernel-side base is set
 //                                          so), and the host puts its data, then its flags, into d's inbox for us
@@ -85,8 +87,8 @@ struct LlLayout {
       return at;
     };
     // one inbox block (offsets relative to its start; every field kAlign-aligned, and so is the block size)
-    ib_counts = take(int64_t(experts) * 4);
-    ib_ntok = take(4);
+    ib_counts = take(int64_t(experts) * 8);
+    ib_ntok = take(8);
     ib_meta = take(M * K * 4);
     ib_input_err = take(2 * 8);
     ib_stage_x = take(M * hidden_ * 2);
@@ -142,7 +144,7 @@ struct LlLayout {
     return inbox_at(slot, s) + (kind == kLlDispatch ? ib_arrivals_dispatch : ib_arrivals_combine) + int64_t(b) * 8;
   }
 
-  // Per-slot addresses. Rank s's per-expert counts (E ints) and token count (one int).
+  // Per-slot addresses. Rank s's per-expert counts (E tagged words) and token count (one tagged word).
   DC_HD int64_t counts_at(int slot, int s) const { return inbox_at(slot, s) + ib_counts; }
   DC_HD int64_t ntok_at(int slot, int s) const { return inbox_at(slot, s) + ib_ntok; }
   // meta / entry / weights of source rank s, token t: K consecutive values
