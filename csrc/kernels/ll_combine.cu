@@ -194,7 +194,6 @@ __device__ __forceinline__ void combine_recv_phase(const LlCombineArgs& a, const
   const int K = a.topk, T = a.num_tokens, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t H = l.hidden;
   const uint8_t* self = peers.base[rank];
-  __shared__ int ok;
   const int nchunks = int((H + kChunk - 1) / kChunk);
   const int total_warps = gridDim.x * kLlWarps, first = blockIdx.x * kLlWarps + warp;
   auto owners_of = [&](int t) {
@@ -207,7 +206,7 @@ __device__ __forceinline__ void combine_recv_phase(const LlCombineArgs& a, const
     first_owners = owners_of(first / nchunks);
     if ((first_owners >> rank) & 1u) own_partial(a, l, self, rank, first / nchunks, first % nchunks, own);
   }
-  if (!ll_wait_arrivals(self, l, kLlCombine, a.slot, calls, alive, ctx, kStageLlCombineData, &ok)) return;
+  if (!ll_wait_arrivals(self, l, kLlCombine, a.slot, calls, alive, ctx, kStageLlCombineData)) return;
   ll_trace(a.trace, kLlTraceArrived);
   for (int item = first; item < T * nchunks; item += total_warps) {
     const int t = item / nchunks, c = item % nchunks;

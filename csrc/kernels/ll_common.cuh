@@ -103,24 +103,27 @@ __device__ __forceinline__ void ll_finish_send(uint8_t* self, const Peers& peers
   __threadfence();
 }
 
+// The receive halves' waits leave warp 0 out: in a fused kernel its thread 0 is still fencing the block's send
+// (ll_finish_send returns at once for the other threads), and the polls need not wait for that fence. Waiter w
+// (thread 32 + w) takes items w, w + W, w + 2W, ... of a wait; its first two are loaded together.
+__device__ __forceinline__ int ll_waiter() { return int(threadIdx.x) - 32; }
+__device__ __forceinline__ int ll_waiters() { return int(blockDim.x) - 32; }
+
 // The whole block waits until every block of every live rank has completed its send number `calls` of this kind
 // into `slot` (every rank launches the same number of blocks). False for every thread after a timeout.
 __device__ __forceinline__ bool ll_wait_arrivals(const uint8_t* self, const LlLayout& l, LlKind kind, int slot,
-                                                 uint64_t calls, uint32_t alive, const WaitCtx& ctx, int stage,
-                                                 int* ok) {
-  if (threadIdx.x == 0) *ok = 1;
-  __syncthreads();
-  const int G = gridDim.x;
-  bool good = true;
-  for (int i = threadIdx.x; i < l.num_ranks * G && good; i += blockDim.x) {
-    const int s = i / G;
-    if (!ll_is_alive(alive, s)) continue;
-    const auto* word = reinterpret_cast<const uint64_t*>(self + l.arrival_at(kind, slot, s, i % G));
-    good = wait_flag_geq(word, calls, ctx, s, stage);
-  }
-  if (!good) *ok = 0;
-  __syncthreads();
-  return *ok != 0;
+                                                 uint64_t calls, uint32_t alive, const WaitCtx& ctx, int stage) {
+  const int G = gridDim.x, words = l.num_ranks * G, w = ll_waiter(), W = ll_waiters();
+  auto word = [&](int i) { return reinterpret_cast<const uint64_t*>(self + l.arrival_at(kind, slot, i / G, i % G)); };
+  auto needed = [&](int i) { return w >= 0 && i < words && ll_is_alive(alive, i / G); };
+  const bool n0 = needed(w), n1 = needed(w + W);
+  const uint64_t v0 = n0 ? ptx::ld_acquire_sys_u64(word(w)) : calls;
+  const uint64_t v1 = n1 ? ptx::ld_acquire_sys_u64(word(w + W)) : calls;
+  bool good = (v0 >= calls || wait_flag_geq(word(w), calls, ctx, w / G, stage)) &&
+              (v1 >= calls || wait_flag_geq(word(w + W), calls, ctx, (w + W) / G, stage));
+  for (int i = w + 2 * W; w >= 0 && i < words && good; i += W)
+    if (ll_is_alive(alive, i / G)) good = wait_flag_geq(word(i), calls, ctx, i / G, stage);
+  return __syncthreads_and(good) != 0;
 }
 
 // v[0], v[stride], ..., v[(n - 1) * stride] become their exclusive prefix sums; returns the total. One thread.
@@ -218,27 +221,27 @@ __device__ __forceinline__ int ll_tagged_value(const uint64_t* w, uint64_t v, ui
 // Packed rows of our local experts: rows of local expert le coming from rank s start at base[le * R + s];
 // total[le] rows in all, from the counts as the senders wrote them; and n[s] = the token count of every rank.
 // Both are polled until they carry the tag of send count `calls`: block 0 of each source stores them first, with
-// no fence, so the bases are known before the rows' arrival words come in (a thread's first loads go out
-// together). Whole block; false for every thread after a timeout; ends with __syncthreads.
+// no fence, so the bases are known before the rows' arrival words come in (warp 0 left out, ll_waiter; a thread's
+// first loads go out together). Whole block; false for every thread after a timeout; ends with __syncthreads.
 __device__ __forceinline__ bool ll_expert_bases(const uint8_t* self, const LlLayout& l, int slot, int rank,
                                                 uint32_t alive, uint64_t calls, const WaitCtx& ctx, int stage,
                                                 int* base, int* total, int* n) {
-  const int R = l.num_ranks, L = l.local_experts(), tid = threadIdx.x;
-  const int s0 = tid % R;
-  const bool count0 = tid < L * R && ll_is_alive(alive, s0), ntok = tid < R && ll_is_alive(alive, tid);
-  const uint64_t* cw = ll_count_word(self, l, slot, s0, rank * L + tid / R);
-  const uint64_t* nw = ll_ntok_word(self, l, slot, s0);
-  const uint64_t cv = count0 ? ptx::ld_relaxed_sys_u64(cw) : 0, nv = ntok ? ptx::ld_relaxed_sys_u64(nw) : 0;
+  const int R = l.num_ranks, L = l.local_experts(), w = ll_waiter(), W = ll_waiters();
+  auto word = [&](int i) { return ll_count_word(self, l, slot, i % R, rank * L + i / R); };
+  auto needed = [&](int i) { return w >= 0 && i < L * R && ll_is_alive(alive, i % R); };
+  const bool n0 = needed(w), n1 = needed(w + W), nt = w >= 0 && w < R && ll_is_alive(alive, w);
+  const uint64_t* nw = ll_ntok_word(self, l, slot, nt ? w : 0);
+  const uint64_t v0 = n0 ? ptx::ld_relaxed_sys_u64(word(w)) : 0, v1 = n1 ? ptx::ld_relaxed_sys_u64(word(w + W)) : 0;
+  const uint64_t vn = nt ? ptx::ld_relaxed_sys_u64(nw) : 0;
   bool good = true;
-  if (tid < L * R) base[tid] = count0 ? ll_tagged_value(cw, cv, calls, ctx, s0, stage, &good) : 0;
-  if (tid < R) n[tid] = ntok ? ll_tagged_value(nw, nv, calls, ctx, tid, stage, &good) : 0;
-  for (int i = tid + blockDim.x; i < L * R; i += blockDim.x) {
-    const int s = i % R;
-    const uint64_t* w = ll_count_word(self, l, slot, s, rank * L + i / R);
-    base[i] = ll_is_alive(alive, s) && good ? ll_tagged_value(w, ptx::ld_relaxed_sys_u64(w), calls, ctx, s, stage,
-                                                              &good)
-                                            : 0;
-  }
+  if (w >= 0 && w < L * R) base[w] = n0 ? ll_tagged_value(word(w), v0, calls, ctx, w % R, stage, &good) : 0;
+  if (w >= 0 && w + W < L * R)
+    base[w + W] = n1 ? ll_tagged_value(word(w + W), v1, calls, ctx, (w + W) % R, stage, &good) : 0;
+  if (w >= 0 && w < R) n[w] = nt ? ll_tagged_value(nw, vn, calls, ctx, w, stage, &good) : 0;
+  for (int i = w + 2 * W; w >= 0 && i < L * R; i += W)
+    base[i] = needed(i) && good ? ll_tagged_value(word(i), ptx::ld_relaxed_sys_u64(word(i)), calls, ctx, i % R,
+                                                  stage, &good)
+                                : 0;
   if (!__syncthreads_and(good)) return false;
   for (int le = threadIdx.x; le < L; le += blockDim.x) total[le] = ll_exclusive_prefix(base + le * R, 1, R);
   __syncthreads();

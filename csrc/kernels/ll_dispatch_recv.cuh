@@ -95,11 +95,10 @@ __device__ __forceinline__ void dispatch_recv_phase(const LlDispatchArgs& a, con
   int* base = smem;               // [L][R]
   int* total = smem + L * R;      // [L]
   int* n = total + L;             // [R] tokens of each source
-  __shared__ int ok;
   // the bases come from the tagged counts, which land before the rows: known by the time the arrivals are in
   if (!ll_expert_bases(self, l, slot, rank, alive, calls, ctx, kStageLlDispatchData, base, total, n)) return;
   ll_trace(a.trace, kLlTraceRecvMeta);
-  if (!ll_wait_arrivals(self, l, kLlDispatch, slot, calls, alive, ctx, kStageLlDispatchData, &ok)) return;
+  if (!ll_wait_arrivals(self, l, kLlDispatch, slot, calls, alive, ctx, kStageLlDispatchData)) return;
   ll_trace(a.trace, kLlTraceArrived);
   if (a.use_fp8)
     fan_out_rows<4>(a, l, self, base, n);
