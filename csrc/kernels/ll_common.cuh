@@ -106,6 +106,7 @@ __device__ __forceinline__ void ll_finish_send(uint8_t* self, const Peers& peers
 // The receive halves' waits leave warp 0 out: in a fused kernel its thread 0 is still fencing the block's send
 // (ll_finish_send returns at once for the other threads), and the polls need not wait for that fence. Waiter w
 // (thread 32 + w) takes items w, w + W, w + 2W, ... of a wait; its first two are loaded together.
+static_assert(kLlThreads > 32, "the receive waits need threads past warp 0");
 __device__ __forceinline__ int ll_waiter() { return int(threadIdx.x) - 32; }
 __device__ __forceinline__ int ll_waiters() { return int(blockDim.x) - 32; }
 
