@@ -105,7 +105,8 @@ __device__ __forceinline__ void ll_finish_send(uint8_t* self, const Peers& peers
 
 // The receive halves' waits leave warp 0 out: in a fused kernel its thread 0 is still fencing the block's send
 // (ll_finish_send returns at once for the other threads), and the polls need not wait for that fence. Waiter w
-// (thread 32 + w) takes items w, w + W, w + 2W, ... of a wait; its first two are loaded together.
+// (thread 32 + w) takes items w, w + W, w + 2W, ... of a wait; its first two are loaded before either is waited
+// on (relaxed count loads overlap; an acquire load of an arrival word may hold the next one back in hardware).
 static_assert(kLlThreads > 32, "the receive waits need threads past warp 0");
 __device__ __forceinline__ int ll_waiter() { return int(threadIdx.x) - 32; }
 __device__ __forceinline__ int ll_waiters() { return int(blockDim.x) - 32; }
@@ -258,7 +259,7 @@ __device__ __forceinline__ void ll_load_ntok(const uint8_t* self, const LlLayout
   if (threadIdx.x < l.num_ranks) n[threadIdx.x] = ll_ntok(self, l, slot, sources, threadIdx.x);
 }
 
-// Items in all (thread 0 stores it for the block).
+// Items in all (the dispatch's threads each compute it; the combine's thread 0 stores it for the block).
 __device__ __forceinline__ int ll_item_count(const int* n, int R, int per_token) {
   int sum = 0;
   for (int s = 0; s < R; ++s) sum += n[s];

@@ -1,6 +1,6 @@
 // The receive half of the low-latency dispatch (ll_dispatch.cu has the kernel, the launcher and the overview):
-// wait for every block of every rank, fan the staged tokens out to the packed expert rows, record where each entry
-// landed, write the output metadata. Included by ll_dispatch.cu only.
+// poll the tagged counts for the expert bases, wait for every block of every rank, fan the staged tokens out to the
+// packed expert rows, record where each entry landed, write the output metadata. Included by ll_dispatch.cu only.
 #pragma once
 
 #include "api.hpp"
@@ -99,6 +99,11 @@ __device__ __forceinline__ void dispatch_recv_phase(const LlDispatchArgs& a, con
   if (!ll_expert_bases(self, l, slot, rank, alive, calls, ctx, kStageLlDispatchData, base, total, n)) return;
   ll_trace(a.trace, kLlTraceRecvMeta);
   if (!ll_wait_arrivals(self, l, kLlDispatch, slot, calls, alive, ctx, kStageLlDispatchData)) return;
+  // A put peer's counts come in its data put, whose 8-byte words nothing promises to land whole (a word could show
+  // the new tag over the old count); behind the arrival words (the put's flags, after a quiet) they are final, so
+  // a buffer with put peers reads them again. NVLink stores land whole: no second read there.
+  if (l.with_outbox && !ll_expert_bases(self, l, slot, rank, alive, calls, ctx, kStageLlDispatchData, base, total, n))
+    return;
   ll_trace(a.trace, kLlTraceArrived);
   if (a.use_fp8)
     fan_out_rows<4>(a, l, self, base, n);
