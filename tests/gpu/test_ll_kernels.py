@@ -13,6 +13,16 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_count() < 2, reason="needs
 M = 256
 
 
+def ll_buffer(backend, **options):
+    """A Buffer of the low-latency GPU tests' shape (normal mode up to 256 tokens of hidden 7168, low-latency mode
+    up to M tokens) on ``backend``; a CUDA one gives up a wait after 20 s. Set DEEPCOMM_* variables before."""
+    import deepcomm
+    if backend == "cuda":
+        options.setdefault("timeout_s", 20)
+    return deepcomm.Buffer(max_tokens_per_rank=256, hidden=7168, backend=backend, num_max_low_latency_tokens=M,
+                           **options)
+
+
 def _routing(gen, T, E, K, mode, dev):
     if mode == "one_expert":
         idx = torch.full((T, K), -1, dtype=torch.int64)
@@ -86,12 +96,9 @@ def check_graph_replay(cuda, ref, gen, dev, world, T, E, K, H, label):
     torch.cuda.synchronize(dev)
 
 def _worker(rank, world):
-    import deepcomm
     dev = torch.device("cuda", rank)
     gen = torch.Generator().manual_seed(300 + rank)
-    cuda = deepcomm.Buffer(max_tokens_per_rank=256, hidden=7168, backend="cuda", num_max_low_latency_tokens=M,
-                           num_sms=16, timeout_s=20)
-    ref = deepcomm.Buffer(max_tokens_per_rank=256, hidden=7168, backend="reference", num_max_low_latency_tokens=M)
+    cuda, ref = ll_buffer("cuda", num_sms=16), ll_buffer("reference")
     cases = [(1, 7168, 256, 8, "random", "bf16"), (7, 2048, 64, 4, "masked", "fp8"),
              (128, 7168, 256, 8, "random", "fp8"), (256, 5120, 32, 6, "masked", "ue8m0"),
              (128, 7168, 256, 8, "one_expert", "bf16"), (0 if rank == 0 else 5, 2048, 64, 4, "random", "fp8"),
@@ -213,14 +220,12 @@ def _check_under_settings(rank, world, seed, settings, cases, more=None):
     ``more(cuda, ref, gen, dev, world, label)``."""
     import os
 
-    import deepcomm
     dev = torch.device("cuda", rank)
     gen = torch.Generator().manual_seed(seed + rank)
-    ref = deepcomm.Buffer(max_tokens_per_rank=256, hidden=7168, backend="reference", num_max_low_latency_tokens=M)
+    ref = ll_buffer("reference")
     for env in settings:
         os.environ.update(env)
-        cuda = deepcomm.Buffer(max_tokens_per_rank=256, hidden=7168, backend="cuda", num_max_low_latency_tokens=M,
-                               timeout_s=20)
+        cuda = ll_buffer("cuda")
         check_cases(cuda, ref, cases, gen, dev, world)
         if more is not None:
             more(cuda, ref, gen, dev, world, " ".join(f"{k}={v}" for k, v in env.items()))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nccl_run import gpu_count, has_nvshmem_wheel, run_on_gpus
-from test_ll_kernels import M, _check_dispatch, _routing, check_cases, check_graph_replay
+from test_ll_kernels import M, _check_dispatch, _routing, check_cases, check_graph_replay, ll_buffer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_count() < 2, reason="needs 2 GPUs with peer access"),
               pytest.mark.skipif(not has_nvshmem_wheel(),
@@ -19,12 +19,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_count() < 2, reason="needs
 def _forced_puts_worker(rank, world):
     os.environ["DEEPCOMM_LL_MEMORY"] = "nvshmem"
     os.environ["DEEPCOMM_LL_FORCE_PUTS"] = "1"
-    import deepcomm
     dev = torch.device("cuda", rank)
     gen = torch.Generator().manual_seed(900 + rank)
-    cuda = deepcomm.Buffer(max_tokens_per_rank=256, hidden=7168, backend="cuda", num_max_low_latency_tokens=M,
-                           num_sms=16, timeout_s=20)
-    ref = deepcomm.Buffer(max_tokens_per_rank=256, hidden=7168, backend="reference", num_max_low_latency_tokens=M)
+    cuda, ref = ll_buffer("cuda", num_sms=16), ll_buffer("reference")
     # largest shape first: it sizes the symmetric heap
     cases = [(128, 7168, 64, 8, "random", "fp8"), (7, 2048, 64, 4, "masked", "bf16"),
              (0 if rank == 0 else 5, 2176, 32, 6, "random", "ue8m0"), (33, 2176, 32, 6, "one_expert", "bf16")]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from nccl_run import gpu_count, has_nvshmem_wheel, run_on_gpus
-from test_ll_kernels import M, check_cases
+from test_ll_kernels import check_cases, ll_buffer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -94,14 +94,11 @@ def test_symmetric_heap_bootstrapped_by_unique_id():
 
 def _low_latency_worker(rank, world):
     os.environ["DEEPCOMM_LL_MEMORY"] = "nvshmem"
-    import deepcomm
     from deepcomm.cuda import nvshmem_session as ns
     from deepcomm.cuda.nvshmem_memory import NvshmemMemory
     dev = torch.device("cuda", rank)
     gen = torch.Generator().manual_seed(700 + rank)
-    cuda = deepcomm.Buffer(max_tokens_per_rank=256, hidden=7168, backend="cuda", num_max_low_latency_tokens=M,
-                           num_sms=16, timeout_s=20)
-    ref = deepcomm.Buffer(max_tokens_per_rank=256, hidden=7168, backend="reference", num_max_low_latency_tokens=M)
+    cuda, ref = ll_buffer("cuda", num_sms=16), ll_buffer("reference")
     assert cuda.low_latency_buffer_info() == {"memory": "nvshmem", "bytes": 0}
     assert ref.low_latency_buffer_info() == {"memory": None, "bytes": 0}
     # largest shape first: it sizes the symmetric heap; the later shapes remake the buffer inside it
