@@ -82,12 +82,11 @@ __device__ __forceinline__ bool sum_expert_rows(const LlCombineArgs& a, int64_t 
 __device__ __forceinline__ void store_weights(const LlCombineArgs& a, const LlLayout& l, const Peers& peers,
                                               const WaitCtx& ctx, uint32_t alive) {
   const int R = l.num_ranks, rank = ctx.rank, K = a.topk, T = a.num_tokens;
-  const uint64_t tag = uint64_t(uint32_t(ctx.seq)) << 32;
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < R * T * K; i += gridDim.x * blockDim.x) {
     const int d = i / (T * K), j = i % (T * K);
     if (!ll_is_alive(alive, d) || d == rank) continue;
     auto* word = reinterpret_cast<uint64_t*>(peers.base[d] + l.weights_at(a.slot, rank, j / K)) + j % K;
-    ptx::st_relaxed_sys_u64(word, tag | __float_as_uint(a.topk_weights[j]));
+    ptx::st_relaxed_sys_u64(word, ll_tagged(ctx.seq, __float_as_int(a.topk_weights[j])));
   }
 }
 
@@ -105,7 +104,6 @@ __device__ __forceinline__ void combine_send_phase(const LlCombineArgs& a, const
   ll_load_ntok(self, l, a.slot, alive & ~(1u << rank), n);
 
   store_weights(a, l, peers, ctx, alive);
-  const uint64_t tag = uint64_t(uint32_t(ctx.seq)) << 32;
   const int nchunks = int((H + kChunk - 1) / kChunk);
   __syncthreads();
   if (tid == 0) items = ll_item_count(n, R, nchunks);
@@ -133,14 +131,13 @@ __device__ __forceinline__ void combine_send_phase(const LlCombineArgs& a, const
     if (!mine) continue;
     // the source's weights for this token, waited for once its first rows are on their way
     auto weight = [&](float* w) {
-      uint64_t word = 0;
+      int bits = 0;
       bool have = true;
       if (entry >= 0) {
         const auto* wp = reinterpret_cast<const uint64_t*>(self + l.weights_at(a.slot, cs, ct)) + lane;
-        have = wait_until([&] { return ((word = ptx::ld_relaxed_sys_u64(wp)) & ~0xffffffffull) == tag; }, ctx, cs,
-                          kStageLlCombineWeights);
+        bits = ll_tagged_value(wp, ptx::ld_relaxed_sys_u64(wp), ctx.seq, ctx, cs, kStageLlCombineWeights, &have);
       }
-      *w = __uint_as_float(uint32_t(word));
+      *w = __int_as_float(bits);
       return __all_sync(0xffffffffu, have);
     };
     float acc[kUnroll][8];

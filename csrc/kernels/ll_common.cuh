@@ -184,8 +184,9 @@ __device__ __forceinline__ void ll_rank_entries(const int* experts, int n, int n
   __syncthreads();
 }
 
-// Tagged words (the dispatch's counts and token counts): the low 32 bits of the slot's send count above a 32-bit
-// value, stored in one 8-byte store, so a reader that sees this call's tag sees the value, with no fence or flag.
+// Tagged words (the dispatch's counts and token counts, tagged with the slot's send count; the combine's weights,
+// with the combine's sequence number): the low 32 bits of the call's number above a 32-bit value, stored in one
+// 8-byte store, so a reader that sees this call's tag sees the value, with no fence or flag.
 __device__ __forceinline__ uint64_t ll_tagged(uint64_t calls, int value) {
   return uint64_t(uint32_t(calls)) << 32 | uint32_t(value);
 }
@@ -209,7 +210,7 @@ __device__ __forceinline__ int ll_ntok(const uint8_t* self, const LlLayout& l, i
   return ll_is_alive(sources, s) ? int(uint32_t(ptx::ld_relaxed_sys_u64(ll_ntok_word(self, l, slot, s)))) : 0;
 }
 
-// The value of tagged word w once it carries the tag of send count `calls`; v: a first load of it, already made
+// The value of tagged word w once it carries the tag of call number `calls`; v: a first load of it, already made
 // (so a thread's first loads go out together). After a timeout: *good = false, and the value is meaningless.
 __device__ __forceinline__ int ll_tagged_value(const uint64_t* w, uint64_t v, uint64_t calls, const WaitCtx& ctx,
                                                int peer, int stage, bool* good) {
