@@ -14,6 +14,7 @@ callable that the timer calls back to back.
 """
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -172,6 +173,8 @@ class Deepcomm:
     def reported_num_sms(self, case: Case):
         if not self.uses_sms:
             return None
+        if case.mode == "low_latency":  # one block per SM, or DEEPCOMM_LL_NUM_SMS (tuning.md); num_sms is normal mode's
+            return getattr(self.buf._backend, "ll_blocks", None)
         return case.num_sms if case.num_sms is not None else self.default_num_sms
 
     def _buffer(self, num_sms):
@@ -218,9 +221,10 @@ class Deepcomm:
                 return buf.low_latency_combine(y, idx, w, h)
         return replay_graph(fn) if case.timing == "cuda-graph" else fn
 
-    def hook_overlap(self, inp: Inputs, dtype: str) -> dict:
+    def hook_overlap(self, inp: Inputs, dtype: str, pairs: int = 20) -> dict:
         """A matmul launched between a low-latency dispatch's send and its hook, timed alone and in that spot.
-        Equal times mean the pending dispatch holds no SM."""
+        Equal times mean the pending dispatch holds no SM. The two are timed in alternation, so that clock and
+        power drift over the run (a long matmul loop slows the GPU down) falls on both alike."""
         buf = self._buffer(None)
         M, E, dev = self.ll_tokens, self.ctx.experts, self.ctx.device
         a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
@@ -228,21 +232,28 @@ class Deepcomm:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
         def timed(with_dispatch: bool) -> float:
-            times = []
-            for _ in range(10):
-                hook = None
-                if with_dispatch:
-                    hook = buf.low_latency_dispatch(inp.x, inp.topk_idx, M, E, use_fp8=fp8, return_recv_hook=True)[3]
-                start.record()
-                a @ a
-                end.record()
-                if hook is not None:
-                    hook()
-                torch.cuda.synchronize(dev)
-                times.append(start.elapsed_time(end) * 1e3)
-            return sorted(times)[len(times) // 2]
-        timed(False), timed(True)  # warm-up
-        return {"compute_alone_us": timed(False), "compute_with_send_pending_us": timed(True)}
+            hook = None
+            if with_dispatch:
+                hook = buf.low_latency_dispatch(inp.x, inp.topk_idx, M, E, use_fp8=fp8, return_recv_hook=True)[3]
+            start.record()
+            a @ a
+            end.record()
+            if hook is not None:
+                hook()
+            torch.cuda.synchronize(dev)
+            return start.elapsed_time(end) * 1e3
+
+        for _ in range(3):  # warm-up
+            timed(False), timed(True)
+        alone, pending = [], []
+        for i in range(pairs):  # which goes first alternates too
+            first = bool(i % 2)
+            t_first, t_second = timed(first), timed(not first)
+            (pending if first else alone).append(t_first)
+            (alone if first else pending).append(t_second)
+        ratios = sorted(p / a for a, p in zip(alone, pending))
+        return {"compute_alone_us": statistics.median(alone), "compute_with_send_pending_us": statistics.median(pending),
+                "pending_over_alone_median": ratios[len(ratios) // 2], "pairs": pairs}
 
     def fp8_combine_errors(self, case: Case, inp: Inputs) -> tuple[float, float, float]:
         """This rank's ``metrics.combine_errors`` of the FP8 combine against the BF16 combine of the same expert

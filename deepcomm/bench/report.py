@@ -129,7 +129,8 @@ def print_report(doc: dict, stream=None) -> None:
         o = doc["hook_overlap"]
         print(f"hook overlap ({o['matmul']} between a {o['tokens']}-token {o['dtype']} low-latency send and its "
               f"hook): {o['compute_alone_us']:.1f} us alone, {o['compute_with_send_pending_us']:.1f} us with the "
-              f"send pending", file=stream)
+              f"send pending" + (f" (median ratio {o['pending_over_alone_median']:.3f} over {o['pairs']} "
+                                 f"alternating pairs)" if "pairs" in o else ""), file=stream)
     stream.flush()
 
 
