@@ -27,7 +27,7 @@ def write_plots(doc: dict, out_dir: str) -> list[str]:
         return []
     os.makedirs(out_dir, exist_ok=True)
     results = doc["results"]
-    title = f"{doc['machine']}, EP{doc['world_size']}, {doc['date']}"
+    title = f"{doc['machine']}, EP{doc['world_size']}, {doc['date']}, commit {doc.get('commit', '?')}"
     sweep_sms = {r["num_sms"] for r in results if r["system"] == "deepcomm" and r["num_sms"] is not None}
     default_rows = [r for r in results if r["system"] != "deepcomm" or len(sweep_sms) <= 1
                     or _is_default(r, results)]
