@@ -1,10 +1,15 @@
-"""How the CUDA backend raises input errors that kernels record on the device (deepcomm/cuda/nvl_buffer.py
-check_error, deepcomm/cuda/backend.py _check / _raise_pending), on CPU with a stand-in for the error record: an
+"""How the CUDA backends raise input errors that kernels record on the device (deepcomm/cuda/error_record.py
+check_error, deepcomm/cuda/ll_calls.py _check / _raise_pending), on CPU with a stand-in for the error record: an
 earlier call's error is held while the current call joins its collective and raised after it, one at a time, the
-next left recorded; a record still being written waits; a timeout raises at once and marks the Buffer broken."""
+next left recorded; a record still being written waits; a timeout raises at once and marks the Buffer broken.
+The same for the internode backend's low-latency mode (internode_ll.py), whose record also gates its normal mode."""
 import pytest
+import torch
 
 from deepcomm.cuda.backend import CudaBackend
+from deepcomm.cuda.error_record import DeviceErrorRecord
+from deepcomm.cuda.internode import InternodeBackend
+from deepcomm.cuda.internode_ll import InternodeLowLatency, low_latency_memory_for
 from deepcomm.cuda.nvl_buffer import NvlBuffer
 from deepcomm.errors import CommTimeoutError
 
@@ -29,15 +34,26 @@ def _nvl(record):
     return nvl
 
 
-def _backend(record):
-    b = CudaBackend.__new__(CudaBackend)
-    b.nvl, b._pending_input = _nvl(record), None
+def _record(record):
+    r = DeviceErrorRecord.__new__(DeviceErrorRecord)  # the internode backend's low-latency record, likewise
+    r.C, r.err_host, r.device = record, 0, torch.device("cpu")
+    r.broken, r.broken_peer, r.masked = False, None, frozenset()
+    return r
+
+
+def _backend(record, cls=CudaBackend):
+    b = cls.__new__(cls)
+    b.nvl, b._pending_input = (_nvl(record) if cls is CudaBackend else _record(record)), None
     return b
 
 
-def test_input_error_is_held_and_raised_after_the_call():
+BACKENDS = [CudaBackend, InternodeLowLatency]
+
+
+@pytest.mark.parametrize("cls", BACKENDS)
+def test_input_error_is_held_and_raised_after_the_call(cls):
     rec = FakeRecord()
-    b = _backend(rec)
+    b = _backend(rec, cls)
     rec.record = (1, 0, 1, 102, 7, 0)  # rank 1 passed bad low-latency ids
     b._check(low_latency=True)  # the call goes on
     assert rec.record[0] == 0 and b._pending_input is not None
@@ -52,9 +68,10 @@ def test_input_error_is_held_and_raised_after_the_call():
         b._raise_pending()
 
 
-def test_record_being_written_waits_and_timeouts_raise_at_once():
+@pytest.mark.parametrize("cls", BACKENDS)
+def test_record_being_written_waits_and_timeouts_raise_at_once(cls):
     rec = FakeRecord()
-    b = _backend(rec)
+    b = _backend(rec, cls)
     rec.record = (2, 0, 1, 8, 3, 0)  # flag 2: the kernel is still writing it
     b._check(low_latency=True)
     assert b._pending_input is None and not b.nvl.broken
@@ -76,3 +93,33 @@ def test_check_error_modes():
     rec.record = (1, 0, 1, 101, 1, 0)
     with pytest.raises(ValueError, match="num_worst_tokens: rank 1"):
         nvl.check_error()
+
+
+def test_internode_normal_mode_reads_the_low_latency_record():
+    """The internode backend's normal mode refuses to run while ranks are masked or after a low-latency timeout,
+    as on one node, and leaves a low-latency input error recorded for the low-latency call that raises it."""
+    rec = FakeRecord()
+    backend = InternodeBackend.__new__(InternodeBackend)
+    backend.ll = _backend(rec, InternodeLowLatency)
+    rec.record = (1, 0, 1, 102, 4, 0)  # bad ids in an earlier low-latency dispatch of rank 1
+    backend._normal_mode_check()
+    assert rec.record[0] == 1
+    backend.ll._check(low_latency=True)
+    with pytest.raises(ValueError, match="on rank 1 had expert ids outside"):
+        backend.ll._raise_pending()
+    backend.ll.nvl.masked = frozenset({1})
+    with pytest.raises(RuntimeError, match=r"ranks \[1\] are masked"):
+        backend._normal_mode_check()
+    backend.ll.nvl.masked = frozenset()
+    rec.record = (1, 0, 1, 9, 5, 3_000_000_000)  # a low-latency combine that timed out waiting for rank 1
+    with pytest.raises(CommTimeoutError, match="low_latency_combine:data"):
+        backend._normal_mode_check()
+    with pytest.raises(RuntimeError, match="destroy it"):
+        backend._normal_mode_check()
+
+
+def test_internode_low_latency_memory():
+    """CUDA IPC cannot map across hosts: ranks on several hosts get NVSHMEM memory whatever was configured."""
+    assert low_latency_memory_for(["a", "a"], "ipc") == "ipc"
+    assert low_latency_memory_for(["a", "a"], "nvshmem") == "nvshmem"
+    assert low_latency_memory_for(["a", "b", "a", "b"], "ipc") == "nvshmem"

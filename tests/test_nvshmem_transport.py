@@ -247,7 +247,7 @@ def test_stage_table_matches_the_header():
     """Every timeout stage of enum WaitStage (csrc/runtime/error_record.cuh) has its number in the Python table,
     and nothing else does (the internode path added stages from both sides: NVSHMEM 27/28, node barrier 29)."""
     import re
-    from deepcomm.cuda.nvl_buffer import INPUT_ERRORS, STAGES
+    from deepcomm.cuda.error_record import INPUT_ERRORS, STAGES
     with open(os.path.join(ROOT, "csrc", "runtime", "error_record.cuh")) as f:
         enum = dict((name, int(num)) for name, num in re.findall(r"^\s*(kStage\w+)\s*=\s*(\d+),", f.read(), re.M))
     assert len(set(enum.values())) == len(enum), enum  # no number given twice
@@ -260,7 +260,7 @@ def test_stage_table_matches_the_header():
 
 @pytest.mark.skipif(_extension() is None, reason="deepcomm._C is not built")
 def test_wait_stages_have_names():
-    from deepcomm.cuda.nvl_buffer import STAGES
+    from deepcomm.cuda.error_record import STAGES
     T = _extension().transport
     assert STAGES[T.STAGE_NVSHMEM_CREDIT].startswith("nvshmem:credit ")
     assert STAGES[T.STAGE_NVSHMEM_SIGNAL].startswith("nvshmem:signal ")

@@ -77,23 +77,10 @@ class CudaBackend(LowLatencyCalls):
         # an input error found on the device by an earlier call: raised once the current call has been launched
         self._pending_input: Optional[ValueError] = None
         self._ll = None  # the low-latency buffer (ll_calls.py), made at the first low-latency call
+        self.ll_memory = config.low_latency_memory
         self.ll_blocks = low_latency_blocks(C, device)
 
     # ---- plumbing ----
-    def _check(self, low_latency: bool = False) -> None:
-        """Timeouts raise now; an input error an earlier call left on the device is kept for _raise_pending (one
-        at a time: while one is held, the next stays recorded for a later look)."""
-        held = self._pending_input is not None
-        err = self.nvl.check_error(low_latency=low_latency, defer_input=True, leave_input=held)
-        if err is not None:
-            self._pending_input = err
-
-    def _raise_pending(self) -> None:
-        """After a call's kernels are launched (so every rank joined it): raise the kept input error, if any."""
-        err, self._pending_input = self._pending_input, None
-        if err is not None:
-            raise err
-
     def _begin(self, previous_event: Optional[torch.cuda.Event]) -> torch.cuda.Stream:
         """Order the communication stream after the caller's work and start a new collective: bump the device
         sequence number of the NVLink context."""
@@ -137,11 +124,6 @@ class CudaBackend(LowLatencyCalls):
     def size_bytes(self) -> int:
         """Device bytes this rank holds: the NVLink buffer, plus the low-latency buffer once one was made."""
         return self.nvl.size_bytes + (self._ll.layout["total"] if self._ll is not None else 0)
-
-    def low_latency_buffer_info(self) -> dict:
-        """Which memory the low-latency buffer uses and its bytes (0 until the first low-latency call)."""
-        return {"memory": self.config.low_latency_memory,
-                "bytes": self._ll.layout["total"] if self._ll is not None else 0}
 
     # ---- layout ----
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
@@ -314,9 +296,6 @@ class CudaBackend(LowLatencyCalls):
     def destroy(self) -> None:
         """Local (no collective): safe after a timeout, even with a dead peer."""
         try:
-            if self._ll is not None:
-                ll, self._ll = self._ll, None
-                torch.cuda.synchronize(self.device)
-                ll.close()
+            self._close_low_latency()
         finally:
             self.nvl.close()

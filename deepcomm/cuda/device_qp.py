@@ -8,7 +8,7 @@ from typing import Dict
 import torch
 
 from ..errors import CommTimeoutError
-from .nvl_buffer import STAGES
+from .error_record import STAGES
 
 
 class DeviceQueuePair:

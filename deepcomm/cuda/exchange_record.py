@@ -9,7 +9,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from ..errors import CommTimeoutError
-from .nvl_buffer import STAGES
+from .error_record import STAGES
 
 
 def peer_list(rank: int, world_size: int, peers: Optional[Sequence[int]]) -> List[int]:

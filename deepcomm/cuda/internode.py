@@ -14,6 +14,9 @@ routing and the NVLink hop are the same either way.
 
 Still simple rather than fast (docs/internode.md): each exchange is one kernel launch followed by a host sync that
 reads the error record, and rows are packed, forwarded and unpacked by torch copies.
+
+Low-latency mode takes another road on these topologies (internode_ll.py): the low-latency kernels over every rank,
+NVSHMEM puts to the peers NVLink cannot map.
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ from .arena import as_device_bytes
 from .exchange_record import ExchangeRecord, check_round, peer_list
 from .hier_comm import HierComm
 from .hier_kernels import HierKernels
+from .internode_ll import InternodeLowLatency
 from .node_link import NodeLink
 from .peer_memory import PeerMemory
 
@@ -214,7 +218,8 @@ class NicTransport(ExchangeRecord):
 
 
 class InternodeBackend:
-    """Normal-mode backend for topologies of several nodes (same interface as the other backends)."""
+    """The CUDA backend for topologies of several nodes (same interface as the other backends): normal mode
+    hierarchical (this file), low-latency mode over the whole group (internode_ll.py)."""
 
     name = "cuda"
     x_dtypes = (torch.bfloat16,)
@@ -237,6 +242,12 @@ class InternodeBackend:
             except BaseException:
                 self.transport.close()
                 raise
+        try:  # low-latency mode: its own buffer over the whole group, made at the first call (internode_ll.py)
+            self.ll = InternodeLowLatency(C, group, config, rank, world_size, device)
+        except BaseException:
+            self.link.close()
+            self.transport.close()
+            raise
         self.comm = HierComm(self.transport, self.link, rank, world_size, G, device)
         # The dedicated kernels (hier_kernels.py) carry the emulated transport unless DEEPCOMM_INTERNODE_KERNELS=0;
         # the NVSHMEM transport's host-side puts keep the torch routing (hier_normal.py).
@@ -254,8 +265,14 @@ class InternodeBackend:
 
     # previous_event / async_finish: every exchange synchronizes before it returns, so there is
     # nothing to overlap; accepted so code runs unchanged on every backend.
+    def _normal_mode_check(self) -> None:
+        """Normal mode needs every rank, and a Buffer a low-latency timeout broke is done (as on one node); an
+        input error of a low-latency call stays recorded for that mode."""
+        self.ll.nvl.check_error(low_latency=False, leave_input=True)
+
     def dispatch(self, x, topk_idx, topk_weights, num_experts, handle, expert_alignment, num_worst_tokens=0,
                  previous_event=None, async_finish=False):
+        self._normal_mode_check()
         for t in (topk_idx, topk_weights):
             if t is not None:
                 self._check_topk(t.shape[1])
@@ -271,6 +288,7 @@ class InternodeBackend:
         return normal.pad_to_worst(out, num_worst_tokens, handle is not None) if num_worst_tokens else out
 
     def combine(self, x, handle, topk_weights, previous_event=None, async_finish=False, use_fp8=False):
+        self._normal_mode_check()
         if topk_weights is not None:
             self._check_topk(topk_weights.shape[1])
         with torch.cuda.device(self.device):
@@ -278,11 +296,27 @@ class InternodeBackend:
                 return hier_kernels.combine(self.kernels, x, handle, topk_weights, use_fp8)
             return hier_normal.combine(self.comm, x, handle, topk_weights, use_fp8)
 
-    def low_latency_dispatch(self, *args, **kwargs):
-        raise RuntimeError("deepcomm: low-latency mode is not built for multi-node topologies on the CUDA backend "
-                           "(docs/internode.md); use backend='reference'")
+    # low-latency mode (internode_ll.py): the low-latency kernels check expert ids on the device
+    checks_low_latency_ids_on_device = True
 
-    low_latency_combine = low_latency_dispatch
+    def low_latency_dispatch(self, *args):
+        return self.ll.low_latency_dispatch(*args)
+
+    def low_latency_combine(self, *args, **kwargs):
+        return self.ll.low_latency_combine(*args, **kwargs)
+
+    def low_latency_buffer_info(self) -> dict:
+        return self.ll.low_latency_buffer_info()
+
+    @property
+    def masked(self) -> frozenset:
+        return self.ll.masked
+
+    def mask_ranks(self, ranks: frozenset) -> None:
+        self.ll.mask_ranks(ranks)
+
+    def unmask_ranks(self) -> None:
+        self.ll.unmask_ranks()
 
     def nic_totals(self):
         """Per peer, what the emulated NIC executed; {} with the NVSHMEM transport (no NIC of ours)."""
@@ -295,15 +329,20 @@ class InternodeBackend:
             self.kernels.set_num_sms(num_sms)
 
     def size_bytes(self) -> int:
-        return self.transport.size_bytes() + self.link.mem.nbytes
+        ll = self.ll.low_latency_buffer_info()["bytes"]
+        return self.transport.size_bytes() + self.link.mem.nbytes + ll
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
         self.transport.check_error()
         self.link.check_error()
+        self.ll.synchronize()
 
     def destroy(self) -> None:
         try:
-            self.transport.close()
+            self.ll.close()
         finally:
-            self.link.close()
+            try:
+                self.transport.close()
+            finally:
+                self.link.close()

@@ -1,12 +1,15 @@
-"""Low-latency mode of the CUDA backend (a mixin of CudaBackend, deepcomm/cuda/backend.py): the double-buffered
+"""Low-latency mode of the CUDA backends (a mixin of CudaBackend, deepcomm/cuda/backend.py, and of the internode
+backend's InternodeLowLatency, deepcomm/cuda/internode_ll.py): the double-buffered
 low-latency buffer (deepcomm/cuda/ll_buffer.py), the kernel launches with and without a receive hook, and masking
 lost ranks. Everything runs on the caller's stream with no host sync, so calls can be captured in CUDA graphs;
 everything a dispatch returns is a view of the buffer, valid until the same slot is used again two low-latency
 dispatches later.
 
-The host side of CudaBackend the methods use: ``C``, ``group``, ``rank``, ``world_size``, ``device``, ``config``,
-``nvl`` (deepcomm/cuda/nvl_buffer.py), ``ll_blocks``, ``_ll`` and the error plumbing ``_check`` /
-``_raise_pending``.
+What the class using it provides: ``C``, ``group``, ``rank``, ``world_size``, ``device``, ``nvl`` (an error record:
+deepcomm/cuda/error_record.py, which the NVLink buffer is), ``ll_memory`` ("ipc" or "nvshmem"), ``ll_blocks``,
+``_ll`` (None at first) and ``_pending_input`` (None at first). CudaBackend (backend.py) and the internode
+backend's InternodeLowLatency (internode_ll.py) use it; the error plumbing ``_check`` / ``_raise_pending`` is
+here, and CudaBackend's normal mode uses it too.
 """
 from __future__ import annotations
 
@@ -38,6 +41,32 @@ def low_latency_blocks(C, device: torch.device) -> int:
 
 
 class LowLatencyCalls:
+    def _check(self, low_latency: bool = False) -> None:
+        """Timeouts raise now; an input error an earlier call left on the device is kept for _raise_pending (one
+        at a time: while one is held, the next stays recorded for a later look)."""
+        held = self._pending_input is not None
+        err = self.nvl.check_error(low_latency=low_latency, defer_input=True, leave_input=held)
+        if err is not None:
+            self._pending_input = err
+
+    def _raise_pending(self) -> None:
+        """After a call's kernels are launched (so every rank joined it): raise the kept input error, if any."""
+        err, self._pending_input = self._pending_input, None
+        if err is not None:
+            raise err
+
+    def low_latency_buffer_info(self) -> dict:
+        """Which memory the low-latency buffer uses and its bytes (0 until the first low-latency call)."""
+        return {"memory": self.ll_memory,
+                "bytes": self._ll.layout["total"] if self._ll is not None else 0}
+
+    def _close_low_latency(self) -> None:
+        """Free the low-latency buffer, if one was made, once this device is idle (local, no collective)."""
+        if self._ll is not None:
+            ll, self._ll = self._ll, None
+            torch.cuda.synchronize(self.device)
+            ll.close()
+
     def _ll_buffer(self, num_experts: int, max_tokens: int, hidden: int) -> LlBuffer:
         """The low-latency buffer for this shape; (re)made collectively on the first call of a new shape."""
         key = (num_experts, max_tokens, hidden)
@@ -48,8 +77,7 @@ class LowLatencyCalls:
                 self._ll = None
             with torch.cuda.device(self.device):
                 self._ll = LlBuffer(self.C, self.group, self.rank, self.world_size, self.device, num_experts,
-                                    max_tokens, hidden, self.nvl.err_dev, self.nvl.timeout_ns,
-                                    self.config.low_latency_memory)
+                                    max_tokens, hidden, self.nvl.err_dev, self.nvl.timeout_ns, self.ll_memory)
                 if self.nvl.masked:
                     self._ll.write_mask(self.nvl.masked)
         return self._ll
