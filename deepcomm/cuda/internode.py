@@ -243,7 +243,8 @@ class InternodeBackend:
                 self.transport.close()
                 raise
         try:  # low-latency mode: its own buffer over the whole group, made at the first call (internode_ll.py)
-            self.ll = InternodeLowLatency(C, group, config, rank, world_size, device)
+            with torch.cuda.device(device):
+                self.ll = InternodeLowLatency(C, group, config, rank, world_size, device)
         except BaseException:
             self.link.close()
             self.transport.close()
@@ -263,13 +264,13 @@ class InternodeBackend:
         if k > TOPK_MAX:
             raise ValueError(f"topk_idx: at most {TOPK_MAX} experts per token on the internode backend, got {k}")
 
-    # previous_event / async_finish: every exchange synchronizes before it returns, so there is
-    # nothing to overlap; accepted so code runs unchanged on every backend.
     def _normal_mode_check(self) -> None:
         """Normal mode needs every rank, and a Buffer a low-latency timeout broke is done (as on one node); an
         input error of a low-latency call stays recorded for that mode."""
         self.ll.nvl.check_error(low_latency=False, leave_input=True)
 
+    # previous_event / async_finish: every exchange synchronizes before it returns, so there is
+    # nothing to overlap; accepted so code runs unchanged on every backend.
     def dispatch(self, x, topk_idx, topk_weights, num_experts, handle, expert_alignment, num_worst_tokens=0,
                  previous_event=None, async_finish=False):
         self._normal_mode_check()
