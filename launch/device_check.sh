@@ -129,7 +129,8 @@ fi
 
 if [[ "$MODE" == round ]]; then
   t0=$(date +%s)
-  # the 35 GPU tests passed 330 s on 2026-11-30 (the soak then has 140 s: 10k iterations took 88 s)
+  # the GPU tests took 325 s on 2026-11-30 (35; test_internode_ll.py, 3 more, takes about 30 s), and the soak then
+  # has 140 s (10k iterations took 88-94 s)
   timeout 420 python3 -m pytest -q -ra -m gpu tests > "$OUT/gpu_tests.log" 2>&1
   echo "gpu tests: rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$summary"
   tail -8 "$OUT/gpu_tests.log"
