@@ -254,8 +254,7 @@ class Buffer:
         v.check_low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
                                      use_ue8m0, self._world_size, self._device, self.config.hidden,
                                      self.config.num_max_low_latency_tokens,
-                                     check_values=not (getattr(backend, "checks_expert_ids_on_device", False) or
-                                                       getattr(backend, "checks_low_latency_ids_on_device", False)))
+                                     check_values=not getattr(backend, "checks_low_latency_ids_on_device", False))
         self._check_hook_flag(return_recv_hook)
         self._agree({"hidden": x.shape[1], "topk": topk_idx.shape[1], "num_experts": num_experts,
                      "num_max_dispatch_tokens_per_rank": num_max_dispatch_tokens_per_rank, "use_fp8": use_fp8})

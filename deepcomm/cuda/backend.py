@@ -47,9 +47,8 @@ def arena_sizes(C, world_size: int, max_tokens: int, hidden: int) -> Tuple[int, 
 class CudaBackend(LowLatencyCalls):
     name = "cuda"
     x_dtypes = (torch.bfloat16,)  # non-FP8 x of normal dispatch/combine
-    # Expert ids (range; duplicates in low-latency mode) are checked on the device, without a host sync: inside
-    # the notify kernel for a fresh dispatch, inside the send kernel in low-latency mode. The Buffer then skips its
-    # own value checks.
+    # Expert ids are range-checked on the device, without a host sync, inside the notify kernel of a fresh dispatch;
+    # the Buffer then skips its own value checks (low-latency mode: LowLatencyCalls.checks_low_latency_ids_on_device).
     checks_expert_ids_on_device = True
 
     def __init__(self, group, config, rank: int, world_size: int, device: torch.device):

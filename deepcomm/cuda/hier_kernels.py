@@ -84,7 +84,8 @@ class HierKernels:
         self.counters.zero_()
         fields = dict(
             num_nodes=comm.num_nodes, gpus=comm.gpus, node=comm.node, local=comm.local,
-            peers=self.peer_table.data_ptr(), num_peers=len(tr.peers), lkey=tr.lkey, round=tr.round, chunk_bytes=CHUNK_BYTES,
+            peers=self.peer_table.data_ptr(), num_peers=len(tr.peers), lkey=tr.lkey, round=tr.round,
+            chunk_bytes=CHUNK_BYTES,
             log_wqebbs=LOG_WQEBBS, log_cqes=LOG_WQEBBS, send=tr.mem.ptr + tr.offsets["send"],
             recv=tr.mem.ptr + tr.offsets["recv"], signal=tr.mem.ptr + tr.offsets["signal"],
             slot_bytes=tr.slot_bytes, emulate_nic=True, nic_blocks=self.nic_blocks,

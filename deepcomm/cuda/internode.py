@@ -35,7 +35,7 @@ from .arena import as_device_bytes
 from .exchange_record import ExchangeRecord, check_round, peer_list
 from .hier_comm import HierComm
 from .hier_kernels import HierKernels
-from .internode_ll import InternodeLowLatency
+from .internode_ll import InternodeLowLatency, low_latency_memory_for
 from .node_link import NodeLink
 from .peer_memory import PeerMemory
 
@@ -243,8 +243,9 @@ class InternodeBackend:
                 self.transport.close()
                 raise
         try:  # low-latency mode: its own buffer over the whole group, made at the first call (internode_ll.py)
+            ll_memory = low_latency_memory_for(hosts_of(group), config.low_latency_memory)
             with torch.cuda.device(device):
-                self.ll = InternodeLowLatency(C, group, config, rank, world_size, device)
+                self.ll = InternodeLowLatency(C, group, config, rank, world_size, device, ll_memory)
         except BaseException:
             self.link.close()
             self.transport.close()
@@ -297,8 +298,8 @@ class InternodeBackend:
                 return hier_kernels.combine(self.kernels, x, handle, topk_weights, use_fp8)
             return hier_normal.combine(self.comm, x, handle, topk_weights, use_fp8)
 
-    # low-latency mode (internode_ll.py): the low-latency kernels check expert ids on the device
-    checks_low_latency_ids_on_device = True
+    # low-latency mode (internode_ll.py)
+    checks_low_latency_ids_on_device = InternodeLowLatency.checks_low_latency_ids_on_device
 
     def low_latency_dispatch(self, *args):
         return self.ll.low_latency_dispatch(*args)

@@ -9,11 +9,9 @@ hosts), else where ``low_latency_memory`` says. Its own error record carries the
 errors (error_record.py); normal mode's transport and NVLink hop keep theirs."""
 from __future__ import annotations
 
-import socket
 from typing import List, Optional
 
 import torch
-import torch.distributed as dist
 
 from .error_record import DeviceErrorRecord
 from .ll_calls import LowLatencyCalls, low_latency_blocks
@@ -25,14 +23,12 @@ def low_latency_memory_for(hosts: List[str], configured: str) -> str:
 
 
 class InternodeLowLatency(LowLatencyCalls):
-    """The internode backend's low-latency calls (LowLatencyCalls over the whole group). Made with the backend
-    (one collective: the host names); the buffer comes at the first low-latency call."""
+    """The internode backend's low-latency calls (LowLatencyCalls over the whole group); ``ll_memory``: "ipc" or
+    "nvshmem" (low_latency_memory_for). Nothing collective here: the buffer comes at the first low-latency call."""
 
-    def __init__(self, C, group, config, rank: int, world_size: int, device: torch.device):
+    def __init__(self, C, group, config, rank: int, world_size: int, device: torch.device, ll_memory: str):
         self.C, self.group, self.rank, self.world_size, self.device = C, group, rank, world_size, device
-        hosts: List[Optional[str]] = [None] * world_size
-        dist.all_gather_object(hosts, socket.gethostname(), group=group)
-        self.ll_memory = low_latency_memory_for(hosts, config.low_latency_memory)  # type: ignore[arg-type]
+        self.ll_memory = ll_memory
         self.ll_blocks = low_latency_blocks(C, device)
         self.nvl = DeviceErrorRecord(C, device, config.timeout_s)
         self._ll = None

@@ -41,6 +41,10 @@ def low_latency_blocks(C, device: torch.device) -> int:
 
 
 class LowLatencyCalls:
+    # the low-latency send kernels check expert ids on the device (no host sync: calls stay graph-capturable), so
+    # the Buffer skips its own value checks
+    checks_low_latency_ids_on_device = True
+
     def _check(self, low_latency: bool = False) -> None:
         """Timeouts raise now; an input error an earlier call left on the device is kept for _raise_pending (one
         at a time: while one is held, the next stays recorded for a later look)."""
@@ -71,10 +75,7 @@ class LowLatencyCalls:
         """The low-latency buffer for this shape; (re)made collectively on the first call of a new shape."""
         key = (num_experts, max_tokens, hidden)
         if self._ll is None or self._ll.key != key:
-            if self._ll is not None:
-                torch.cuda.synchronize(self.device)
-                self._ll.close()
-                self._ll = None
+            self._close_low_latency()
             with torch.cuda.device(self.device):
                 self._ll = LlBuffer(self.C, self.group, self.rank, self.world_size, self.device, num_experts,
                                     max_tokens, hidden, self.nvl.err_dev, self.nvl.timeout_ns, self.ll_memory)
