@@ -60,10 +60,6 @@ if [[ "$MODE" == ll-ab ]]; then
   exit 0
 fi
 
-# ll-bench-ab: the low-latency benchmark only (deepcomm, 1/128/256 tokens, CUDA graphs) of the tree as it is and of
-# each patch in $AB_PATCHES (space-separated patch files in the tree, e.g. `git diff main exp/x > x.patch`), each
-# applied alone and rebuilt, in two rounds so that drift shows; no tests (run the winner's with ll-ab or ll-settings);
-# about 40 s per build and benchmark
 # The low-latency benchmark of deepcomm alone at 1/128/256 tokens, its CUDA-graph rows as "op dtype tokens median;"
 # on one line under "== label"; $2 (optional): environment settings for the run ("NAME=value NAME=value").
 quick_ll_bench() {
@@ -74,6 +70,10 @@ quick_ll_bench() {
   echo | tee -a "$summary"
 }
 
+# ll-bench-ab: the low-latency benchmark only (deepcomm, 1/128/256 tokens, CUDA graphs) of the tree as it is and of
+# each patch in $AB_PATCHES (space-separated patch files in the tree, e.g. `git diff main exp/x > x.patch`), each
+# applied alone and rebuilt, in two rounds so that drift shows; no tests (run the winner's with ll-ab or ll-settings);
+# about 40 s per build and benchmark
 if [[ "$MODE" == ll-bench-ab ]]; then
   read -ra patches <<< "${AB_PATCHES:-}"
   [[ ${#patches[@]} -gt 0 ]] || { echo "ll-bench-ab: set AB_PATCHES to patch files in the tree"; exit 1; }
