@@ -11,6 +11,7 @@
 #include "runtime/error_record.cuh"
 #include "runtime/ipc.hpp"
 #include "runtime/ll_context.hpp"
+#include "runtime/nvl_calls.hpp"
 #include "runtime/nvl_context.hpp"
 #include "runtime/nvl_layout.hpp"
 #include "transport/bindings_nvshmem.hpp"
@@ -24,10 +25,30 @@ namespace {
 template <typename T>
 T* ptr(uintptr_t p) { return reinterpret_cast<T*>(p); }
 cudaStream_t stream_of(uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
+cudaEvent_t event_of(uintptr_t e) { return reinterpret_cast<cudaEvent_t>(e); }
+
+// Flags of NvlContext.dispatch_call (deepcomm/cuda/nvl_calls.py names them; exported as DISPATCH_FLAGS).
+enum DispatchFlag : int {
+  kCallBegin = 1, kCallNotify = 2, kCallBump = 4, kCallPayload = 8, kCallWait = 16, kCallFinish = 32,
+  kCallWaitCaller = 64, kCallCallerWaits = 128, kCallReportInvalid = 256,
+};
+
+StreamOrder stream_order(uintptr_t caller, uintptr_t comm, uintptr_t previous, uintptr_t start, uintptr_t end,
+                         int flags) {
+  StreamOrder o;
+  o.caller = stream_of(caller);
+  o.comm = stream_of(comm);
+  o.previous = event_of(previous);
+  o.start = event_of(start);
+  o.end = event_of(end);
+  o.wait_caller = (flags & kCallWaitCaller) != 0;
+  o.caller_waits = (flags & kCallCallerWaits) != 0;
+  return o;
+}
 
 py::dict layout_dict(const NvlLayout& l) {
   py::dict d;
-  d["seq_counter"] = l.seq_counter; d["notify_counts"] = l.notify_counts; d["notify_flag"] = l.notify_flag; d["mailbox"] = l.mailbox;
+  d["seq_counter"] = l.seq_counter; d["notify_work"] = l.notify_work; d["notify_counts"] = l.notify_counts; d["notify_flag"] = l.notify_flag; d["mailbox"] = l.mailbox;
   d["dispatch_done"] = l.dispatch_done; d["combine_ready"] = l.combine_ready; d["combine_flag"] = l.combine_flag;
   d["combine_stage"] = l.combine_stage; d["arena"] = l.arena; d["total"] = l.total;
   d["signal_bytes"] = l.signal_bytes();
@@ -42,6 +63,16 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "deepcomm CUDA core (raw pointers and streams; no libtorch)";
   m.attr("MAX_RANKS") = kMaxRanks;
   m.attr("MAX_BLOCKS") = kMaxBlocks;
+  m.attr("DISPATCH_COUNTS_BYTES") = int64_t(sizeof(DispatchCounts));
+  m.attr("COUNTS_MAX_EXPERTS") = kCountsMaxExperts;
+  {
+    py::dict f;
+    f["begin"] = int(kCallBegin); f["notify"] = int(kCallNotify); f["bump"] = int(kCallBump);
+    f["payload"] = int(kCallPayload); f["wait"] = int(kCallWait); f["finish"] = int(kCallFinish);
+    f["wait_caller"] = int(kCallWaitCaller); f["caller_waits"] = int(kCallCallerWaits);
+    f["report_invalid"] = int(kCallReportInvalid);
+    m.attr("DISPATCH_FLAGS") = f;
+  }
 
   // ---- device facts ----
   m.def("device_count", [] { int n = 0; return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0; });
@@ -134,31 +165,55 @@ PYBIND11_MODULE(_C, m) {
       .def("set_error_record", [](NvlContext& c, uintptr_t dev) { c.err_device = ptr<ErrorRecord>(dev); })
       .def("set_timeout_ns", [](NvlContext& c, uint64_t ns) { c.timeout_ns = ns; })
       .def("bump_seq", [](const NvlContext& c, uintptr_t stream) { launch_bump_seq(c.seq_counter(), stream_of(stream)); })
-      .def("notify_dispatch", [](const NvlContext& c, uintptr_t topk_idx, int T, int K, int E,
-                                 uintptr_t per_rank, uintptr_t per_expert, uintptr_t in_rank, uintptr_t send_pos,
-                                 uintptr_t notify_out, uintptr_t stream) {
-        launch_notify_dispatch(ptr<const int64_t>(topk_idx), T, K, E, ptr<int>(per_rank), ptr<int>(per_expert),
-                               ptr<bool>(in_rank), ptr<int>(send_pos), ptr<int>(notify_out), c.layout, c.peers,
-                               c.wait_ctx(), stream_of(stream));
+      .def("set_error_host", [](NvlContext& c, uintptr_t host) { c.err_host = ptr<const ErrorRecord>(host); })
+      .def("set_dispatch_counts", [](NvlContext& c, uintptr_t host, uintptr_t dev) {
+        c.counts_host = ptr<const DispatchCounts>(host);
+        c.counts_device = ptr<DispatchCounts>(dev);
       })
-      .def("dispatch", [](const NvlContext& c, int num_blocks, uintptr_t x, int64_t x_row_bytes,
-                          uintptr_t scales, int64_t scale_row_bytes, uintptr_t topk_idx, uintptr_t topk_weights,
-                          int K, int T, int L, uintptr_t send_pos, uintptr_t count_matrix, uintptr_t invalid_count,
-                          std::vector<int64_t> out_offsets, int64_t capacity, uintptr_t stream) {
-        DC_HOST_ASSERT(out_offsets.size() == 5, "dispatch: out_offsets needs 5 entries");
-        DispatchArgs a{ptr<const void>(x), ptr<const void>(scales), ptr<const int64_t>(topk_idx),
-                       ptr<const float>(topk_weights), ptr<int>(send_pos), ptr<int>(count_matrix),
-                       ptr<const int>(invalid_count), T, K, L, x_row_bytes, scale_row_bytes, {}, capacity};
-        for (int i = 0; i < 5; ++i) a.out_offsets[i] = out_offsets[i];
-        launch_dispatch(a, num_blocks, c.layout, c.peers, c.wait_ctx(), stream_of(stream));
+      // One normal dispatch crossing (csrc/runtime/nvl_calls.hpp): the steps in `flags`, then
+      // (status, num_recv, bad_all, bad_mine, aligned rows per local expert, DispatchOutLayout offsets + total,
+      // microseconds the host waited for the counts).
+      // Argument order: stream order | notify | payload | the rest; deepcomm/cuda/nvl_calls.py is its one caller.
+      .def("dispatch_call", [](const NvlContext& c, int flags, uintptr_t caller, uintptr_t comm, uintptr_t previous,
+                               uintptr_t start, uintptr_t end,
+                               uintptr_t topk_idx, int T, int K, int E, uintptr_t in_rank, uintptr_t send_pos,
+                               uintptr_t notify_out, uint64_t host_tag,
+                               uintptr_t x, int64_t x_row_bytes, uintptr_t scales, int64_t scale_row_bytes,
+                               uintptr_t topk_weights, uintptr_t count_matrix, uintptr_t invalid_count,
+                               int64_t out_block, int64_t out_rows,
+                               int num_blocks, int expert_alignment, uintptr_t src_idx_copy, double wait_timeout_s) {
+        NvlDispatchCall call;
+        call.begin = flags & kCallBegin; call.notify = flags & kCallNotify; call.bump = flags & kCallBump;
+        call.payload = flags & kCallPayload; call.wait = flags & kCallWait; call.finish = flags & kCallFinish;
+        call.notify_args = NotifyArgs{ptr<const int64_t>(topk_idx), T, K, E, ptr<bool>(in_rank), ptr<int>(send_pos),
+                                      ptr<int>(notify_out), (flags & kCallWait) ? c.counts_device : nullptr,
+                                      host_tag};
+        const int R = c.layout.num_ranks;
+        call.dispatch = DispatchArgs{ptr<const void>(x), ptr<const void>(scales),
+                                     ptr<const int64_t>(topk_idx),
+                                     ptr<const float>(topk_weights), ptr<int>(send_pos), ptr<int>(count_matrix),
+                                     ptr<const int>(invalid_count), (flags & kCallReportInvalid) != 0, T, K, E / R,
+                                     x_row_bytes, scale_row_bytes, out_block, out_rows, ptr<int>(src_idx_copy)};
+        call.num_blocks = num_blocks;
+        call.expert_alignment = expert_alignment;
+        call.wait_timeout_s = wait_timeout_s;
+        NvlDispatchResult r;
+        {
+          py::gil_scoped_release release;  // the wait for the counts must not hold other Python threads
+          r = nvl_dispatch(c, stream_order(caller, comm, previous, start, end, flags), call);
+        }
+        return py::make_tuple(r.status, r.num_recv, r.bad_all, r.bad_mine, r.per_expert,
+                              py::make_tuple(r.out[0], r.out[1], r.out[2], r.out[3], r.out[4], r.out[5]),
+                              r.waited_us);
       })
-      .def("combine", [](const NvlContext& c, int num_blocks, uintptr_t x, uintptr_t topk_weights,
-                         uintptr_t recv_src_idx, uintptr_t count_matrix, uintptr_t send_pos, uintptr_t out,
-                         uintptr_t out_weights, int N, int T, int H, int K, uintptr_t stream, bool use_fp8) {
+      .def("combine_call", [](const NvlContext& c, int flags, uintptr_t caller, uintptr_t comm, uintptr_t previous,
+                              uintptr_t start, uintptr_t end, int num_blocks, uintptr_t x, uintptr_t topk_weights,
+                              uintptr_t recv_src_idx, uintptr_t count_matrix, uintptr_t send_pos, uintptr_t out,
+                              uintptr_t out_weights, int N, int T, int H, int K, bool use_fp8) {
         CombineArgs a{ptr<const void>(x), ptr<const float>(topk_weights), ptr<const int>(recv_src_idx),
                       ptr<const int>(count_matrix), ptr<const int>(send_pos), ptr<void>(out), ptr<float>(out_weights),
                       N, T, H, K, use_fp8};
-        launch_combine(a, num_blocks, c.layout, c.peers, c.wait_ctx(), stream_of(stream));
+        nvl_combine(c, stream_order(caller, comm, previous, start, end, flags), a, num_blocks);
       });
 
   // ---- low-latency context and kernels ----

@@ -183,7 +183,8 @@ class Buffer:
             if topk_weights is not None:
                 shape = tuple(topk_idx.shape) if topk_idx is not None else (num_tokens, None)
                 v.check_topk_weights(topk_weights, shape, self._device)
-            self._agree(self._dispatch_fields(x, topk_idx, topk_weights, handle.num_experts, handle))
+            if self._call_checker is not None:  # the fields cost host time: only built when compared
+                self._agree(self._dispatch_fields(x, topk_idx, topk_weights, handle.num_experts, handle))
             return backend.dispatch(x, None, topk_weights, handle.num_experts, handle, expert_alignment, **extra)
         if topk_idx is None:
             v.fail("topk_idx", "required when no handle is given")
@@ -192,7 +193,8 @@ class Buffer:
                          check_values=not getattr(backend, "checks_expert_ids_on_device", False))
         if topk_weights is not None:
             v.check_topk_weights(topk_weights, tuple(topk_idx.shape), self._device)
-        self._agree(self._dispatch_fields(x, topk_idx, topk_weights, num_experts, None))
+        if self._call_checker is not None:
+            self._agree(self._dispatch_fields(x, topk_idx, topk_weights, num_experts, None))
         out = backend.dispatch(x, topk_idx, topk_weights, num_experts, None, expert_alignment, **extra)
         out[-1].buffer_id = self.buffer_id
         return out
@@ -209,8 +211,9 @@ class Buffer:
         if topk_weights is not None:
             v.check_topk_weights(topk_weights, (handle.num_recv, None), self._device)
         self._check_stream_args(previous_event, async_finish)
-        self._agree({"hidden": x.shape[1], "dtype": str(x.dtype), "topk_weights": topk_weights is not None,
-                     "use_fp8": use_fp8})
+        if self._call_checker is not None:
+            self._agree({"hidden": x.shape[1], "dtype": str(x.dtype), "topk_weights": topk_weights is not None,
+                         "use_fp8": use_fp8})
         return backend.combine(x, handle, topk_weights, previous_event=previous_event, async_finish=async_finish,
                                use_fp8=use_fp8)
 

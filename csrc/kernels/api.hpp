@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "../runtime/dispatch_counts.hpp"
 #include "../runtime/error_record.cuh"
 #include "../runtime/ll_layout.hpp"
 #include "../runtime/nvl_layout.hpp"
@@ -27,24 +28,37 @@ void launch_dispatch_layout(const int64_t* topk_idx, int num_tokens, int topk, i
                             int* tokens_per_rank, int* tokens_per_expert, bool* is_token_in_rank, int* send_pos,
                             cudaStream_t stream);
 
-// Layout plus the count exchange over NVLink. After it, notify_out holds
+// Layout plus the count exchange over NVLink; the first kernel of a fresh dispatch, which also advances the
+// call's sequence number (no bump kernel before it). After it, notify_out holds
 //   int32 [R*R] count matrix (row s = tokens rank s sends to each rank), int32 [L] tokens per local expert
 // (summed over sources, not aligned), then the number of expert ids outside [-1, E) on all ranks and on ours.
-// Such ids are skipped; the caller must not dispatch when any rank had one. Every rank calls it with the same seq.
-void launch_notify_dispatch(const int64_t* topk_idx, int num_tokens, int topk, int num_experts, int* tokens_per_rank,
-                            int* tokens_per_expert, bool* is_token_in_rank, int* send_pos, int* notify_out,
-                            const NvlLayout& layout, const Peers& peers, const WaitCtx& ctx, cudaStream_t stream);
-
+// Such ids are skipped; the caller must not dispatch when any rank had one. host_counts (nullable): the same
+// counts for the host, tagged with host_tag (DispatchCounts). send_pos int32 [T, R]: index of t among our tokens
+// sent to r, else -1. Every rank calls it for the same call.
+struct NotifyArgs {
+  const int64_t* topk_idx;  // [T][K]
+  int num_tokens, topk, num_experts;
+  bool* is_token_in_rank;   // [T][R]
+  int* send_pos;            // [T][R]
+  int* notify_out;          // [R*R + L + 2]
+  DispatchCounts* host_counts;  // device view of mapped host memory, or null
+  uint64_t host_tag;
+};
+void launch_notify_dispatch(const NotifyArgs& args, const NvlLayout& layout, const Peers& peers, const WaitCtx& ctx,
+                            cudaStream_t stream);
 // Normal-mode dispatch over NVLink. Each rank writes the rows of its tokens straight into the output arrays
 // of the receiving ranks (zero copy: outputs live in the receivers' arenas, whose offsets and row capacity
-// the receivers publish at kernel start). out_offsets: byte offsets in *our* buffer of our output arrays
-// {x, scales, topk_idx, topk_weights, src_idx} (topk ones ignored when the inputs are null).
+// the receivers publish at kernel start). out_block: byte offset in *our* buffer of our output block, carved by
+// DispatchOutLayout for out_rows rows ({x, scales, topk_idx, topk_weights, src_idx}; topk ones unused when the
+// inputs are null); out_rows < 0: for the rows that really arrive (the count matrix's column), which the block
+// must have room for (a fresh dispatch launched before the host knows the count reserves the worst case).
 // invalid_count (nullable): when it points at a non-zero count (bad expert ids on some rank, from notify),
-// every rank returns at once without moving data and records kStageInvalidIds; it also clears its send_pos and
-// count_matrix, so a combine or cached dispatch on the same handle (a replayed graph runs one without a host
-// check in between) moves nothing instead of reading rows that never came. Rows past a receiver's
-// capacity are dropped and recorded as kStageOverflow (only possible with a worst-case-sized output); their
-// send_pos entries become -1, so a combine on the same handle neither sends nor waits for them.
+// every rank returns at once without moving data (recording kStageInvalidIds when report_invalid; a host that
+// reads the counts itself raises instead); it also clears its send_pos and count_matrix, so a combine or
+// cached dispatch on the same handle (a replayed graph runs one without a host check in between) moves nothing
+// instead of reading rows that never came. Rows past a receiver's capacity (out_rows) are dropped and recorded
+// as kStageOverflow (only possible with a worst-case-sized output); their send_pos entries become -1, so a
+// combine on the same handle neither sends nor waits for them.
 struct DispatchArgs {
   const void* x;              // [T][x_row_bytes]
   const void* scales;         // [T][scale_row_bytes] or null
@@ -53,10 +67,12 @@ struct DispatchArgs {
   int* send_pos;              // [T][R]; dropped rows are set to -1
   int* count_matrix;          // [R][R] device copy; cleared with send_pos on bad ids
   const int* invalid_count;   // or null
+  bool report_invalid;
   int num_tokens, topk, num_local_experts;
   int64_t x_row_bytes, scale_row_bytes;
-  int64_t out_offsets[5];
-  int64_t capacity;           // rows our output arrays hold
+  int64_t out_block;          // offset of our output block in our buffer
+  int64_t out_rows;           // rows it is carved for, or -1: the rows that arrive
+  int* src_idx_copy;          // or null: after every row landed, our src_idx array (its rows) is copied here
 };
 void launch_dispatch(const DispatchArgs& args, int num_blocks, const NvlLayout& layout, const Peers& peers,
                      const WaitCtx& ctx, cudaStream_t stream);

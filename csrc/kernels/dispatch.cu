@@ -56,7 +56,7 @@ __global__ void __launch_bounds__(kDispatchThreads, 1)
   // Bad expert ids anywhere: every rank sees the same count (from notify) and stops before any handshake. The
   // route is cleared, so whatever runs next on this handle (a combine in the same graph) moves nothing.
   if (a.invalid_count != nullptr && *a.invalid_count != 0) {
-    if (blockIdx.x == 0 && tid == 0) report_input_error(ctx, -1, kStageInvalidIds);
+    if (a.report_invalid && blockIdx.x == 0 && tid == 0) report_input_error(ctx, -1, kStageInvalidIds);
     for (int64_t i = int64_t(blockIdx.x) * blockDim.x + tid; i < int64_t(a.num_tokens) * R;
          i += int64_t(gridDim.x) * blockDim.x)
       a.send_pos[i] = -1;
@@ -66,9 +66,17 @@ __global__ void __launch_bounds__(kDispatchThreads, 1)
   if (tid == 0) sh.ok = 1;
 
   if (blockIdx.x == 0 && tid < R) {
+    // Our output block carved for its rows: a fixed count, or the rows that arrive (column `rank` of the counts).
+    int64_t rows = a.out_rows;
+    if (rows < 0) {
+      rows = 0;
+      for (int s = 0; s < R; ++s) rows += a.count_matrix[s * R + rank];
+    }
+    const DispatchOutLayout out(rows, a.x_row_bytes, a.scale_row_bytes, a.topk);
+    const int64_t offsets[5] = {out.x, out.scales, out.topk_idx, out.topk_weights, out.src_idx};
     auto* box = reinterpret_cast<uint64_t*>(peers.base[tid] + layout.mailbox) + rank * kMailboxWords;
-    for (int j = 0; j < 5; ++j) box[1 + j] = uint64_t(a.out_offsets[j]);
-    box[6] = uint64_t(a.capacity);
+    for (int j = 0; j < 5; ++j) box[1 + j] = uint64_t(a.out_block + offsets[j]);
+    box[6] = uint64_t(rows);
     ptx::st_release_sys_u64(box, ctx.seq);
   }
   __syncthreads();
@@ -145,8 +153,27 @@ __global__ void __launch_bounds__(kDispatchThreads, 1)
   signal_block_done(peers, layout.dispatch_done, R, ctx);
   if (tid < R) {
     const auto* done = reinterpret_cast<const uint64_t*>(self + layout.dispatch_done);
-    wait_flag_geq(done + tid * kMaxBlocks + blockIdx.x, ctx.seq, ctx, tid, kStageDispatchDone);
+    if (!wait_flag_geq(done + tid * kMaxBlocks + blockIdx.x, ctx.seq, ctx, tid, kStageDispatchDone)) sh.ok = 0;
   }
+  if (a.src_idx_copy == nullptr) return;
+  // The handle's copy of our src_idx (so that it does not pin the output block): once every block has seen its
+  // peers' rows land, the last block to get here copies the array.
+  __syncthreads();
+  if (!sh.ok) return;
+  __shared__ int last;
+  if (tid == 0) {
+    ptx::fence_acq_rel_gpu();
+    auto* ticket = reinterpret_cast<uint32_t*>(self + layout.notify_work + NotifyWork::kDispatchTicket);
+    last = ptx::atom_add_release_gpu_u32(ticket, 1u) == uint32_t(gridDim.x - 1);
+    if (last) {
+      *ticket = 0u;
+      ptx::fence_acq_rel_gpu();
+    }
+  }
+  __syncthreads();
+  if (!last) return;
+  const int* src = reinterpret_cast<const int*>(sh.dst[rank][4]);
+  for (int64_t i = tid; i < sh.capacity[rank]; i += blockDim.x) a.src_idx_copy[i] = __ldcg(src + i);
 }
 
 void launch_dispatch(const DispatchArgs& args, int num_blocks, const NvlLayout& layout, const Peers& peers,

@@ -1,23 +1,151 @@
-// Notify: compute this rank's layout, send each peer our row of the count matrix and its experts' counts,
-// and collect everyone's. One block; the count exchange is a handful of NVLink stores and flags.
+// Notify: the first kernel of a fresh dispatch. It computes this rank's layout, advances the call's sequence
+// number, sends each peer our row of the count matrix and its experts' counts, collects everyone's, and tells
+// the host what it must know (DispatchCounts in mapped host memory).
+//
+// The layout is spread over ceil(T / kNotifyChunk) blocks, one token per thread: each block finds its tokens'
+// ranks and experts, their positions among the block's tokens, and adds its counts into NotifyWork. The last
+// block to finish (a ticket) turns block counts into prefixes, makes send_pos absolute, and alone talks to peers.
 #include "../runtime/cuda_check.hpp"
 #include "../runtime/smem_opt_in.hpp"
 #include "../runtime/wait.cuh"
 #include "api.hpp"
-#include "layout_block.cuh"
 
 namespace dc {
 
-__global__ void __launch_bounds__(kLayoutThreads, 1)
-    notify_dispatch_kernel(const int64_t* topk_idx, int num_tokens, int topk, int num_experts, int* tokens_per_rank,
-                           int* tokens_per_expert, bool* is_token_in_rank, int* send_pos, int* notify_out,
-                           NvlLayout layout, Peers peers, WaitCtx ctx_in) {
-  const WaitCtx ctx = ctx_in.resolved();
-  __shared__ LayoutShared sh;
-  extern __shared__ int expert_count[];
-  const int R = layout.num_ranks, L = num_experts / R, rank = ctx.rank, tid = threadIdx.x;
-  compute_layout_block(topk_idx, num_tokens, topk, num_experts, R, sh, expert_count, is_token_in_rank, send_pos);
-  write_layout_counts(sh, expert_count, num_experts, R, tokens_per_rank, tokens_per_expert);
+namespace {
+
+constexpr int kNotifyThreads = kNotifyChunk;
+constexpr int kNotifyWarps = kNotifyThreads / 32;
+constexpr int kNotifyMaxBlocks = 256;  // 128k tokens per rank
+
+struct NotifyShared {
+  int warp_count[kNotifyWarps][kMaxRanks];  // tokens of each warp to each rank, then its exclusive prefix
+  int rank_total[kMaxRanks];                // block's tokens to each rank; in the last block, the rank's total
+  int invalid;
+  int last;
+  uint64_t seq;
+  // followed in dynamic shared memory by int expert_count[num_experts], then (last block) int block_base[G][R]
+};
+
+// One thread's token: which ranks it goes to, and its experts counted once each in expert_count.
+__device__ __forceinline__ uint32_t token_ranks(const int64_t* row, int topk, int num_experts, int experts_per_rank,
+                                                int* expert_count, int* invalid) {
+  int64_t ids[32];
+#pragma unroll
+  for (int k = 0; k < 32; ++k) ids[k] = k < topk ? __ldg(row + k) : -1;
+  uint32_t mask = 0;
+#pragma unroll
+  for (int k = 0; k < 32; ++k) {
+    if (k >= topk) break;
+    const int64_t e = ids[k];
+    if (e < -1 || e >= num_experts) {  // counted and skipped; the host turns it into a ValueError
+      atomicAdd(invalid, 1);
+      continue;
+    }
+    if (e < 0) continue;
+    mask |= 1u << (e / experts_per_rank);
+    bool first = true;
+#pragma unroll
+    for (int j = 0; j < 32; ++j)
+      if (j < k) first &= ids[j] != e;
+    if (first) atomicAdd(&expert_count[e], 1);
+  }
+  return mask;
+}
+
+__global__ void __launch_bounds__(kNotifyThreads, 1)
+    notify_dispatch_kernel(NotifyArgs a, NvlLayout layout, Peers peers, WaitCtx ctx_base) {
+  __shared__ NotifyShared sh;
+  extern __shared__ int dyn[];
+  int* expert_count = dyn;
+  const int R = layout.num_ranks, E = a.num_experts, L = E / R, rank = ctx_base.rank;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, G = gridDim.x;
+  uint8_t* self = peers.base[rank];
+  uint8_t* work = self + layout.notify_work;
+  const NotifyWork wl(R, layout.num_local_experts, layout.max_tokens);
+  int* expert_acc = reinterpret_cast<int*>(work + wl.expert_acc);
+  int* block_count = reinterpret_cast<int*>(work + wl.block_count);
+
+  for (int i = tid; i < E; i += blockDim.x) expert_count[i] = 0;
+  if (tid == 0) sh.invalid = 0;
+  __syncthreads();
+
+  // ---- this block's tokens ----
+  const int t = blockIdx.x * kNotifyChunk + tid;
+  const uint32_t mask = t < a.num_tokens ? token_ranks(a.topk_idx + int64_t(t) * a.topk, a.topk, E, L, expert_count,
+                                                       &sh.invalid)
+                                         : 0u;
+  uint32_t ballots[kMaxRanks];
+#pragma unroll
+  for (int r = 0; r < kMaxRanks; ++r) {
+    ballots[r] = __ballot_sync(0xffffffffu, (mask >> r) & 1u);
+    if (lane == 0 && r < R) sh.warp_count[warp][r] = __popc(ballots[r]);
+  }
+  __syncthreads();
+  if (tid < R) {
+    int running = 0;
+    for (int w = 0; w < kNotifyWarps; ++w) {
+      const int c = sh.warp_count[w][tid];
+      sh.warp_count[w][tid] = running;
+      running += c;
+    }
+    sh.rank_total[tid] = running;
+    block_count[blockIdx.x * R + tid] = running;
+  }
+  __syncthreads();
+  if (t < a.num_tokens) {
+#pragma unroll
+    for (int r = 0; r < kMaxRanks; ++r) {
+      if (r >= R) break;
+      const bool in = (mask >> r) & 1u;
+      a.is_token_in_rank[int64_t(t) * R + r] = in;
+      // position among this block's tokens to r; the last block adds the earlier blocks' counts
+      a.send_pos[int64_t(t) * R + r] = in ? sh.warp_count[warp][r] + __popc(ballots[r] & ptx::lanemask_lt()) : -1;
+    }
+  }
+  for (int e = tid; e < E; e += blockDim.x)
+    if (expert_count[e] != 0) atomicAdd(expert_acc + e, expert_count[e]);
+  if (tid == 0 && sh.invalid != 0) atomicAdd(reinterpret_cast<int*>(work + wl.invalid), sh.invalid);
+  __threadfence();  // every thread's stores above are visible GPU-wide before thread 0 takes the ticket
+  __syncthreads();
+  if (tid == 0) {
+    ptx::fence_acq_rel_gpu();  // our send_pos, block counts and sums before the ticket
+    const uint32_t ticket = ptx::atom_add_release_gpu_u32(reinterpret_cast<uint32_t*>(work + wl.ticket), 1u);
+    sh.last = ticket == uint32_t(G - 1);
+    if (sh.last) ptx::fence_acq_rel_gpu();
+  }
+  __syncthreads();
+  if (!sh.last) return;
+
+  // ---- the last block: totals, absolute send positions, the sequence number ----
+  int* block_base = dyn + E;
+  if (tid < R) {
+    int running = 0;
+    for (int b = 0; b < G; ++b) {
+      block_base[b * R + tid] = running;
+      running += __ldcg(block_count + b * R + tid);
+    }
+    sh.rank_total[tid] = running;
+  }
+  if (tid == 0) {
+    sh.invalid = __ldcg(reinterpret_cast<int*>(work + wl.invalid));
+    *reinterpret_cast<int*>(work + wl.invalid) = 0;
+    *reinterpret_cast<uint32_t*>(work + wl.ticket) = 0u;
+    uint64_t* counter = reinterpret_cast<uint64_t*>(self + layout.seq_counter);
+    sh.seq = *counter + 1;  // the call's number (folded here instead of a bump kernel)
+    *counter = sh.seq;
+  }
+  for (int e = tid; e < E; e += blockDim.x) {
+    expert_count[e] = __ldcg(expert_acc + e);
+    expert_acc[e] = 0;
+  }
+  __syncthreads();
+  for (int64_t i = int64_t(kNotifyChunk) * R + tid; i < int64_t(a.num_tokens) * R; i += blockDim.x) {
+    const int pos = __ldcg(a.send_pos + i);
+    if (pos >= 0) a.send_pos[i] = pos + block_base[(i / R) / kNotifyChunk * R + i % R];
+  }
+  WaitCtx ctx = ctx_base;
+  ctx.seq = sh.seq;
 
   // Our row of the count matrix, each peer's expert counts and our count of invalid expert ids go to row
   // `rank` of its notify_counts, so every rank learns when any rank's input was bad and all of them stop.
@@ -32,7 +160,6 @@ __global__ void __launch_bounds__(kLayoutThreads, 1)
     ptx::fence_acq_rel_sys();
     ptx::st_release_sys_u64(reinterpret_cast<uint64_t*>(peers.base[tid] + layout.notify_flag) + rank, ctx.seq);
   }
-  uint8_t* self = peers.base[rank];
   __shared__ int ok;
   if (tid == 0) ok = 1;
   __syncthreads();
@@ -41,32 +168,56 @@ __global__ void __launch_bounds__(kLayoutThreads, 1)
     if (!wait_flag_geq(flag, ctx.seq, ctx, tid, kStageNotifyCounts)) ok = 0;
   }
   __syncthreads();
-  if (!ok) return;
+  if (!ok) return;  // the host sees the error record instead of the tag
   const int* counts = reinterpret_cast<const int*>(self + layout.notify_counts);
-  for (int i = tid; i < R * R; i += blockDim.x) notify_out[i] = ptx::ld_volatile_s32(counts + (i / R) * row_len + i % R);
+  DispatchCounts* host = a.host_counts;
+  for (int i = tid; i < R * R; i += blockDim.x) a.notify_out[i] = ptx::ld_volatile_s32(counts + (i / R) * row_len + i % R);
   for (int l = tid; l < L; l += blockDim.x) {
     int sum = 0;
     for (int s = 0; s < R; ++s) sum += ptx::ld_volatile_s32(counts + s * row_len + R + l);
-    notify_out[R * R + l] = sum;
+    a.notify_out[R * R + l] = sum;
+    if (host != nullptr) host->per_expert[l] = sum;
   }
   if (tid == 0) {
-    int bad = 0;
-    for (int s = 0; s < R; ++s) bad += ptx::ld_volatile_s32(counts + s * row_len + R + L);
-    notify_out[R * R + L] = bad;
-    notify_out[R * R + L + 1] = sh.invalid;
+    int bad = 0, recv = 0;
+    for (int s = 0; s < R; ++s) {
+      bad += ptx::ld_volatile_s32(counts + s * row_len + R + L);
+      recv += ptx::ld_volatile_s32(counts + s * row_len + rank);
+    }
+    a.notify_out[R * R + L] = bad;
+    a.notify_out[R * R + L + 1] = sh.invalid;
+    if (host != nullptr) {
+      host->num_recv = recv;
+      host->bad_all = bad;
+      host->bad_mine = sh.invalid;
+      host->num_local_experts = L;
+    }
+  }
+  if (host != nullptr) {
+    __syncthreads();
+    if (tid == 0) {
+      ptx::fence_acq_rel_sys();
+      ptx::st_release_sys_u64(&host->tag, a.host_tag);
+    }
   }
 }
 
-void launch_notify_dispatch(const int64_t* topk_idx, int num_tokens, int topk, int num_experts, int* tokens_per_rank,
-                            int* tokens_per_expert, bool* is_token_in_rank, int* send_pos, int* notify_out,
-                            const NvlLayout& layout, const Peers& peers, const WaitCtx& ctx, cudaStream_t stream) {
+}  // namespace
+
+void launch_notify_dispatch(const NotifyArgs& args, const NvlLayout& layout, const Peers& peers, const WaitCtx& ctx,
+                            cudaStream_t stream) {
   DC_HOST_ASSERT(layout.num_ranks <= kMaxRanks, "notify: too many ranks for the NVLink transport");
-  DC_HOST_ASSERT(num_experts % layout.num_ranks == 0 && num_experts / layout.num_ranks <= layout.num_local_experts,
+  DC_HOST_ASSERT(args.num_experts % layout.num_ranks == 0 &&
+                     args.num_experts / layout.num_ranks <= layout.num_local_experts,
                  "notify: num_experts is over the buffer's capacity");
-  opt_in_dynamic_smem<notify_dispatch_kernel>(num_experts * int(sizeof(int)));
-  notify_dispatch_kernel<<<1, kLayoutThreads, num_experts * sizeof(int), stream>>>(
-      topk_idx, num_tokens, topk, num_experts, tokens_per_rank, tokens_per_expert, is_token_in_rank, send_pos,
-      notify_out, layout, peers, ctx);
+  DC_HOST_ASSERT(args.num_tokens <= layout.max_tokens, "notify: tokens over the buffer's maximum");
+  DC_HOST_ASSERT(args.topk >= 0 && args.topk <= 32, "notify: topk must be <= 32");
+  DC_HOST_ASSERT(args.num_experts / layout.num_ranks <= kCountsMaxExperts, "notify: too many local experts");
+  const int blocks = notify_blocks(args.num_tokens);
+  DC_HOST_ASSERT(blocks <= kNotifyMaxBlocks, "notify: too many tokens");
+  const int smem = (args.num_experts + blocks * layout.num_ranks) * int(sizeof(int));
+  opt_in_dynamic_smem<notify_dispatch_kernel>(smem);
+  notify_dispatch_kernel<<<blocks, kNotifyThreads, smem, stream>>>(args, layout, peers, ctx);
   DC_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "../kernels/api.hpp"
+#include "dispatch_counts.hpp"
 #include "error_record.cuh"
 #include "nvl_layout.hpp"
 
@@ -14,6 +15,9 @@ struct NvlContext {
   Peers peers{};
   int rank;
   ErrorRecord* err_device = nullptr;  // mapped host memory, device view
+  const ErrorRecord* err_host = nullptr;  // the same record, host view (a host wait stops when it is set)
+  DispatchCounts* counts_device = nullptr;  // mapped host memory: a fresh dispatch's counts, device view
+  const DispatchCounts* counts_host = nullptr;  // ... host view
   uint64_t timeout_ns = 100ull * 1000 * 1000 * 1000;
 
   NvlContext(int rank_, int num_ranks, int local_experts_cap, int max_tokens, int64_t hidden_max, int64_t topk_max,

@@ -6,6 +6,8 @@
 //                                           then rank s's count of invalid expert ids
 //                                           (L = num_local_experts is a capacity; a call may use fewer)
 //   seq_counter     u64   [1]               our collective sequence number (only we touch it)
+//   notify_work     NotifyWork              the notify kernel's cross-block accumulators (local only; each
+//                                           call's last block leaves them zeroed for the next)
 //   notify_flag     u64   [R]               seq of the notify round rank s finished writing
 //   mailbox         u64   [R][kMailboxWords] dispatch: peer s's seq, the offsets of its output arrays, its row capacity
 //   dispatch_done   u64   [R][kMaxBlocks]   dispatch: block b of rank s finished writing into our output
@@ -31,6 +33,26 @@ constexpr int kMaxBlocks = 160;       // >= SMs of any GPU we launch on; dispatc
 constexpr int kMailboxWords = 8;      // seq, x, scales, topk_idx, topk_weights, src_idx, capacity rows, spare
 constexpr int64_t kAlign = 256;
 constexpr int kCombineChunk = 8;   // received rows per combine completion flag (one system fence each)
+constexpr int kNotifyChunk = 512;  // tokens per notify block (one per thread)
+
+DC_HD int notify_blocks(int num_tokens) { return num_tokens <= 0 ? 1 : (num_tokens + kNotifyChunk - 1) / kNotifyChunk; }
+
+// The notify kernel's accumulators (csrc/kernels/notify.cu): blocks add their counts here, the last block to
+// finish (ticket) reads and clears them. Offsets relative to NvlLayout::notify_work:
+//   ticket int32 | invalid int32 | dispatch ticket int32 | pad to 16 | expert_acc int32 [R * L] |
+//   block_count int32 [blocks][R]
+// (the dispatch kernel's ticket finds its last block, which copies src_idx for the handle)
+struct NotifyWork {
+  static constexpr int64_t kDispatchTicket = 8;
+  int64_t ticket, invalid, expert_acc, block_count, total;
+  DC_HD NotifyWork(int ranks, int local_experts, int max_tokens) {
+    ticket = 0;
+    invalid = 4;
+    expert_acc = 16;
+    block_count = expert_acc + int64_t(ranks) * local_experts * 4;
+    total = block_count + int64_t(notify_blocks(max_tokens)) * ranks * 4;
+  }
+};
 
 DC_HD int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
 
@@ -50,7 +72,7 @@ DC_HD int64_t combine_max_chunks(int ranks, int max_tokens) {
 struct NvlLayout {
   int num_ranks, num_local_experts, max_tokens;
   int64_t hidden_max, topk_max, arena_bytes;
-  int64_t seq_counter, notify_counts, notify_flag, mailbox, dispatch_done, combine_ready, combine_flag, combine_stage, arena,
+  int64_t seq_counter, notify_work, notify_counts, notify_flag, mailbox, dispatch_done, combine_ready, combine_flag, combine_stage, arena,
       total;
 
   DC_HD NvlLayout(int ranks, int local_experts, int max_tok, int64_t hidden, int64_t topk, int64_t arena_sz)
@@ -58,6 +80,7 @@ struct NvlLayout {
         arena_bytes(arena_sz) {
     int64_t off = 0;
     seq_counter = off;    off = align_up(off + 8, kAlign);
+    notify_work = off;    off = align_up(off + NotifyWork(ranks, local_experts, max_tok).total, kAlign);
     notify_counts = off;  off = align_up(off + int64_t(ranks) * (ranks + local_experts + 1) * 4, kAlign);
     notify_flag = off;    off = align_up(off + int64_t(ranks) * 8, kAlign);
     mailbox = off;        off = align_up(off + int64_t(ranks) * kMailboxWords * 8, kAlign);
@@ -72,7 +95,9 @@ struct NvlLayout {
   DC_HD int64_t signal_bytes() const { return combine_stage; }
 };
 
-// Carving of one dispatch output block (in the arena) for N rows:
+// Carving of one dispatch output block (in the arena) for N rows. A fresh dispatch reserves a block for the
+// worst case and its kernel carves it for the rows that really arrive (the count it learns from notify), so the
+// host need not wait for the count before the launch; the host carves the same way once it knows N.
 //   x [N][x_row_bytes] | scales [N][scale_row_bytes] | topk_idx int64 [N][K] | topk_weights f32 [N][K] | src_idx int32 [N]
 struct DispatchOutLayout {
   int64_t x, scales, topk_idx, topk_weights, src_idx, total;

@@ -50,6 +50,22 @@ class _Block:
         self._arena.releases += 1
 
 
+# CUDA array interface type strings of the dtypes an output is made of; bf16 and fp8 travel as same-size ints and
+# are viewed back (the interface has no such types)
+_TYPESTR = {torch.int64: "<i8", torch.int32: "<i4", torch.float32: "<f4", torch.int16: "<i2", torch.uint8: "|u1"}
+_AS = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8}
+
+
+class _View:
+    """One typed array over an arena block; holds the block's owner, so the block lives while any view does."""
+    __slots__ = ("_owner", "__cuda_array_interface__")
+
+    def __init__(self, owner, ptr: int, shape, typestr: str):
+        self._owner = owner
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "data": (ptr, False), "version": 3,
+                                         "strides": None, "stream": None}
+
+
 class Arena:
     def __init__(self, base_ptr: int, nbytes: int, device: torch.device):
         self.base_ptr, self.nbytes, self.device = base_ptr, nbytes, device
@@ -86,6 +102,15 @@ class Arena:
                 return off, size
         return None
 
+    def trim(self, offset: int, size: int, used: int) -> Tuple[int, int]:
+        """Keep the first ``used`` bytes (rounded up) of a reserved range and give the rest back at once (nothing
+        was written there: a fresh dispatch reserves its worst case and learns its size after the launch)."""
+        keep = max(ALIGN, (used + ALIGN - 1) // ALIGN * ALIGN)
+        if keep < size:
+            self._insert(offset + keep, size - keep)
+            return offset, keep
+        return offset, size
+
     def release(self, offset: int, size: int) -> None:
         """Give back a reserved range that never became a tensor (its launch failed)."""
         self._released.append((offset, size))
@@ -94,6 +119,19 @@ class Arena:
     def tensor(self, offset: int, size: int) -> torch.Tensor:
         """A uint8 tensor over a reserved range; the range returns to the arena when its last view dies."""
         return torch.as_tensor(_Block(self, offset, size), device=self.device)
+
+    def views(self, offset: int, size: int, specs, owned: bool = True) -> List[torch.Tensor]:
+        """Typed tensors over a reserved range, one per ``(byte offset in the range, shape, dtype)``; the range
+        returns to the arena when the last of them dies (``owned=False``: a range that is not the free list's,
+        such as the bounce area past the arena's end, and never returns)."""
+        owner = _Block(self, offset, size) if owned else None
+        base = self.base_ptr + offset
+        out = []
+        for off, shape, dtype in specs:
+            as_dtype = _AS.get(dtype, dtype)
+            t = torch.as_tensor(_View(owner, base + off, shape, _TYPESTR[as_dtype]), device=self.device)
+            out.append(t if as_dtype is dtype else t.view(dtype))
+        return out
 
     def alloc(self, nbytes: int) -> Optional[torch.Tensor]:
         """A uint8 tensor of ``nbytes`` (rounded up) in the arena, or ``None`` when no free range is large enough."""

@@ -3,18 +3,21 @@
 Same method signatures and results as ``deepcomm.reference.ReferenceBackend``; the Buffer validates inputs
 before calling in. Every call runs on a communication stream that first waits for the caller's stream (or for
 ``previous_event``); unless ``async_finish`` is set, the caller's stream then waits for the communication
-stream, so results are ready in stream order. ``self.event`` is recorded at the end of every call.
+stream, so results are ready in stream order. ``self.event`` is recorded at the end of every call. Each call
+crosses into C++ once (csrc/runtime/nvl_calls.hpp: stream order, launches, and a fresh dispatch's wait for its
+counts in mapped host memory); a fresh dispatch's payload is launched before that wait, into an output block
+reserved for the worst case whose unused tail goes back to the arena.
 Low-latency mode (deepcomm/cuda/ll_calls.py) uses its own double-buffered buffer and runs on the caller's stream.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple, Union
+from typing import Optional, Tuple, Union
 
 import torch
 
 from .._ext import load_extension
+from ..errors import CommTimeoutError
 from ..handle import Handle
-from .align import round_up
 from .arena import Arena, as_device_bytes
 from .ll_calls import LowLatencyCalls, low_latency_blocks
 from .nvl_buffer import NvlBuffer
@@ -27,8 +30,74 @@ ARENA_OUTPUTS = 4         # worst-case dispatch outputs the arena holds at once 
 OUTPUTS = ("x", "scales", "topk_idx", "topk_weights", "src_idx")
 
 
-def _align(counts: List[int], alignment: int) -> List[int]:
-    return [round_up(c, alignment) for c in counts]
+# NvlContext.dispatch_call's steps and stream-order bits (csrc/bindings.cpp, exported as DISPATCH_FLAGS)
+BEGIN = NOTIFY = BUMP = PAYLOAD = WAIT = FINISH = WAIT_CALLER = CALLER_WAITS = REPORT_INVALID = 0
+
+
+def _load_flags(C) -> None:
+    g = globals()
+    for name, bit in C.DISPATCH_FLAGS.items():
+        g[name.upper()] = bit
+
+
+EVENT_RING = 8            # end-of-call events a Buffer cycles through (Buffer.event is the newest)
+
+
+class _Call:
+    """What one dispatch moves: the payload tensors and their row sizes."""
+    __slots__ = ("values", "scales", "weights", "K", "x_row_bytes", "scale_row_bytes")
+
+    def __init__(self, values: torch.Tensor, scales: Optional[torch.Tensor], weights: Optional[torch.Tensor],
+                 K: int):
+        self.values, self.scales, self.weights, self.K = values, scales, weights, K
+        self.x_row_bytes = values.shape[1] * values.element_size()
+        self.scale_row_bytes = scales.shape[1] * scales.element_size() if scales is not None else 0
+
+
+class _Recv:
+    """A dispatch's outputs, its rows per local expert, and the tensors its kernels use (kept alive when async)."""
+    __slots__ = ("out", "per_expert", "keep")
+
+    def __init__(self, out: dict, per_expert, keep: tuple):
+        self.out, self.per_expert, self.keep = out, per_expert, keep
+
+
+def _carve(arena: Arena, reserved, lay, n: int, call: _Call, with_idx: bool, bounce: bool = False) -> dict:
+    """The dispatch outputs over one output block (``reserved``: its offset and size in the arena; ``lay``:
+    DispatchOutLayout offsets x, scales, topk_idx, topk_weights, src_idx, total for ``n`` rows, as the C++ side
+    returned them). One typed tensor per output, each holding the block, which returns to the arena when the last
+    of them dies (the bounce area is not the arena's: nothing returns)."""
+    values, scales, K = call.values, call.scales, call.K
+    specs = [(lay[0], (n, values.shape[1]), values.dtype)]
+    if scales is not None:
+        specs.append((lay[1], (n, scales.shape[1]), scales.dtype))
+    if with_idx:
+        specs.append((lay[2], (n, K), torch.int64))
+    if call.weights is not None:
+        specs.append((lay[3], (n, K), torch.float32))
+    views = arena.views(reserved[0], reserved[1], specs, owned=not bounce)
+    out = {"x": views[0], "scales": None, "topk_idx": None, "topk_weights": None}
+    i = 1
+    if scales is not None:
+        out["scales"], i = views[i], i + 1
+    if with_idx:
+        out["topk_idx"], i = views[i], i + 1
+    if call.weights is not None:
+        out["topk_weights"] = views[i]
+    return out
+
+
+def _current_stream(device_index: int) -> int:
+    """The caller's current CUDA stream as a raw pointer (a torch Stream object costs microseconds to make)."""
+    return torch._C._cuda_getCurrentRawStream(device_index)
+
+
+def _event_handle(event: torch.cuda.Event) -> int:
+    """The cudaEvent_t of a torch event (0 for one never recorded: nothing to wait for)."""
+    handle = getattr(event, "cuda_event", None)
+    if handle is None:
+        handle = event._as_parameter_.value
+    return int(handle or 0)
 
 
 def _worst_output_bytes(C, rows: int, hidden: int) -> int:
@@ -55,6 +124,7 @@ class CudaBackend(LowLatencyCalls):
         C = load_extension()
         if C is None:
             raise RuntimeError("the CUDA extension deepcomm._C is not built")
+        _load_flags(C)
         self.C, self.group, self.config = C, group, config
         self.rank, self.world_size, self.device = rank, world_size, device
         self.set_num_sms(config.num_sms)  # before anything is allocated
@@ -67,12 +137,33 @@ class CudaBackend(LowLatencyCalls):
                                  config.hidden, TOPK_MAX, arena + worst, config.timeout_s)
             self.comm_stream = torch.cuda.Stream(device)
         self.arena = Arena(self.nvl.arena_ptr, arena, device)
-        self._releases_seen = 0  # arena releases already covered by a wait on the caller's stream (_begin)
+        self._releases_seen = 0  # arena releases already covered by a wait on the caller's stream (_order)
         # When more dispatch outputs are alive than the arena holds (e.g. training keeps every layer's recv_x for
         # backward), a dispatch lands in this bounce area and is copied out into ordinary torch tensors.
         self.bounce = as_device_bytes(self.nvl.arena_ptr + arena, worst, device)
         self.bounce_offset = arena
-        self.event: Optional[torch.cuda.Event] = None
+        # end-of-call events (recorded once here, so that their CUDA events exist for the C++ side) and the event
+        # the communication stream records on the caller's stream to wait for it
+        self._events = [torch.cuda.Event() for _ in range(EVENT_RING)]
+        self._start_event = torch.cuda.Event()
+        for ev in self._events + [self._start_event]:
+            ev.record(self.comm_stream)
+        self._event_handles = [_event_handle(ev) for ev in self._events]
+        self._start_handle = _event_handle(self._start_event)
+        self._event_i = 0
+        self._event: Optional[torch.cuda.Event] = None
+        self._last_stream: Optional[int] = None  # the raw stream the last call ran on
+        self._last_end = 0  # the end event of the last call, when it ran on the communication stream
+        self._device_index = device.index if device.index is not None else torch.cuda.current_device()
+        self._bounce_pending = False  # a bounced dispatch's copies still read the bounce area (see _outputs)
+        self._tag = 0  # the host's number for a fresh dispatch's counts (csrc/runtime/dispatch_counts.hpp)
+        self._capacity_rows = world_size * config.max_tokens_per_rank  # rows a rank can receive
+        self._out_bytes_cache = {}
+        self.bounced_calls = 0  # dispatches whose rows went through the bounce area (diagnostics)
+        self.last_wait_us = 0.0  # host time the last fresh dispatch waited for its counts (diagnostics)
+        # the host waits for a fresh dispatch's counts a little longer than the kernels wait for their peers, so a
+        # peer that never comes is reported by the device wait (naming it) first
+        self._wait_timeout_s = config.timeout_s * 1.5 + 1.0
         # an input error found on the device by an earlier call: raised once the current call has been launched
         self._pending_input: Optional[ValueError] = None
         self._ll = None  # the low-latency buffer (ll_calls.py), made at the first low-latency call
@@ -80,25 +171,61 @@ class CudaBackend(LowLatencyCalls):
         self.ll_blocks = low_latency_blocks(C, device)
 
     # ---- plumbing ----
-    def _begin(self, previous_event: Optional[torch.cuda.Event]) -> torch.cuda.Stream:
-        """Order the communication stream after the caller's work and start a new collective: bump the device
-        sequence number of the NVLink context."""
-        self._check()
-        caller = torch.cuda.current_stream(self.device)
-        if previous_event is not None:
-            self.comm_stream.wait_event(previous_event)
-            # A dispatch output freed since the last call may be reused by this one, while work the caller queued
-            # after the event may still read it: then wait for the caller's stream after all.
-            if self.arena.releases != self._releases_seen:
-                self.comm_stream.wait_stream(caller)
-        else:
-            self.comm_stream.wait_stream(caller)
-        self._releases_seen = self.arena.releases
-        self.nvl.ctx.bump_seq(self.comm_stream.cuda_stream)
-        return caller
+    def _order(self, previous_event: Optional[torch.cuda.Event], async_finish: bool):
+        """Where a new call runs and what it waits for; the C++ side does it with the launches
+        (csrc/runtime/nvl_calls.hpp). Returns ``(wait stream, run stream, flags, previous event, end event)``:
+        the run stream waits for ``previous`` and, with WAIT_CALLER, for the wait stream; with an end event the
+        caller's stream waits for the run stream's end unless ``async_finish``.
 
-    def _end(self, caller: torch.cuda.Stream, async_finish: bool, inputs) -> None:
-        self.event = self.comm_stream.record_event()
+        A plain call (no ``previous_event``, not ``async_finish``) runs on the caller's stream itself: the same
+        order as the communication stream joined both ways, without the four event operations. A call with either
+        runs on the communication stream, which waits for the caller's work (or for ``previous_event``); its end
+        event is ``self.event`` (one of a ring, so an event a user holds is re-recorded only calls later, and
+        waiting on it then waits for a later call of the same stream: never too early). Consecutive calls never
+        overlap: each waits for the stream the previous one ran on."""
+        self._check()
+        caller = _current_stream(self._device_index)
+        comm = self.comm_stream.cuda_stream
+        last, last_end = self._last_stream, self._last_end
+        if previous_event is None and not async_finish:
+            self._last_stream, self._last_end = caller, 0
+            if last == comm:  # after a call on the communication stream: wait for its end
+                return caller, caller, 0, last_end, 0
+            if last not in (None, caller):  # after a plain call on another stream: wait for that stream
+                return last, caller, WAIT_CALLER, 0, 0
+            return caller, caller, 0, 0, 0
+        flags = 0 if async_finish else CALLER_WAITS
+        prev = 0
+        if previous_event is not None:
+            prev = _event_handle(previous_event)
+            # A dispatch output freed since the last call may be reused by this one, while work the caller queued
+            # after the event may still read it; or the last call ran on the caller's stream: then wait for the
+            # caller's stream after all.
+            if self.arena.releases != self._releases_seen or self._bounce_pending or last == caller:
+                flags |= WAIT_CALLER
+        else:
+            flags |= WAIT_CALLER
+        if last not in (None, caller, comm):  # the last plain call ran on a stream that is no longer current
+            self.comm_stream.wait_stream(torch.cuda.ExternalStream(last, device=self.device))
+        self._releases_seen = self.arena.releases
+        self._bounce_pending = False
+        self._event_i = (self._event_i + 1) % len(self._events)
+        self._event = self._events[self._event_i]
+        self._last_stream, self._last_end = comm, self._event_handles[self._event_i]
+        return caller, comm, flags, prev, self._last_end
+
+    @property
+    def event(self) -> Optional[torch.cuda.Event]:
+        """The end of the last call: its end event, or, for a call that ran on the caller's stream, an event
+        recorded there now (which also covers what the caller queued after the call: later, never earlier)."""
+        last = self._last_stream
+        if last is not None and last != self.comm_stream.cuda_stream:
+            self._event_i = (self._event_i + 1) % len(self._events)
+            self._event = self._events[self._event_i]
+            self._event.record(torch.cuda.ExternalStream(last, device=self.device))
+        return self._event
+
+    def _after(self, async_finish: bool, inputs) -> None:
         if async_finish:
             # The caller's stream does not wait: keep the inputs' memory from being reused under the kernels.
             for t in inputs:
@@ -107,8 +234,6 @@ class CudaBackend(LowLatencyCalls):
                         t.record_stream(self.comm_stream)
                     except RuntimeError:
                         pass  # not from the caching allocator (an arena view): its lifetime is ours already
-        else:
-            caller.wait_stream(self.comm_stream)
         self._raise_pending()
 
     def set_num_sms(self, num_sms: int) -> None:
@@ -140,149 +265,176 @@ class CudaBackend(LowLatencyCalls):
     def dispatch(self, x: Payload, topk_idx: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor],
                  num_experts: Optional[int], handle: Optional[Handle], expert_alignment: int,
                  num_worst_tokens: int = 0, previous_event=None, async_finish: bool = False):
-        R = self.world_size
-        is_pair = isinstance(x, (tuple, list))
-        values, scales = (x[0], x[1]) if is_pair else (x, None)
+        if isinstance(x, (tuple, list)):
+            values, scales = x[0], x[1]
+        else:
+            values, scales = x, None
         T, H = values.shape
-        x_row_bytes = H * values.element_size()
-        scale_row_bytes = scales.shape[1] * scales.element_size() if scales is not None else 0
         K = topk_idx.shape[1] if topk_idx is not None else (topk_weights.shape[1] if topk_weights is not None else 0)
-        caller = self._begin(previous_event)
-        comm = self.comm_stream
-        invalid_count = None
-        # Tensors are allocated on the caller's stream (kernels get the communication stream explicitly);
-        # the few torch ops that must follow the kernels run under `with torch.cuda.stream(comm)`.
+        call = _Call(values, scales, topk_weights, K)
+        call.order = self._order(previous_event, async_finish)
         if handle is None:
-            L = num_experts // R
-            # one int32 workspace: send_pos [T, R] | notify_out [R*R + L + 2] | per_rank [R] | per_expert [E]
-            n_out = R * R + L + 2
-            work = torch.empty(T * R + n_out + R + num_experts, dtype=torch.int32, device=self.device)
-            send_pos = work[:T * R].view(T, R)
-            notify_out = work[T * R:T * R + n_out]
-            per_rank = work[T * R + n_out:T * R + n_out + R]
-            per_expert = work[T * R + n_out + R:]
-            in_rank = torch.empty(T, R, dtype=torch.bool, device=self.device)
-            self.nvl.ctx.notify_dispatch(topk_idx.data_ptr(), T, K, num_experts, per_rank.data_ptr(),
-                                         per_expert.data_ptr(), in_rank.data_ptr(), send_pos.data_ptr(),
-                                         notify_out.data_ptr(), comm.cuda_stream)
-            count_matrix = notify_out[:R * R].view(R, R)
-            if num_worst_tokens:
-                # No host sync (graph-capturable): worst-case-sized outputs, counts stay on the device, and
-                # bad expert ids stop the dispatch kernel on every rank (reported at the next call).
-                num_recv = num_worst_tokens
-                invalid_count = notify_out[R * R + L:R * R + L + 1]
-                with torch.cuda.stream(comm):
-                    counts = notify_out[R * R:R * R + L]
-                    per_expert_out = (counts + (expert_alignment - 1)) // expert_alignment * expert_alignment
-                per_expert_out.record_stream(caller)
-            else:
-                with torch.cuda.stream(comm):
-                    host = notify_out.cpu().tolist()
-                num_recv, per_expert_out = self._sizes_from_counts(host, num_experts, expert_alignment)
+            recv, handle_out = self._fresh(call, topk_idx, num_experts, expert_alignment, num_worst_tokens)
         else:
-            L = handle.num_experts // R
-            in_rank, send_pos, count_matrix = handle.is_token_in_rank, handle.send_pos, handle.count_matrix
-            num_recv = handle.num_recv
-            per_expert_out = handle.num_recv_tokens_per_expert
-            per_expert_out = per_expert_out.clone() if torch.is_tensor(per_expert_out) else list(per_expert_out)
-            topk_idx = None
-
-        scale_cols = scales.shape[1] if scales is not None else 0
-        lay = self.C.dispatch_out_layout(num_recv, x_row_bytes, scale_row_bytes, K)
-        reserved = self.arena.reserve(lay["total"])
-        bounced = reserved is None
-        if bounced:
-            reserved = (self.bounce_offset, lay["total"])
-        base = self.nvl.layout["arena"] + reserved[0]
-        try:
-            self.nvl.ctx.dispatch(self.config.num_sms, values.data_ptr(), x_row_bytes,
-                                  scales.data_ptr() if scales is not None else 0, scale_row_bytes,
-                                  topk_idx.data_ptr() if topk_idx is not None else 0,
-                                  topk_weights.data_ptr() if topk_weights is not None else 0, K, T, L,
-                                  send_pos.data_ptr(), count_matrix.data_ptr(),
-                                  invalid_count.data_ptr() if invalid_count is not None else 0,
-                                  [base + lay[k] for k in OUTPUTS], num_recv, comm.cuda_stream)
-        except Exception:
-            if not bounced:  # the range never became a tensor: give it back
-                self.arena.release(*reserved)
-            raise
-        block = self.bounce if bounced else self.arena.tensor(*reserved)
-        out = self._carve_outputs(block, lay, num_recv, H, values.dtype,
-                                  scales.dtype if scales is not None else None, scale_cols, K,
-                                  topk_idx is not None, topk_weights is not None)
-        if bounced:
-            with torch.cuda.stream(comm):
-                out = {k: (v.clone() if v is not None else None) for k, v in out.items()}
-            for v in out.values():
-                if v is not None:
-                    v.record_stream(caller)
-        if handle is None:
-            with torch.cuda.stream(comm):
-                recv_src_idx = out["src_idx"].clone()
-            recv_src_idx.record_stream(caller)
-        else:
-            recv_src_idx = handle.recv_src_idx
-        made_here = (work, in_rank) if handle is None else ()
-        self._end(caller, async_finish, (values, scales, topk_idx, topk_weights) + made_here)
-
-        recv_x = (out["x"], out["scales"]) if is_pair else out["x"]
+            recv = self._cached(call, handle)
+            handle_out = handle
+        self._after(async_finish, (values, scales, topk_idx, topk_weights) + recv.keep)
+        recv_x = (recv.out["x"], recv.out["scales"]) if scales is not None else recv.out["x"]
         if handle is not None:
-            return recv_x, None, out["topk_weights"], per_expert_out, handle
-        new_handle = Handle(buffer_id=-1, num_experts=num_experts, num_tokens=T, hidden=H, num_recv=num_recv,
-                            is_token_in_rank=in_rank, send_pos=send_pos, count_matrix=count_matrix,
-                            recv_src_idx=recv_src_idx, num_recv_tokens_per_expert=per_expert_out)
-        return recv_x, out["topk_idx"], out["topk_weights"], per_expert_out, new_handle
+            return recv_x, None, recv.out["topk_weights"], recv.per_expert, handle_out
+        return recv_x, recv.out["topk_idx"], recv.out["topk_weights"], recv.per_expert, handle_out
 
-    def _sizes_from_counts(self, host: List[int], num_experts: int, expert_alignment: int):
-        """Rows to receive and rows per local expert, from the counts the one host sync of a fresh dispatch read.
-        From that sync to the dispatch launch the GPU idles, so this is plain Python on one list."""
-        R, rank = self.world_size, self.rank
+    def _call(self, call: "_Call", steps: int, topk_idx_ptr: int, T: int, E: int, in_rank_ptr: int,
+              send_pos_ptr: int, notify_out_ptr: int, tag: int, count_matrix_ptr: int, invalid_ptr: int,
+              out_block: int, out_rows: int, alignment: int, src_copy_ptr: int):
+        """One crossing into NvlContext.dispatch_call (the argument order is the binding's): ``steps`` of the call,
+        in the stream order of ``call.order`` (from _order)."""
+        v, sc, w = call.values, call.scales, call.weights
+        wait, run, flags, prev, end = call.order
+        return self.nvl.ctx.dispatch_call(
+            steps | flags, wait, run, prev, self._start_handle, end,
+            topk_idx_ptr, T, call.K, E, in_rank_ptr, send_pos_ptr, notify_out_ptr, tag,
+            v.data_ptr(), call.x_row_bytes, sc.data_ptr() if sc is not None else 0, call.scale_row_bytes,
+            w.data_ptr() if w is not None else 0, count_matrix_ptr, invalid_ptr, out_block, out_rows,
+            self.config.num_sms, alignment, src_copy_ptr, self._wait_timeout_s)
+
+    def _fresh(self, call: "_Call", topk_idx: torch.Tensor, num_experts: int, expert_alignment: int,
+               num_worst_tokens: int):
+        R, T = self.world_size, call.values.shape[0]
         L = num_experts // R
-        self._check()
-        bad_all, bad_mine = host[R * R + L], host[R * R + L + 1]
-        # this call's bad ids: every rank has the same counts and stops here alike (no kernel follows)
-        if bad_mine or bad_all:
-            earlier, self._pending_input = self._pending_input, None
-            also = f" (also, from an earlier call: {earlier})" if earlier is not None else ""
-            if bad_mine:
-                raise ValueError(f"topk_idx: {bad_mine} expert ids outside [-1, {num_experts}) "
-                                 f"(num_experts={num_experts}); nothing was dispatched{also}")
-            raise ValueError(f"topk_idx: another rank passed expert ids outside [-1, {num_experts}); "
-                             f"nothing was dispatched{also}")
-        return sum(host[s * R + rank] for s in range(R)), _align(host[R * R:R * R + L], expert_alignment)
+        n_out = R * R + L + 2
+        # send_pos [T, R] | notify_out [R*R + L + 2] (count matrix, tokens per local expert, bad-id counts)
+        work = torch.empty(T * R + n_out, dtype=torch.int32, device=self.device)
+        send_pos = work[:T * R].view(T, R)
+        notify_out = work[T * R:]
+        in_rank = torch.empty(T, R, dtype=torch.bool, device=self.device)
+        notify_ptr = notify_out.data_ptr()
+        invalid_ptr = notify_ptr + 4 * (R * R + L)
+        rows = num_worst_tokens if num_worst_tokens else -1  # -1: the kernel carves for the rows that arrive
+        src_copy = torch.empty(num_worst_tokens or self._capacity_rows, dtype=torch.int32, device=self.device)
+        args = (topk_idx.data_ptr(), T, num_experts, in_rank.data_ptr(), send_pos.data_ptr(), notify_ptr)
+        reserved = self.arena.reserve(self._out_bytes(call, num_worst_tokens or self._capacity_rows))
+        self._tag += 1
+        if num_worst_tokens:
+            # No host wait (graph-capturable): worst-case-sized outputs, counts stay on the device, and bad expert
+            # ids stop the dispatch kernel on every rank (reported at the next call).
+            block_off = reserved[0] if reserved is not None else self.bounce_offset
+            res = self._call(call, BEGIN | NOTIFY | PAYLOAD | REPORT_INVALID | (FINISH if reserved else 0),
+                             *args, 0, notify_ptr, invalid_ptr, self.nvl.layout["arena"] + block_off, rows, 1,
+                             src_copy.data_ptr())
+            run = torch.cuda.ExternalStream(call.order[1], device=self.device)
+            with torch.cuda.stream(run):
+                counts = notify_out[R * R:R * R + L]
+                per_expert = (counts + (expert_alignment - 1)) // expert_alignment * expert_alignment
+            per_expert.record_stream(torch.cuda.current_stream(self.device))
+        elif reserved is not None:
+            # The payload is launched right behind notify, into a block reserved for the worst case; the wait for
+            # the counts overlaps it, and the block's unused tail goes back to the arena.
+            res = self._call(call, BEGIN | NOTIFY | PAYLOAD | WAIT | FINISH, *args, self._tag, notify_ptr, invalid_ptr,
+                             self.nvl.layout["arena"] + reserved[0], rows, expert_alignment, src_copy.data_ptr())
+            self._fresh_status(res, num_experts, reserved)
+            self.last_wait_us = res[6]
+            reserved = self.arena.trim(*reserved, res[5][5])
+            per_expert = res[4]
+        else:
+            # The arena has no worst-case block free: learn the size first, then place the rows exactly.
+            res = self._call(call, BEGIN | NOTIFY | WAIT, *args, self._tag, notify_ptr, invalid_ptr, 0, -1,
+                             expert_alignment, 0)
+            self._fresh_status(res, num_experts, None)
+            self.last_wait_us = res[6]
+            per_expert, rows = res[4], res[1]
+            reserved = self.arena.reserve(res[5][5])
+            block_off = reserved[0] if reserved is not None else self.bounce_offset
+            res = self._call(call, PAYLOAD | (FINISH if reserved else 0), *args, 0, notify_ptr, 0,
+                             self.nvl.layout["arena"] + block_off, rows, 1, src_copy.data_ptr())
+        n = res[1]
+        out = self._outputs(call, reserved, res[5], n, with_idx=True)
+        recv = _Recv(out, per_expert, (work, in_rank, src_copy))
+        handle = Handle(buffer_id=-1, num_experts=num_experts, num_tokens=T, hidden=call.values.shape[1],
+                        num_recv=n, is_token_in_rank=in_rank, send_pos=send_pos, count_matrix=notify_out[:R * R].view(R, R),
+                        recv_src_idx=src_copy[:n], num_recv_tokens_per_expert=per_expert)
+        return recv, handle
 
-    @staticmethod
-    def _carve_outputs(block: torch.Tensor, lay, n: int, hidden: int, dtype: torch.dtype,
-                       scale_dtype: Optional[torch.dtype], scale_cols: int, K: int, with_idx: bool,
-                       with_weights: bool):
-        """Views of one arena block as the dispatch outputs (csrc/runtime/nvl_layout.hpp, DispatchOutLayout)."""
+    def _fresh_status(self, res, num_experts: int, reserved) -> None:
+        """A fresh dispatch's wait came back without counts (timeout) or with bad expert ids (a ValueError on every
+        rank: all of them read the same counts, and their payload kernels returned at once)."""
+        status = res[0]
+        if status == 0:
+            return
+        if status == 1:
+            self._check()  # a device wait that timed out raises here, naming its peer and stage
+            self.nvl.broken = True
+            raise CommTimeoutError(self.rank, None, "notify:counts (host)",
+                                   f"no counts after {self._wait_timeout_s:.1f} s")
+        if reserved is not None:
+            self.arena.release(*reserved)
+        earlier, self._pending_input = self._pending_input, None
+        also = f" (also, from an earlier call: {earlier})" if earlier is not None else ""
+        if res[3]:
+            raise ValueError(f"topk_idx: {res[3]} expert ids outside [-1, {num_experts}) "
+                             f"(num_experts={num_experts}); nothing was dispatched{also}")
+        raise ValueError(f"topk_idx: another rank passed expert ids outside [-1, {num_experts}); "
+                         f"nothing was dispatched{also}")
 
-        def carve(name, count, dt, shape):
-            return block[lay[name]:lay[name] + count * dt.itemsize].view(dt).view(*shape)
+    def _cached(self, call: "_Call", handle: Handle):
+        n = handle.num_recv
+        reserved = self.arena.reserve(self._out_bytes(call, n))
+        block_off = reserved[0] if reserved is not None else self.bounce_offset
+        res = self._call(call, BEGIN | BUMP | PAYLOAD | (FINISH if reserved else 0), 0, handle.num_tokens,
+                         handle.num_experts, 0, handle.send_pos.data_ptr(), 0, 0, handle.count_matrix.data_ptr(), 0,
+                         self.nvl.layout["arena"] + block_off, n, 1, 0)
+        out = self._outputs(call, reserved, res[5], n, with_idx=False)
+        per_expert = handle.num_recv_tokens_per_expert
+        per_expert = per_expert.clone() if torch.is_tensor(per_expert) else list(per_expert)
+        return _Recv(out, per_expert, ())
 
-        return {
-            "x": carve("x", n * hidden, dtype, (n, hidden)),
-            "scales": carve("scales", n * scale_cols, scale_dtype, (n, scale_cols)) if scale_dtype is not None else None,
-            "topk_idx": carve("topk_idx", n * K, torch.int64, (n, K)) if with_idx else None,
-            "topk_weights": carve("topk_weights", n * K, torch.float32, (n, K)) if with_weights else None,
-            "src_idx": carve("src_idx", n, torch.int32, (n,)),
-        }
+    def _out_bytes(self, call: "_Call", rows: int) -> int:
+        key = (rows, call.x_row_bytes, call.scale_row_bytes, call.K)
+        total = self._out_bytes_cache.get(key)
+        if total is None:
+            total = self.C.dispatch_out_layout(rows, call.x_row_bytes, call.scale_row_bytes, call.K)["total"]
+            if len(self._out_bytes_cache) < 256:
+                self._out_bytes_cache[key] = total
+        return total
+
+    def _outputs(self, call: "_Call", reserved, lay, n: int, with_idx: bool):
+        """The output tensors over the output block (DispatchOutLayout offsets ``lay`` for ``n`` rows). Rows that
+        went to the bounce area (arena full) are copied into ordinary tensors on the run stream; the call's end
+        is recorded after the copies."""
+        if reserved is not None:
+            return _carve(self.arena, reserved, lay, n, call, with_idx)
+        out = _carve(self.arena, (self.bounce_offset, 0), lay, n, call, with_idx, bounce=True)
+        wait, run, flags, _, end = call.order
+        run_stream = torch.cuda.ExternalStream(run, device=self.device)
+        with torch.cuda.stream(run_stream):
+            out = {k: (t.clone() if t is not None else None) for k, t in out.items()}
+        caller = torch.cuda.current_stream(self.device)
+        for t in out.values():
+            if t is not None:
+                t.record_stream(caller)
+        if end:  # the run stream is the communication stream: record its end, join the caller unless async
+            self._event.record(run_stream)
+            if flags & CALLER_WAITS:
+                caller.wait_event(self._event)
+        self._bounce_pending = True  # the next call must not overwrite the bounce area under these copies
+        self.bounced_calls += 1
+        return out
 
     # ---- normal combine ----
     def combine(self, x: torch.Tensor, handle: Handle, topk_weights: Optional[torch.Tensor],
                 previous_event=None, async_finish: bool = False, use_fp8: bool = False):
         T, H = handle.num_tokens, x.shape[1]
         K = topk_weights.shape[1] if topk_weights is not None else 0
-        caller = self._begin(previous_event)
+        wait, run, flags, prev, end = self._order(previous_event, async_finish)
         out = torch.empty(T, H, dtype=x.dtype, device=self.device)
         out_w = torch.empty(T, K, dtype=torch.float32, device=self.device) if topk_weights is not None else None
-        self.nvl.ctx.combine(self.config.num_sms, x.data_ptr(),
-                             topk_weights.data_ptr() if topk_weights is not None else 0,
-                             handle.recv_src_idx.data_ptr(), handle.count_matrix.data_ptr(),
-                             handle.send_pos.data_ptr(), out.data_ptr(), out_w.data_ptr() if out_w is not None else 0,
-                             x.shape[0], T, H, K, self.comm_stream.cuda_stream, use_fp8)
-        self._end(caller, async_finish, (x, topk_weights, handle.recv_src_idx, handle.count_matrix,
-                                         handle.send_pos, out, out_w))
+        self.nvl.ctx.combine_call(flags, wait, run, prev, self._start_handle, end, self.config.num_sms, x.data_ptr(),
+                                  topk_weights.data_ptr() if topk_weights is not None else 0,
+                                  handle.recv_src_idx.data_ptr(), handle.count_matrix.data_ptr(),
+                                  handle.send_pos.data_ptr(), out.data_ptr(),
+                                  out_w.data_ptr() if out_w is not None else 0, x.shape[0], T, H, K, use_fp8)
+        self._after(async_finish, (x, topk_weights, handle.recv_src_idx, handle.count_matrix, handle.send_pos,
+                                   out, out_w))
         return out, out_w
 
     # ---- lifetime ----

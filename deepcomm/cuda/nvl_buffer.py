@@ -36,6 +36,10 @@ class NvlBuffer(DeviceErrorRecord):
             self.memory.close()
             raise
         self.ctx.set_error_record(self.err_dev)
+        self.ctx.set_error_host(self.err_host)
+        # a fresh dispatch's counts for the host (csrc/runtime/dispatch_counts.hpp), written by the notify kernel
+        self.counts_host, counts_dev = C.host_mapped_alloc(C.DISPATCH_COUNTS_BYTES)
+        self.ctx.set_dispatch_counts(self.counts_host, counts_dev)
         self.ctx.set_timeout_ns(self.timeout_ns)
         self.closed = False
 
@@ -58,4 +62,5 @@ class NvlBuffer(DeviceErrorRecord):
             torch.cuda.synchronize(self.device)
             self.memory.close()
         finally:
+            self.C.host_mapped_free(self.counts_host)
             self.free_record()
