@@ -220,7 +220,7 @@ def run_worker(rank: int, world_size: int, local_rank: int, args, device_type: s
         fn = by_name[case.system].prepare(case, inp)
         t = timing.bench(fn, args.warmup, args.iters, device)
         calls = getattr(fn, "calls", 1)  # a graph of several calls: time per call
-        t = timing.Timing(mean_us=t.mean_us / calls, median_us=t.median_us / calls)
+        t = timing.Timing(mean_us=t.mean_us / calls, median_us=t.median_us / calls, host_us=t.host_us / calls)
         del fn
         # a dispatch+combine step is reported by time only; its bytes are counted as the dispatch's
         nbytes = metrics.logical_bytes(inp.num_recv_rows(rank), args.hidden, case.op.split("+")[0], case.dtype)
@@ -231,6 +231,7 @@ def run_worker(rank: int, world_size: int, local_rank: int, args, device_type: s
                         "tokens": case.tokens, "hidden": args.hidden, "topk": args.topk,
                         "experts": args.experts, "num_sms": by_name[case.system].reported_num_sms(case),
                         "time_us": round(mean_us, 2), "median_us": round(median_us, 2),
+                        "host_us": round(t.host_us, 2),
                         "gbps": round(-neg_gbps, 2) if "+" not in case.op else None, "timing": case.timing})
         if case.system == "deepcomm" and case.op == "combine" and case.dtype == "fp8":
             results[-1].update(_fp8_errors(dc, case, inp, device))

@@ -11,8 +11,9 @@ import subprocess
 import sys
 
 # Keys of one result, in BENCHMARK.md's order; `median_us` is the one addition (the protocol asks for both).
+# `host_us`: median host time per call (entry to return, on the calling thread).
 RESULT_KEYS = ["system", "mode", "op", "dtype", "tokens", "hidden", "topk", "experts", "num_sms",
-               "time_us", "median_us", "gbps", "timing"]
+               "time_us", "median_us", "host_us", "gbps", "timing"]
 # Written only on the results that have them: the FP8 combine's error against the BF16 combine (metrics.py).
 ERROR_KEYS = ["max_rel_err", "mean_rel_err"]
 
@@ -102,13 +103,13 @@ def _fmt(v) -> str:
 def format_table(results: list[dict]) -> str:
     cols = [("system", "system"), ("mode", "mode"), ("op", "op"), ("dtype", "dtype"), ("tokens", "tokens"),
             ("num_sms", "sms"), ("timing", "timing"), ("time_us", "mean us"), ("median_us", "median us"),
-            ("gbps", "GB/s")]
+            ("host_us", "host us"), ("gbps", "GB/s")]
     if any(k in r for r in results for k in ERROR_KEYS):
         cols += [("max_rel_err", "max rel err"), ("mean_rel_err", "mean rel err")]
     rows = [[(f"{r[k]:.2e}" if k in ERROR_KEYS and r.get(k) is not None else _fmt(r.get(k))) for k, _ in cols]
             for r in results]
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, (_, h) in enumerate(cols)]
-    numeric = {"tokens", "num_sms", "time_us", "median_us", "gbps", *ERROR_KEYS}
+    numeric = {"tokens", "num_sms", "time_us", "median_us", "host_us", "gbps", *ERROR_KEYS}
 
     def line(cells):
         return "  ".join(c.rjust(w) if cols[i][0] in numeric else c.ljust(w)
