@@ -15,6 +15,7 @@ from .backends import group_device, make_backend
 from .call_check import CallChecker, resolve_check_calls
 from .config import DEFAULT_HIDDEN, DEFAULT_TIMEOUT_S, Config, default_num_sms
 from .handle import Handle, LowLatencyHandle
+from .log import log_buffer_created
 from .rendezvous import default_store, wait_for_group
 from .topology import resolve_topology
 
@@ -95,8 +96,10 @@ class Buffer:
         if check_calls and number is not None:
             self._call_checker = CallChecker(default_store(), self._group, self._rank, self._world_size,
                                              self.config.timeout_s, f"b{number}")
-        self._backend, self._backend_name = make_backend(backend, self._group, self.config, self._rank,
-                                                         self._world_size, self._device)
+        self._backend, choice = make_backend(backend, self._group, self.config, self._rank, self._world_size,
+                                             self._device)
+        self._backend_name = choice.name
+        log_buffer_created(self, choice)
         # dtypes of a non-FP8 x the backend takes in normal mode (the CUDA backend: bf16 only)
         self._x_dtypes = tuple(getattr(self._backend, "x_dtypes", (torch.bfloat16,)))
 
