@@ -32,19 +32,19 @@ _dc_active_python() {  # the interpreter of an activated virtualenv or conda env
     return 1
 }
 
-# Sets DEEPCOMM_PY (the interpreter) and DEEPCOMM_PY_PLAN: "use" (it imports torch), "install-torch" (an active
+# Sets DEEPCOMM_PY (the interpreter) and _dc_py_plan: "use" (it imports torch), "install-torch" (an active
 # environment without torch, nothing else has one) or "create-venv" (no torch anywhere: make <repo>/.venv).
 _dc_choose_python() {
     local candidate
-    DEEPCOMM_PY_PLAN=use
+    _dc_py_plan=use
     if [[ -n "${DEEPCOMM_PYTHON:-}" ]]; then
         DEEPCOMM_PY="$(command -v "$DEEPCOMM_PYTHON" 2>/dev/null || echo "$DEEPCOMM_PYTHON")"
-        _dc_imports_torch "$DEEPCOMM_PY" || DEEPCOMM_PY_PLAN=install-torch
+        _dc_imports_torch "$DEEPCOMM_PY" || _dc_py_plan=install-torch
         return 0
     fi
     if [[ "${DEEPCOMM_NO_VENV:-0}" == "1" ]]; then
         DEEPCOMM_PY="$(command -v python 2>/dev/null || command -v python3)"
-        _dc_imports_torch "$DEEPCOMM_PY" || DEEPCOMM_PY_PLAN=install-torch
+        _dc_imports_torch "$DEEPCOMM_PY" || _dc_py_plan=install-torch
         return 0
     fi
     for candidate in "$(_dc_active_python)" "$DEEPCOMM_ROOT/.venv/bin/python" \
@@ -55,19 +55,19 @@ _dc_choose_python() {
         fi
     done
     if DEEPCOMM_PY="$(_dc_active_python)"; then
-        DEEPCOMM_PY_PLAN=install-torch
+        _dc_py_plan=install-torch
         return 0
     fi
     DEEPCOMM_PY="$DEEPCOMM_ROOT/.venv/bin/python"
-    if [[ -x "$DEEPCOMM_PY" ]]; then DEEPCOMM_PY_PLAN=install-torch; else DEEPCOMM_PY_PLAN=create-venv; fi
+    if [[ -x "$DEEPCOMM_PY" ]]; then _dc_py_plan=install-torch; else _dc_py_plan=create-venv; fi
 }
 
 _dc_activate_env() {
     _dc_choose_python
-    if [[ "$DEEPCOMM_PY_PLAN" == "create-venv" ]]; then
+    if [[ "$_dc_py_plan" == "create-venv" ]]; then
         _dc_log "no Python here imports torch: creating $DEEPCOMM_ROOT/.venv"
         python3 -m venv --system-site-packages "$DEEPCOMM_ROOT/.venv"
-        DEEPCOMM_PY_PLAN=install-torch
+        _dc_py_plan=install-torch
     fi
     # an environment's interpreter is used as if activated (child processes and launchers find it on PATH);
     # a system interpreter leaves PATH as it is
@@ -126,7 +126,7 @@ deepcomm_setup() {
         return 0
     fi
     local pip=("$DEEPCOMM_PY" -m pip install --disable-pip-version-check)
-    if [[ "$DEEPCOMM_PY_PLAN" == "install-torch" ]]; then
+    if [[ "$_dc_py_plan" == "install-torch" ]]; then
         _dc_log "no torch importable from $DEEPCOMM_PY: pip install torch==2.13.0"
         "${pip[@]}" torch==2.13.0
     else

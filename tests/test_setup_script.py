@@ -49,8 +49,8 @@ def repo(tmp_path):
 def _choose(repo, path_dirs, **env):
     """Source the copied setup.sh, run the choice (and the activation when it does not create a venv); returns
     (interpreter, plan, VIRTUAL_ENV after activation, first PATH entry after activation)."""
-    script = ('source "$1"; _dc_choose_python; echo "$DEEPCOMM_PY|$DEEPCOMM_PY_PLAN"; '
-              '[[ $DEEPCOMM_PY_PLAN == create-venv ]] || { _dc_activate_env; echo "${VIRTUAL_ENV:-}|${PATH%%:*}"; }')
+    script = ('source "$1"; _dc_choose_python; echo "$DEEPCOMM_PY|$_dc_py_plan"; '
+              '[[ $_dc_py_plan == create-venv ]] || { _dc_activate_env; echo "${VIRTUAL_ENV:-}|${PATH%%:*}"; }')
     base = {"PATH": os.pathsep.join([str(d) for d in path_dirs] + ["/usr/bin", "/bin"]), "HOME": str(repo)}
     out = subprocess.run(["bash", "-c", script, "bash", str(repo / "repo" / "launch" / "setup.sh")],
                          env={**base, **env}, capture_output=True, text=True, timeout=60)
