@@ -87,8 +87,9 @@ def backend_lines(C) -> List[str]:
     if cuda_reason is None and torch.cuda.device_count() > 1:
         n = torch.cuda.device_count()
         peers_ok = all(torch.cuda.can_device_access_peer(i, j) for i in range(n) for j in range(n) if i != j)
-    lines = ["backends (Buffer(backend=...)):", "  reference: available (pure PyTorch on torch.distributed, any device, "
-             "any process-group backend; the oracle the kernels are tested against, not fast)"]
+    lines = ["backends (Buffer(backend=...)):",
+             "  reference: available (pure PyTorch on torch.distributed, any device, any process-group backend; "
+             "the oracle the kernels are tested against, not fast)"]
     if cuda_reason is None:
         extra = "" if peers_ok else ("; some GPU pairs lack peer access: ranks on this host must be on GPUs that "
                                      "can map each other's memory")

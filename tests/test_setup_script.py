@@ -129,8 +129,9 @@ def test_full_setup_never_installs_torch_where_one_imports(repo):
     log = repo / "log"
     py = _fake_env(repo / "opt" / "torch" / ".venv", True, log)
     env = {"PATH": os.pathsep.join([str(py.parent), "/usr/bin", "/bin"]), "HOME": str(repo)}
-    out = subprocess.run(["bash", "-c", 'source "$1"; deepcomm_setup', "bash", str(repo / "repo" / "launch" / "setup.sh")],
-                         env=env, capture_output=True, text=True, timeout=120)
+    setup = str(repo / "repo" / "launch" / "setup.sh")
+    out = subprocess.run(["bash", "-c", 'source "$1"; deepcomm_setup', "bash", setup], env=env,
+                         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     calls = log.read_text().splitlines()
     pips = [c for c in calls if c.startswith("-m pip install")]
@@ -143,7 +144,7 @@ def test_full_setup_never_installs_torch_where_one_imports(repo):
 def test_real_unactivated_venv_interpreter_runs_setup():
     """This test's own virtualenv, not activated, its bin/ on PATH: setup.sh runs its python3."""
     bindir = os.path.dirname(sys.executable)
-    if not os.path.exists(os.path.join(sys.prefix, "pyvenv.cfg")) or not os.path.exists(os.path.join(bindir, "python3")):
+    if not (os.path.exists(os.path.join(sys.prefix, "pyvenv.cfg")) and os.path.exists(os.path.join(bindir, "python3"))):
         pytest.skip("the test interpreter is not a virtualenv's")
     if os.path.exists(os.path.join(ROOT, ".venv")):
         pytest.skip("this checkout has a .venv, which setup.sh prefers")
