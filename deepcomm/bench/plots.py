@@ -25,7 +25,7 @@ from typing import Dict, List, Optional, Tuple
 PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
            "#17becf", "#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94", "#f7b6d2", "#c7c7c7",
            "#dbdb8d", "#9edae5"]
-DEEPCOMM_STYLE = {"linestyle": "-", "linewidth": 2.8, "marker": "o", "markersize": 6}
+OWN_STYLE = {"linestyle": "-", "linewidth": 2.8, "marker": "o", "markersize": 6}
 PEER_STYLES = [{"linestyle": "--", "linewidth": 1.4, "marker": "s", "markersize": 5},
                {"linestyle": ":", "linewidth": 1.6, "marker": "^", "markersize": 5},
                {"linestyle": "-.", "linewidth": 1.4, "marker": "D", "markersize": 4},
@@ -83,7 +83,7 @@ def _styled(groups: Dict[tuple, Dict[float, float]], label_of) -> List[Series]:
     out = []
     for key in sorted(groups, key=lambda k: (systems.index(k[0]), [str(p) for p in k[1:]])):
         colour = colours.setdefault(key[1:3], PALETTE[len(colours) % len(PALETTE)])
-        base = DEEPCOMM_STYLE if key[0] == "deepcomm" else PEER_STYLES[(systems.index(key[0]) - 1) % len(PEER_STYLES)]
+        base = OWN_STYLE if key[0] == "deepcomm" else PEER_STYLES[(systems.index(key[0]) - 1) % len(PEER_STYLES)]
         style = dict(base, color=colour)
         if len(key) > 3 and key[3] == "eager":
             style.update(markerfacecolor="white", markeredgewidth=1.6)
@@ -139,7 +139,7 @@ def _draw(plt, fig_spec: Figure, path: str) -> None:
         values = [s.points[0][1] for s in fig_spec.series]
         bars = ax.barh(range(len(labels)), values, color=[s.style["color"] for s in fig_spec.series])
         for bar, s in zip(bars, fig_spec.series):
-            if s.style.get("linestyle") == DEEPCOMM_STYLE["linestyle"]:
+            if s.style.get("linestyle") == OWN_STYLE["linestyle"]:
                 bar.set_edgecolor("black")
                 bar.set_linewidth(1.8)
             else:
