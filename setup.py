@@ -3,9 +3,11 @@
 The extension is compiled and linked by nvcc alone (sm_90, static cudart, pybind11 headers). It never includes or
 links libtorch or libcuda, so one build serves any torch version and links on machines without a GPU driver.
 Set DEEPCOMM_NO_CUDA=1 to force a Python-only install, DEEPCOMM_CUDA_ARCH to change the target (default 90).
+The build writes deepcomm/_build_info.json (arch, nvcc version, NVSHMEM headers) for `python -m deepcomm`.
 NVSHMEM is never linked (its host library is opened at run time); its headers, from NVSHMEM_HOME or the
 nvidia-nvshmem wheel, are needed to compile csrc/transport/nvshmem_*.cpp, which are skipped when absent.
 """
+import json
 import os
 import shutil
 import subprocess
@@ -115,6 +117,17 @@ class NvccBuild(build_ext):
                 "-cudart=static", "-lrt", "-ldl", "-lpthread"]
         print(" ".join(link), flush=True)
         subprocess.run(link, check=True)
+        write_build_info(out.parent / "_build_info.json", nvcc, arch, nvshmem_include)
+
+
+def write_build_info(path: Path, nvcc: str, arch: str, nvshmem_include) -> None:
+    """What `python -m deepcomm` reports about this build: the CUDA arch, nvcc's version, NVSHMEM's headers."""
+    try:
+        version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    except (OSError, IndexError):
+        version = None
+    path.write_text(json.dumps({"cuda_arch": f"sm_{arch}", "nvcc": version,
+                                "nvshmem_headers": None if nvshmem_include is None else str(nvshmem_include)}))
 
 
 def up_to_date(obj: Path, dep: Path, stamp: Path, cmd: str) -> bool:

@@ -3,6 +3,7 @@
 Importing never needs a GPU or the compiled extension: the reference backend is always available.
 """
 from . import fp8, moe, ops
+from ._version import __version__
 from .backends import available_backends
 from .buffer import Buffer
 from .config import Config, default_num_sms

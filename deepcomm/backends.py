@@ -1,13 +1,21 @@
-"""Which backend a Buffer gets, and why "cuda" is refused when it is."""
+"""Which backend a Buffer gets, and why "cuda" is refused when it is.
+
+``backend="auto"`` never falls back to the reference backend without saying so: where the CUDA kernels could have
+run (CUDA present, an NCCL group), the reason they did not is a ``RuntimeWarning``, once per process and reason.
+``backend="cuda"`` raises ``RuntimeError`` with the reason instead.
+"""
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+import warnings
+from dataclasses import dataclass
+from typing import List, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
 
 from ._ext import extension_error, load_extension
 from .config import Config
+from .log import configure_from_env
 
 BACKENDS = ("auto", "cuda", "reference")
 
@@ -43,29 +51,75 @@ def available_backends() -> List[str]:
     return ["reference"] + (["cuda"] if cuda_unavailable_reason() is None else [])
 
 
-def make_backend(requested: str, group, config: Config, rank: int, world_size: int,
-                 device: torch.device) -> Tuple[object, str]:
-    """Build the backend object for ``requested`` ("auto" | "cuda" | "reference"); returns ``(backend, name)``."""
+@dataclass(frozen=True)
+class BackendChoice:
+    """What ``make_backend`` picked: ``name`` "cuda" or "reference" (as ``Buffer.backend_name``); ``internode``: the
+    topology has several nodes; ``refused``: why the CUDA backend was not taken (None when it was, or when the
+    reference backend was asked for); ``faster_possible``: CUDA and an NCCL group were there, so the reference
+    backend is a fallback a user should hear about."""
+
+    requested: str
+    name: str
+    internode: bool
+    refused: Optional[str] = None
+    faster_possible: bool = False
+
+    @property
+    def kind(self) -> str:
+        if self.name == "reference":
+            return "pure PyTorch"
+        return "CUDA kernels, hierarchical: RDMA between nodes, NVLink inside" if self.internode \
+            else "CUDA kernels, NVLink"
+
+
+_warned: Set[str] = set()
+
+
+def choose_backend(requested: str, group, config: Config, world_size: int) -> BackendChoice:
+    """Decide the backend for ``requested`` ("auto" | "cuda" | "reference"). Collective over ``group`` for
+    topologies of several nodes (the internode check compares host names). ``backend="cuda"`` that cannot run
+    raises ``RuntimeError`` naming the reason."""
     if requested not in BACKENDS:
         raise ValueError(f"backend: expected one of {', '.join(map(repr, BACKENDS))}, got {requested!r}")
-    name = requested
     internode = config.gpus_per_node is not None and config.gpus_per_node < world_size
-    if requested != "reference":
-        reason = cuda_unavailable_reason(group)
-        if reason is None and internode:
-            reason = internode_unavailable_reason(group, world_size, config.internode_transport,
-                                                  config.gpus_per_node)
-        if reason is not None and requested == "cuda":
-            raise RuntimeError(f"deepcomm: backend='cuda' cannot run here: {reason}")
-        name = "cuda" if reason is None else "reference"
-    if name == "cuda" and internode:
+    if requested == "reference":
+        return BackendChoice(requested, "reference", internode)
+    reason = cuda_unavailable_reason(group)
+    if reason is None and internode:
+        reason = internode_unavailable_reason(group, world_size, config.internode_transport, config.gpus_per_node)
+        if reason is not None:
+            reason = f"the internode CUDA backend cannot run: {reason}"
+    if reason is not None and requested == "cuda":
+        raise RuntimeError(f"deepcomm: backend='cuda' cannot run here: {reason}")
+    faster_possible = reason is not None and torch.cuda.is_available() and group_uses_nccl(group)
+    return BackendChoice(requested, "cuda" if reason is None else "reference", internode, reason, faster_possible)
+
+
+def warn_if_fallback(choice: BackendChoice, rank: int) -> None:
+    """Rank 0 warns, once per process and reason, that ``backend="auto"`` took the reference backend where the
+    CUDA kernels could have run."""
+    if rank != 0 or not choice.faster_possible or choice.refused in _warned:
+        return
+    _warned.add(choice.refused)
+    warnings.warn(f"deepcomm: backend='auto' uses the reference backend (torch collectives, much slower than the "
+                  f"CUDA kernels) because {choice.refused}; pass backend='reference' to choose it explicitly",
+                  RuntimeWarning, stacklevel=4)
+
+
+def make_backend(requested: str, group, config: Config, rank: int, world_size: int,
+                 device: torch.device) -> Tuple[object, BackendChoice]:
+    """Build the backend object for ``requested`` ("auto" | "cuda" | "reference"); returns ``(backend, choice)``."""
+    configure_from_env()
+    choice = choose_backend(requested, group, config, world_size)
+    warn_if_fallback(choice, rank)
+    if choice.name == "cuda" and choice.internode:
         from .cuda.internode import InternodeBackend
-        return InternodeBackend(group, config, rank, world_size, device, load_extension()), name
-    if name == "cuda":
+        return InternodeBackend(group, config, rank, world_size, device, load_extension()), choice
+    if choice.name == "cuda":
         from .cuda.backend import CudaBackend
-        return CudaBackend(group, config, rank, world_size, device), name
+        return CudaBackend(group, config, rank, world_size, device), choice
     from .reference import ReferenceBackend
-    return ReferenceBackend(group, config, rank, world_size, device), name
+    return ReferenceBackend(group, config, rank, world_size, device), choice
 
 
 def internode_unavailable_reason(group, world_size: int, transport: str = "emulated",

@@ -5,7 +5,7 @@ import functools
 import itertools
 import os
 import sys
-from typing import Optional
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -15,6 +15,7 @@ from .backends import group_device, make_backend
 from .call_check import CallChecker, resolve_check_calls
 from .config import DEFAULT_HIDDEN, DEFAULT_TIMEOUT_S, Config, default_num_sms
 from .handle import Handle, LowLatencyHandle
+from .log import log_buffer_created
 from .rendezvous import default_store, wait_for_group
 from .topology import resolve_topology
 
@@ -47,7 +48,7 @@ def _collective(op: str):
 class Buffer:
     """Expert-parallel communication over one process group (see docs/api.md)."""
 
-    def __init__(self, group=None, max_tokens_per_rank: int = 4096, hidden: Optional[int] = None,
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, max_tokens_per_rank: int = 4096, hidden: Optional[int] = None,
                  num_sms: Optional[int] = None, backend: str = "auto", num_max_low_latency_tokens: int = 128,
                  timeout_s: Optional[float] = None, gpus_per_node: Optional[int] = None,
                  low_latency_memory: Optional[str] = None, internode_transport: Optional[str] = None,
@@ -95,8 +96,10 @@ class Buffer:
         if check_calls and number is not None:
             self._call_checker = CallChecker(default_store(), self._group, self._rank, self._world_size,
                                              self.config.timeout_s, f"b{number}")
-        self._backend, self._backend_name = make_backend(backend, self._group, self.config, self._rank,
-                                                         self._world_size, self._device)
+        self._backend, choice = make_backend(backend, self._group, self.config, self._rank, self._world_size,
+                                             self._device)
+        self._backend_name = choice.name
+        log_buffer_created(self, choice)
         # dtypes of a non-FP8 x the backend takes in normal mode (the CUDA backend: bf16 only)
         self._x_dtypes = tuple(getattr(self._backend, "x_dtypes", (torch.bfloat16,)))
 
@@ -110,7 +113,7 @@ class Buffer:
         return self._world_size
 
     @property
-    def group(self):
+    def group(self) -> dist.ProcessGroup:
         return self._group
 
     @property
@@ -134,14 +137,15 @@ class Buffer:
         """Bytes of communication buffers the backend holds (0 for the reference backend)."""
         return self._live().size_bytes()
 
-    def low_latency_buffer_info(self) -> dict:
+    def low_latency_buffer_info(self) -> Dict[str, object]:
         """``{"memory": "ipc" | "nvshmem", "bytes": n}``: where the CUDA backend's low-latency buffer lives and its
         size (0 before the first low-latency call); ``memory`` is None on the reference backend, which has none."""
         info = getattr(self._live(), "low_latency_buffer_info", None)
         return info() if info is not None else {"memory": None, "bytes": 0}
 
     # ---- normal mode ------------------------------------------------------------------------------------
-    def get_dispatch_layout(self, topk_idx, num_experts):
+    def get_dispatch_layout(self, topk_idx: torch.Tensor,
+                            num_experts: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(num_tokens_per_rank int32 [R], num_tokens_per_expert int32 [E], is_token_in_rank bool [T, R])``."""
         backend = self._live()
         if topk_idx is None:
@@ -283,7 +287,7 @@ class Buffer:
         return backend.low_latency_combine(x, topk_idx, topk_weights, handle, return_recv_hook)
 
     # ---- masking lost ranks (low-latency mode) ----------------------------------------------------------
-    def mask_ranks(self, ranks) -> None:
+    def mask_ranks(self, ranks: Iterable[int]) -> None:
         """Go on in low-latency mode without ``ranks`` (e.g. the peer a ``CommTimeoutError`` named, after its
         process died): from the next call on nothing is sent to them or awaited from them, and slots naming their
         experts count as -1 (dropped from dispatch, absent from combine). Local, no collective: each survivor calls
@@ -305,7 +309,7 @@ class Buffer:
         self._live().unmask_ranks()
 
     @property
-    def masked_ranks(self) -> list:
+    def masked_ranks(self) -> List[int]:
         return sorted(self._live().masked)
 
     # ---- lifetime ---------------------------------------------------------------------------------------

@@ -18,9 +18,13 @@ bf16 and FP8: CuPy has no bfloat16 or float8 dtypes. Pass such payloads as their
 from __future__ import annotations
 
 import importlib
-from typing import Optional, Tuple
+from typing import TYPE_CHECKING, Optional, Tuple
 
 import torch
+
+if TYPE_CHECKING:  # annotations only
+    from .buffer import Buffer
+    from .handle import Handle
 
 # integer dtypes that carry the bits of a torch dtype the array library may lack
 _BITS_OF = {torch.uint16: torch.bfloat16, torch.uint8: torch.float8_e4m3fn}
@@ -85,7 +89,7 @@ def _payload_out(t, like, as_bits: bool):
     return from_torch(t, like, as_bits)
 
 
-def dispatch(buffer, x, topk_idx, topk_weights=None, num_experts: Optional[int] = None, expert_alignment: int = 1,
+def dispatch(buffer: "Buffer", x, topk_idx, topk_weights=None, num_experts: Optional[int] = None, expert_alignment: int = 1,
              handle=None):
     """``buffer.dispatch`` on arrays; returns ``(recv_x, recv_topk_idx, recv_topk_weights,
     num_recv_tokens_per_expert, handle)`` with arrays of ``x``'s library (the list and the ``deepcomm.Handle`` as is).
@@ -103,7 +107,7 @@ def dispatch(buffer, x, topk_idx, topk_weights=None, num_experts: Optional[int] 
             out_handle)
 
 
-def combine(buffer, x, handle, topk_weights=None) -> Tuple[object, object]:
+def combine(buffer: "Buffer", x, handle: "Handle", topk_weights=None) -> Tuple[object, object]:
     """``buffer.combine`` on arrays; returns ``(combined_x, combined_topk_weights)`` in ``x``'s library
     (bf16 as ``uint16`` bits when ``x`` came as bits)."""
     payload, as_bits = _payload_in(x)

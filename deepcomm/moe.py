@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import TYPE_CHECKING, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,9 @@ import torch.nn.functional as F
 
 from . import ops
 from .handle import Handle
+
+if TYPE_CHECKING:  # annotations only
+    from .buffer import Buffer
 
 
 # ---- fused dispatch / combine ------------------------------------------------------------------------------
@@ -61,8 +64,9 @@ def _local_expert_weights(recv_topk_idx: torch.Tensor, recv_topk_weights: Option
     return member[:, :num_local] > 0, weight
 
 
-def fused_dispatch(buffer, x: torch.Tensor, topk_idx: torch.Tensor, probs: Optional[torch.Tensor],
-                   num_experts: int, expert_alignment: int = 1):
+def fused_dispatch(buffer: "Buffer", x: torch.Tensor, topk_idx: torch.Tensor, probs: Optional[torch.Tensor],
+                   num_experts: int, expert_alignment: int = 1
+                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, "FusedContext"]:
     """Dispatch ``x`` and permute the received rows into per-local-expert groups.
 
     Arguments (``T`` tokens on this rank, hidden ``H``, top-k ``K``, ``E`` experts, ``L = E / R``):
@@ -114,7 +118,7 @@ def fused_dispatch(buffer, x: torch.Tensor, topk_idx: torch.Tensor, probs: Optio
     return permuted, torch.tensor(counts, dtype=torch.int64), probs_per_row, ctx
 
 
-def fused_combine(buffer, expert_out: torch.Tensor, ctx: FusedContext) -> torch.Tensor:
+def fused_combine(buffer: "Buffer", expert_out: torch.Tensor, ctx: FusedContext) -> torch.Tensor:
     """Undo ``fused_dispatch``: sum each received token's rows (its local experts; accumulated in fp32, fp64 for
     fp64), then combine them back to their source ranks. ``expert_out`` is ``[M, H]`` in permuted order (scale it by
     ``probs_per_row`` first); returns ``[T, H]`` in the dtype ``x`` had at dispatch. Differentiable."""
@@ -143,7 +147,8 @@ def grouped_swiglu(x: torch.Tensor, tokens_per_expert, w_gate_up: torch.Tensor, 
     return torch.cat(outs)
 
 
-def route(x: torch.Tensor, router_weight: torch.Tensor, topk: int, normalize: bool = True):
+def route(x: torch.Tensor, router_weight: torch.Tensor, topk: int,
+          normalize: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(topk_idx int64 [T, K], topk_weights fp32 [T, K])``: softmax over ``x @ router_weight.T`` (computed in fp32,
     fp64 for fp64 input), its ``topk`` largest, renormalised to sum 1 when ``normalize``, then fp32 (the contract's
     weight dtype)."""
@@ -214,11 +219,11 @@ class MoELayer(torch.nn.Module):
             self.w_down.uniform_(-1 / math.sqrt(ffn_hidden), 1 / math.sqrt(ffn_hidden))
         self.last_tokens_per_expert: Optional[torch.Tensor] = None
 
-    def expert_parameters(self):
+    def expert_parameters(self) -> List[torch.nn.Parameter]:
         """Parameters sharded over the group (each rank owns different experts)."""
         return [self.w_gate_up, self.w_down]
 
-    def replicated_parameters(self):
+    def replicated_parameters(self) -> List[torch.nn.Parameter]:
         """Parameters every rank holds a copy of (the router)."""
         return [self.router.weight]
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The main job: set up if needed, then run the bandwidth benchmark (BENCHMARK.md) on the best backend.
+# The main job: set up if needed, then run the benchmark (docs/benchmarks/README.md) on the best backend.
 #   GPUs:   torchrun over all local GPUs, deepcomm backend auto (CUDA kernels when built), full workload.
 #   no GPU: `python -m deepcomm.bench` on 2 CPU processes (gloo, reference backend), short workload.
 # Any arguments go to deepcomm.bench (see `python -m deepcomm.bench --help`). Without --json, results go to

@@ -9,7 +9,7 @@
 #   --hostfile FILE  hosts to run on      (HOSTFILE; Open MPI: "host slots=8" per line)
 #   MPIRUN_ARGS      extra mpirun options, e.g. "--map-by ppr:8:node --bind-to none"
 #   LAUNCH_MPI_ARGS  options of deepcomm.launch_mpi, e.g. "--backend gloo --master-port 29600"
-# Needs mpirun (Open MPI or MPICH) and mpi4py in the python on PATH (activate the venv first).
+# Needs mpirun (Open MPI or MPICH) and mpi4py in $PYTHON, else $DEEPCOMM_PY (launch/setup.sh), else the python on PATH.
 #
 # Examples:
 #   bash launch/mpirun.sh -np 8 -m deepcomm.bench --json results/mpi.json
@@ -18,7 +18,7 @@ set -euo pipefail
 
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 
-PY="${PYTHON:-$(command -v python 2>/dev/null || command -v python3)}"
+PY="${PYTHON:-${DEEPCOMM_PY:-$(command -v python 2>/dev/null || command -v python3)}}"
 NP="${NP:-}"
 HOSTFILE="${HOSTFILE:-}"
 EXTRA=()

@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # Shared set-up for the launch scripts (source it, or run it: `bash launch/setup.sh`).
 #
-# - Python environment: the active one when VIRTUAL_ENV is set or DEEPCOMM_NO_VENV=1, else <repo>/.venv
-#   (created with --system-site-packages, so a torch already installed on the machine, e.g. a CUDA build on a
-#   GPU host, is used as is).
-# - torch: `pip install torch==2.13.0` only when torch is not importable (on the CPU machines pip takes that
-#   wheel from disk; nothing downloads a torch).
+# - Python: the first of these that imports torch is used as is, activated or not (no venv is made over it):
+#   $DEEPCOMM_PYTHON; the active environment (VIRTUAL_ENV or CONDA_PREFIX); <repo>/.venv; `python3` / `python` on
+#   PATH (e.g. a GPU image's unactivated virtualenv interpreter). DEEPCOMM_NO_VENV=1 takes the current Python as
+#   is. Only where none imports torch: the active environment, else a new <repo>/.venv (--system-site-packages),
+#   gets `pip install torch==2.13.0`. torch is never installed where one is importable.
 # - build/test deps that are missing: setuptools, wheel, pybind11, pytest, numpy; matplotlib if it installs.
 # - deepcomm itself: `pip install --no-build-isolation --no-deps -e .` (compiles the CUDA extension when nvcc is
 #   found), redone only when setup.py / pyproject.toml / csrc / ptx changed since the last install here.
-# DEEPCOMM_SKIP_SETUP=1 skips everything but the environment variables; DEEPCOMM_FORCE_SETUP=1 reinstalls.
+# DEEPCOMM_SKIP_SETUP=1 skips everything but choosing the Python and the environment variables;
+# DEEPCOMM_FORCE_SETUP=1 reinstalls.
 
 DEEPCOMM_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export DEEPCOMM_ROOT
@@ -19,19 +20,64 @@ export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAS
 
 _dc_log() { echo "[deepcomm setup] $*" >&2; }
 
-_dc_activate_env() {
-    if [[ -n "${VIRTUAL_ENV:-}" || "${DEEPCOMM_NO_VENV:-0}" == "1" ]]; then
-        DEEPCOMM_PY="$(command -v python 2>/dev/null || command -v python3)"
+_dc_imports_torch() { [[ -n "$1" && -x "$1" ]] && "$1" -c 'import torch' >/dev/null 2>&1; }
+
+_dc_active_python() {  # the interpreter of an activated virtualenv or conda environment, if any
+    local prefix
+    for prefix in "${VIRTUAL_ENV:-}" "${CONDA_PREFIX:-}"; do
+        [[ -n "$prefix" ]] || continue
+        if [[ -x "$prefix/bin/python" ]]; then echo "$prefix/bin/python"; return 0; fi
+        if [[ -x "$prefix/bin/python3" ]]; then echo "$prefix/bin/python3"; return 0; fi
+    done
+    return 1
+}
+
+# Sets DEEPCOMM_PY (the interpreter) and _dc_py_plan: "use" (it imports torch), "install-torch" (an active
+# environment without torch, nothing else has one) or "create-venv" (no torch anywhere: make <repo>/.venv).
+_dc_choose_python() {
+    local candidate
+    _dc_py_plan=use
+    if [[ -n "${DEEPCOMM_PYTHON:-}" ]]; then
+        DEEPCOMM_PY="$(command -v "$DEEPCOMM_PYTHON" 2>/dev/null || echo "$DEEPCOMM_PYTHON")"
+        _dc_imports_torch "$DEEPCOMM_PY" || _dc_py_plan=install-torch
         return 0
     fi
-    local venv="$DEEPCOMM_ROOT/.venv"
-    if [[ ! -x "$venv/bin/python" ]]; then
-        _dc_log "creating $venv"
-        python3 -m venv --system-site-packages "$venv"
+    if [[ "${DEEPCOMM_NO_VENV:-0}" == "1" ]]; then
+        DEEPCOMM_PY="$(command -v python 2>/dev/null || command -v python3)"
+        _dc_imports_torch "$DEEPCOMM_PY" || _dc_py_plan=install-torch
+        return 0
     fi
-    # shellcheck disable=SC1091
-    source "$venv/bin/activate"
-    DEEPCOMM_PY="$venv/bin/python"
+    for candidate in "$(_dc_active_python)" "$DEEPCOMM_ROOT/.venv/bin/python" \
+                     "$(command -v python3 2>/dev/null)" "$(command -v python 2>/dev/null)"; do
+        if _dc_imports_torch "$candidate"; then
+            DEEPCOMM_PY="$candidate"
+            return 0
+        fi
+    done
+    if DEEPCOMM_PY="$(_dc_active_python)"; then
+        _dc_py_plan=install-torch
+        return 0
+    fi
+    DEEPCOMM_PY="$DEEPCOMM_ROOT/.venv/bin/python"
+    if [[ -x "$DEEPCOMM_PY" ]]; then _dc_py_plan=install-torch; else _dc_py_plan=create-venv; fi
+}
+
+_dc_activate_env() {
+    _dc_choose_python
+    if [[ "$_dc_py_plan" == "create-venv" ]]; then
+        _dc_log "no Python here imports torch: creating $DEEPCOMM_ROOT/.venv"
+        python3 -m venv --system-site-packages "$DEEPCOMM_ROOT/.venv"
+        _dc_py_plan=install-torch
+    fi
+    # an environment's interpreter is used as if activated (child processes and launchers find it on PATH);
+    # a system interpreter leaves PATH as it is
+    local prefix
+    prefix="$(cd "$(dirname "$DEEPCOMM_PY")/.." && pwd)"
+    if [[ -f "$prefix/pyvenv.cfg" || -d "$prefix/conda-meta" ]]; then
+        [[ -f "$prefix/pyvenv.cfg" ]] && export VIRTUAL_ENV="$prefix"
+        PATH="$prefix/bin:$PATH"
+    fi
+    export PATH DEEPCOMM_PY
 }
 
 _dc_missing_modules() {  # args MODULE=DIST[>=MIN]; prints the pip specs of those missing or too old
@@ -80,9 +126,11 @@ deepcomm_setup() {
         return 0
     fi
     local pip=("$DEEPCOMM_PY" -m pip install --disable-pip-version-check)
-    if ! "$DEEPCOMM_PY" -c "import torch" >/dev/null 2>&1; then
-        _dc_log "torch not importable: pip install torch==2.13.0"
+    if [[ "$_dc_py_plan" == "install-torch" ]]; then
+        _dc_log "no torch importable from $DEEPCOMM_PY: pip install torch==2.13.0"
         "${pip[@]}" torch==2.13.0
+    else
+        _dc_log "using $DEEPCOMM_PY (imports torch)"
     fi
     local missing
     # setuptools>=77: pyproject.toml's SPDX `license` string needs it
@@ -113,5 +161,6 @@ deepcomm_gpu_count() {
 if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then   # run directly
     set -euo pipefail
     deepcomm_setup
-    "$DEEPCOMM_PY" -c 'import deepcomm, torch; print("deepcomm", deepcomm.__file__, "| torch", torch.__version__)'
+    "$DEEPCOMM_PY" -c 'import sys, deepcomm, torch
+print("python", sys.argv[1], "| deepcomm", deepcomm.__file__, "| torch", torch.__version__)' "$DEEPCOMM_PY"
 fi

@@ -10,12 +10,12 @@
 #   --node-rank R      this node's rank         (NODE_RANK; default 0)
 #   --master-addr A    rank 0's node            (MASTER_ADDR; needed when nnodes > 1)
 #   --master-port P    rendezvous port          (MASTER_PORT; default 29500)
-# Uses the python on PATH (activate the venv first, or use launch/bench.sh / launch/test.sh).
+# Uses $PYTHON, else the interpreter launch/setup.sh chose ($DEEPCOMM_PY), else the python on PATH.
 set -euo pipefail
 
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 
-PY="${PYTHON:-$(command -v python 2>/dev/null || command -v python3)}"
+PY="${PYTHON:-${DEEPCOMM_PY:-$(command -v python 2>/dev/null || command -v python3)}}"
 NPROC="${NPROC_PER_NODE:-}"
 NNODES="${NNODES:-1}"
 NODE_RANK="${NODE_RANK:-0}"

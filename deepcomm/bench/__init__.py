@@ -1,4 +1,4 @@
-"""deepcomm.bench: the benchmark harness of BENCHMARK.md.
+"""deepcomm.bench: the benchmark harness (protocol: docs/benchmarks/README.md).
 
 Run ``python -m deepcomm.bench --help`` (console script ``deepcomm-bench``). The harness times deepcomm
 and its peers (raw all-to-all of the same bytes, and a plain torch.distributed MoE layer) with one timer

@@ -1,4 +1,5 @@
-"""`python -m deepcomm.bench` / `deepcomm-bench`: the BENCHMARK.md workloads against every peer.
+"""`python -m deepcomm.bench` / `deepcomm-bench`: the benchmark workloads against every peer (the protocol:
+docs/benchmarks/README.md).
 
 Launch:
 - under torchrun (RANK/WORLD_SIZE/LOCAL_RANK set): one process per rank, NCCL on GPUs, gloo on CPU;
@@ -45,13 +46,15 @@ def _choice_list(choices):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="deepcomm-bench",
-        description="Benchmark deepcomm dispatch/combine against raw all-to-all and a plain MoE layer "
-                    "(BENCHMARK.md). Defaults: GPU = the full BENCHMARK.md workload; CPU = a short run.")
+        description="Benchmark deepcomm dispatch/combine against raw all-to-all and a plain MoE layer, "
+                    "timed by the same harness in the same run (protocol: docs/benchmarks/README.md). "
+                    "Defaults: GPU = the full workload; CPU = a short run on the reference backend, whose "
+                    "timings measure the pure-PyTorch oracle, not the CUDA kernels.")
     p.add_argument("--tokens", type=_int_list, default=None,
                    help="tokens per rank, normal mode (default GPU 128,512,1024,2048,4096,8192; CPU 128,512)")
     p.add_argument("--ll-tokens", type=_int_list, default=None,
-                   help="tokens per rank, low-latency mode (default GPU 1,32,128,256; CPU 128); the largest sizes "
-                        "the buffer")
+                   help="tokens per rank, low-latency mode (default GPU 1,32,128,256; CPU 128); the largest is "
+                        "the Buffer's num_max_low_latency_tokens, which sizes its low-latency buffer")
     p.add_argument("--hidden", type=int, default=None, help="hidden size (default 7168; 1024 with --quick on CPU)")
     p.add_argument("--topk", type=int, default=8, help="experts per token (default 8)")
     p.add_argument("--experts", type=int, default=256,
@@ -70,8 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="topology of deepcomm's Buffer (default: DEEPCOMM_GPUS_PER_NODE, else LOCAL_WORLD_SIZE, "
                         "else one node); --modes internode needs fewer GPUs per node than ranks")
     p.add_argument("--dtypes", type=_choice_list(["fp8", "bf16"]), default=["fp8", "bf16"],
-                   help="dtypes of dispatch and of the normal-mode combine (fp8 combine = use_fp8=True, "
-                        "reported with its error against the BF16 combine); low-latency combine is BF16")
+                   help="comma-separated: fp8, bf16 (default both): the dtype of dispatch and of combine, in "
+                        "both modes (an fp8 combine is combine(..., use_fp8=True) on bf16 expert outputs, "
+                        "reported with its error against the BF16 combine)")
     p.add_argument("--ops", type=_choice_list(["dispatch", "combine"]), default=["dispatch", "combine"],
                    help="comma-separated: dispatch, combine (default both)")
     p.add_argument("--systems", type=_choice_list(SYSTEMS), default=list(SYSTEMS),

@@ -1,4 +1,4 @@
-"""Logical byte counts (BENCHMARK.md "Metric").
+"""Logical byte counts (docs/benchmarks/README.md, "Metric").
 
 Logical bytes = rows one rank receives from every rank (itself included) x bytes per row.
 A row is H elements (1 byte each for FP8, 2 for BF16) plus, for FP8, one fp32 scale per 128 elements.

@@ -1,4 +1,4 @@
-"""The systems a benchmark run compares (BENCHMARK.md "Peers in every run").
+"""The systems a benchmark run compares (docs/benchmarks/README.md, "Peers").
 
 Each system answers `supports(mode, op, dtype)` and `prepare(case, inputs)`; prepare does all set-up
 (permutations, FP8 casts, a first dispatch whose handle a combine reuses) and returns the zero-argument
@@ -9,7 +9,7 @@ callable that the timer calls back to back.
 - MoELayer      `nccl-moe-layer` (`gloo-moe-layer` on CPU): what MoE code writes with torch.distributed and
                 no EP library: count exchange (+ host sync), permute, all-to-all of rows and routing,
                 un-permute (global -> local expert ids, tokens per expert); combine = all-to-all back and
-                an fp32 index_add into token order. BF16 only, like the BENCHMARK.md table.
+                an fp32 index_add into token order. BF16 only, like the documented peer.
 - Deepcomm      deepcomm.Buffer: normal dispatch/combine, low-latency dispatch/combine, num_sms sweep.
 """
 from __future__ import annotations
@@ -279,7 +279,7 @@ class Deepcomm:
 
 
 def reported_mode(case: Case, dc: Optional[Deepcomm]) -> str:
-    """The result's `mode` (BENCHMARK.md): deepcomm's internode runs on the CUDA backend are
+    """The result's `mode` (docs/benchmarks/README.md): deepcomm's internode runs on the CUDA backend are
     "internode-<transport>" ("internode-emulated", or "internode-nvshmem" with DEEPCOMM_INTERNODE_TRANSPORT=nvshmem);
     the peers in such a run are plain NCCL collectives, reported as "normal"."""
     if case.mode != "internode":

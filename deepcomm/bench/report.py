@@ -1,4 +1,4 @@
-"""Output: stdout table, JSON (the docs/benchmarks result format of BENCHMARK.md), CSV, progress bar."""
+"""Output: stdout table, JSON (the result format of docs/benchmarks/README.md), CSV, progress bar."""
 from __future__ import annotations
 
 import csv
@@ -10,10 +10,13 @@ import re
 import subprocess
 import sys
 
-# Keys of one result, in BENCHMARK.md's order; `median_us` is the one addition (the protocol asks for both).
-# `host_us`: median host time per call (entry to return, on the calling thread).
+# Keys of one result, in the documented order (docs/benchmarks/README.md); `host_us`: median host time per call
+# (entry to return, on the calling thread).
 RESULT_KEYS = ["system", "mode", "op", "dtype", "tokens", "hidden", "topk", "experts", "num_sms",
                "time_us", "median_us", "host_us", "gbps", "timing"]
+# The header of a run whose deepcomm rows come from the reference backend (every CPU run).
+REFERENCE_NOTE = ("deepcomm ran on its reference backend: its timings measure the pure-PyTorch oracle "
+                  "(torch.distributed collectives), not the CUDA kernels, and say nothing of deepcomm's speed")
 # Written only on the results that have them: the FP8 combine's error against the BF16 combine (metrics.py).
 ERROR_KEYS = ["max_rel_err", "mean_rel_err"]
 
@@ -67,6 +70,8 @@ def make_document(results: list[dict], device_type: str, world_size: int, backen
            "world_size": world_size}
     if backend:
         doc["backend"] = backend    # which deepcomm backend ran (cuda | reference)
+    if backend == "reference":
+        doc["caveat"] = REFERENCE_NOTE
     doc["results"] = [{**{k: r.get(k) for k in RESULT_KEYS}, **{k: r[k] for k in ERROR_KEYS if k in r}}
                       for r in results]
     return doc
@@ -125,6 +130,8 @@ def print_report(doc: dict, stream=None) -> None:
     if doc.get("backend"):
         head += f" | deepcomm backend {doc['backend']}"
     print(head, file=stream)
+    if doc.get("caveat"):
+        print(f"caveat: {doc['caveat']}", file=stream)
     print(format_table(doc["results"]), file=stream)
     if doc.get("hook_overlap"):
         o = doc["hook_overlap"]

@@ -1,4 +1,4 @@
-"""One timer for every system (BENCHMARK.md: warm-up, back-to-back calls, mean and median, slowest rank).
+"""One timer for every system: warm-up, back-to-back calls, mean and median, slowest rank (docs/benchmarks).
 
 GPU: CUDA events around each call after warm-up, with the L2 cache flushed (a 256 MB write) right before
 the timed loop. CPU: time.perf_counter around each call, every call started together after a barrier.

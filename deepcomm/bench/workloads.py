@@ -1,4 +1,4 @@
-"""Seeded random routing and inputs (BENCHMARK.md: topk of |randn| scores).
+"""Seeded random routing and inputs (docs/benchmarks/README.md: topk of |randn| scores).
 
 Every rank runs the same code with the same seed mixed with its rank, so a run is reproducible and
 each rank routes different tokens. Nothing here depends on deepcomm: the peers use it too.
