@@ -169,8 +169,7 @@ class Buffer:
         v.check_int("num_worst_tokens", num_worst_tokens, minimum=0,
                     maximum=self._world_size * self.config.max_tokens_per_rank)
         self._check_stream_args(previous_event, async_finish)
-        if (num_worst_tokens == 0 and handle is None and self._device.type == "cuda"
-                and torch.cuda.is_current_stream_capturing()):
+        if num_worst_tokens == 0 and handle is None and self._device.type == "cuda" and v.is_capturing():
             v.fail("num_worst_tokens", "a fresh dispatch inside CUDA graph capture needs num_worst_tokens > 0 "
                    "(the output size cannot be read back while capturing)")
         extra = dict(num_worst_tokens=num_worst_tokens, previous_event=previous_event, async_finish=async_finish)

@@ -30,7 +30,12 @@ def _dtype_names(dtypes: Iterable[torch.dtype]) -> str:
 
 
 def _values_readable(t: torch.Tensor) -> bool:
-    return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+    return not (t.is_cuda and is_capturing())
+
+
+def is_capturing() -> bool:
+    """Whether the current CUDA stream is being captured into a graph (the raw query: no Stream object made)."""
+    return torch._C._cuda_isCurrentStreamCapturing() if torch.cuda.is_available() else False
 
 
 def check_int(name: str, value, minimum: Optional[int] = None, maximum: Optional[int] = None) -> int:
@@ -50,7 +55,7 @@ def check_tensor(name: str, t, dtypes: Sequence[torch.dtype], device: torch.devi
         fail(name, f"expected a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
         fail(name, f"expected {_dtype_names(dtypes)}, got {str(t.dtype).replace('torch.', '')}")
-    if t.device != device:
+    if not _on_device(t, device):
         fail(name, f"expected a tensor on {device}, got one on {t.device}")
     if t.dim() != ndim:
         fail(name, f"expected {ndim} dimensions, got shape {tuple(t.shape)}")
@@ -60,6 +65,14 @@ def check_tensor(name: str, t, dtypes: Sequence[torch.dtype], device: torch.devi
     if not t.is_contiguous():
         fail(name, "expected a contiguous tensor")
     return t
+
+
+def _on_device(t: torch.Tensor, device: torch.device) -> bool:
+    # on CUDA, is_cuda and get_device() (an int) are much cheaper than making and comparing torch.device objects
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return t.is_cuda and t.get_device() == index
+    return t.device == device
 
 
 def check_aligned(name: str, t: torch.Tensor) -> None:
