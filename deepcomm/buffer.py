@@ -10,7 +10,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from . import validation as v
+from . import buffer_registry, validation as v
 from .backends import group_device, make_backend
 from .call_check import CallChecker, resolve_check_calls
 from .config import DEFAULT_HIDDEN, DEFAULT_TIMEOUT_S, Config, default_num_sms
@@ -102,6 +102,7 @@ class Buffer:
         log_buffer_created(self, choice)
         # dtypes of a non-FP8 x the backend takes in normal mode (the CUDA backend: bf16 only)
         self._x_dtypes = tuple(getattr(self._backend, "x_dtypes", (torch.bfloat16,)))
+        buffer_registry.register(self)  # for the custom ops of torch.compile (deepcomm/custom_ops.py)
 
     # ---- properties -------------------------------------------------------------------------------------
     @property

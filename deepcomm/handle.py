@@ -44,4 +44,6 @@ class LowLatencyHandle:
     num_max_dispatch_tokens_per_rank: int  # M
     hidden: int
     buffer_id: int
-    slot: int = 0                          # which half of the double-buffered receive area (CUDA backend)
+    # which half of the double-buffered receive area (CUDA backend); a 0-d int32 CPU tensor in a handle that
+    # deepcomm.ops.low_latency_dispatch made inside a torch.compile graph
+    slot: Union[int, torch.Tensor] = 0

@@ -90,28 +90,32 @@ def fused_dispatch(buffer: "Buffer", x: torch.Tensor, topk_idx: torch.Tensor, pr
     recv_x, recv_idx, recv_w, counts, handle = ops.dispatch(buffer, x, topk_idx, probs, num_experts,
                                                             expert_alignment=expert_alignment)
     num_local = num_experts // buffer.world_size
-    n = recv_x.shape[0]
+    n, dev = recv_x.shape[0], recv_x.device
     member, weight = _local_expert_weights(recv_idx, recv_w, num_local)
-    # one entry per (local expert, row) pair, expert-major then row ascending (nonzero is row-major)
-    pairs = member.t().nonzero()
-    expert_of, row_of = pairs[:, 0], pairs[:, 1]
-    raw = torch.bincount(expert_of, minlength=num_local).tolist()
-    if [(c + expert_alignment - 1) // expert_alignment * expert_alignment for c in raw] != list(counts):
-        raise RuntimeError(f"deepcomm.moe: per-expert rows {raw} disagree with dispatch's counts {counts}")
-    # padded positions: group l starts at sum(counts[:l]); its first raw[l] rows are real, the rest padding
+    if not torch.compiler.is_compiling():  # a check of the backend's counts (data-dependent: eager only)
+        raw = member.sum(dim=0)
+        aligned = (raw + expert_alignment - 1) // expert_alignment * expert_alignment
+        if aligned.tolist() != list(counts):
+            raise RuntimeError(f"deepcomm.moe: per-expert rows {raw.tolist()} disagree with dispatch's counts "
+                               f"{counts}")
+    # Permuted row of each (received row, local expert it names): its expert's group start (groups padded to the
+    # alignment) plus its rank among the group's rows (rows ascending). Pairs that do not exist go to a spare
+    # position past the end, dropped. No data-dependent shapes beyond the counts, so torch.compile traces it.
     total = sum(counts)
-    row_index = torch.full((total,), n, dtype=torch.int64, device=recv_x.device)
-    starts = torch.tensor([0] + counts[:-1], dtype=torch.int64).cumsum(0).to(recv_x.device)
-    first = torch.tensor([0] + raw[:-1], dtype=torch.int64).cumsum(0).to(recv_x.device)
-    dest = starts[expert_of] + (torch.arange(pairs.shape[0], device=recv_x.device) - first[expert_of])
-    row_index[dest] = row_of
+    starts = torch.tensor([0] + list(counts[:-1]), dtype=torch.int64).cumsum(0).to(dev)
+    place = starts + member.to(torch.int64).cumsum(dim=0) - 1                       # [N, L]
+    dest = torch.where(member, place, torch.full_like(place, total)).reshape(-1)
+    rows = torch.arange(n, device=dev).unsqueeze(1).expand(n, num_local)
+    experts = torch.arange(num_local, device=dev).unsqueeze(0).expand(n, num_local)
+    row_index = torch.full((total + 1,), n, dtype=torch.int64, device=dev)
+    row_index = row_index.scatter(0, dest, torch.where(member, rows, n).reshape(-1))[:total]
     padded_x = torch.cat([recv_x, recv_x.new_zeros(1, recv_x.shape[1])])
     permuted = padded_x.index_select(0, row_index)
     probs_per_row = None
     if weight is not None:
         padded_w = torch.cat([weight, weight.new_zeros(1, num_local)])
-        column = torch.zeros(total, dtype=torch.int64, device=recv_x.device)
-        column[dest] = expert_of
+        column = torch.zeros(total + 1, dtype=torch.int64, device=dev)
+        column = column.scatter(0, dest, torch.where(member, experts, 0).reshape(-1))[:total]
         probs_per_row = padded_w[row_index, column]
     ctx = FusedContext(handle=handle, row_index=row_index, num_recv=n, tokens_per_expert=list(counts),
                        dtype=x.dtype)
@@ -136,7 +140,8 @@ def grouped_swiglu(x: torch.Tensor, tokens_per_expert, w_gate_up: torch.Tensor, 
     """SiLU-gated MLP per expert over grouped rows: group ``l`` of ``x`` (``tokens_per_expert[l]`` rows) gives
     ``(silu(x_l @ G_l) * (x_l @ U_l)) @ w_down[l]`` with ``[G_l | U_l] = w_gate_up[l]`` (``[H, 2F]``, ``w_down[l]``
     ``[F, H]``). A plain loop of matmuls: replace it with a grouped GEMM for speed."""
-    counts = [int(c) for c in tokens_per_expert]
+    # Python ints, or the symbolic ints of fused_dispatch's counts under torch.compile
+    counts = [c if isinstance(c, torch.SymInt) else int(c) for c in tokens_per_expert]
     ffn = w_down.shape[1]
     outs = []
     for l, part in enumerate(torch.split(x, counts)):
@@ -247,7 +252,7 @@ class MoELayer(torch.nn.Module):
         permuted, tokens_per_expert, probs_per_row, ctx = fused_dispatch(
             self.buffer, x, topk_idx, topk_weights, self.num_experts, self.expert_alignment)
         self.last_tokens_per_expert = tokens_per_expert
-        out = grouped_swiglu(permuted, tokens_per_expert, self.w_gate_up, self.w_down)
+        out = grouped_swiglu(permuted, ctx.tokens_per_expert, self.w_gate_up, self.w_down)
         out = _scale(out, probs_per_row)
         return fused_combine(self.buffer, out, ctx)
 

@@ -1,11 +1,12 @@
-"""Differentiable dispatch and combine.
+"""Differentiable dispatch and combine, and the low-latency calls, on the operators of deepcomm/custom_ops.py: the
+same results as the Buffer's calls, and torch.compile traces them (docs/api.md, "torch.compile").
 
 dispatch and combine are adjoint linear maps along one route, so each one's backward is the other:
 - dispatch backward: combine the gradients of recv_x (and of recv_topk_weights, masked to the slots that
   were local at the receiver, the only ones dispatch forwarded) back to the source tokens.
 - combine backward: re-dispatch the gradients along the cached handle; every copy of a token receives the
   token's gradient (topk_weights too: combine summed all of them).
-FP8 pairs are not differentiable and go straight to the Buffer.
+FP8 pairs are not differentiable. The low-latency calls have no autograd (docs/api.md, "Low-latency mode").
 """
 from __future__ import annotations
 
@@ -13,74 +14,179 @@ from typing import Optional
 
 import torch
 
-from .handle import Handle
+from . import custom_ops as c
+from . import validation as v
+from .handle import Handle, LowLatencyHandle
+
+_ops = torch.ops.deepcomm
 
 
-class _Dispatch(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, topk_weights, buf, topk_idx, num_experts, expert_alignment):
-        recv_x, recv_topk_idx, recv_topk_weights, counts, handle = buf.dispatch(
-            x, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts,
-            expert_alignment=expert_alignment)
-        ctx.buf, ctx.handle = buf, handle
-        ctx.x_dtype = x.dtype
-        ctx.has_weights = topk_weights is not None
-        # Save only the local-slot mask: recv_topk_idx may be a view of the CUDA backend's arena, and holding it
-        # until backward would pin an arena block per layer.
-        ctx.save_for_backward(recv_topk_idx >= 0 if ctx.has_weights else None)
-        ctx.mark_non_differentiable(recv_topk_idx)
-        return recv_x, recv_topk_idx, recv_topk_weights, counts, handle
-
-    @staticmethod
-    def backward(ctx, grad_recv_x, _grad_idx, grad_recv_weights, _grad_counts, _grad_handle):
-        (local_slots,) = ctx.saved_tensors
-        handle: Handle = ctx.handle
-        if grad_recv_x is None:
-            grad_recv_x = torch.zeros(handle.num_recv, handle.hidden, dtype=ctx.x_dtype, device=ctx.buf.device)
-        weights = None
-        if ctx.has_weights:
-            if grad_recv_weights is None:
-                grad_recv_weights = torch.zeros(local_slots.shape, dtype=torch.float32, device=ctx.buf.device)
-            weights = torch.where(local_slots, grad_recv_weights, torch.zeros_like(grad_recv_weights))
-        grad_x, grad_weights = ctx.buf.combine(grad_recv_x.contiguous(), handle, topk_weights=weights)
-        return grad_x, grad_weights, None, None, None, None
+def handle_args(handle: Handle) -> tuple:
+    """``handle`` as the operators' ``HANDLE_SCHEMA`` arguments."""
+    counts = handle.num_recv_tokens_per_expert
+    worst_case = torch.is_tensor(counts)
+    if not worst_case:
+        counts = torch.tensor(counts, dtype=torch.int32)
+    return (handle.is_token_in_rank, handle.send_pos, handle.count_matrix, handle.recv_src_idx, counts,
+            handle.node_count_matrix, handle.num_experts, handle.hidden, worst_case)
 
 
-class _Combine(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, topk_weights, buf, handle, use_fp8):
-        combined_x, combined_weights = buf.combine(x, handle, topk_weights=topk_weights, use_fp8=use_fp8)
-        ctx.buf, ctx.handle = buf, handle
-        ctx.x_dtype = x.dtype
-        ctx.weights_k = None if topk_weights is None else topk_weights.shape[1]
-        return combined_x, combined_weights
-
-    @staticmethod
-    def backward(ctx, grad_combined_x, grad_combined_weights):
-        handle: Handle = ctx.handle
-        if grad_combined_x is None:
-            grad_combined_x = torch.zeros(handle.num_tokens, handle.hidden, dtype=ctx.x_dtype,
-                                          device=ctx.buf.device)
-        weights = None
-        if ctx.weights_k is not None:
-            weights = (torch.zeros(handle.num_tokens, ctx.weights_k, dtype=torch.float32, device=ctx.buf.device)
-                       if grad_combined_weights is None else grad_combined_weights.contiguous())
-        grad_x, _, grad_weights, _, _ = ctx.buf.dispatch(grad_combined_x.contiguous(), topk_weights=weights,
-                                                         handle=handle)
-        return grad_x, grad_weights, None, None, None
+def _check_handle(buf, handle) -> None:
+    v.check_handle(handle, Handle, buf.buffer_id)
+    if not torch.compiler.is_compiling():
+        c.remember_route(handle)  # a handle of buf.dispatch itself (made inside a compiled graph: already known)
 
 
-def dispatch(buf, x, topk_idx, topk_weights=None, num_experts: Optional[int] = None, expert_alignment: int = 1):
+def _tensor_arg(name: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        v.fail(name, f"expected a torch.Tensor, got {type(t).__name__}")
+
+
+# ---- normal dispatch ---------------------------------------------------------------------------------------
+def dispatch(buf, x, topk_idx, topk_weights=None, num_experts: Optional[int] = None, expert_alignment: int = 1,
+             num_worst_tokens: int = 0):
     """Differentiable ``buf.dispatch``; returns ``(recv_x, recv_topk_idx, recv_topk_weights,
-    num_recv_tokens_per_expert, handle)``. Gradients flow to ``x`` and ``topk_weights``."""
-    if isinstance(x, (tuple, list)):
-        return buf.dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts,
-                            expert_alignment=expert_alignment)
-    return _Dispatch.apply(x, topk_weights, buf, topk_idx, num_experts, expert_alignment)
+    num_recv_tokens_per_expert, handle)``. Gradients flow to ``x`` and ``topk_weights`` (not for an FP8 pair)."""
+    is_pair = isinstance(x, (tuple, list))
+    if is_pair and len(x) != 2:
+        v.fail("x", f"an FP8 input must be a (values, scales) pair, got {len(x)} items")
+    values, scales = (x[0], x[1]) if is_pair else (x, None)
+    _tensor_arg("x[0]" if is_pair else "x", values)
+    if is_pair:
+        _tensor_arg("x[1]", scales)
+        if topk_weights is not None:
+            topk_weights = topk_weights.detach()
+    if topk_idx is None:
+        v.fail("topk_idx", "required when no handle is given")
+    _tensor_arg("topk_idx", topk_idx)
+    if topk_weights is not None:
+        _tensor_arg("topk_weights", topk_weights)
+    v.check_num_experts(num_experts, buf.world_size)
+    v.check_int("expert_alignment", expert_alignment, minimum=1)
+    v.check_int("num_worst_tokens", num_worst_tokens, minimum=0)
+    (recv_x, recv_scales, recv_idx, recv_w, counts, in_rank, send_pos, count_matrix, recv_src_idx,
+     node_counts) = _ops.dispatch(buf.buffer_id, values, scales, topk_idx, topk_weights, num_experts,
+                                  expert_alignment, num_worst_tokens)
+    if num_worst_tokens:
+        per_expert = counts
+    else:
+        per_expert = counts.tolist()  # under torch.compile: unbacked ints (capture_scalar_outputs)
+        for count in per_expert:
+            torch._check(count >= 0)  # a size: lets the compiler size tensors by these counts
+    node_counts = c.present(node_counts)
+    handle = Handle(buffer_id=buf.buffer_id, num_experts=num_experts, num_tokens=values.shape[0],
+                    hidden=values.shape[1], num_recv=recv_src_idx.shape[0], is_token_in_rank=in_rank,
+                    send_pos=send_pos, count_matrix=count_matrix, recv_src_idx=recv_src_idx,
+                    num_recv_tokens_per_expert=per_expert, node_count_matrix=node_counts)
+    if node_counts is not None and not torch.compiler.is_compiling():
+        handle.node_route = c.node_route_of(recv_src_idx)
+    return ((recv_x, recv_scales) if is_pair else recv_x), recv_idx, c.present(recv_w), per_expert, handle
 
 
+def _dispatch_setup(ctx, inputs, output):
+    buffer_id, x, x_scales, _, topk_weights, num_experts, _, num_worst_tokens = inputs
+    recv_idx = output[2]
+    counts, in_rank, send_pos, count_matrix, recv_src_idx, node_counts = output[4:]
+    ctx.buffer_id, ctx.num_experts, ctx.hidden = buffer_id, num_experts, x.shape[1]
+    ctx.worst_case, ctx.x_dtype = num_worst_tokens > 0, x.dtype
+    ctx.has_weights = topk_weights is not None
+    # Save only the local-slot mask: recv_topk_idx may be a view of the CUDA backend's arena, and holding it
+    # until backward would pin an arena block per layer.
+    ctx.save_for_backward(in_rank, send_pos, count_matrix, recv_src_idx, counts, node_counts,
+                          recv_idx >= 0 if ctx.has_weights else None)
+
+
+def _dispatch_backward(ctx, grad_recv_x, _g_scales, _g_idx, grad_recv_weights, *_g_handle):
+    in_rank, send_pos, count_matrix, recv_src_idx, counts, node_counts, local_slots = ctx.saved_tensors
+    if grad_recv_x is None:
+        grad_recv_x = torch.zeros(recv_src_idx.shape[0], ctx.hidden, dtype=ctx.x_dtype, device=in_rank.device)
+    weights = None
+    if ctx.has_weights:
+        if grad_recv_weights is None:
+            grad_recv_weights = torch.zeros(local_slots.shape, dtype=torch.float32, device=in_rank.device)
+        weights = torch.where(local_slots, grad_recv_weights, torch.zeros_like(grad_recv_weights))
+    grad_x, grad_weights = _ops.combine(ctx.buffer_id, grad_recv_x.contiguous(), weights, in_rank, send_pos,
+                                        count_matrix, recv_src_idx, counts, c.present(node_counts),
+                                        ctx.num_experts, ctx.hidden, ctx.worst_case, False)
+    return None, grad_x, None, None, grad_weights if ctx.has_weights else None, None, None, None
+
+
+torch.library.register_autograd("deepcomm::dispatch", _dispatch_backward, setup_context=_dispatch_setup)
+
+
+# ---- normal combine ----------------------------------------------------------------------------------------
 def combine(buf, x, handle: Handle, topk_weights=None, use_fp8: bool = False):
     """Differentiable ``buf.combine``; returns ``(combined_x, combined_topk_weights)``. Gradients flow to
     ``x`` and ``topk_weights``. With ``use_fp8`` the forward rows travel as FP8 and the backward treats the cast
     as the identity (straight-through): the gradients are dispatched in ``x``'s dtype."""
-    return _Combine.apply(x, topk_weights, buf, handle, use_fp8)
+    _check_handle(buf, handle)
+    _tensor_arg("x", x)
+    if topk_weights is not None:
+        _tensor_arg("topk_weights", topk_weights)
+    if not isinstance(use_fp8, bool):
+        v.fail("use_fp8", f"expected a bool, got {type(use_fp8).__name__}")
+    combined_x, combined_w = _ops.combine(buf.buffer_id, x, topk_weights, *handle_args(handle), use_fp8)
+    return combined_x, c.present(combined_w)
+
+
+def _combine_setup(ctx, inputs, output):
+    buffer_id, x, topk_weights, in_rank, send_pos, count_matrix, recv_src_idx, counts, node_counts = inputs[:9]
+    ctx.buffer_id = buffer_id
+    ctx.num_experts, ctx.hidden, ctx.worst_case = inputs[9:12]
+    ctx.x_shape = (in_rank.shape[0], x.shape[1])
+    ctx.x_dtype = x.dtype
+    ctx.weights_k = None if topk_weights is None else topk_weights.shape[1]
+    ctx.has_node_counts = node_counts is not None
+    ctx.save_for_backward(in_rank, send_pos, count_matrix, recv_src_idx, counts, node_counts)
+
+
+def _combine_backward(ctx, grad_combined_x, grad_combined_weights):
+    in_rank, send_pos, count_matrix, recv_src_idx, counts, node_counts = ctx.saved_tensors
+    if grad_combined_x is None:
+        grad_combined_x = torch.zeros(ctx.x_shape, dtype=ctx.x_dtype, device=in_rank.device)
+    weights = None
+    if ctx.weights_k is not None:
+        weights = (torch.zeros(ctx.x_shape[0], ctx.weights_k, dtype=torch.float32, device=in_rank.device)
+                   if grad_combined_weights is None else grad_combined_weights.contiguous())
+    grad_x, _, grad_weights = _ops.cached_dispatch(ctx.buffer_id, grad_combined_x.contiguous(), None, weights,
+                                                   in_rank, send_pos, count_matrix, recv_src_idx, counts,
+                                                   node_counts if ctx.has_node_counts else None, ctx.num_experts,
+                                                   ctx.hidden, ctx.worst_case)
+    return ((None, grad_x, grad_weights if ctx.weights_k is not None else None) + (None,) * 10)
+
+
+torch.library.register_autograd("deepcomm::combine", _combine_backward, setup_context=_combine_setup)
+
+
+# ---- low-latency mode (no autograd) ------------------------------------------------------------------------
+def low_latency_dispatch(buf, x, topk_idx, num_max_dispatch_tokens_per_rank: int, num_experts: int,
+                         use_fp8: bool = True, use_ue8m0: bool = False):
+    """``buf.low_latency_dispatch`` without a hook (the receive half runs at once): ``(recv_x, recv_count,
+    handle)``, static shapes. Not differentiable."""
+    _tensor_arg("x", x)
+    _tensor_arg("topk_idx", topk_idx)
+    v.check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
+    v.check_num_experts(num_experts, buf.world_size)
+    for name, flag in (("use_fp8", use_fp8), ("use_ue8m0", use_ue8m0)):
+        if not isinstance(flag, bool):
+            v.fail(name, f"expected a bool, got {type(flag).__name__}")
+    values, scales, recv_count, src_info, layout, recv_pos, slot = _ops.low_latency_dispatch(
+        buf.buffer_id, x.detach(), topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, use_ue8m0)
+    # the slot is the backend's choice at run time: a 0-d tensor inside a compiled graph, an int in eager
+    handle = LowLatencyHandle(src_info=src_info, layout=layout, recv_pos=recv_pos, num_experts=num_experts,
+                              num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank, hidden=x.shape[1],
+                              buffer_id=buf.buffer_id, slot=slot if torch.compiler.is_compiling() else int(slot))
+    return ((values, scales) if use_fp8 else values), recv_count, handle
+
+
+def low_latency_combine(buf, x, topk_idx, topk_weights, handle: LowLatencyHandle, use_fp8: bool = False):
+    """``buf.low_latency_combine`` without a hook: the combined bf16 ``[T, H]``. Not differentiable."""
+    v.check_handle(handle, LowLatencyHandle, buf.buffer_id)
+    for name, t in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights)):
+        _tensor_arg(name, t)
+    if not isinstance(use_fp8, bool):
+        v.fail("use_fp8", f"expected a bool, got {type(use_fp8).__name__}")
+    slot = handle.slot if torch.is_tensor(handle.slot) else torch.tensor(handle.slot, dtype=torch.int32)
+    return _ops.low_latency_combine(buf.buffer_id, x.detach(), topk_idx, topk_weights.detach(), handle.src_info,
+                                    handle.layout, handle.recv_pos, slot, handle.num_experts,
+                                    handle.num_max_dispatch_tokens_per_rank, handle.hidden, use_fp8)
