@@ -57,6 +57,8 @@ def init_rank(rank: int, world_size: int, local_rank: int, dev_type: str):
             from .gpu_share import GPU_SMS_ENV, sms_per_rank
             sms = torch.cuda.get_device_properties(device).multi_processor_count
             os.environ.setdefault(GPU_SMS_ENV, str(sms_per_rank(sms, sharing)))
+            # the ranks share the host's cores as well (a gloo group's reference Buffer works on the CPU)
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     else:
         device, backend = torch.device("cpu"), "gloo"
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))

@@ -50,6 +50,9 @@ def init_group(rank: int, world: int, port: int, device: str) -> None:
         torch.cuda.set_device(0)
         sm_count = torch.cuda.get_device_properties(0).multi_processor_count
         os.environ[GPU_SMS_ENV] = str(shared_sms(world, sm_count))
+        # the host's cores shared too: torch's CPU threads (the reference runs on the CPU here) would each spin on
+        # every core
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     elif device == "cuda":
         torch.cuda.set_device(rank)
