@@ -14,7 +14,7 @@ from . import validation as v
 from .backends import group_device, make_backend
 from .call_check import CallChecker, resolve_check_calls
 from .config import DEFAULT_HIDDEN, DEFAULT_TIMEOUT_S, Config, default_num_sms
-from .gpu_share import usable_sms
+from .gpu_share import GPU_SMS_ENV, usable_sms
 from .handle import Handle, LowLatencyHandle
 from .rendezvous import default_store, wait_for_group
 from .topology import resolve_topology
@@ -84,6 +84,7 @@ class Buffer:
             # "auto" and "cuda" may meet (auto picks cuda where it can); "reference" must meet itself
             "backend": "reference" if backend == "reference" else "cuda or auto",
             "DEEPCOMM_LL_NUM_SMS": os.environ.get("DEEPCOMM_LL_NUM_SMS"),  # low-latency blocks pair up across ranks
+            GPU_SMS_ENV: os.environ.get(GPU_SMS_ENV),  # so does their default count, sized from this share
             "DEEPCOMM_LL_FORCE_PUTS": os.environ.get("DEEPCOMM_LL_FORCE_PUTS", "").strip() not in ("", "0"),
             "max_tokens_per_rank": self.config.max_tokens_per_rank,
             "hidden": self.config.hidden, "num_sms": self.config.num_sms,
