@@ -24,21 +24,26 @@ def group_uses_nccl(group) -> bool:
     return "nccl" in str(dist.get_backend(group)).lower()
 
 
-def group_device(group) -> torch.device:
-    """Where the group's tensors live: the current CUDA device for NCCL groups, else the CPU."""
-    if group_uses_nccl(group):
+def group_device(group, backend: str = "auto") -> torch.device:
+    """Where a Buffer's tensors live (docs/api.md, "Process groups and devices"): the current CUDA device for an
+    NCCL group; for another group (gloo) the current CUDA device when ``backend`` is "cuda" (the CUDA backend uses
+    the group only to set up: handle exchange, barriers, the store; ranks sharing one GPU need this, since NCCL
+    refuses them), else the CPU ("auto" and "reference" keep a gloo group's Buffer on the CPU)."""
+    if group_uses_nccl(group) or (backend == "cuda" and torch.cuda.is_available()):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def cuda_unavailable_reason(group=None) -> Optional[str]:
-    """``None`` when the CUDA backend can run (for ``group``, when given); otherwise the reason."""
+def cuda_unavailable_reason(group=None, requested: str = "cuda") -> Optional[str]:
+    """``None`` when the CUDA backend can run (for ``group``, when given, and the ``requested`` backend name);
+    otherwise the reason. A group other than NCCL serves the CUDA backend only when it is asked for by name."""
     if load_extension() is None:
         return f"the extension deepcomm._C is not available ({extension_error()})"
     if not torch.cuda.is_available():
         return "CUDA is not available"
-    if group is not None and not group_uses_nccl(group):
-        return f"the process group uses {dist.get_backend(group)!r}, the CUDA backend needs NCCL"
+    if group is not None and requested != "cuda" and not group_uses_nccl(group):
+        return (f"the process group uses {dist.get_backend(group)!r}: backend='auto' picks the CUDA backend only for "
+                "NCCL groups (backend='cuda' runs it over this group, on the current CUDA device)")
     try:
         from .cuda.backend import CudaBackend  # noqa: F401
     except ImportError as exc:
@@ -84,7 +89,7 @@ def choose_backend(requested: str, group, config: Config, world_size: int) -> Ba
     internode = config.gpus_per_node is not None and config.gpus_per_node < world_size
     if requested == "reference":
         return BackendChoice(requested, "reference", internode)
-    reason = cuda_unavailable_reason(group)
+    reason = cuda_unavailable_reason(group, requested)
     if reason is None and internode:
         reason = internode_unavailable_reason(group, world_size, config.internode_transport, config.gpus_per_node)
         if reason is not None:

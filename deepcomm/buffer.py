@@ -14,6 +14,7 @@ from . import buffer_registry, validation as v
 from .backends import group_device, make_backend
 from .call_check import CallChecker, resolve_check_calls
 from .config import DEFAULT_HIDDEN, DEFAULT_TIMEOUT_S, Config, default_num_sms
+from .gpu_share import GPU_SMS_ENV, usable_sms
 from .handle import Handle, LowLatencyHandle
 from .log import log_buffer_created
 from .rendezvous import default_store, wait_for_group
@@ -65,11 +66,9 @@ class Buffer:
         self.topology = resolve_topology(self._world_size, gpus_per_node)  # ValueError naming the bad source
         if backend not in ("auto", "cuda", "reference"):
             v.fail("backend", f"expected 'auto', 'cuda' or 'reference', got {backend!r}")
-        self._device = group_device(self._group)
+        self._device = group_device(self._group, backend)
         if num_sms is None:
-            sm_count = (torch.cuda.get_device_properties(self._device).multi_processor_count
-                        if self._device.type == "cuda" else None)
-            num_sms = default_num_sms(sm_count)
+            num_sms = default_num_sms(usable_sms(self._device) if self._device.type == "cuda" else None)
         self.config = Config(num_sms=num_sms,
                              timeout_s=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s,
                              max_tokens_per_rank=max_tokens_per_rank,
@@ -86,6 +85,7 @@ class Buffer:
             # "auto" and "cuda" may meet (auto picks cuda where it can); "reference" must meet itself
             "backend": "reference" if backend == "reference" else "cuda or auto",
             "DEEPCOMM_LL_NUM_SMS": os.environ.get("DEEPCOMM_LL_NUM_SMS"),  # low-latency blocks pair up across ranks
+            GPU_SMS_ENV: os.environ.get(GPU_SMS_ENV),  # so does their default count, sized from this share
             "DEEPCOMM_LL_FORCE_PUTS": os.environ.get("DEEPCOMM_LL_FORCE_PUTS", "").strip() not in ("", "0"),
             "max_tokens_per_rank": self.config.max_tokens_per_rank,
             "hidden": self.config.hidden, "num_sms": self.config.num_sms,

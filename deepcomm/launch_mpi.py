@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 
 from .config import resolve_low_latency_memory
+from .gpu_share import GPU_SMS_ENV, sms_per_rank
+from .local_launch import ranks_per_gpu
 
 
 def _free_port() -> int:
@@ -77,11 +79,16 @@ def init_from_mpi(comm=None, backend: str = "auto", master_port: Optional[int] =
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank),
                       LOCAL_WORLD_SIZE=str(local_world), MASTER_ADDR=addr, MASTER_PORT=str(port))
     use_cuda = torch.cuda.is_available() and backend in ("auto", "nccl")
+    # more ranks on this host than GPUs: they share GPUs, which NCCL refuses, so "auto" takes gloo
+    sharing = ranks_per_gpu(local_world, torch.cuda.device_count()) if use_cuda else 1
     if backend == "auto":
-        backend = "nccl" if use_cuda else "gloo"
+        backend = "nccl" if use_cuda and sharing == 1 else "gloo"
     kwargs = {}
     if use_cuda:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        if sharing > 1:  # each rank's share of its GPU's SMs (deepcomm/gpu_share.py)
+            sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+            os.environ.setdefault(GPU_SMS_ENV, str(sms_per_rank(sms, sharing)))
         if backend == "nccl":
             kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world,

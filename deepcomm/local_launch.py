@@ -26,14 +26,39 @@ def device_type(choice: str) -> str:
     return "cuda" if has_gpu else "cpu"
 
 
+SHARED_GPU_ENV = "DEEPCOMM_SHARED_GPU"
+
+
+def ranks_per_gpu(world_size: int, gpus: int) -> int:
+    """Ranks on each GPU: 1 while every rank has a GPU of its own; ``world_size`` (all on GPU 0) with
+    ``DEEPCOMM_SHARED_GPU=1``; else, with more ranks than GPUs, ranks go round-robin and a GPU holds at most
+    ceil(world_size / gpus)."""
+    if gpus < 1:
+        raise ValueError(f"gpus: expected at least 1, got {gpus}")
+    if os.environ.get(SHARED_GPU_ENV, "").strip() not in ("", "0"):
+        return world_size
+    return -(-world_size // gpus)
+
+
 def init_rank(rank: int, world_size: int, local_rank: int, dev_type: str):
-    """Select the device and join the default process group; returns the torch device."""
+    """Select the device and join the default process group; returns the torch device. Ranks that share a GPU
+    (``ranks_per_gpu`` > 1) join over gloo, since NCCL refuses two ranks on one GPU, and each takes its share of
+    the GPU's SMs (deepcomm/gpu_share.py); the CUDA backend then needs ``backend="cuda"`` by name (docs/api.md)."""
     import torch
     import torch.distributed as dist
 
     if dev_type == "cuda":
-        torch.cuda.set_device(local_rank)
-        device, backend = torch.device("cuda", local_rank), "nccl"
+        gpus = torch.cuda.device_count()
+        sharing = ranks_per_gpu(world_size, gpus)
+        index = 0 if sharing == world_size and sharing > 1 else local_rank % gpus
+        torch.cuda.set_device(index)
+        device, backend = torch.device("cuda", index), "nccl" if sharing == 1 else "gloo"
+        if sharing > 1:
+            from .gpu_share import GPU_SMS_ENV, sms_per_rank
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
+            os.environ.setdefault(GPU_SMS_ENV, str(sms_per_rank(sms, sharing)))
+            # the ranks share the host's cores as well (a gloo group's reference Buffer works on the CPU)
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     else:
         device, backend = torch.device("cpu"), "gloo"
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))

@@ -10,6 +10,7 @@ the counts per mode/dtype on rank 0 and exits non-zero on any mismatch. ``--self
 one iteration to show the comparison catches it (the run must then fail).
 
     python -m deepcomm.soak --backend cuda --iterations 10000      # GPUs: one process per GPU
+    python -m deepcomm.soak --world-size 4 --iterations 2000        # 4 ranks sharing the GPUs (MPS; docs/testing.md)
     python -m deepcomm.soak --device cpu --iterations 50           # reference against itself on CPU processes
 """
 from __future__ import annotations
@@ -162,11 +163,17 @@ def run_worker(rank: int, world: int, local_rank: int, args, dev_type: str) -> i
     import torch.distributed as dist
 
     import deepcomm
+    from deepcomm.backends import group_uses_nccl
+    from deepcomm.reference.device_adapter import DeviceAdapter
     device = init_rank(rank, world, local_rank, dev_type)
     sizes = dict(max_tokens_per_rank=args.max_tokens, hidden=args.max_hidden,
                  num_max_low_latency_tokens=args.max_ll_tokens)
-    buf = deepcomm.Buffer(backend=args.backend, timeout_s=60, **sizes)
-    ref = deepcomm.Buffer(backend="reference", **sizes)
+    on_gloo_gpu = device.type == "cuda" and not group_uses_nccl(dist.group.WORLD)  # ranks sharing a GPU
+    backend = "cuda" if on_gloo_gpu and args.backend == "auto" else args.backend
+    buf = deepcomm.Buffer(backend=backend, timeout_s=60, **sizes)
+    # on a gloo group the reference runs on the CPU: the adapter moves its inputs there and its outputs back
+    ref = DeviceAdapter(deepcomm.Buffer(backend="reference", **sizes), device)
+    flag_device = "cpu" if on_gloo_gpu else device  # where the stop flag's all_reduce runs
     rng = random.Random(args.seed)  # the same shapes on every rank
     ll_shape, ll_left = None, 0
     gen = torch.Generator(device=device)
@@ -175,7 +182,7 @@ def run_worker(rank: int, world: int, local_rank: int, args, dev_type: str) -> i
     start = time.monotonic()
     for it in range(args.iterations):
         if args.seconds > 0:
-            stop = torch.tensor([time.monotonic() - start > args.seconds], device=device)
+            stop = torch.tensor([time.monotonic() - start > args.seconds], device=flag_device)
             dist.all_reduce(stop, op=dist.ReduceOp.MAX)  # every rank stops at the same iteration
             if bool(stop):
                 break

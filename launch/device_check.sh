@@ -9,11 +9,15 @@
 #    10k soak in one device call (under 600 s; run `sanitize` as a second call); ll-ab = an A/B of a kernel change
 #    in one call: the low-latency GPU tests and benchmark on the tree as it is (A), then again with the patch file
 #    $AB_PATCH applied (B; e.g. `git diff main exp/branch > ab.patch`, an untracked file in the tree), about 7 minutes;
-#    internode = the internode GPU tests (emulated NIC and NVSHMEM transports) and the internode benchmark)
-# Used with the device tool on nvidia-h200-x2; every step is bounded by `timeout` so the call always returns.
+#    internode = the internode GPU tests (emulated NIC and NVSHMEM transports) and the internode benchmark;
+#    shared WORLD = the multi-rank GPU suite with WORLD ranks (default 4) all on GPU 0 under MPS (launch/with_mps.sh,
+#    docs/testing.md), the killed-peer tests last, then the soak at WORLD ranks; within ~540 s in all)
+# Used with the device tool on nvidia-h200-x2 (shared: nvidia-h200); every step is bounded by `timeout` so the call
+# always returns.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 MODE="${1:-quick}"
+T0=$(date +%s)
 OUT="${OUT:-$PWD/out}"
 mkdir -p "$OUT"
 summary="$OUT/summary.txt"
@@ -38,6 +42,39 @@ build() {
 
 build ""
 python3 -c 'import deepcomm, deepcomm._C as C; print("extension ok; gpus", C.device_count(), "backends", deepcomm.available_backends())' | tee -a "$summary"
+
+# shared WORLD: every multi-rank GPU test with WORLD ranks sharing GPU 0 (over gloo, under MPS), in order of what
+# matters most, so that the time limit cuts the least; the killed-peer tests run last (a client killed under MPS
+# must not take the others' server down mid-suite); then the soak. Seconds left of the ~540 s: left.
+left() { echo $(( T0 + ${SHARED_BUDGET_S:-540} - $(date +%s) )); }
+if [[ "$MODE" == shared ]]; then
+  WORLD="${2:-4}"
+  export DEEPCOMM_TEST_SHARED_GPU=1 DEEPCOMM_TEST_WORLD="$WORLD"
+  files=(test_intranode test_ll_kernels test_fp8_combine_gpu test_internode test_graph_async test_shrink_gpu
+         test_faults test_topology_gpu test_dropin_gpu test_cupy test_memory test_internode_ll test_ll_puts
+         test_nvshmem test_internode_nvshmem test_device_qp test_ptx)
+  paths=()
+  for f in "${files[@]}"; do paths+=("tests/gpu/$f.py"); done
+  t0=$(date +%s)
+  timeout $(( $(left) - 150 )) bash launch/with_mps.sh python3 -m pytest -q -ra -m gpu --durations=15 \
+    -p no:cacheprovider -k "not killed" "${paths[@]}" > "$OUT/gpu_tests_shared$WORLD.log" 2>&1
+  echo "shared gpu tests, $WORLD ranks on GPU 0: rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$summary"
+  tail -30 "$OUT/gpu_tests_shared$WORLD.log"
+  t0=$(date +%s)
+  timeout $(( $(left) - 75 )) bash launch/with_mps.sh python3 -m pytest -q -ra -m gpu -p no:cacheprovider \
+    -k killed tests/gpu/test_faults.py tests/gpu/test_shrink_gpu.py >> "$OUT/gpu_tests_shared$WORLD.log" 2>&1
+  echo "shared killed-peer tests: rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$summary"
+  tail -4 "$OUT/gpu_tests_shared$WORLD.log"
+  t0=$(date +%s)
+  # the soak's --seconds clock starts after start-up; leave room for that and teardown
+  soak_s=$(( $(left) - 45 )); (( soak_s < 10 )) && soak_s=10
+  timeout $(( soak_s + 40 )) bash launch/with_mps.sh python3 -m deepcomm.soak --world-size "$WORLD" \
+    --iterations 3000 --seconds "$soak_s" > "$OUT/soak_shared$WORLD.log" 2>&1
+  echo "soak, $WORLD ranks on GPU 0: rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$summary"
+  grep -A12 "deepcomm soak" "$OUT/soak_shared$WORLD.log" | tee -a "$summary"
+  tail -5 "$OUT/soak_shared$WORLD.log"
+  exit 0
+fi
 
 # The low-latency GPU tests, then the low-latency benchmark into $OUT/bench_ll$1.json (no phase trace).
 ll_tests_and_bench() {

@@ -14,6 +14,7 @@ import argparse
 import sys
 import os
 
+from deepcomm.bench import shared_gpu
 from deepcomm.local_launch import device_type, init_rank, launch
 
 GPU_TOKENS = [128, 512, 1024, 2048, 4096, 8192]
@@ -49,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Benchmark deepcomm dispatch/combine against raw all-to-all and a plain MoE layer, "
                     "timed by the same harness in the same run (protocol: docs/benchmarks/README.md). "
                     "Defaults: GPU = the full workload; CPU = a short run on the reference backend, whose "
-                    "timings measure the pure-PyTorch oracle, not the CUDA kernels.")
+                    "timings measure the pure-PyTorch oracle, not the CUDA kernels.",
+        epilog=shared_gpu.HELP)
     p.add_argument("--tokens", type=_int_list, default=None,
                    help="tokens per rank, normal mode (default GPU 128,512,1024,2048,4096,8192; CPU 128,512)")
     p.add_argument("--ll-tokens", type=_int_list, default=None,
@@ -186,9 +188,15 @@ def run_worker(rank: int, world_size: int, local_rank: int, args, device_type: s
 
     from deepcomm.bench import metrics, peers, report, timing
     from deepcomm.bench.workloads import Workload, make_inputs
+    from deepcomm.gpu_share import gather_gpu_identities
 
     device = init_rank(rank, world_size, local_rank, device_type)
-    dist_backend = "nccl" if device_type == "cuda" else "gloo"
+    dist_backend = str(dist.get_backend()).lower()
+    shared = device_type == "cuda" and shared_gpu.is_shared(gather_gpu_identities(dist.group.WORLD, device))
+    refused = shared_gpu.refused_output([args.json, args.csv, args.plots]) if shared else None
+    if refused:  # the same answer on every rank: all leave before any collective of the benchmark
+        raise SystemExit(f"{refused}: ranks share a GPU here; their times are not speeds and stay out of "
+                         "docs/benchmarks")
     ctx = peers.Context(rank=rank, world_size=world_size, device=device, group=dist.group.WORLD,
                         dist_backend=dist_backend, hidden=args.hidden, topk=args.topk, experts=args.experts)
     if args.experts % world_size:
@@ -196,7 +204,9 @@ def run_worker(rank: int, world_size: int, local_rank: int, args, device_type: s
 
     systems, dc = [], None
     if "deepcomm" in args.systems:
-        dc = peers.Deepcomm(ctx, max_tokens=max(args.tokens), ll_tokens=max(args.ll_tokens), backend=args.backend,
+        # ranks sharing a GPU are joined by gloo, where "auto" would pick the reference backend (docs/api.md)
+        backend = "cuda" if shared and args.backend == "auto" else args.backend
+        dc = peers.Deepcomm(ctx, max_tokens=max(args.tokens), ll_tokens=max(args.ll_tokens), backend=backend,
                             gpus_per_node=args.gpus_per_node)
         if "internode" in args.modes and not dc.is_internode:
             raise SystemExit("--modes internode: the Buffer's topology has one node; pass --gpus-per-node (e.g. 1 "
@@ -249,6 +259,9 @@ def run_worker(rank: int, world_size: int, local_rank: int, args, device_type: s
         overlap = dc.hook_overlap(make_inputs(wl, rank, world_size, device), args.dtypes[0])
     if rank == 0:
         doc = report.make_document(results, device_type, world_size, dc.backend_name if dc else None)
+        if shared:
+            shared_gpu.label(doc)
+            print("shared GPU: several ranks on one GPU; correctness only, the times below are not speeds")
         if overlap is not None:
             doc["hook_overlap"] = dict(overlap, tokens=128, dtype=args.dtypes[0], matmul="8192x8192 bf16")
         report.print_report(doc)

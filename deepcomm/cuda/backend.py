@@ -11,12 +11,14 @@ Low-latency mode (deepcomm/cuda/ll_calls.py) uses its own double-buffered buffer
 """
 from __future__ import annotations
 
+import os
 from typing import Optional, Tuple, Union
 
 import torch
 
 from .._ext import load_extension
 from ..errors import CommTimeoutError
+from ..gpu_share import GPU_SMS_ENV, usable_sms
 from ..handle import Handle
 from .arena import Arena, as_device_bytes
 from .ll_calls import LowLatencyCalls, low_latency_blocks
@@ -28,6 +30,10 @@ LOCAL_EXPERTS_CAP = 1024  # experts per rank the count exchange can carry
 TOPK_MAX = 32             # one lane per top-k slot in the kernels
 ARENA_OUTPUTS = 4         # worst-case dispatch outputs the arena holds at once (plus one bounce area)
 OUTPUTS = ("x", "scales", "topk_idx", "topk_weights", "src_idx")
+
+
+def _share_note() -> str:
+    return f" by {GPU_SMS_ENV}" if os.environ.get(GPU_SMS_ENV, "").strip() else ""
 
 
 # NvlContext.dispatch_call's steps and stream-order bits (csrc/bindings.cpp, exported as DISPATCH_FLAGS)
@@ -238,12 +244,13 @@ class CudaBackend(LowLatencyCalls):
 
     def set_num_sms(self, num_sms: int) -> None:
         # Every block of the normal combine must be resident at once (its reducers wait for other blocks' senders),
-        # one block per SM: at most the GPU's SMs, and at most the flag capacity.
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        # one block per SM: at most the GPU's SMs (this rank's share where ranks share the GPU: gpu_share.py), and
+        # at most the flag capacity.
+        sms = usable_sms(self.device)
         limit = min(self.C.MAX_BLOCKS, sms)
         if num_sms > limit:
-            raise ValueError(f"num_sms: at most {limit} on the CUDA backend ({sms} SMs, {self.C.MAX_BLOCKS} flag "
-                             f"slots), got {num_sms}")
+            raise ValueError(f"num_sms: at most {limit} on the CUDA backend ({sms} SMs{_share_note()}, "
+                             f"{self.C.MAX_BLOCKS} flag slots), got {num_sms}")
 
     def size_bytes(self) -> int:
         """Device bytes this rank holds: the NVLink buffer, plus the low-latency buffer once one was made."""

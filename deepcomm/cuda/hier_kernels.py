@@ -19,6 +19,7 @@ from typing import List, Optional
 import torch
 
 from ..fp8 import per_token_cast_to_fp8
+from ..gpu_share import usable_sms
 from ..handle import Handle
 from ..reference import normal
 from ..reference.collectives import as_byte_rows, part_row_bytes, unpack_rows
@@ -67,7 +68,7 @@ class HierKernels:
         self.set_num_sms(num_sms)
 
     def set_num_sms(self, num_sms: int) -> None:
-        sms = torch.cuda.get_device_properties(self.comm.device).multi_processor_count
+        sms = usable_sms(self.comm.device)  # this rank's share where ranks share the GPU (gpu_share.py)
         P = len(self.tr.peers)
         self.rdma_blocks, self.nvl_blocks = split_sms(num_sms, sms, 1 + P)  # room for one NIC block per queue
         # every SM the roles and the poster leave goes to the NICs (all blocks stay resident)

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import Config
+from ..gpu_share import usable_sms
 from ..reference import normal
 from . import hier_kernels, hier_normal
 from .align import round_up
@@ -124,7 +125,7 @@ class NicTransport(ExchangeRecord):
             P = len(self.peers)
             self.qp_mem = torch.zeros(P * self.qp_bytes + P * self.aux_bytes, dtype=torch.uint8, device=device)
             # The exchange kernel's NIC blocks per queue: every SM beside the P posters, shared by the queues.
-            sms = torch.cuda.get_device_properties(device).multi_processor_count
+            sms = usable_sms(device)  # this rank's share where ranks share the GPU
             self.nic_blocks = hier_kernels.nic_blocks_for(sms - P, P, self.T.NIC_MAX_BLOCKS)
             stream = torch.cuda.current_stream(device).cuda_stream
             for i in range(P):

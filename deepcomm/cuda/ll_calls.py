@@ -18,6 +18,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from ..gpu_share import usable_sms
 from ..handle import LowLatencyHandle
 from .ll_buffer import LlBuffer
 
@@ -30,14 +31,15 @@ def _noop() -> None:
 
 def low_latency_blocks(C, device: torch.device) -> int:
     """Blocks of every low-latency kernel: one per SM (they are short, and hook mode holds none while waiting),
-    at most the flag capacity; DEEPCOMM_LL_NUM_SMS overrides it (every rank must use the same number)."""
+    at most the flag capacity (one per SM of this rank's share where ranks share the GPU: gpu_share.py);
+    DEEPCOMM_LL_NUM_SMS overrides it (every rank must use the same number)."""
     env = os.environ.get("DEEPCOMM_LL_NUM_SMS")
     if env:
         n = int(env)
         if not 1 <= n <= C.MAX_BLOCKS:
             raise ValueError(f"DEEPCOMM_LL_NUM_SMS: expected 1..{C.MAX_BLOCKS}, got {env}")
         return n
-    return min(torch.cuda.get_device_properties(device).multi_processor_count, C.MAX_BLOCKS)
+    return min(usable_sms(device), C.MAX_BLOCKS)
 
 
 class LowLatencyCalls:

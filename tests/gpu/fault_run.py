@@ -15,7 +15,7 @@ import traceback
 
 import torch.multiprocessing as mp
 
-from nccl_run import _free_port, init_group
+from nccl_run import _free_port, init_group, scaled
 
 
 def die() -> None:
@@ -42,6 +42,8 @@ def run_with_faults(fn, world: int, *args, killed=(), deadline_s: float = 120.0,
     ``killed`` must die (no verdict, exit by SIGKILL); every other rank must return from ``fn`` without an exception
     before ``deadline_s``. Raises AssertionError listing every rank that did otherwise."""
     ctx = mp.get_context("spawn")
+    if device == "cuda":
+        deadline_s = scaled(deadline_s)  # shared mode: ranks start and run side by side on one GPU
     results = ctx.SimpleQueue()
     port = _free_port()
     procs = [ctx.Process(target=_child, args=(r, world, port, fn, args, results, device)) for r in range(world)]

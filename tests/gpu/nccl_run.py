@@ -1,6 +1,12 @@
 """Run a function on N GPU processes (one per GPU, NCCL group); re-raise the first failure in the parent.
 
 Each child gets a hard deadline so a broken kernel fails the test instead of hanging it.
+
+Shared mode (``DEEPCOMM_TEST_SHARED_GPU=1``, docs/testing.md): every rank runs on GPU 0, under MPS when its control
+daemon runs (launch/with_mps.sh), joined by gloo (NCCL refuses two ranks on one GPU); each rank gets its share of
+the SMs (``DEEPCOMM_GPU_SMS``, deepcomm/gpu_share.py), so the kernels' waiting blocks of all ranks fit on the GPU
+at once. ``DEEPCOMM_TEST_WORLD`` sets the ranks of the main correctness tests in either mode. The helpers below
+(``rank_device``, ``sms``, ``reference``, ``cuda_buffer``, ``needs_ranks``, ``scaled``) make one test serve both.
 """
 from __future__ import annotations
 
@@ -23,10 +29,32 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def shared_gpu() -> bool:
+    """Shared mode: every rank of a test on GPU 0, over gloo (``DEEPCOMM_TEST_SHARED_GPU=1``)."""
+    return os.environ.get("DEEPCOMM_TEST_SHARED_GPU", "").strip() not in ("", "0")
+
+
+def shared_sms(world: int, sm_count: int) -> int:
+    """Each rank's SMs in shared mode: an equal share of GPU 0's ``sm_count`` (deepcomm.gpu_share.sms_per_rank),
+    so that the waiting blocks of every rank's kernels fit on the GPU together."""
+    from deepcomm.gpu_share import sms_per_rank
+    return sms_per_rank(sm_count, world)
+
+
 def init_group(rank: int, world: int, port: int, device: str) -> None:
-    """This process joins the test's process group: NCCL on GPU `rank`, or gloo for the runners' own CPU tests."""
+    """This process joins the test's process group: NCCL on GPU `rank`; in shared mode gloo, every rank on GPU 0
+    with its share of the SMs; or gloo for the runners' own CPU tests."""
     import torch.distributed as dist
-    if device == "cuda":
+    if device == "cuda" and shared_gpu():
+        from deepcomm.gpu_share import GPU_SMS_ENV
+        torch.cuda.set_device(0)
+        sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+        os.environ[GPU_SMS_ENV] = str(shared_sms(world, sm_count))
+        # the host's cores shared too: torch's CPU threads (the reference runs on the CPU here) would each spin on
+        # every core
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    elif device == "cuda":
         torch.cuda.set_device(rank)
         dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 device_id=torch.device("cuda", rank))
@@ -67,6 +95,8 @@ def run_on_gpus(fn, world: int, *args, timeout_s: float = 300.0, attempts: int =
     own test). A rendezvous port taken between choosing it and listening on it (another process got it first)
     starts the processes again on a new port, up to `attempts` times, within the same `timeout_s`."""
     ctx = mp.get_context("spawn")
+    if device == "cuda":
+        timeout_s = scaled(timeout_s)
     deadline = time.monotonic() + timeout_s
     for attempt in range(attempts):
         errors = ctx.SimpleQueue()
@@ -101,10 +131,71 @@ def run_on_gpus(fn, world: int, *args, timeout_s: float = 300.0, attempts: int =
         return
 
 
+def requested_world() -> int:
+    """DEEPCOMM_TEST_WORLD (default 2); ValueError names the variable."""
+    env = os.environ.get("DEEPCOMM_TEST_WORLD", "2").strip() or "2"
+    if not env.isdigit() or int(env) < 2:
+        raise ValueError(f"DEEPCOMM_TEST_WORLD: expected an integer of at least 2, got {env!r}")
+    return int(env)
+
+
 def ranks_for_tests() -> int:
-    """Ranks of the main correctness tests: DEEPCOMM_TEST_WORLD (e.g. 4 or 8 on a larger machine), default 2,
-    never more than the visible GPUs."""
-    return max(2, min(int(os.environ.get("DEEPCOMM_TEST_WORLD", "2")), gpu_count()))
+    """Ranks of the main correctness tests: DEEPCOMM_TEST_WORLD (e.g. 4 or 8), default 2; never more than the
+    visible GPUs, except in shared mode, where every rank runs on GPU 0."""
+    world = requested_world()
+    return world if shared_gpu() else max(2, min(world, gpu_count()))
+
+
+def can_run(world: int) -> bool:
+    """A test of ``world`` ranks can run here: one GPU per rank, or shared mode with a GPU and at most
+    DEEPCOMM_TEST_WORLD ranks (a shared run at 2 ranks leaves the 4- and 8-rank topologies to runs that ask)."""
+    if shared_gpu():
+        return gpu_count() >= 1 and world <= requested_world()
+    return gpu_count() >= world
+
+
+def needs_ranks(world: int, what: str = ""):
+    """A skip mark for a test of ``world`` ranks that cannot run here (``can_run``)."""
+    import pytest
+    why = (f"{what or f'{world} ranks'} needs {world} GPUs, or shared mode (DEEPCOMM_TEST_SHARED_GPU=1) with "
+           f"DEEPCOMM_TEST_WORLD >= {world}")
+    return pytest.mark.skipif(not can_run(world), reason=why)
+
+
+def rank_device(rank: int) -> torch.device:
+    """Rank ``rank``'s GPU: its own, or GPU 0 in shared mode."""
+    return torch.device("cuda", 0 if shared_gpu() else rank)
+
+
+def sms(n: int) -> int:
+    """``n`` communication SMs, or this rank's share of GPU 0 where that is less (shared mode; call in a worker)."""
+    from deepcomm.gpu_share import usable_sms
+    return min(n, usable_sms(torch.device("cuda", torch.cuda.current_device())))
+
+
+def scaled(timeout_s: float) -> float:
+    """A test's wall-clock deadline, longer in shared mode: its ranks start, build and run side by side on one GPU
+    (about half again per two ranks past two)."""
+    if not shared_gpu():
+        return timeout_s
+    return timeout_s * max(1.0, requested_world() / 2)
+
+
+def cuda_buffer(**kwargs):
+    """A Buffer on the CUDA backend (call in a worker); ``num_sms`` within this rank's share of the GPU."""
+    import deepcomm
+    if "num_sms" in kwargs:
+        kwargs["num_sms"] = sms(kwargs["num_sms"])
+    return deepcomm.Buffer(backend="cuda", **kwargs)
+
+
+def reference(dev: torch.device, **kwargs):
+    """The reference Buffer of a test, answering in tensors on ``dev``: on an NCCL group it lives there; on the
+    gloo group of shared mode it runs on the CPU and the adapter (deepcomm/reference/device_adapter.py) moves its
+    inputs there and its outputs back."""
+    import deepcomm
+    from deepcomm.reference.device_adapter import DeviceAdapter
+    return DeviceAdapter(deepcomm.Buffer(backend="reference", **kwargs), dev)
 
 
 def has_nvshmem_wheel() -> bool:

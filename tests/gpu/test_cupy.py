@@ -6,10 +6,10 @@ import importlib.util
 import pytest
 import torch
 
-from nccl_run import gpu_count, run_on_gpus
+from nccl_run import needs_ranks, rank_device, ranks_for_tests, run_on_gpus
 
 pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(gpu_count() < 2, reason="needs 2 GPUs"),
+              needs_ranks(2),
               pytest.mark.skipif(importlib.util.find_spec("cupy") is None, reason="cupy is not installed")]
 
 
@@ -17,13 +17,13 @@ def _worker(rank, world):
     import cupy
     import deepcomm
     from deepcomm import cupy_ops
-    device = torch.device("cuda", rank)
+    device = rank_device(rank)
     E, H, T, K = 8 * world, 7168, 512 + 64 * rank, 8
     gen = torch.Generator().manual_seed(5 + rank)
     idx = torch.rand(T, E, generator=gen).topk(K, dim=1).indices.to(device)
     w = torch.rand(T, K, generator=gen).to(device)
     x = torch.randn(T, H, generator=gen).to(device=device, dtype=torch.bfloat16)
-    buf = deepcomm.Buffer(max_tokens_per_rank=1024, hidden=H)
+    buf = deepcomm.Buffer(max_tokens_per_rank=1024, hidden=H, backend="cuda")
 
     x_cp = cupy.from_dlpack(x.view(torch.uint16))      # bf16 bits as uint16
     got = cupy_ops.dispatch(buf, x_cp, cupy.from_dlpack(idx), cupy.from_dlpack(w), E)
@@ -48,4 +48,4 @@ def _worker(rank, world):
 
 
 def test_cupy_matches_torch_api():
-    run_on_gpus(_worker, 2)
+    run_on_gpus(_worker, ranks_for_tests())

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from nccl_run import gpu_count, run_on_gpus
+from nccl_run import gpu_count, needs_ranks, rank_device, run_on_gpus
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_count() < 1, reason="needs a GPU")]
 
@@ -149,7 +149,7 @@ def _traffic_worker(rank, world, channels, messages, slot, inline_every, log_wqe
     from deepcomm.errors import CommTimeoutError
     C = _ext()
     T = C.transport
-    dev = torch.device("cuda", rank)
+    dev = rank_device(rank)
     peer = (rank + 1) % world  # world 1: loopback through our own NIC
     area, o = _area_offsets(channels, messages, slot)
     mem = PeerMemory(C, None, rank, world, o["total"])
@@ -231,7 +231,7 @@ def _traffic_worker(rank, world, channels, messages, slot, inline_every, log_wqe
 TRAFFIC = (8, 300, 1000, 3, 6, 65536 - 1500)
 
 
-@pytest.mark.skipif(gpu_count() < 2, reason="needs 2 GPUs with peer access")
+@needs_ranks(2)
 def test_two_gpus_post_through_device_nic():
     """Each rank's GPU threads post writes, inline writes and fetch-add signals; its device NIC executes them into
     the other GPU over NVLink. Signals count exactly, arrive after their data, and CQEs retire the ring ~80 times."""

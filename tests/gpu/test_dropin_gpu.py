@@ -5,26 +5,26 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nccl_run import gpu_count, run_on_gpus
+from nccl_run import needs_ranks, rank_device, ranks_for_tests, run_on_gpus, sms
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_count() < 2, reason="needs 2 GPUs")]
+pytestmark = [pytest.mark.gpu, needs_ranks(2)]
 
 
 def _compat_worker(rank, world):
     import torch.distributed as dist
     from deepcomm.compat import deep_ep
-    device = torch.device("cuda", rank)
+    device = rank_device(rank)
     E, H, T, K = 16, 7168, 1024 + 128 * rank, 8
     gen = torch.Generator().manual_seed(rank)
     idx = torch.rand(T, E, generator=gen).topk(K, dim=1).indices.to(device)
     w = torch.rand(T, K, generator=gen).to(device)
     x = torch.randn(T, H, generator=gen).to(device=device, dtype=torch.bfloat16)
-    buf = deep_ep.Buffer(dist.group.WORLD, int(1e9), 0, max_tokens_per_rank=2048, hidden=H)
+    buf = deep_ep.Buffer(dist.group.WORLD, int(1e9), 0, max_tokens_per_rank=2048, hidden=H, backend="cuda")
     dc = buf.runtime
     per_rank, _, per_expert, in_rank, event = buf.get_dispatch_layout(idx, E, async_finish=True)
     out = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                        topk_idx=idx, topk_weights=w, previous_event=event, async_finish=True,
-                       config=deep_ep.Config(16))
+                       config=deep_ep.Config(sms(16)))
     out[5].current_stream_wait()
     want = dc.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
     assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1]) and out[3] == want[3]
@@ -38,21 +38,21 @@ def _compat_worker(rank, world):
 
 
 def test_deep_ep_compat_on_gpus():
-    run_on_gpus(_compat_worker, 2)
+    run_on_gpus(_compat_worker, ranks_for_tests())
 
 
 def _moe_worker(rank, world):
     import torch.distributed as dist
     import deepcomm
     from deepcomm.moe import MoELayer, dense_moe
-    device = torch.device("cuda", rank)
+    device = rank_device(rank)
     H, F, E, K, T = 256, 512, 8, 2, 384
     gen = torch.Generator().manual_seed(123)
     router = torch.randn(E, H, generator=gen).to(device)
     w1 = (torch.randn(E, H, 2 * F, generator=gen) / H ** 0.5).to(device)
     w2 = (torch.randn(E, F, H, generator=gen) / F ** 0.5).to(device)
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(rank)).to(device)
-    buf = deepcomm.Buffer(max_tokens_per_rank=T, hidden=H)
+    buf = deepcomm.Buffer(max_tokens_per_rank=T, hidden=H, backend="cuda")
     layer = MoELayer(buf, H, F, E, K)                      # bf16 on the CUDA backend
     with torch.no_grad():
         layer.router.weight.copy_(router)
@@ -72,4 +72,4 @@ def _moe_worker(rank, world):
 
 
 def test_moe_layer_on_gpus():
-    run_on_gpus(_moe_worker, 2)
+    run_on_gpus(_moe_worker, ranks_for_tests())

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from fault_run import die, run_with_faults
-from nccl_run import gpu_count, run_on_gpus
+from nccl_run import needs_ranks, run_on_gpus
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_count() < 2, reason="needs 2 GPUs with peer access")]
+pytestmark = [pytest.mark.gpu, needs_ranks(2)]
 
 TIMEOUT_S = 3.0
 T, H, E, K, M = 48, 1024, 16, 2, 64

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from deepcomm.bench.peers import capture_graph
-from nccl_run import gpu_count, ranks_for_tests, run_on_gpus
+from nccl_run import cuda_buffer, needs_ranks, rank_device, ranks_for_tests, reference, run_on_gpus, sms
 
 pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(gpu_count() < 2, reason="needs 2 GPUs with peer access")]
+              needs_ranks(2)]
 
 WORLD = ranks_for_tests()
 MAX_TOKENS = 1024
@@ -68,14 +68,14 @@ def _has_remote_rows(handle, rank):
 def _worker(rank, world):
     import deepcomm
 
-    dev = torch.device("cuda", rank)
+    dev = rank_device(rank)
     gen = torch.Generator().manual_seed(4321 + rank)
-    cuda = deepcomm.Buffer(max_tokens_per_rank=MAX_TOKENS, hidden=7168, backend="cuda", timeout_s=20)
-    ref = deepcomm.Buffer(max_tokens_per_rank=MAX_TOKENS, hidden=7168, backend="reference")
-    for case_no, (tokens, H, E, K, mode, sms) in enumerate(CASES):
-        T = tokens[rank]
-        what = f"case {case_no} ({tokens}, H={H}, {mode}, sms={sms})"
-        cuda.set_num_sms(sms)
+    cuda = cuda_buffer(max_tokens_per_rank=MAX_TOKENS, hidden=7168, num_sms=24, timeout_s=20)
+    ref = reference(dev, max_tokens_per_rank=MAX_TOKENS, hidden=7168)
+    for case_no, (tokens, H, E, K, mode, num_sms) in enumerate(CASES):
+        T = tokens[rank % len(tokens)]  # more ranks than listed: the pattern repeats
+        what = f"case {case_no} ({tokens}, H={H}, {mode}, sms={sms(num_sms)})"
+        cuda.set_num_sms(sms(num_sms))
         idx = _routing(gen, rank, T, E, K, mode, dev)
         x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(dev)
         hc = cuda.dispatch(x, topk_idx=idx, num_experts=E)[4]
@@ -102,7 +102,7 @@ def _worker(rank, world):
                   f"{what} repeated combine {i} (fp8={fp8})")
 
     # worst-case-sized input: rows past the real ones are ignored
-    cuda.set_num_sms(24)
+    cuda.set_num_sms(sms(24))
     T, H, E, K, W = 200, 4096, 64, 6, WORLD * 256
     idx = _routing(gen, rank, T, E, K, "masked", dev)
     x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(dev)

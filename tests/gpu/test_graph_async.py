@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from deepcomm.bench.peers import capture_graph
-from nccl_run import gpu_count, run_on_gpus
+from nccl_run import cuda_buffer, needs_ranks, rank_device, ranks_for_tests, reference, run_on_gpus
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_count() < 2, reason="needs 2 GPUs with peer access")]
+pytestmark = [pytest.mark.gpu, needs_ranks(2)]
 
 T, H, E, K = 96, 2048, 32, 4
 
@@ -31,11 +31,10 @@ def _reference_step(ref, x, idx, w):
 
 
 def _worker(rank, world):
-    import deepcomm
-    dev = torch.device("cuda", rank)
+    dev = rank_device(rank)
     gen = torch.Generator().manual_seed(100 + rank)
-    cuda = deepcomm.Buffer(max_tokens_per_rank=T, hidden=H, backend="cuda", num_sms=6, timeout_s=20)
-    ref = deepcomm.Buffer(max_tokens_per_rank=T, hidden=H, backend="reference")
+    cuda = cuda_buffer(max_tokens_per_rank=T, hidden=H, num_sms=6, timeout_s=20)
+    ref = reference(dev, max_tokens_per_rank=T, hidden=H)
     W = world * T
 
     # 1. worst-case size, eager
@@ -131,4 +130,4 @@ def _worker(rank, world):
 
 
 def test_worst_case_graph_and_async():
-    run_on_gpus(_worker, 2)
+    run_on_gpus(_worker, ranks_for_tests())

@@ -1,4 +1,5 @@
-"""Internode normal mode on GPUs posing as nodes (2 GPUs: 2 nodes x 1 GPU; with 4 GPUs also 2 x 2): dispatch and
+"""Internode normal mode on GPUs posing as nodes (2 GPUs: 2 nodes x 1 GPU; with 4 GPUs also 2 x 2; with 8 also
+2 x 4 and 4 x 2; in shared mode, docs/testing.md, the ranks of each pose share one GPU): dispatch and
 combine on the CUDA backend, whose bytes between nodes travel as GPU-posted mlx5 WQEs executed by the device
 emulated NIC, only between ranks of the same local index, and inside a node over NVLink peer pointers; results
 against the reference backend bit for bit; the NIC's counters equal the WQEs and bytes the hierarchical route had
@@ -10,9 +11,9 @@ import pytest
 import torch
 
 from internode_cases import E, M, check_cases
-from nccl_run import gpu_count, run_on_gpus
+from nccl_run import needs_ranks, rank_device, reference, run_on_gpus
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_count() < 2, reason="needs 2 GPUs with peer access")]
+pytestmark = [pytest.mark.gpu, needs_ranks(2)]
 
 CHUNK = 1 << 20  # deepcomm.cuda.internode.CHUNK_BYTES, restated: the test computes the WQEs independently
 
@@ -34,7 +35,7 @@ def _internode_worker(rank, world, gpn):
     import deepcomm
     from deepcomm.topology import Topology
 
-    ref = deepcomm.Buffer(max_tokens_per_rank=M, hidden=7168, backend="reference", gpus_per_node=gpn, timeout_s=30)
+    ref = reference(rank_device(rank), max_tokens_per_rank=M, hidden=7168, gpus_per_node=gpn, timeout_s=30)
     nic = deepcomm.Buffer(max_tokens_per_rank=M, hidden=7168, backend="cuda", gpus_per_node=gpn, timeout_s=30)
     assert nic.topology == Topology(world // gpn, gpn) and nic.backend_name == "cuda"
     backend = nic._backend
@@ -57,7 +58,7 @@ def _missing_peer_worker(rank, world):
     import deepcomm
     from deepcomm.errors import CommTimeoutError
 
-    dev = torch.device("cuda", rank)
+    dev = rank_device(rank)
     buf = deepcomm.Buffer(max_tokens_per_rank=16, hidden=256, backend="cuda", gpus_per_node=1, timeout_s=2)
     if rank == 0:  # rank 1 never dispatches: our poster waits for its credit, bounded
         idx = torch.zeros(4, 2, dtype=torch.int64, device=dev)
@@ -80,7 +81,7 @@ def _node_link_worker(rank, world):
     from deepcomm.cuda.node_link import NodeLink
     from deepcomm.errors import CommTimeoutError
 
-    dev = torch.device("cuda", rank)
+    dev = rank_device(rank)
     n = 1 << 20
     link = NodeLink(load_extension(), None, rank, world, world, dev, 2 * n, timeout_s=3)
     peer = 1 - rank
@@ -113,9 +114,11 @@ def test_internode_2x1_against_reference():
     run_on_gpus(_internode_worker, 2, 1)
 
 
-@pytest.mark.skipif(gpu_count() < 4, reason="2 nodes x 2 GPUs needs 4 GPUs")
-def test_internode_2x2_against_reference():
-    run_on_gpus(_internode_worker, 4, 2)
+@pytest.mark.parametrize("nodes, gpn", [pytest.param(2, 2, marks=needs_ranks(4, "2 nodes x 2 GPUs")),
+                                        pytest.param(2, 4, marks=needs_ranks(8, "2 nodes x 4 GPUs")),
+                                        pytest.param(4, 2, marks=needs_ranks(8, "4 nodes x 2 GPUs"))])
+def test_internode_several_gpus_per_node_against_reference(nodes, gpn):
+    run_on_gpus(_internode_worker, nodes * gpn, gpn)
 
 
 def test_internode_missing_peer_times_out():

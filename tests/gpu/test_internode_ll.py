@@ -7,17 +7,17 @@ import os
 import pytest
 import torch
 
-from nccl_run import gpu_count, has_nvshmem_wheel, run_on_gpus
+from nccl_run import has_nvshmem_wheel, needs_ranks, rank_device, ranks_for_tests, run_on_gpus
 from test_ll_kernels import M, _routing, check_cases, check_graph_replay, ll_buffer
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_count() < 2, reason="needs 2 GPUs with peer access")]
+pytestmark = [pytest.mark.gpu, needs_ranks(2)]
 
 
 def _internode_ll_worker(rank, world, memory):
     if memory == "nvshmem":
         os.environ["DEEPCOMM_LL_MEMORY"] = "nvshmem"
         os.environ["DEEPCOMM_LL_FORCE_PUTS"] = "1"
-    dev = torch.device("cuda", rank)
+    dev = rank_device(rank)
     gen = torch.Generator().manual_seed(1200 + rank)
     cuda, ref = ll_buffer("cuda", num_sms=16, gpus_per_node=1), ll_buffer("reference", gpus_per_node=1)
     assert type(cuda._backend).__name__ == "InternodeBackend"
@@ -26,7 +26,8 @@ def _internode_ll_worker(rank, world, memory):
              (33, 2176, 32, 6, "one_expert", "ue8m0")]
     check_cases(cuda, ref, cases, gen, dev, world)
     ll = cuda._backend.ll._ll
-    assert ll.put_peers == ([1 - rank] if memory == "nvshmem" else []), ll.put_peers
+    others = [p for p in range(world) if p != rank]  # every rank is a node of its own: all are put peers
+    assert ll.put_peers == (others if memory == "nvshmem" else []), ll.put_peers
     assert cuda.low_latency_buffer_info()["memory"] == memory
     check_graph_replay(cuda, ref, gen, dev, world, 64, 32, 6, 2176, f"internode graph replay ({memory})")
 
@@ -49,7 +50,7 @@ def _internode_ll_worker(rank, world, memory):
 def test_internode_low_latency_matches_reference(memory):
     if memory == "nvshmem" and not has_nvshmem_wheel():
         pytest.skip("nvidia.nvshmem is not importable (pip install nvidia-nvshmem-cu13)")
-    run_on_gpus(_internode_ll_worker, 2, memory, timeout_s=240)
+    run_on_gpus(_internode_ll_worker, ranks_for_tests(), memory, timeout_s=240)
 
 
 def _missing_peer_worker(rank, world):
@@ -58,7 +59,7 @@ def _missing_peer_worker(rank, world):
     import deepcomm
     from deepcomm.errors import CommTimeoutError
 
-    dev = torch.device("cuda", rank)
+    dev = rank_device(rank)
     buf = deepcomm.Buffer(max_tokens_per_rank=16, hidden=256, backend="cuda", gpus_per_node=1, timeout_s=2,
                           num_max_low_latency_tokens=16)
     idx = torch.zeros(4, 2, dtype=torch.int64, device=dev)

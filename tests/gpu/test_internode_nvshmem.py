@@ -13,11 +13,11 @@ import time
 import pytest
 import torch
 
-from nccl_run import gpu_count, has_nvshmem_wheel, run_on_gpus
+from nccl_run import has_nvshmem_wheel, needs_ranks, rank_device, reference, run_on_gpus
 from internode_cases import E, M, check_cases
 
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_count() < 2, reason="needs 2 GPUs with peer access"),
+pytestmark = [pytest.mark.gpu, needs_ranks(2),
               pytest.mark.skipif(not has_nvshmem_wheel(),
                                  reason="nvidia.nvshmem is not importable (pip install nvidia-nvshmem-cu13)")]
 
@@ -39,7 +39,7 @@ def _nvshmem_worker(rank, world, gpn):
     G, N = gpn, world // gpn
     node, local = divmod(rank, G)
     peers = [m * G + local for m in range(N) if m != node]  # NVSHMEM calls only to our local index elsewhere
-    ref = deepcomm.Buffer(max_tokens_per_rank=M, hidden=7168, backend="reference", gpus_per_node=gpn, timeout_s=30)
+    ref = reference(rank_device(rank), max_tokens_per_rank=M, hidden=7168, gpus_per_node=gpn, timeout_s=30)
     nv = deepcomm.Buffer(max_tokens_per_rank=M, hidden=7168, backend="cuda", gpus_per_node=gpn, timeout_s=30,
                          internode_transport="nvshmem")
     assert nv.topology == Topology(world // gpn, gpn) and nv.backend_name == "cuda"
@@ -74,7 +74,7 @@ def _missing_peer_worker(rank, world):
     from deepcomm.cuda.nvshmem_transport import NvshmemTransport, credit_ops
     from deepcomm.errors import CommTimeoutError
 
-    dev = torch.device("cuda", rank)
+    dev = rank_device(rank)
     idx = torch.zeros(4, 2, dtype=torch.int64, device=dev)  # every token to expert 0 (rank 0)
     x = torch.ones(4, 256, dtype=torch.bfloat16, device=dev)
     nothing = dict(credits=0, puts=0, signals=0, bytes=0)
@@ -126,9 +126,11 @@ def test_internode_nvshmem_2x1_against_reference():
     run_on_gpus(_nvshmem_worker, 2, 1, timeout_s=400)
 
 
-@pytest.mark.skipif(gpu_count() < 4, reason="2 nodes x 2 GPUs needs 4 GPUs")
-def test_internode_nvshmem_2x2_against_reference():
-    run_on_gpus(_nvshmem_worker, 4, 2, timeout_s=400)
+@pytest.mark.parametrize("nodes, gpn", [pytest.param(2, 2, marks=needs_ranks(4, "2 nodes x 2 GPUs")),
+                                        pytest.param(2, 4, marks=needs_ranks(8, "2 nodes x 4 GPUs")),
+                                        pytest.param(4, 2, marks=needs_ranks(8, "4 nodes x 2 GPUs"))])
+def test_internode_nvshmem_several_gpus_per_node_against_reference(nodes, gpn):
+    run_on_gpus(_nvshmem_worker, nodes * gpn, gpn, timeout_s=400)
 
 
 def test_internode_nvshmem_missing_peer_times_out():

@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nccl_run import gpu_count, ranks_for_tests, run_on_gpus
+from nccl_run import cuda_buffer, needs_ranks, rank_device, ranks_for_tests, reference, run_on_gpus, sms
 
 pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(gpu_count() < 2, reason="needs 2 GPUs with peer access")]
+              needs_ranks(2)]
 
 WORLD = ranks_for_tests()
 
@@ -54,17 +54,16 @@ def _cases(rank):
 
 
 def _intranode_worker(rank, world):
-    import deepcomm
     from deepcomm.fp8 import pack_ue8m0, per_token_cast_to_fp8
 
-    dev = torch.device("cuda", rank)
+    dev = rank_device(rank)
     gen = torch.Generator().manual_seed(1234 + rank)
-    cuda = deepcomm.Buffer(max_tokens_per_rank=1024, hidden=7168, backend="cuda", timeout_s=20)
-    ref = deepcomm.Buffer(max_tokens_per_rank=1024, hidden=7168, backend="reference")
-    for case_no, (tokens, H, E, K, mode, dtype, sms) in enumerate(_cases(rank)):
-        T = tokens[rank]
-        what = f"case {case_no} ({tokens}, H={H}, {mode}, {dtype}, sms={sms})"
-        cuda.set_num_sms(sms)
+    cuda = cuda_buffer(max_tokens_per_rank=1024, hidden=7168, num_sms=24, timeout_s=20)
+    ref = reference(dev, max_tokens_per_rank=1024, hidden=7168)
+    for case_no, (tokens, H, E, K, mode, dtype, num_sms) in enumerate(_cases(rank)):
+        T = tokens[rank % len(tokens)]  # more ranks than listed: the pattern repeats
+        what = f"case {case_no} ({tokens}, H={H}, {mode}, {dtype}, sms={sms(num_sms)})"
+        cuda.set_num_sms(sms(num_sms))
         idx, w = _routing(gen, T, E, K, mode, dev)
         x = (torch.randn(T, H, generator=gen) * 3).to(torch.bfloat16).to(dev)
         if dtype == "bf16":
@@ -106,7 +105,7 @@ def _intranode_worker(rank, world):
             y2 = torch.randn(hc.num_recv, H, generator=gen).to(torch.bfloat16).to(dev)
             _same(cuda.combine(y2, hc)[0], ref.combine(y2, hr)[0], f"{what} repeated combine")
     # Keep more outputs alive than the arena holds: later dispatches go through the bounce area, still exact.
-    cuda.set_num_sms(24)
+    cuda.set_num_sms(sms(24))
     kept = []
     for i in range(10):
         idx, w = _routing(gen, 1024, 256, 8, "random", dev)

@@ -6,21 +6,23 @@ import pytest
 import torch
 
 from deepcomm.bench.peers import capture_graph
-from nccl_run import gpu_count, ranks_for_tests, run_on_gpus
+from nccl_run import cuda_buffer, needs_ranks, rank_device, ranks_for_tests, reference, run_on_gpus
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_count() < 2, reason="needs 2 GPUs with peer access")]
+pytestmark = [pytest.mark.gpu, needs_ranks(2)]
 
 M = 256
 
 
 def ll_buffer(backend, **options):
     """A Buffer of the low-latency GPU tests' shape (normal mode up to 256 tokens of hidden 7168, low-latency mode
-    up to M tokens) on ``backend``; a CUDA one gives up a wait after 20 s. Set DEEPCOMM_* variables before."""
-    import deepcomm
-    if backend == "cuda":
-        options.setdefault("timeout_s", 20)
-    return deepcomm.Buffer(max_tokens_per_rank=256, hidden=7168, backend=backend, num_max_low_latency_tokens=M,
-                           **options)
+    up to M tokens) on ``backend``; a CUDA one gives up a wait after 20 s, its ``num_sms`` within this rank's share
+    of the GPU; a reference one answers in tensors on the current CUDA device (nccl_run.reference). Set DEEPCOMM_*
+    variables before."""
+    sizes = dict(max_tokens_per_rank=256, hidden=7168, num_max_low_latency_tokens=M)
+    if backend == "reference":
+        return reference(torch.device("cuda", torch.cuda.current_device()), **sizes, **options)
+    options.setdefault("timeout_s", 20)
+    return cuda_buffer(**sizes, **options)
 
 
 def _routing(gen, T, E, K, mode, dev):
@@ -96,7 +98,7 @@ def check_graph_replay(cuda, ref, gen, dev, world, T, E, K, H, label):
     torch.cuda.synchronize(dev)
 
 def _worker(rank, world):
-    dev = torch.device("cuda", rank)
+    dev = rank_device(rank)
     gen = torch.Generator().manual_seed(300 + rank)
     cuda, ref = ll_buffer("cuda", num_sms=16), ll_buffer("reference")
     cases = [(1, 7168, 256, 8, "random", "bf16"), (7, 2048, 64, 4, "masked", "fp8"),
@@ -166,18 +168,22 @@ def _worker(rank, world):
                                               use_fp8=True)
     with pytest.raises(ValueError, match="topk_idx"):
         cuda.synchronize()
-    # Each rank sends T * K = 1024 entries to expert 0 (rank 0's), which has world * M = 512 rows: rank 0's own
-    # first 512 are kept, the rest dropped (recv_pos -1); no other expert's rows were touched.
-    rows = world * M
+    # Each rank sends T * K = 1024 entries to expert 0 (rank 0's), which has world * M rows, given out by source
+    # rank, lowest first: rank s's entries take rows [s * T * K, ...) and those past the end are dropped (recv_pos
+    # -1). With 2 ranks rank 0's own first 512 are kept; with 8 all of ranks 0 and 1. No other expert's rows were
+    # touched.
+    rows, TK = world * M, T * K
     if rank == 0:
+        kept = [max(0, min(TK, rows - s * TK)) for s in range(world)]
         assert int(cnt[0]) == rows and int(cnt[1:].sum()) == 0
-        assert torch.equal(fh.src_info[0], torch.arange(rows, device=dev, dtype=torch.int32) // K)
+        want_src = torch.cat([torch.arange(k, device=dev, dtype=torch.int32) // K for k in kept])
+        assert torch.equal(fh.src_info[0], want_src)
         assert bool((fh.src_info[1:] == -1).all())
     else:
         assert int(cnt.sum()) == 0 and bool((fh.src_info == -1).all())
     pos = fh.recv_pos.flatten()
-    kept = torch.arange(rows, device=dev, dtype=pos.dtype) if rank == 0 else pos[:0]
-    assert torch.equal(pos[:kept.numel()], kept) and bool((pos[kept.numel():] == -1).all())
+    at_owner = torch.arange(TK, device=dev, dtype=pos.dtype) + rank * TK
+    assert torch.equal(pos, torch.where(at_owner < rows, at_owner, torch.full_like(at_owner, -1)))
     idx, w = _routing(gen, T, E, K, "random", dev)
     x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(dev)
     _check_dispatch(cuda.low_latency_dispatch(x, idx, M, E, use_fp8=True),
@@ -220,7 +226,7 @@ def _check_under_settings(rank, world, seed, settings, cases, more=None):
     ``more(cuda, ref, gen, dev, world, label)``."""
     import os
 
-    dev = torch.device("cuda", rank)
+    dev = rank_device(rank)
     gen = torch.Generator().manual_seed(seed + rank)
     ref = ll_buffer("reference")
     for env in settings:

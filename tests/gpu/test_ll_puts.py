@@ -8,10 +8,10 @@ import os
 import pytest
 import torch
 
-from nccl_run import gpu_count, has_nvshmem_wheel, run_on_gpus
+from nccl_run import has_nvshmem_wheel, needs_ranks, rank_device, ranks_for_tests, run_on_gpus
 from test_ll_kernels import M, _check_dispatch, _routing, check_cases, check_graph_replay, ll_buffer
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_count() < 2, reason="needs 2 GPUs with peer access"),
+pytestmark = [pytest.mark.gpu, needs_ranks(2),
               pytest.mark.skipif(not has_nvshmem_wheel(),
                                  reason="nvidia.nvshmem is not importable (pip install nvidia-nvshmem-cu13)")]
 
@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_count() < 2, reason="needs
 def _forced_puts_worker(rank, world):
     os.environ["DEEPCOMM_LL_MEMORY"] = "nvshmem"
     os.environ["DEEPCOMM_LL_FORCE_PUTS"] = "1"
-    dev = torch.device("cuda", rank)
+    dev = rank_device(rank)
     gen = torch.Generator().manual_seed(900 + rank)
     cuda, ref = ll_buffer("cuda", num_sms=16), ll_buffer("reference")
     # largest shape first: it sizes the symmetric heap
@@ -27,7 +27,7 @@ def _forced_puts_worker(rank, world):
              (0 if rank == 0 else 5, 2176, 32, 6, "random", "ue8m0"), (33, 2176, 32, 6, "one_expert", "bf16")]
     check_cases(cuda, ref, cases, gen, dev, world)
     ll = cuda._backend._ll
-    assert ll.put_peers == [1 - rank], ll.put_peers
+    assert ll.put_peers == [p for p in range(world) if p != rank], ll.put_peers  # forced: every peer
     assert cuda.low_latency_buffer_info()["memory"] == "nvshmem"
 
     # hook mode, both slots in flight before either is received
@@ -58,4 +58,4 @@ def _forced_puts_worker(rank, world):
 
 
 def test_low_latency_through_forced_puts_matches_reference():
-    run_on_gpus(_forced_puts_worker, 2, timeout_s=300)
+    run_on_gpus(_forced_puts_worker, ranks_for_tests(), timeout_s=300)

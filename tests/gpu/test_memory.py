@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nccl_run import gpu_count, run_on_gpus
+from nccl_run import needs_ranks, rank_device, run_on_gpus
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_count() < 2, reason="needs 2 GPUs with peer access")]
+pytestmark = [pytest.mark.gpu, needs_ranks(2)]
 
 CYCLES = 1000
 MiB = 1 << 20
@@ -67,7 +67,7 @@ def _sizes_worker(rank, world):
     import deepcomm
     from deepcomm.sizing import ll_buffer_bytes, nvl_buffer_bytes
     import torch.distributed as dist
-    dev = torch.device("cuda", rank)
+    dev = rank_device(rank)
     gen = torch.Generator().manual_seed(7 + rank)
     _cycle(7, gen)  # warm-up: NCCL, peer access, torch allocator pools
     nvl = nvl_buffer_bytes(world, SMALL["max_tokens_per_rank"], SMALL["hidden"])["total"]
@@ -96,7 +96,7 @@ def test_size_bytes_is_what_a_buffer_takes():
 
 def _cycles_worker(rank, world):
     import torch.distributed as dist
-    dev = torch.device("cuda", rank)
+    dev = rank_device(rank)
     gen = torch.Generator().manual_seed(17 + rank)
     for i in range(10):  # warm-up: NCCL buffers, peer access, allocator pools, both kinds of round
         _cycle(i, gen)

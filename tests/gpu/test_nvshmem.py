@@ -10,13 +10,13 @@ import subprocess
 import pytest
 import torch
 
-from nccl_run import gpu_count, has_nvshmem_wheel, run_on_gpus
+from nccl_run import has_nvshmem_wheel, needs_ranks, rank_device, ranks_for_tests, run_on_gpus
 from test_ll_kernels import check_cases, ll_buffer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_count() < 2, reason="needs 2 GPUs with peer access"),
+pytestmark = [pytest.mark.gpu, needs_ranks(2),
               pytest.mark.skipif(not has_nvshmem_wheel(),
                                  reason="nvidia.nvshmem is not importable (pip install nvidia-nvshmem-cu13)")]
 
@@ -31,7 +31,7 @@ def _symmetric_worker(rank, world):
     from deepcomm._ext import load_extension
     from deepcomm.cuda import nvshmem_session as ns
     from deepcomm.cuda.arena import as_device_bytes
-    dev = torch.device("cuda", rank)
+    dev = rank_device(rank)
     group = dist.group.WORLD
     n = ns.load_library()
     assert n.library_version()[0] == 3, n.library_version()
@@ -89,14 +89,14 @@ def _symmetric_worker(rank, world):
 
 
 def test_symmetric_heap_bootstrapped_by_unique_id():
-    run_on_gpus(_symmetric_worker, 2, timeout_s=180)
+    run_on_gpus(_symmetric_worker, ranks_for_tests(), timeout_s=180)
 
 
 def _low_latency_worker(rank, world):
     os.environ["DEEPCOMM_LL_MEMORY"] = "nvshmem"
     from deepcomm.cuda import nvshmem_session as ns
     from deepcomm.cuda.nvshmem_memory import NvshmemMemory
-    dev = torch.device("cuda", rank)
+    dev = rank_device(rank)
     gen = torch.Generator().manual_seed(700 + rank)
     cuda, ref = ll_buffer("cuda", num_sms=16), ll_buffer("reference")
     assert cuda.low_latency_buffer_info() == {"memory": "nvshmem", "bytes": 0}
@@ -118,7 +118,7 @@ def _low_latency_worker(rank, world):
 
 
 def test_low_latency_on_nvshmem_matches_reference():
-    run_on_gpus(_low_latency_worker, 2, timeout_s=300)
+    run_on_gpus(_low_latency_worker, ranks_for_tests(), timeout_s=300)
 
 
 @pytest.mark.skipif(shutil.which("mpirun") is None or importlib.util.find_spec("mpi4py") is None,

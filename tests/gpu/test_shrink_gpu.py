@@ -1,6 +1,6 @@
 """Masking ranks in low-latency mode on the CUDA kernels (Buffer.mask_ranks):
 
-- a live pair where each rank masks the other: every result equals the reference backend under the same mask, bit
+- a live pair where each rank masks the other (more ranks: in pairs, each masking its partner): every result equals the reference backend under the same mask, bit
   for bit; normal mode refuses while ranks are masked; after unmask_ranks (collective) both modes work again;
 - a peer killed between calls: the survivor gets CommTimeoutError, masks the lost peer and goes on in low-latency
   mode alone, with results computed here without any peer."""
@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from fault_run import die, run_with_faults
-from nccl_run import gpu_count, run_on_gpus
+from nccl_run import cuda_buffer, needs_ranks, ranks_for_tests, reference, run_on_gpus, sms
 from test_ll_kernels import _check_dispatch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_count() < 2, reason="needs 2 GPUs with peer access")]
+pytestmark = [pytest.mark.gpu, needs_ranks(2)]
 
 T, H, E, K, M = 64, 2048, 32, 4, 64
 
@@ -27,27 +27,27 @@ def _inputs(gen, dev):
 
 
 def _same_as_reference(cuda, ref, gen, what):
-    dev = cuda.device
+    dev, world = cuda.device, cuda.world_size
     for use_fp8 in (False, True):
         x, idx, w = _inputs(gen, dev)
         got = cuda.low_latency_dispatch(x, idx, M, E, use_fp8=use_fp8)
         want = ref.low_latency_dispatch(x, idx, M, E, use_fp8=use_fp8)
         _check_dispatch(got, want, f"{what} fp8={use_fp8}")
-        y = torch.randn(E // 2, 2 * M, H, generator=gen).to(torch.bfloat16).to(dev)
+        y = torch.randn(E // world, world * M, H, generator=gen).to(torch.bfloat16).to(dev)
         out, _ = cuda.low_latency_combine(y, idx, w, got[2])
         assert torch.equal(out, ref.low_latency_combine(y, idx, w, want[2])[0]), f"{what} combine"
 
 
 def _pair_worker(rank, world):
-    import deepcomm
     gen = torch.Generator().manual_seed(70 + rank)
     kw = dict(max_tokens_per_rank=T, hidden=H, num_max_low_latency_tokens=M)
-    cuda = deepcomm.Buffer(backend="cuda", num_sms=8, timeout_s=20, **kw)
-    ref = deepcomm.Buffer(backend="reference", **kw)
+    cuda = cuda_buffer(num_sms=8, timeout_s=20, **kw)
+    ref = reference(cuda.device, **kw)
     _same_as_reference(cuda, ref, gen, "before masking")
+    partner = rank ^ 1  # ranks in pairs (0, 1), (2, 3)...: each masks its partner and goes on with the rest
     for buf in (cuda, ref):
-        buf.mask_ranks([1 - rank])
-    assert cuda.masked_ranks == [1 - rank]
+        buf.mask_ranks([partner])
+    assert cuda.masked_ranks == [partner]
     for i in range(3):
         _same_as_reference(cuda, ref, gen, f"masked round {i}")
     x, idx, _ = _inputs(gen, cuda.device)
@@ -67,7 +67,7 @@ def _pair_worker(rank, world):
 
 
 def test_masked_pair_matches_reference():
-    run_on_gpus(_pair_worker, 2, timeout_s=240)
+    run_on_gpus(_pair_worker, ranks_for_tests(), timeout_s=240)
 
 
 def _alone_round(buf, gen, use_fp8):
@@ -106,7 +106,7 @@ def _killed_worker(rank, world):
     import deepcomm
     gen = torch.Generator().manual_seed(90 + rank)
     buf = deepcomm.Buffer(max_tokens_per_rank=T, hidden=H, backend="cuda", num_max_low_latency_tokens=M,
-                          num_sms=8, timeout_s=3)
+                          num_sms=sms(8), timeout_s=3)
     for _ in range(3):
         x, idx, w = _inputs(gen, buf.device)
         recv_x, _, handle, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
