@@ -10,7 +10,8 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from . import buffer_registry, validation as v
+from . import buffer_registry, route_only
+from . import validation as v
 from .backends import group_device, make_backend
 from .call_check import CallChecker, resolve_check_calls
 from .config import DEFAULT_HIDDEN, DEFAULT_TIMEOUT_S, Config, default_num_sms
@@ -157,13 +158,17 @@ class Buffer:
 
     @_collective("dispatch")
     def dispatch(self, x, topk_idx=None, topk_weights=None, num_experts=None, handle=None, expert_alignment=1,
-                 num_worst_tokens=0, previous_event=None, async_finish=False):
+                 num_worst_tokens=0, previous_event=None, async_finish=False, is_token_in_rank=None,
+                 num_tokens_per_expert=None):
         """``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert, handle)``.
 
         ``num_worst_tokens > 0``: no host sync (CUDA-graph capturable); outputs have that many rows, of which
         the first ``sum(handle.count_matrix[:, rank])`` are defined, and ``num_recv_tokens_per_expert`` is an
         int32 tensor. ``previous_event``: start after this event instead of the current stream.
         ``async_finish``: do not make the current stream wait; wait on ``buffer.event`` before using the results.
+        ``is_token_in_rank`` (bool ``[T, R]``, no handle): route-only dispatch, rows go where the mask says and
+        ``topk_idx`` / ``topk_weights`` travel if given; ``num_tokens_per_expert`` (int32 ``[E]``) gives the
+        per-expert counts DeepEP's way (deepcomm/route_only.py).
         """
         backend = self._live()
         v.check_int("expert_alignment", expert_alignment, minimum=1)
@@ -176,6 +181,18 @@ class Buffer:
         extra = dict(num_worst_tokens=num_worst_tokens, previous_event=previous_event, async_finish=async_finish)
         num_tokens, _, _ = v.check_dispatch_x(x, self._device, self._x_dtypes, self.config.hidden,
                                               self.config.max_tokens_per_rank)
+        if handle is None and is_token_in_rank is not None:  # ---- route-only (deepcomm/route_only.py) ----
+            num_experts = route_only.check_inputs(self, num_tokens, is_token_in_rank, topk_idx, topk_weights,
+                                                  num_experts, num_tokens_per_expert, num_worst_tokens)
+            self._agree(dict(self._dispatch_fields(x, topk_idx, topk_weights, num_experts, None), route_only=True,
+                             expert_counts=num_tokens_per_expert is not None))
+            out = route_only.dispatch(self, backend, x, is_token_in_rank, topk_idx, topk_weights, num_experts,
+                                      num_tokens_per_expert, expert_alignment, previous_event, async_finish)
+            out[-1].buffer_id = self.buffer_id
+            return out
+        if is_token_in_rank is not None or num_tokens_per_expert is not None:
+            v.fail("is_token_in_rank" if is_token_in_rank is not None else "num_tokens_per_expert",
+                   "only for a route-only dispatch (is_token_in_rank without a handle)")
         if handle is not None:
             v.check_handle(handle, Handle, self.buffer_id)
             if num_tokens != handle.num_tokens:
