@@ -15,13 +15,13 @@ from multiproc import run_ranks
 def gpu_box(monkeypatch):
     """A machine where the CUDA backend could run (CUDA present, an NCCL group) but for what a test refuses."""
     monkeypatch.setattr(backends.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(backends, "group_uses_nccl", lambda group: True)
+    monkeypatch.setattr(backends, "group_uses_nccl", lambda group, requested="cuda": True)
     monkeypatch.setattr(backends, "_warned", set())
     return monkeypatch
 
 
 def test_auto_warns_once_per_reason_when_the_extension_is_missing(gpu_box):
-    gpu_box.setattr(backends, "cuda_unavailable_reason", lambda group: "the extension deepcomm._C is not available")
+    gpu_box.setattr(backends, "cuda_unavailable_reason", lambda group, requested="cuda": "the extension deepcomm._C is not available")
     with pytest.warns(RuntimeWarning, match="reference backend .* because the extension deepcomm._C is not avail"):
         choice = backends.choose_backend("auto", None, Config(gpus_per_node=2), 2)
         backends.warn_if_fallback(choice, rank=0)
@@ -33,7 +33,7 @@ def test_auto_warns_once_per_reason_when_the_extension_is_missing(gpu_box):
 
 
 def test_auto_warns_when_the_internode_backend_is_refused(gpu_box):
-    gpu_box.setattr(backends, "cuda_unavailable_reason", lambda group: None)
+    gpu_box.setattr(backends, "cuda_unavailable_reason", lambda group, requested="cuda": None)
     gpu_box.setattr(backends, "internode_unavailable_reason",
                     lambda group, world, transport, g: f"the ranks span several hosts ({transport})")
     choice = backends.choose_backend("auto", None, Config(gpus_per_node=1), 2)
@@ -48,7 +48,7 @@ def test_auto_warns_when_the_internode_backend_is_refused(gpu_box):
 def test_no_warning_where_no_cuda_backend_could_run(monkeypatch):
     monkeypatch.setattr(backends.torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(backends, "_warned", set())
-    monkeypatch.setattr(backends, "cuda_unavailable_reason", lambda group: "CUDA is not available")
+    monkeypatch.setattr(backends, "cuda_unavailable_reason", lambda group, requested="cuda": "CUDA is not available")
     choice = backends.choose_backend("auto", None, Config(gpus_per_node=2), 2)
     assert (choice.name, choice.refused, choice.faster_possible) == ("reference", "CUDA is not available", False)
     with warnings.catch_warnings():
