@@ -51,7 +51,7 @@ EVENT_RING = 8            # end-of-call events a Buffer cycles through (Buffer.e
 
 class _Call:
     """What one dispatch moves: the payload tensors and their row sizes."""
-    __slots__ = ("values", "scales", "weights", "K", "x_row_bytes", "scale_row_bytes")
+    __slots__ = ("values", "scales", "weights", "K", "x_row_bytes", "scale_row_bytes", "order")
 
     def __init__(self, values: torch.Tensor, scales: Optional[torch.Tensor], weights: Optional[torch.Tensor],
                  K: int):
