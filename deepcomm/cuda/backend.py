@@ -17,6 +17,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from .._ext import load_extension
+from ..validation import is_capturing
 from ..errors import CommTimeoutError
 from ..gpu_share import GPU_SMS_ENV, usable_sms
 from ..handle import Handle
@@ -160,6 +161,7 @@ class CudaBackend(LowLatencyCalls):
         self._event: Optional[torch.cuda.Event] = None
         self._last_stream: Optional[int] = None  # the raw stream the last call ran on
         self._last_end = 0  # the end event of the last call, when it ran on the communication stream
+        self._last_captured = False  # the last call was made while a CUDA graph was captured
         self._device_index = device.index if device.index is not None else torch.cuda.current_device()
         self._bounce_pending = False  # a bounced dispatch's copies still read the bounce area (see _outputs)
         self._tag = 0  # the host's number for a fresh dispatch's counts (csrc/runtime/dispatch_counts.hpp)
@@ -193,6 +195,12 @@ class CudaBackend(LowLatencyCalls):
         caller = _current_stream(self._device_index)
         comm = self.comm_stream.cuda_stream
         last, last_end = self._last_stream, self._last_end
+        # While a CUDA graph is captured, work outside the capture cannot be waited for (and the capture began
+        # after it); the calls captured together still follow each other on the capture stream.
+        capturing = is_capturing()
+        if capturing and not self._last_captured:
+            last = None
+        self._last_captured = capturing
         if previous_event is None and not async_finish:
             self._last_stream, self._last_end = caller, 0
             if last == comm:  # after a call on the communication stream: wait for its end
@@ -212,6 +220,7 @@ class CudaBackend(LowLatencyCalls):
         else:
             flags |= WAIT_CALLER
         if last not in (None, caller, comm):  # the last plain call ran on a stream that is no longer current
+            # (inside a capture such a stream is the capture's own: the capture does not change streams)
             self.comm_stream.wait_stream(torch.cuda.ExternalStream(last, device=self.device))
         self._releases_seen = self.arena.releases
         self._bounce_pending = False

@@ -115,10 +115,10 @@ def _intranode_worker(rank, world):
         for name, a, b in zip(("recv_x", "recv_topk_idx", "recv_topk_weights"), got[:3], want[:3]):
             _same(a, b, f"kept output {i} {name}")
         kept.append(got)
+    # (the arena may be full for a block of this size with free bytes left in holes: count the bounces themselves)
     arena = cuda._backend.arena
-    assert arena.free_bytes() < arena.nbytes // 4, \
-        f"the arena was never filled: {arena.free_bytes()} of {arena.nbytes} bytes free, " \
-        f"{cuda._backend.bounced_calls} bounced dispatches"
+    assert cuda._backend.bounced_calls > 0, \
+        f"no dispatch went through the bounce area: {arena.free_bytes()} of {arena.nbytes} arena bytes free"
     del kept
 
     # Expert ids out of range are caught by the notify kernel on every rank; the buffer stays usable.
