@@ -44,8 +44,9 @@ def available_backends() -> List[str]:
 
 
 def make_backend(requested: str, group, config: Config, rank: int, world_size: int,
-                 device: torch.device) -> Tuple[object, str]:
-    """Build the backend object for ``requested`` ("auto" | "cuda" | "reference"); returns ``(backend, name)``."""
+                 device: torch.device, buffer_number: Optional[int] = None) -> Tuple[object, str]:
+    """Build the backend object for ``requested`` ("auto" | "cuda" | "reference"); returns ``(backend, name)``.
+    ``buffer_number``: the Buffer's number in its group, the same on every rank (rendezvous.wait_for_group)."""
     if requested not in BACKENDS:
         raise ValueError(f"backend: expected one of {', '.join(map(repr, BACKENDS))}, got {requested!r}")
     name = requested
@@ -65,7 +66,7 @@ def make_backend(requested: str, group, config: Config, rank: int, world_size: i
         from .cuda.backend import CudaBackend
         return CudaBackend(group, config, rank, world_size, device), name
     from .reference import ReferenceBackend
-    return ReferenceBackend(group, config, rank, world_size, device), name
+    return ReferenceBackend(group, config, rank, world_size, device, buffer_number), name
 
 
 def internode_unavailable_reason(group, world_size: int, transport: str = "emulated",

@@ -31,6 +31,8 @@ class Handle:
     # what the internode kernels' forwarding decided (deepcomm/cuda/hier_kernels.py NodeRoute), for their
     # combine; None elsewhere
     node_route: Optional[object] = None
+    # which call on its Buffer made it (the dispatch's number; deepcomm/agreement.py, word HANDLE): 0 until set
+    call: int = 0
 
 
 @dataclass
@@ -45,3 +47,4 @@ class LowLatencyHandle:
     hidden: int
     buffer_id: int
     slot: int = 0                          # which half of the double-buffered receive area (CUDA backend)
+    call: int = 0                          # the number of the dispatch that made it on its Buffer (0 until set)
