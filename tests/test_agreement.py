@@ -64,7 +64,7 @@ def test_check_passes_equal_words_and_names_what_differs():
     assert "also x[1] (the FP8 scale format): fp32" in msg, msg
     msg = _message(_rows((1, Word.WEIGHTS, 0), (1, Word.TOPK, 0), op=agreement.Op.COMBINE))
     assert msg.startswith("topk_weights: whether it is given differs") and "also topk_weights (the top-k" in msg
-    assert _message(_rows((1, Word.TOPK, 3))).startswith("topk_idx: the top-k (columns) differs")
+    assert _message(_rows((1, Word.TOPK, 3))).startswith("topk_idx: the top-k differs")
     assert _message(_rows((1, Word.HANDLE, 3))).startswith("handle: which handle differs")
     assert "none (a fresh dispatch) on rank 0 vs the handle of call #3 on rank 1" in _message(_rows((1, Word.HANDLE, 3)))
     for word, arg in [(Word.LL_MAX_TOKENS, "num_max_dispatch_tokens_per_rank"), (Word.USE_FP8, "use_fp8"),
@@ -186,7 +186,7 @@ EXPECTED = {
     "low-latency cap": "num_max_dispatch_tokens_per_rank: ",
     "hidden 7168 vs 4096": "x: the hidden size differs",
     "hidden in combine": "x: the hidden size differs",
-    "top-k": "topk_idx: the top-k (columns) differs",
+    "top-k": "topk_idx: the top-k differs",
     "weights in dispatch": "topk_weights: whether it is given differs",
     "weights in cached dispatch": "topk_weights: whether it is given differs",
     "weights in combine": "topk_weights: whether it is given differs",
