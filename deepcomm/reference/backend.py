@@ -14,7 +14,7 @@ import torch.distributed as dist
 from .. import agreement, layout
 from ..config import Config
 from . import low_latency, normal
-from .collectives import Comm, own_gloo_group
+from .collectives import Comm, own_gloo_group_maker
 
 
 class ReferenceBackend:
@@ -29,11 +29,12 @@ class ReferenceBackend:
     def __init__(self, group, config: Config, rank: int, world_size: int, device: torch.device,
                  buffer_number: Optional[int] = None):
         """``buffer_number``: the Buffer's number in its group (the same on every rank), which keys the gloo group
-        of the Buffer's own (collectives.own_gloo_group) on a CPU gloo group; None: the collectives use ``group``."""
+        of the Buffer's own (collectives.own_gloo_group_maker) on a CPU gloo group; None: the collectives use
+        ``group``."""
         self.config = config
-        own = (own_gloo_group(group, f"b{buffer_number}", rank, world_size, config.timeout_s)
-               if buffer_number is not None and device.type == "cpu" else None)
-        self.comm = Comm(group, rank, world_size, device, config.timeout_s, own_group=own)
+        make_own = (own_gloo_group_maker(group, f"b{buffer_number}", rank, world_size, config.timeout_s)
+                    if buffer_number is not None and device.type == "cpu" else None)
+        self.comm = Comm(group, rank, world_size, device, config.timeout_s, make_own_group=make_own)
         self.masked: frozenset = frozenset()
 
     def reject(self, fingerprint) -> None:

@@ -19,20 +19,36 @@ from ..errors import CommTimeoutError
 class Comm:
     """One process group, this rank's place in it, and the wait timeout.
 
-    ``own_group``: a gloo process group of this communicator alone (``own_gloo_group``), called through its own
-    methods; the collectives then run there instead of on ``group``. A wait that timed out leaves its collective
-    pending in its group, where it would pair with the peers' next one; in a group of its own nothing else pairs
-    with it, and a rebuilt Buffer gets a fresh group. After a timeout ``broken`` is set: every later call raises
-    (``check_usable``)."""
+    ``make_own_group``: makes a gloo process group of this communicator alone (``own_gloo_group_maker``), called
+    through its own methods; the collectives then run there instead of on ``group``. A wait that timed out leaves
+    its collective pending in its group, where it would pair with the peers' next one; in a group of its own nothing
+    else pairs with it, and a rebuilt Buffer gets a fresh group. It is made at the first collective (making it is
+    collective: a Buffer that one rank builds but never calls leaves no group for the others to wait for). After a
+    timeout ``broken`` is set: every later call raises (``check_usable``)."""
 
-    def __init__(self, group, rank: int, world_size: int, device: torch.device, timeout_s: float, own_group=None):
+    def __init__(self, group, rank: int, world_size: int, device: torch.device, timeout_s: float,
+                 make_own_group: Optional[Callable[[], object]] = None):
         self.group = group
         self.rank = rank
         self.world_size = world_size
         self.device = device
         self.timeout_s = timeout_s
-        self.own_group = own_group
+        self._make_own_group = make_own_group
+        self.own_group = None
         self.broken = False
+
+    def _own(self, stage: str):
+        """The group of our own (made now if not yet), or None."""
+        if self._make_own_group is not None:
+            make, self._make_own_group = self._make_own_group, None
+            try:
+                self.own_group = make()
+            except RuntimeError as exc:  # a peer that never makes its first call on this Buffer
+                self.broken = True
+                if "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
+                    raise CommTimeoutError(self.rank, None, stage, str(exc).splitlines()[0]) from exc
+                raise
+        return self.own_group
 
     def check_usable(self) -> None:
         if self.broken:
@@ -52,7 +68,7 @@ class Comm:
         """``[R, *t.shape]``: every rank's ``t``, in rank order."""
         t = t.contiguous()
         out = [torch.empty_like(t) for _ in range(self.world_size)]
-        if self.own_group is not None:
+        if self._own(stage) is not None:
             work = self.own_group.allgather([out], [t])
         else:
             work = dist.all_gather(out, t, group=self.group, async_op=True)
@@ -93,7 +109,7 @@ class Comm:
         row_bytes = [part_row_bytes(p) for p in parts]
         packed = torch.cat([as_byte_rows(p, num_send, b) for p, b in zip(parts, row_bytes)], dim=1)
         out = torch.empty(sum(recv_counts), sum(row_bytes), dtype=torch.uint8, device=self.device)
-        if self.own_group is not None:
+        if self._own(stage) is not None:
             work = self.own_group.alltoall_base(out, packed.contiguous(), list(recv_counts), list(send_counts))
         else:
             work = dist.all_to_all_single(out, packed.contiguous(), output_split_sizes=list(recv_counts),
@@ -106,17 +122,18 @@ class Comm:
         return PendingRows(unpack)
 
 
-def own_gloo_group(group, key: str, rank: int, world_size: int, timeout_s: float):
-    """A gloo process group over the ranks of ``group`` for one Buffer, met through the default store under
-    ``key`` (the same on every rank; building it is collective), or None where ``group`` is not a gloo group or
-    no store is reachable. Not registered with torch.distributed: call its methods."""
+def own_gloo_group_maker(group, key: str, rank: int, world_size: int,
+                         timeout_s: float) -> Optional[Callable[[], object]]:
+    """What makes a gloo process group over the ranks of ``group`` for one Buffer, met through the default store
+    under ``key`` (the same on every rank; making it is collective), or None where ``group`` is not a gloo group or
+    no store is reachable. The group is not registered with torch.distributed: call its methods."""
     from ..rendezvous import default_store
     store = default_store()
     if store is None or "gloo" not in str(dist.get_backend(group)).lower():
         return None
-    ranks = ",".join(map(str, dist.get_process_group_ranks(group)))
-    return dist.ProcessGroupGloo(dist.PrefixStore(f"deepcomm/reference/{ranks}/{key}/", store), rank, world_size,
-                                 datetime.timedelta(seconds=timeout_s))
+    prefix = f"deepcomm/reference/{','.join(map(str, dist.get_process_group_ranks(group)))}/{key}/"
+    return lambda: dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, world_size,
+                                         datetime.timedelta(seconds=timeout_s))
 
 
 class PendingRows:
