@@ -22,7 +22,8 @@ definition of it):
                        (words 5-15 are then 0)
   5     HIDDEN         x's hidden size (normal: x.shape[1], of the values for an FP8 pair; low-latency combine:
                        x.shape[2])
-  6     X_DTYPE        ``DTYPE_CODES`` of x (of the values for an FP8 pair)
+  6     X_DTYPE        ``DTYPE_CODES`` of x (of the values for an FP8 pair): 1 bfloat16, 2 float16, 3 float32,
+                       4 float64, 5 float8_e4m3fn
   7     SCALES         normal dispatch's FP8 scale format: 0 none, 1 fp32 per 128 values, 2 UE8M0 packed int32
   8     TOPK           slots per token that travel: topk_idx.shape[1] (fresh dispatch, low-latency calls), else
                        topk_weights.shape[1] (cached dispatch, combine), 0 without weights there
@@ -36,6 +37,13 @@ definition of it):
 
 May differ per rank: the token count, ``expert_alignment``, ``num_worst_tokens``, ``previous_event``,
 ``async_finish``, ``return_recv_hook`` (its send and receive halves are the same kernels), the values in the tensors.
+
+A backend takes part by setting ``takes_fingerprints = True``; Buffer then passes ``fingerprint=<words>`` to its
+``dispatch``, ``combine``, ``low_latency_dispatch`` and ``low_latency_combine``, and calls its ``reject(words)`` for a
+call this rank rejected before handing it over (the backend joins that call's first exchange with those words and
+returns; Buffer raises the rank's own error). Every kind of call must start with an exchange of the same fixed
+size, so that any two calls that meet pair up safely: the reference backend's is an all_gather of ``WORDS + R``
+int32 (the words, then a fresh dispatch's rows per destination rank, zeros in the other calls).
 """
 from __future__ import annotations
 
