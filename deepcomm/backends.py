@@ -112,8 +112,9 @@ def warn_if_fallback(choice: BackendChoice, rank: int) -> None:
 
 
 def make_backend(requested: str, group, config: Config, rank: int, world_size: int,
-                 device: torch.device) -> Tuple[object, BackendChoice]:
-    """Build the backend object for ``requested`` ("auto" | "cuda" | "reference"); returns ``(backend, choice)``."""
+                 device: torch.device, buffer_number: Optional[int] = None) -> Tuple[object, BackendChoice]:
+    """Build the backend object for ``requested`` ("auto" | "cuda" | "reference"); returns ``(backend, choice)``.
+    ``buffer_number``: the Buffer's number in its group, the same on every rank (rendezvous.wait_for_group)."""
     configure_from_env()
     choice = choose_backend(requested, group, config, world_size)
     warn_if_fallback(choice, rank)
@@ -124,7 +125,7 @@ def make_backend(requested: str, group, config: Config, rank: int, world_size: i
         from .cuda.backend import CudaBackend
         return CudaBackend(group, config, rank, world_size, device), choice
     from .reference import ReferenceBackend
-    return ReferenceBackend(group, config, rank, world_size, device), choice
+    return ReferenceBackend(group, config, rank, world_size, device, buffer_number), choice
 
 
 def internode_unavailable_reason(group, world_size: int, transport: str = "emulated",

@@ -10,7 +10,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from . import buffer_registry, route_only
+from . import agreement, buffer_registry, route_only
 from . import validation as v
 from .backends import group_device, make_backend
 from .call_check import CallChecker, resolve_check_calls
@@ -25,21 +25,22 @@ _buffer_ids = itertools.count(1)
 
 
 def _collective(op: str):
-    """A collective call of a Buffer. With check_calls on (deepcomm/call_check.py) the call's signature is compared
-    across ranks right before the backend runs (Buffer._agree); a ValueError of this rank's own validation before
-    that point is published instead, so the other ranks raise too instead of waiting for this rank's kernels."""
+    """A collective call of a Buffer: numbered (``Buffer._calls``, the same on every rank) and compared across ranks
+    right before the backend runs (``Buffer._agree``: its fingerprint, deepcomm/agreement.py, goes to the backend,
+    which compares it in the call's first exchange; with check_calls on, deepcomm/call_check.py, the store compares
+    its signature first). An error of this rank's own before that point is made known instead (``Buffer._reject``),
+    so the other ranks raise too instead of pairing this call's exchange with this rank's next call."""
     def wrap(method):
         @functools.wraps(method)
         def call(self, *args, **kwargs):
-            if self._call_checker is None:
-                return method(self, *args, **kwargs)
+            self._calls += 1
             self._pending_op = op
             try:
                 return method(self, *args, **kwargs)
-            except ValueError as e:
+            except Exception as e:
                 if self._pending_op is not None:
                     self._pending_op = None
-                    self._call_checker.agree(op, {}, error=str(e))
+                    self._reject(op, e)
                 raise
             finally:
                 self._pending_op = None
@@ -58,6 +59,8 @@ class Buffer:
         self._backend = None
         self._call_checker = None
         self._pending_op = None
+        self._calls = 0  # collective calls made on this Buffer (agreement.Word.CALL)
+        self._takes_fingerprints = False
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("deepcomm.Buffer: torch.distributed is not initialized "
                                "(call torch.distributed.init_process_group first)")
@@ -97,10 +100,13 @@ class Buffer:
         if check_calls and number is not None:
             self._call_checker = CallChecker(default_store(), self._group, self._rank, self._world_size,
                                              self.config.timeout_s, f"b{number}")
+        self._buffer_word = 0 if number is None else number + 1  # agreement.Word.BUFFER
         self._backend, choice = make_backend(backend, self._group, self.config, self._rank, self._world_size,
-                                             self._device)
+                                             self._device, number)
         self._backend_name = choice.name
         log_buffer_created(self, choice)
+        # the backend compares fingerprints in each call's first exchange and has reject() (deepcomm/agreement.py)
+        self._takes_fingerprints = bool(getattr(self._backend, "takes_fingerprints", False))
         # dtypes of a non-FP8 x the backend takes in normal mode (the CUDA backend: bf16 only)
         self._x_dtypes = tuple(getattr(self._backend, "x_dtypes", (torch.bfloat16,)))
         buffer_registry.register(self)  # for the custom ops of torch.compile (deepcomm/custom_ops.py)
@@ -184,10 +190,13 @@ class Buffer:
         if handle is None and is_token_in_rank is not None:  # ---- route-only (deepcomm/route_only.py) ----
             num_experts = route_only.check_inputs(self, num_tokens, is_token_in_rank, topk_idx, topk_weights,
                                                   num_experts, num_tokens_per_expert, num_worst_tokens)
-            self._agree(dict(self._dispatch_fields(x, topk_idx, topk_weights, num_experts, None), route_only=True,
-                             expert_counts=num_tokens_per_expert is not None))
+            agreed = self._agree(
+                lambda: dict(self._dispatch_fields(x, topk_idx, topk_weights, num_experts, None), route_only=True,
+                             expert_counts=num_tokens_per_expert is not None),
+                lambda: agreement.dispatch(self._calls, self._buffer_word, x, topk_idx, topk_weights, num_experts,
+                                           None))
             out = route_only.dispatch(self, backend, x, is_token_in_rank, topk_idx, topk_weights, num_experts,
-                                      num_tokens_per_expert, expert_alignment, previous_event, async_finish)
+                                      num_tokens_per_expert, expert_alignment, previous_event, async_finish, agreed)
             out[-1].buffer_id = self.buffer_id
             return out
         if is_token_in_rank is not None or num_tokens_per_expert is not None:
@@ -204,9 +213,11 @@ class Buffer:
             if topk_weights is not None:
                 shape = tuple(topk_idx.shape) if topk_idx is not None else (num_tokens, None)
                 v.check_topk_weights(topk_weights, shape, self._device)
-            if self._call_checker is not None:  # the fields cost host time: only built when compared
-                self._agree(self._dispatch_fields(x, topk_idx, topk_weights, handle.num_experts, handle))
-            return backend.dispatch(x, None, topk_weights, handle.num_experts, handle, expert_alignment, **extra)
+            agreed = self._agree(lambda: self._dispatch_fields(x, topk_idx, topk_weights, handle.num_experts, handle),
+                                 lambda: agreement.dispatch(self._calls, self._buffer_word, x, topk_idx,
+                                                            topk_weights, None, handle))
+            return backend.dispatch(x, None, topk_weights, handle.num_experts, handle, expert_alignment, **extra,
+                                    **agreed)
         if topk_idx is None:
             v.fail("topk_idx", "required when no handle is given")
         v.check_num_experts(num_experts, self._world_size)
@@ -214,10 +225,11 @@ class Buffer:
                          check_values=not getattr(backend, "checks_expert_ids_on_device", False))
         if topk_weights is not None:
             v.check_topk_weights(topk_weights, tuple(topk_idx.shape), self._device)
-        if self._call_checker is not None:
-            self._agree(self._dispatch_fields(x, topk_idx, topk_weights, num_experts, None))
-        out = backend.dispatch(x, topk_idx, topk_weights, num_experts, None, expert_alignment, **extra)
-        out[-1].buffer_id = self.buffer_id
+        agreed = self._agree(lambda: self._dispatch_fields(x, topk_idx, topk_weights, num_experts, None),
+                             lambda: agreement.dispatch(self._calls, self._buffer_word, x, topk_idx, topk_weights,
+                                                        num_experts, None))
+        out = backend.dispatch(x, topk_idx, topk_weights, num_experts, None, expert_alignment, **extra, **agreed)
+        out[-1].buffer_id, out[-1].call = self.buffer_id, self._calls
         return out
 
     @_collective("combine")
@@ -232,11 +244,12 @@ class Buffer:
         if topk_weights is not None:
             v.check_topk_weights(topk_weights, (handle.num_recv, None), self._device)
         self._check_stream_args(previous_event, async_finish)
-        if self._call_checker is not None:
-            self._agree({"hidden": x.shape[1], "dtype": str(x.dtype), "topk_weights": topk_weights is not None,
-                         "use_fp8": use_fp8})
+        agreed = self._agree(lambda: {"hidden": x.shape[1], "dtype": str(x.dtype),
+                                      "topk_weights": topk_weights is not None, "use_fp8": use_fp8},
+                             lambda: agreement.combine(self._calls, self._buffer_word, x, handle, topk_weights,
+                                                       use_fp8))
         return backend.combine(x, handle, topk_weights, previous_event=previous_event, async_finish=async_finish,
-                               use_fp8=use_fp8)
+                               use_fp8=use_fp8, **agreed)
 
     @property
     def event(self):
@@ -244,11 +257,23 @@ class Buffer:
         on the reference backend, whose calls finish before they return)."""
         return getattr(self._live(), "event", None)
 
-    def _agree(self, fields) -> None:
-        """With check_calls on: this call's signature against every rank's (deepcomm/call_check.py)."""
+    def _agree(self, fields, fingerprint) -> dict:
+        """From here on the backend owns the call (its errors are every rank's). With check_calls on: this call's
+        signature against every rank's (deepcomm/call_check.py). Returns the backend call's keyword arguments:
+        ``fingerprint=fingerprint()``, the call's words (deepcomm/agreement.py), for a backend that takes them."""
+        words = fingerprint() if self._takes_fingerprints else None
+        op, self._pending_op = self._pending_op, None
+        if self._call_checker is not None:  # the fields cost host time: built only when compared
+            self._call_checker.agree(op, fields() if callable(fields) else fields)
+        return {} if words is None else {"fingerprint": words}
+
+    def _reject(self, op: str, error: Exception) -> None:
+        """This rank's call ``op`` raised ``error`` before its exchange: tell the other ranks, which are in that
+        exchange (or soon will be), so they raise naming this rank; the caller then raises ``error``."""
         if self._call_checker is not None:
-            op, self._pending_op = self._pending_op, None
-            self._call_checker.agree(op, fields)
+            self._call_checker.agree(op, {}, error=str(error))
+        elif self._takes_fingerprints and self._backend is not None:
+            self._backend.reject(agreement.rejected(op, self._calls, self._buffer_word, error))
 
     @staticmethod
     def _dispatch_fields(x, topk_idx, topk_weights, num_experts, handle) -> dict:
@@ -280,11 +305,15 @@ class Buffer:
                                      self.config.num_max_low_latency_tokens,
                                      check_values=not getattr(backend, "checks_low_latency_ids_on_device", False))
         self._check_hook_flag(return_recv_hook)
-        self._agree({"hidden": x.shape[1], "topk": topk_idx.shape[1], "num_experts": num_experts,
-                     "num_max_dispatch_tokens_per_rank": num_max_dispatch_tokens_per_rank, "use_fp8": use_fp8})
+        agreed = self._agree({"hidden": x.shape[1], "topk": topk_idx.shape[1], "num_experts": num_experts,
+                              "num_max_dispatch_tokens_per_rank": num_max_dispatch_tokens_per_rank, "use_fp8": use_fp8},
+                             lambda: agreement.low_latency_dispatch(self._calls, self._buffer_word, x, topk_idx,
+                                                                    num_max_dispatch_tokens_per_rank, num_experts,
+                                                                    use_fp8, use_ue8m0))
         recv_x, recv_count, handle, hook = backend.low_latency_dispatch(
-            x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, use_ue8m0, return_recv_hook)
-        handle.buffer_id = self.buffer_id
+            x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, use_ue8m0, return_recv_hook,
+            **agreed)
+        handle.buffer_id, handle.call = self.buffer_id, self._calls
         return recv_x, recv_count, handle, hook
 
     @_collective("low_latency_combine")
@@ -298,10 +327,13 @@ class Buffer:
         self._check_hook_flag(return_recv_hook)
         if not isinstance(use_fp8, bool):
             v.fail("use_fp8", f"expected a bool, got {type(use_fp8).__name__}")
-        self._agree({"hidden": x.shape[2], "topk": topk_idx.shape[1], "use_fp8": use_fp8})
+        agreed = self._agree({"hidden": x.shape[2], "topk": topk_idx.shape[1], "use_fp8": use_fp8},
+                             lambda: agreement.low_latency_combine(self._calls, self._buffer_word, x, topk_idx, handle,
+                                                                   use_fp8))
         if use_fp8:
-            return backend.low_latency_combine(x, topk_idx, topk_weights, handle, return_recv_hook, use_fp8=True)
-        return backend.low_latency_combine(x, topk_idx, topk_weights, handle, return_recv_hook)
+            return backend.low_latency_combine(x, topk_idx, topk_weights, handle, return_recv_hook, use_fp8=True,
+                                               **agreed)
+        return backend.low_latency_combine(x, topk_idx, topk_weights, handle, return_recv_hook, **agreed)
 
     # ---- masking lost ranks (low-latency mode) ----------------------------------------------------------
     def mask_ranks(self, ranks: Iterable[int]) -> None:

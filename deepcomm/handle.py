@@ -31,6 +31,8 @@ class Handle:
     # what the internode kernels' forwarding decided (deepcomm/cuda/hier_kernels.py NodeRoute), for their
     # combine; None elsewhere
     node_route: Optional[object] = None
+    # which call on its Buffer made it (the dispatch's number; deepcomm/agreement.py, word HANDLE): 0 until set
+    call: int = 0
 
 
 @dataclass
@@ -47,3 +49,4 @@ class LowLatencyHandle:
     # which half of the double-buffered receive area (CUDA backend); a 0-d int32 CPU tensor in a handle that
     # deepcomm.ops.low_latency_dispatch made inside a torch.compile graph
     slot: Union[int, torch.Tensor] = 0
+    call: int = 0                          # the number of the dispatch that made it on its Buffer (0 until set)

@@ -112,14 +112,16 @@ def check_inputs(buffer, num_tokens: int, is_token_in_rank, topk_idx, topk_weigh
 
 def dispatch(buffer, backend, x, is_token_in_rank: torch.Tensor, topk_idx: Optional[torch.Tensor],
              topk_weights: Optional[torch.Tensor], num_experts: int,
-             num_tokens_per_expert: Optional[torch.Tensor], expert_alignment: int, previous_event, async_finish):
+             num_tokens_per_expert: Optional[torch.Tensor], expert_alignment: int, previous_event, async_finish,
+             agreed: Optional[dict] = None):
     """``(recv_x, recv_topk_idx or None, recv_topk_weights or None, num_recv_tokens_per_expert or None, handle)``.
-    Inputs validated (``check_inputs``); ``buffer`` is the calling ``deepcomm.Buffer``."""
+    Inputs validated (``check_inputs``); ``buffer`` is the calling ``deepcomm.Buffer``; ``agreed``: the keyword
+    arguments of the call's fingerprint (Buffer._agree), for the first of its backend calls."""
     rank, world = buffer.rank, buffer.world_size
     experts_per_rank = num_experts // world
     stream = dict(previous_event=previous_event, async_finish=async_finish)
     pseudo = pseudo_topk(is_token_in_rank, experts_per_rank)
-    recv_x, _, _, _, handle = backend.dispatch(x, pseudo, None, num_experts, None, 1, **stream)
+    recv_x, _, _, _, handle = backend.dispatch(x, pseudo, None, num_experts, None, 1, **stream, **(agreed or {}))
 
     recv_idx = recv_w = None
     if topk_idx is not None or topk_weights is not None:

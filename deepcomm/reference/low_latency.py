@@ -6,11 +6,11 @@ expert, then token, then slot. Combine sends the rows back in that same order.
 """
 from __future__ import annotations
 
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 import torch
 
-from .. import layout
+from .. import agreement, layout
 from ..fp8 import BLOCK, per_token_cast_back, per_token_cast_to_fp8
 from ..handle import LowLatencyHandle
 from .collectives import Comm
@@ -39,8 +39,11 @@ def _entries_by_expert(topk_idx: torch.Tensor, num_experts: int, per_expert: tor
 
 
 def dispatch(comm: Comm, x: torch.Tensor, topk_idx: torch.Tensor, max_tokens: int, num_experts: int,
-             use_fp8: bool, use_ue8m0: bool, return_recv_hook: bool):
-    """Returns ``(recv_x, recv_count, handle, hook)``."""
+             use_fp8: bool, use_ue8m0: bool, return_recv_hook: bool,
+             fingerprint: Optional[agreement.Fingerprint] = None):
+    """Returns ``(recv_x, recv_count, handle, hook)``. ``fingerprint``: compared across ranks in a words-only
+    exchange first (the counts exchange below has num_experts entries, a size the ranks must agree on first)."""
+    comm.agree(fingerprint, "low_latency_dispatch:agree")
     rank, world, device = comm.rank, comm.world_size, comm.device
     num_tokens, hidden = x.shape
     num_slots = topk_idx.shape[1]
@@ -100,13 +103,16 @@ def dispatch(comm: Comm, x: torch.Tensor, topk_idx: torch.Tensor, max_tokens: in
 
 
 def combine(comm: Comm, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-            handle: LowLatencyHandle, return_recv_hook: bool, use_fp8: bool = False):
+            handle: LowLatencyHandle, return_recv_hook: bool, use_fp8: bool = False,
+            fingerprint: Optional[agreement.Fingerprint] = None):
     """Returns ``(combined_x, hook)``; ``combined_x`` is bf16 ``[T, H]``.
 
     Each rank holding experts of a token sums its weighted rows in fp32 (slots ascending) into one partial; the
     partials are added in fp32 over the ranks ascending and rounded once to bf16. A partial from another rank
     crosses the link as bf16 (rounded once); with ``use_fp8`` it travels instead as ``per_token_cast_to_fp8``
-    values and scales and is dequantized (``per_token_cast_back``). Our own partial is used as is (fp32)."""
+    values and scales and is dequantized (``per_token_cast_back``). Our own partial is used as is (fp32).
+    ``fingerprint``: compared across ranks in a words-only exchange before any row moves."""
+    comm.agree(fingerprint, "low_latency_combine:agree")
     world, device = comm.world_size, comm.device
     num_local, rows_per_expert, hidden = x.shape
     num_tokens, num_slots = topk_idx.shape

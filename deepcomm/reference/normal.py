@@ -6,7 +6,7 @@ from typing import List, Optional, Tuple, Union
 
 import torch
 
-from .. import layout
+from .. import agreement, layout
 from ..fp8 import per_token_cast_back, per_token_cast_to_fp8
 from ..handle import Handle
 from .collectives import Comm
@@ -15,8 +15,11 @@ Payload = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 
 
 def dispatch(comm: Comm, x: Payload, topk_idx: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor],
-             num_experts: Optional[int], handle: Optional[Handle], expert_alignment: int):
-    """Returns ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert, handle)``."""
+             num_experts: Optional[int], handle: Optional[Handle], expert_alignment: int,
+             fingerprint: Optional[agreement.Fingerprint] = None):
+    """Returns ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert, handle)``. ``fingerprint``:
+    the call's words (deepcomm/agreement.py), compared across ranks in its first exchange (the counts of a fresh
+    dispatch, a words-only exchange of a cached one) before any row moves."""
     rank, world = comm.rank, comm.world_size
     is_pair = isinstance(x, (tuple, list))
     rows = list(x) if is_pair else [x]
@@ -26,8 +29,9 @@ def dispatch(comm: Comm, x: Payload, topk_idx: Optional[torch.Tensor], topk_weig
         is_token_in_rank = layout.token_in_rank(topk_idx, num_experts, world)
         send_pos = layout.send_positions(is_token_in_rank)
         sent_per_rank = is_token_in_rank.sum(dim=0, dtype=torch.int32)
-        count_matrix = comm.all_gather(sent_per_rank, "dispatch:counts")
+        count_matrix = comm.agree(fingerprint, "dispatch:counts", counts=sent_per_rank)
     else:
+        comm.agree(fingerprint, "dispatch:agree")
         is_token_in_rank, send_pos, count_matrix = handle.is_token_in_rank, handle.send_pos, handle.count_matrix
     counts = count_matrix.tolist()
     send_counts = counts[rank]
@@ -73,7 +77,8 @@ def dispatch_outputs(received: List[torch.Tensor], num_x_parts: int, is_pair: bo
 
 
 def combine(comm: Comm, x: torch.Tensor, handle: Handle, topk_weights: Optional[torch.Tensor],
-            use_fp8: bool = False, gpus_per_node: Optional[int] = None):
+            use_fp8: bool = False, gpus_per_node: Optional[int] = None,
+            fingerprint: Optional[agreement.Fingerprint] = None):
     """Returns ``(combined_x, combined_topk_weights)``: per token, the fp32 sum of its rows, grouped as the
     hierarchical path adds them: within each node over its ranks ascending, then the node partials over nodes
     ascending (docs/internode.md). One node (``gpus_per_node`` None or the world size) or one GPU per node both
@@ -81,7 +86,10 @@ def combine(comm: Comm, x: torch.Tensor, handle: Handle, topk_weights: Optional[
 
     ``use_fp8``: every row travels as ``per_token_cast_to_fp8`` values and fp32 scales and is dequantized
     (``per_token_cast_back``, one fp32 multiply per element) before the fp32 sum; the rows a rank sends to itself
-    never cross a link and are summed from ``x`` unchanged, as the CUDA kernel does."""
+    never cross a link and are summed from ``x`` unchanged, as the CUDA kernel does.
+
+    ``fingerprint``: compared across ranks in a words-only exchange before any row moves."""
+    comm.agree(fingerprint, "combine:agree")
     rank, world = comm.rank, comm.world_size
     counts = handle.count_matrix.tolist()
     # Rows go back to their source ranks (our rows are already grouped by source); we receive, from each
