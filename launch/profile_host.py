@@ -70,21 +70,28 @@ def _primitives(dev):
     return out
 
 
-def worker(rank, world, tokens_list, hidden, num_sms, json_path):
+def setup_calls(rank, tokens, hidden, num_sms):
+    """A CUDA Buffer and the DeepSeek-V3-shaped inputs of one rank (top-8 of 256 experts), with one fresh dispatch
+    made: ``(buf, idx, w, x, fp8, handle, y)``, y being expert outputs for that dispatch's rows."""
     import deepcomm
     from deepcomm.fp8 import per_token_cast_to_fp8
     dev = torch.device("cuda", rank)
+    buf = deepcomm.Buffer(max_tokens_per_rank=tokens, hidden=hidden, backend="cuda", num_sms=num_sms)
+    g = torch.Generator(device=dev).manual_seed(rank)
+    idx = torch.rand(tokens, 256, device=dev, generator=g).topk(8, dim=1).indices
+    w = torch.rand(tokens, 8, device=dev, generator=g)
+    x = torch.randn(tokens, hidden, device=dev, generator=g).to(torch.bfloat16)
+    fp8 = per_token_cast_to_fp8(x)
+    recv, _, _, _, h = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=256)
+    return buf, idx, w, x, fp8, h, torch.randn_like(recv)
+
+
+def worker(rank, world, tokens_list, hidden, num_sms, json_path):
+    dev = torch.device("cuda", rank)
     rows = []
     for tokens in tokens_list:
-        buf = deepcomm.Buffer(max_tokens_per_rank=tokens, hidden=hidden, backend="cuda", num_sms=num_sms)
+        buf, idx, w, x, fp8, h, y = setup_calls(rank, tokens, hidden, num_sms)
         be = buf._backend
-        g = torch.Generator(device=dev).manual_seed(rank)
-        idx = torch.rand(tokens, 256, device=dev, generator=g).topk(8, dim=1).indices
-        w = torch.rand(tokens, 8, device=dev, generator=g)
-        x = torch.randn(tokens, hidden, device=dev, generator=g).to(torch.bfloat16)
-        fp8 = per_token_cast_to_fp8(x)
-        recv, _, _, _, h = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=256)
-        y = torch.randn_like(recv)
         cases = {
             "fresh dispatch bf16": (lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=256), be),
             "fresh dispatch fp8": (lambda: buf.dispatch(fp8, topk_idx=idx, topk_weights=w, num_experts=256), be),

@@ -30,17 +30,8 @@ def _timed(fn, iters=30, wait_for_device=True):
 
 
 def worker(rank, world, tokens, hidden, num_sms):
-    import deepcomm
-    from deepcomm.fp8 import per_token_cast_to_fp8
-    dev = torch.device("cuda", rank)
-    buf = deepcomm.Buffer(max_tokens_per_rank=tokens, hidden=hidden, backend="cuda", num_sms=num_sms)
-    g = torch.Generator(device=dev).manual_seed(rank)
-    idx = torch.rand(tokens, 256, device=dev, generator=g).topk(8, dim=1).indices
-    w = torch.rand(tokens, 8, device=dev, generator=g)
-    x = torch.randn(tokens, hidden, device=dev, generator=g).to(torch.bfloat16)
-    fp8 = per_token_cast_to_fp8(x)
-    recv, _, _, _, h = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=256)
-    y = torch.randn_like(recv)
+    from profile_host import setup_calls  # launch/ is this script's directory
+    buf, idx, w, x, fp8, h, y = setup_calls(rank, tokens, hidden, num_sms)
     res = {
         "fresh bf16": _timed(lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=256)),
         "fresh fp8": _timed(lambda: buf.dispatch(fp8, topk_idx=idx, topk_weights=w, num_experts=256)),
