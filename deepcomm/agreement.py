@@ -115,8 +115,8 @@ def dispatch(call: int, buffer: int, x, topk_idx, topk_weights, num_experts: int
     values, scales = (x[0], x[1]) if isinstance(x, (tuple, list)) else (x, None)
     scale_format = (SCALES_NONE if scales is None else SCALES_FP32 if scales.dtype == torch.float32
                     else SCALES_UE8M0)
-    if handle is None:
-        topk = topk_idx.shape[1]
+    if handle is None:  # a route-only dispatch may have no ids
+        topk = topk_idx.shape[1] if topk_idx is not None else 0
     else:  # a cached dispatch sends no ids: only the weights' columns travel
         topk = topk_weights.shape[1] if topk_weights is not None else 0
     return make(Op.DISPATCH, call, buffer, hidden=values.shape[1], x_dtype=DTYPE_CODES[values.dtype],
