@@ -87,7 +87,7 @@ def test_round_calls_rail_peers_only():
 def test_slot_fits_the_hierarchical_rows():
     """One receive slot holds what a rail rank can send us in one round: a row per token of its own, the widest
     being the fp32 combine partial (fp32 x + fp32 weights) or the dispatch row; both transports size it alike."""
-    from deepcomm.cuda.internode import TOPK_MAX, max_node_row_bytes, max_row_bytes, rail_slot_bytes
+    from deepcomm.cuda.internode_rows import TOPK_MAX, max_node_row_bytes, max_row_bytes, rail_slot_bytes
     for H in (256, 2880, 7168):
         partial = (4 * H + 4 * TOPK_MAX + 15) // 16 * 16
         assert max_row_bytes(H) == max(partial, max_node_row_bytes(H)) == partial
@@ -155,7 +155,7 @@ class _SymmetricStandIn(NvshmemTransport):
 def _worker(rank, world, G, folder):
     from deepcomm.cuda.hier_comm import HierComm
     from deepcomm.cuda.hier_normal import combine, dispatch
-    from deepcomm.cuda.internode import max_node_row_bytes, rail_slot_bytes
+    from deepcomm.cuda.internode_rows import max_node_row_bytes, rail_slot_bytes
     from deepcomm.fp8 import per_token_cast_to_fp8
     from deepcomm.reference import normal
     from deepcomm.reference.collectives import Comm
@@ -225,18 +225,17 @@ def test_buffer_rejects_unknown_transport():
 
 def test_several_hosts_need_the_nvshmem_transport(monkeypatch):
     from deepcomm import backends
-    from deepcomm.cuda import internode
-    monkeypatch.setattr(internode, "hosts_of", lambda group: ["a", "b"])
+    monkeypatch.setattr(backends, "hosts_of", lambda group: ["a", "b"])
     assert "DEEPCOMM_INTERNODE_TRANSPORT=nvshmem" in backends.internode_unavailable_reason(None, 2, "emulated")
     assert backends.internode_unavailable_reason(None, 2, "nvshmem") is None
     assert "at most 32 ranks" in backends.internode_unavailable_reason(None, 33, "nvshmem")
-    monkeypatch.setattr(internode, "hosts_of", lambda group: ["a", "a"])
+    monkeypatch.setattr(backends, "hosts_of", lambda group: ["a", "a"])
     assert backends.internode_unavailable_reason(None, 2, "emulated") is None
     # 2 nodes x 2 GPUs: each node on its own host is fine over NVSHMEM; a node split over hosts is not
-    monkeypatch.setattr(internode, "hosts_of", lambda group: ["a", "a", "b", "b"])
+    monkeypatch.setattr(backends, "hosts_of", lambda group: ["a", "a", "b", "b"])
     assert backends.internode_unavailable_reason(None, 4, "nvshmem", 2) is None
     assert "several hosts; the internode CUDA" in backends.internode_unavailable_reason(None, 4, "emulated", 2)
-    monkeypatch.setattr(internode, "hosts_of", lambda group: ["a", "b", "a", "b"])
+    monkeypatch.setattr(backends, "hosts_of", lambda group: ["a", "b", "a", "b"])
     assert "node 0 (gpus_per_node=2) are on several hosts (a, b)" in \
         backends.internode_unavailable_reason(None, 4, "nvshmem", 2)
 
