@@ -27,11 +27,12 @@ import torch
 from ..config import Config
 from ..hosts import hosts_of
 from ..reference import normal
+from ..validation import MAX_TOPK
 from . import hier_kernels, hier_normal
 from .hier_comm import HierComm
 from .hier_kernels import HierKernels
 from .internode_ll import InternodeLowLatency, low_latency_memory_for
-from .internode_rows import TOPK_MAX, max_node_row_bytes
+from .internode_rows import max_node_row_bytes
 from .nic_transport import NicTransport
 from .node_link import NodeLink
 from .nvshmem_transport import NvshmemTransport
@@ -82,8 +83,8 @@ class InternodeBackend:
         return layout.get_dispatch_layout(topk_idx, num_experts, self.world_size)
 
     def _check_topk(self, k: int) -> None:
-        if k > TOPK_MAX:
-            raise ValueError(f"topk_idx: at most {TOPK_MAX} experts per token on the internode backend, got {k}")
+        if k > MAX_TOPK:
+            raise ValueError(f"topk_idx: at most {MAX_TOPK} experts per token on the internode backend, got {k}")
 
     def _normal_mode_check(self) -> None:
         """Normal mode needs every rank, and a Buffer a low-latency timeout broke is done (as on one node); an

@@ -2,22 +2,21 @@
 the receive slot of one rail rank."""
 from __future__ import annotations
 
+from ..validation import MAX_TOPK  # top-k slots a row has room for
 from .align import round_up
-
-TOPK_MAX = 32  # top-k slots a row has room for
 
 
 def max_node_row_bytes(hidden: int) -> int:
     """Widest row the NVLink hop carries: a dispatch row of bf16 x (FP8 values + scales are narrower), int64
     top-k ids, fp32 top-k weights, an int32 source index and an int32 node mask, padded to 16 bytes (combine
     rows, bf16 x + weights + source index, are narrower)."""
-    return round_up(2 * hidden + TOPK_MAX * 12 + 8, 16)
+    return round_up(2 * hidden + MAX_TOPK * 12 + 8, 16)
 
 
 def max_row_bytes(hidden: int) -> int:
     """Widest row an RDMA exchange carries: a dispatch row, or a combine partial of several rows (fp32 x and
     fp32 weights)."""
-    return max(max_node_row_bytes(hidden), round_up(4 * hidden + TOPK_MAX * 4, 16))
+    return max(max_node_row_bytes(hidden), round_up(4 * hidden + MAX_TOPK * 4, 16))
 
 
 def rail_slot_bytes(max_tokens: int, hidden: int) -> int:
