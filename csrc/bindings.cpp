@@ -5,7 +5,10 @@
 #include <cstring>
 
 #include "kernels/api.hpp"
+#include "kernels/ll_phases.hpp"
+#include "kernels/ll_trace_points.hpp"
 #include "kernels/ptx_selftest.hpp"
+#include "kernels/topk_max.hpp"
 #include "../ptx/bswap.cuh"
 #include "runtime/cuda_check.hpp"
 #include "runtime/error_record.cuh"
@@ -65,6 +68,31 @@ PYBIND11_MODULE(_C, m) {
   m.attr("MAX_BLOCKS") = kMaxBlocks;
   m.attr("DISPATCH_COUNTS_BYTES") = int64_t(sizeof(DispatchCounts));
   m.attr("COUNTS_MAX_EXPERTS") = kCountsMaxExperts;
+  m.attr("TOPK_MAX") = kTopkMax;
+  {  // enum WaitStage (runtime/error_record.cuh): the numbers the kernels write into the error record
+    py::dict s;
+    s["notify_counts"] = int(kStageNotifyCounts); s["dispatch_mailbox"] = int(kStageDispatchMailbox);
+    s["dispatch_done"] = int(kStageDispatchDone); s["combine_ready"] = int(kStageCombineReady);
+    s["combine_token"] = int(kStageCombineToken); s["barrier"] = int(kStageBarrier);
+    s["ll_counts"] = int(kStageLlCounts); s["ll_dispatch_data"] = int(kStageLlDispatchData);
+    s["ll_combine_data"] = int(kStageLlCombineData); s["ll_combine_weights"] = int(kStageLlCombineWeights);
+    s["qp_room"] = int(kStageQpRoom); s["qp_turn"] = int(kStageQpTurn); s["qp_quiet"] = int(kStageQpQuiet);
+    s["nic_doorbell"] = int(kStageNicDoorbell); s["qp_error_cqe"] = int(kStageQpErrorCqe);
+    s["qp_signal"] = int(kStageQpSignal); s["internode_credit"] = int(kStageInternodeCredit);
+    s["nvshmem_credit"] = int(kStageNvshmemCredit); s["nvshmem_signal"] = int(kStageNvshmemSignal);
+    s["node_barrier"] = int(kStageNodeBarrier); s["hier_free"] = int(kStageHierFree);
+    s["hier_arrive"] = int(kStageHierArrive); s["hier_local"] = int(kStageHierLocal);
+    s["invalid_ids"] = int(kStageInvalidIds); s["overflow"] = int(kStageOverflow);
+    s["ll_invalid_ids"] = int(kStageLlInvalidIds); s["ll_duplicate_ids"] = int(kStageLlDuplicateIds);
+    m.attr("WAIT_STAGES") = s;
+  }
+  {  // enum LlPhases (kernels/ll_phases.hpp): which halves a low-latency launch runs
+    py::dict p;
+    p["send"] = int(kLlSendPhase); p["recv"] = int(kLlRecvPhase); p["both"] = int(kLlBothPhases);
+    p["weights"] = int(kLlWeightsPhase);
+    m.attr("LL_PHASES") = p;
+  }
+  m.attr("LL_TRACE_POINTS") = kLlTracePoints;  // int64 stamps per block in a low-latency trace
   {
     py::dict f;
     f["begin"] = int(kCallBegin); f["notify"] = int(kCallNotify); f["bump"] = int(kCallBump);

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from ._ext import extension_error, load_extension
 from .config import Config
+from .hosts import hosts_of
 from .log import configure_from_env
 
 BACKENDS = ("auto", "cuda", "reference")
@@ -135,7 +136,7 @@ def internode_unavailable_reason(group, world_size: int, transport: str = "emula
     NVLink, so every rank must be on one host. The "nvshmem" transport leaves the reaching to NVSHMEM, so ranks
     may span hosts (not tested across hosts yet: docs/internode.md), but the NVLink hop inside a node maps its
     peers' memory with CUDA IPC, so the ranks of one node (``gpus_per_node`` consecutive ranks) share a host."""
-    from .cuda.internode import MAX_RANKS, hosts_of
+    from .cuda.nic_transport import MAX_RANKS
     if world_size > MAX_RANKS:
         return f"the internode transport takes at most {MAX_RANKS} ranks, the group has {world_size}"
     hosts = hosts_of(group)

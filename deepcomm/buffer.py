@@ -13,11 +13,11 @@ import torch.distributed as dist
 from . import agreement, buffer_registry, route_only
 from . import validation as v
 from .backends import group_device, make_backend
+from .buffer_report import log_buffer_created
 from .call_check import CallChecker, resolve_check_calls
 from .config import DEFAULT_HIDDEN, DEFAULT_TIMEOUT_S, Config, default_num_sms
 from .gpu_share import GPU_SMS_ENV, usable_sms
 from .handle import Handle, LowLatencyHandle
-from .log import log_buffer_created
 from .rendezvous import default_store, wait_for_group
 from .topology import resolve_topology
 

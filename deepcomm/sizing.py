@@ -23,9 +23,9 @@ def nvl_buffer_bytes(num_ranks: int, max_tokens_per_rank: int, hidden: int) -> O
     C = load_extension()
     if C is None:
         return None
-    from .cuda.backend import LOCAL_EXPERTS_CAP, TOPK_MAX, arena_sizes
+    from .cuda.backend import arena_sizes
     arena, bounce = arena_sizes(C, num_ranks, max_tokens_per_rank, hidden)
-    lay = C.nvl_layout(num_ranks, LOCAL_EXPERTS_CAP, max_tokens_per_rank, hidden, TOPK_MAX, arena + bounce)
+    lay = C.nvl_layout(num_ranks, C.COUNTS_MAX_EXPERTS, max_tokens_per_rank, hidden, C.TOPK_MAX, arena + bounce)
     return {"signals": lay["signal_bytes"], "combine_stage": lay["arena"] - lay["combine_stage"],
             "arena": lay["total"] - lay["arena"], "total": lay["total"]}
 
@@ -39,8 +39,7 @@ def ll_buffer_bytes(num_ranks: int, num_experts: int, max_tokens: int, hidden: i
     C = load_extension()
     if C is None:
         return None
-    from .cuda.ll_buffer import TOPK_MAX
-    return C.LlContext(0, num_ranks, num_experts, max_tokens, hidden, TOPK_MAX, outbox).layout()["total"]
+    return C.LlContext(0, num_ranks, num_experts, max_tokens, hidden, C.TOPK_MAX, outbox).layout()["total"]
 
 
 def _fmt(n: int) -> str:

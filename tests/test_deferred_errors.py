@@ -6,6 +6,7 @@ The same for the internode backend's low-latency mode (internode_ll.py), whose r
 import pytest
 import torch
 
+from deepcomm._ext import load_extension
 from deepcomm.cuda.backend import CudaBackend
 from deepcomm.cuda.error_record import DeviceErrorRecord
 from deepcomm.cuda.internode import InternodeBackend
@@ -14,8 +15,19 @@ from deepcomm.cuda.nvl_buffer import NvlBuffer
 from deepcomm.errors import CommTimeoutError
 
 
+# The stage numbers the kernels write (the extension's WAIT_STAGES); without the extension, those of the stages
+# these tests record, as csrc/runtime/error_record.cuh numbers them.
+WAIT_STAGES = getattr(load_extension(), "WAIT_STAGES", None) or {
+    "ll_dispatch_data": 8, "ll_combine_data": 9, "invalid_ids": 100, "overflow": 101, "ll_invalid_ids": 102,
+    "ll_duplicate_ids": 103}
+S = WAIT_STAGES
+
+
 class FakeRecord:
-    """The mapped-host error record: (flag, rank, peer, stage, seq, waited_ns); flag 2 = being written."""
+    """The extension's error-record calls on a mapped-host record: (flag, rank, peer, stage, seq, waited_ns); flag
+    2 = being written."""
+
+    WAIT_STAGES = WAIT_STAGES
 
     def __init__(self):
         self.record = (0, 0, 0, 0, 0, 0)
@@ -54,10 +66,10 @@ BACKENDS = [CudaBackend, InternodeLowLatency]
 def test_input_error_is_held_and_raised_after_the_call(cls):
     rec = FakeRecord()
     b = _backend(rec, cls)
-    rec.record = (1, 0, 1, 102, 7, 0)  # rank 1 passed bad low-latency ids
+    rec.record = (1, 0, 1, S["ll_invalid_ids"], 7, 0)  # rank 1 passed bad low-latency ids
     b._check(low_latency=True)  # the call goes on
     assert rec.record[0] == 0 and b._pending_input is not None
-    rec.record = (1, 0, 0, 103, 8, 0)  # another one, recorded while the first is held: stays recorded
+    rec.record = (1, 0, 0, S["ll_duplicate_ids"], 8, 0)  # another one, recorded while the first is held: stays recorded
     b._check(low_latency=True)
     assert rec.record[0] == 1
     with pytest.raises(ValueError, match="on rank 1 had expert ids outside"):
@@ -72,10 +84,10 @@ def test_input_error_is_held_and_raised_after_the_call(cls):
 def test_record_being_written_waits_and_timeouts_raise_at_once(cls):
     rec = FakeRecord()
     b = _backend(rec, cls)
-    rec.record = (2, 0, 1, 8, 3, 0)  # flag 2: the kernel is still writing it
+    rec.record = (2, 0, 1, S["ll_dispatch_data"], 3, 0)  # flag 2: the kernel is still writing it
     b._check(low_latency=True)
     assert b._pending_input is None and not b.nvl.broken
-    rec.record = (1, 0, 1, 8, 3, 5_000_000_000)  # a timed-out wait for rank 1's low-latency data
+    rec.record = (1, 0, 1, S["ll_dispatch_data"], 3, 5_000_000_000)  # a timed-out wait for rank 1's low-latency data
     with pytest.raises(CommTimeoutError):
         b._check(low_latency=True)
     assert b.nvl.broken and b.nvl.broken_peer == 1
@@ -86,11 +98,11 @@ def test_record_being_written_waits_and_timeouts_raise_at_once(cls):
 def test_check_error_modes():
     rec = FakeRecord()
     nvl = _nvl(rec)
-    rec.record = (1, 0, -1, 100, 1, 0)
+    rec.record = (1, 0, -1, S["invalid_ids"], 1, 0)
     assert nvl.check_error(defer_input=True, leave_input=True) is None and rec.record[0] == 1
     err = nvl.check_error(defer_input=True)
     assert isinstance(err, ValueError) and str(err).startswith("topk_idx:") and rec.record[0] == 0
-    rec.record = (1, 0, 1, 101, 1, 0)
+    rec.record = (1, 0, 1, S["overflow"], 1, 0)
     with pytest.raises(ValueError, match="num_worst_tokens: rank 1"):
         nvl.check_error()
 
@@ -101,7 +113,7 @@ def test_internode_normal_mode_reads_the_low_latency_record():
     rec = FakeRecord()
     backend = InternodeBackend.__new__(InternodeBackend)
     backend.ll = _backend(rec, InternodeLowLatency)
-    rec.record = (1, 0, 1, 102, 4, 0)  # bad ids in an earlier low-latency dispatch of rank 1
+    rec.record = (1, 0, 1, S["ll_invalid_ids"], 4, 0)  # bad ids in an earlier low-latency dispatch of rank 1
     backend._normal_mode_check()
     assert rec.record[0] == 1
     backend.ll._check(low_latency=True)
@@ -111,7 +123,8 @@ def test_internode_normal_mode_reads_the_low_latency_record():
     with pytest.raises(RuntimeError, match=r"ranks \[1\] are masked"):
         backend._normal_mode_check()
     backend.ll.nvl.masked = frozenset()
-    rec.record = (1, 0, 1, 9, 5, 3_000_000_000)  # a low-latency combine that timed out waiting for rank 1
+    # a low-latency combine that timed out waiting for rank 1
+    rec.record = (1, 0, 1, S["ll_combine_data"], 5, 3_000_000_000)
     with pytest.raises(CommTimeoutError, match="low_latency_combine:data"):
         backend._normal_mode_check()
     with pytest.raises(RuntimeError, match="destroy it"):

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from deepcomm.cuda.hier_kernels import _rdma_slots, nic_blocks_for, split_sms
+from deepcomm.cuda.hier_kernels import _rdma_slots
+from deepcomm.cuda.sm_split import nic_blocks_for, split_sms
 
 
 def test_split_sms_halves_and_leaves_room_for_poster_and_nics():

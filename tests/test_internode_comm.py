@@ -105,7 +105,7 @@ def _traffic(comm, stage, hop):
 def _worker(rank, world, G, folder):
     from deepcomm.cuda.hier_comm import HierComm
     from deepcomm.cuda.hier_normal import dispatch, combine
-    from deepcomm.cuda.internode import max_node_row_bytes, max_row_bytes
+    from deepcomm.cuda.internode_rows import max_node_row_bytes, max_row_bytes
     from deepcomm.fp8 import per_token_cast_to_fp8
     from deepcomm.reference import normal
     from deepcomm.reference.collectives import Comm

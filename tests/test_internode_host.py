@@ -15,7 +15,8 @@ pytestmark = pytest.mark.skipif(T is None or not hasattr(T, "internode_rounds_on
                                 reason="deepcomm._C (with the internode exchange) is not built")
 
 INLINE_MAX = 220
-STAGE_CREDIT, STAGE_NIC_DOORBELL = 26, 23
+STAGES = getattr(C, "WAIT_STAGES", {})  # enum WaitStage, exported by the extension
+STAGE_CREDIT, STAGE_NIC_DOORBELL = STAGES.get("internode_credit"), STAGES.get("nic_doorbell")
 
 
 def _wqes(sizes, chunk):

@@ -11,7 +11,7 @@ from deepcomm._ext import load_extension
 
 C = load_extension()
 pytestmark = pytest.mark.skipif(C is None, reason="deepcomm._C is not built (no nvcc at install time)")
-TOPK_MAX = 32  # deepcomm/cuda/ll_buffer.py
+TOPK_MAX = getattr(C, "TOPK_MAX", 0)  # what deepcomm/cuda/ll_buffer.py passes (csrc/kernels/topk_max.hpp)
 SHAPES = [(2, 256, 128, 7168), (8, 256, 128, 7168), (4, 32, 1, 2048), (2, 2, 256, 5120)]
 
 

@@ -13,8 +13,8 @@ C = load_extension()
 T = getattr(C, "transport", None)
 pytestmark = pytest.mark.skipif(T is None or not hasattr(T, "qp_traffic_on_host"),
                                 reason="deepcomm._C (with the device queue pair) is not built")
-STAGE_QP_ROOM = 20
-STAGE_NIC_DOORBELL = 23
+STAGES = getattr(C, "WAIT_STAGES", {})  # enum WaitStage, exported by the extension
+STAGE_QP_ROOM, STAGE_NIC_DOORBELL = STAGES.get("qp_room"), STAGES.get("nic_doorbell")
 
 
 def _wqebbs(nbytes, inline):

@@ -6,6 +6,8 @@
 #include "../../ptx/ptx.cuh"
 #include "../runtime/ll_layout.hpp"
 #include "../runtime/wait.cuh"
+#include "ll_phases.hpp"
+#include "ll_trace_points.hpp"
 
 namespace dc {
 
@@ -14,30 +16,12 @@ constexpr int kLlWarps = kLlThreads / 32;
 
 __device__ __forceinline__ bool ll_is_alive(uint32_t alive, int r) { return (alive >> r) & 1u; }
 
-// Diagnostics (DEEPCOMM_LL_TRACE=1, launch/profile_low_latency.py): thread 0 of every block stamps the global
-// timer at numbered points of a call into trace[block][point] (kLlTrace* below); nothing when trace is null.
-constexpr int kLlTracePoints = 10;
-enum LlTracePoint : int {
-  kLlTraceEntry = 0,      // kernel entry
-  kLlTraceSendData = 1,   // send: this block's rows stored
-  kLlTraceSendMeta = 2,   // dispatch send: keys / counts stored, before the finish
-  kLlTraceFinished = 3,   // send: fenced, and this block's arrival signalled to every rank
-  kLlTraceWeights = 4,    // combine send: our weights published, expert row bases known
-  kLlTraceArrived = 5,    // receive: every rank's arrival word reached
-  kLlTraceRecvMeta = 6,   // dispatch receive: expert bases and token counts known
-  kLlTraceEnd = 7,        // receive: this block's rows written
-  kLlTraceCounts = 8,     // dispatch send, block 0: the counts histogram done
-  kLlTraceRanked = 9,     // dispatch send, a row block: the entries of its tokens ranked
-};
+// Diagnostics: kLlTracePoints and the numbered points (ll_trace_points.hpp).
 __device__ __forceinline__ void ll_trace(uint64_t* trace, int point) {
   if (trace != nullptr && threadIdx.x == 0) trace[blockIdx.x * kLlTracePoints + point] = ptx::globaltimer_ns();
 }
 
-// Which halves a launch runs: the send half, the receive half (hook mode launches them apart, so no SM is held
-// in between), or both in one kernel (no hook: one launch per call, and a block goes on to receive as soon as the
-// data it waits for has landed). kLlWeightsPhase (combine only, with peers reached by puts): just the combine's
-// tagged weights, so the host can put them before the send half, which waits for every source's weights.
-enum LlPhases : int { kLlSendPhase = 1, kLlRecvPhase = 2, kLlBothPhases = 3, kLlWeightsPhase = 4 };
+// Which halves a launch runs: enum LlPhases (ll_phases.hpp, plain C++ so that the bindings can export it).
 
 // First thing in every low-latency kernel. Launched with programmatic dependent launch (LlContext::pdl), a kernel
 // can be resident before the kernel ahead of it in the stream ends: it waits here for that kernel to complete (its

@@ -7,7 +7,7 @@
 
 namespace dc {
 
-constexpr int kCountsMaxExperts = 1024;  // local experts per rank the record carries (LOCAL_EXPERTS_CAP)
+constexpr int kCountsMaxExperts = 1024;  // local experts per rank the record carries (COUNTS_MAX_EXPERTS)
 
 struct DispatchCounts {
   uint64_t tag;          // written last; 0 = never written

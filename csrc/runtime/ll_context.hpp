@@ -15,7 +15,7 @@ struct LlContext {
   int rank;
   ErrorRecord* err_device = nullptr;
   uint64_t timeout_ns = 100ull * 1000 * 1000 * 1000;
-  uint64_t* trace = nullptr;  // diagnostics: [kMaxBlocks][kLlTracePoints] timer stamps, or null (ll_common.cuh)
+  uint64_t* trace = nullptr;  // diagnostics: [kMaxBlocks][kLlTracePoints] timer stamps, or null (ll_trace_points.hpp)
   int pdl = 0;                // programmatic dependent launch: 0 off, 1 on with an early trigger, 2 on (ll_gate)
 
   // outbox: room for peers reached by puts (csrc/runtime/ll_layout.hpp "outbox")

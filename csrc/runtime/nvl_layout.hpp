@@ -20,11 +20,7 @@
 #pragma once
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define DC_HD __host__ __device__ __forceinline__
-#else
-#define DC_HD inline
-#endif
+#include "host_device.hpp"
 
 namespace dc {
 

@@ -9,12 +9,7 @@
 #include "../../ptx/atomic.cuh"
 #include "../../ptx/bswap.cuh"
 #include "../../ptx/ld_st.cuh"
-
-#if defined(__CUDACC__)
-#define DC_HD __host__ __device__ inline
-#else
-#define DC_HD inline
-#endif
+#include "../runtime/host_device.hpp"
 
 namespace dc::transport {
 

@@ -27,8 +27,6 @@ from .nvl_buffer import NvlBuffer
 
 Payload = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 
-LOCAL_EXPERTS_CAP = 1024  # experts per rank the count exchange can carry
-TOPK_MAX = 32             # one lane per top-k slot in the kernels
 ARENA_OUTPUTS = 4         # worst-case dispatch outputs the arena holds at once (plus one bounce area)
 OUTPUTS = ("x", "scales", "topk_idx", "topk_weights", "src_idx")
 
@@ -108,8 +106,8 @@ def _event_handle(event: torch.cuda.Event) -> int:
 
 
 def _worst_output_bytes(C, rows: int, hidden: int) -> int:
-    bf16 = C.dispatch_out_layout(rows, hidden * 2, 0, TOPK_MAX)["total"]
-    fp8 = C.dispatch_out_layout(rows, hidden, hidden // 128 * 4, TOPK_MAX)["total"]
+    bf16 = C.dispatch_out_layout(rows, hidden * 2, 0, C.TOPK_MAX)["total"]
+    fp8 = C.dispatch_out_layout(rows, hidden, hidden // 128 * 4, C.TOPK_MAX)["total"]
     return max(bf16, fp8)
 
 
@@ -140,8 +138,8 @@ class CudaBackend(LowLatencyCalls):
             load_library()
         arena, worst = arena_sizes(C, world_size, config.max_tokens_per_rank, config.hidden)
         with torch.cuda.device(device):
-            self.nvl = NvlBuffer(C, group, rank, world_size, device, LOCAL_EXPERTS_CAP, config.max_tokens_per_rank,
-                                 config.hidden, TOPK_MAX, arena + worst, config.timeout_s)
+            self.nvl = NvlBuffer(C, group, rank, world_size, device, C.COUNTS_MAX_EXPERTS,
+                                 config.max_tokens_per_rank, config.hidden, C.TOPK_MAX, arena + worst, config.timeout_s)
             self.comm_stream = torch.cuda.Stream(device)
         self.arena = Arena(self.nvl.arena_ptr, arena, device)
         self._releases_seen = 0  # arena releases already covered by a wait on the caller's stream (_order)

@@ -8,7 +8,7 @@ from typing import Dict
 import torch
 
 from ..errors import CommTimeoutError
-from .error_record import STAGES
+from .wait_stages import stage_text
 
 
 class DeviceQueuePair:
@@ -78,7 +78,7 @@ class DeviceQueuePair:
         """Raise CommTimeoutError if a device wait on this queue pair timed out (or saw an error CQE)."""
         flag, rank, peer, stage, seq, waited_ns = self.C.read_error(self.err_host)
         if flag:
-            raise CommTimeoutError(rank, None if peer < 0 else peer, STAGES.get(stage, f"stage {stage}"),
+            raise CommTimeoutError(rank, None if peer < 0 else peer, stage_text(self.C, stage),
                                    f"waited {waited_ns / 1e9:.3f} s")
 
     def close(self) -> None:

@@ -9,43 +9,7 @@ from typing import Optional
 import torch
 
 from ..errors import CommTimeoutError
-
-# Numbers written by the kernels (csrc/runtime/error_record.cuh, enum WaitStage) -> stage names.
-STAGES = {
-    1: "notify:counts",
-    2: "dispatch:mailbox",
-    3: "dispatch:done",
-    4: "combine:ready",
-    5: "combine:token",
-    6: "barrier",
-    7: "low_latency_dispatch:counts",  # retired (kept so the numbers stay stable)
-    8: "low_latency_dispatch:data",
-    9: "low_latency_combine:data",
-    10: "low_latency_combine:weights",
-    20: "qp:room (send queue full, no completions)",
-    21: "qp:turn (an earlier post never rang the doorbell)",
-    22: "qp:quiet (posted WQEs not completed)",
-    23: "nic:doorbell (device NIC waiting for WQEs)",
-    24: "qp:error_cqe (a WQE completed with an error)",
-    25: "qp:signal (waiting for a peer's fetch-add signal)",
-    26: "internode:credit (a peer has not freed its receive slot for us)",
-    27: "nvshmem:credit (a peer has not freed its receive slot for us)",
-    28: "nvshmem:signal (a peer's block for us has not landed)",
-    29: "node:barrier (a GPU of our node has not reached the NVLink hop's barrier)",
-    30: "hier:free (a GPU of our node has not freed its area for this call's rows)",
-    31: "hier:arrive (a GPU of our node has not finished putting its rows into our area)",
-    32: "hier:local (this call's own blocks did not finish packing or reducing)",
-}
-# Input problems found on the device (not timeouts): every rank stopped the call consistently.
-INPUT_ERRORS = {
-    100: "topk_idx: expert ids outside [-1, num_experts) on rank {peer_or_some}; nothing was dispatched",
-    101: "num_worst_tokens: rank {peer} receives more rows than num_worst_tokens; rows past it were dropped",
-    # low-latency dispatch checks on the device and raises at the next call, hook or synchronize()
-    102: "topk_idx: an earlier low_latency_dispatch on rank {peer} had expert ids outside [-1, num_experts); "
-         "those slots were dropped (sent nowhere)",
-    103: "topk_idx: an earlier low_latency_dispatch on rank {peer} had a token naming the same expert twice",
-}
-
+from .wait_stages import input_error_text, stage_text
 
 class DeviceErrorRecord:
     """The record (``err_dev`` for the kernels, ``err_host`` for us), the kernels' wait timeout in ns, and what a
@@ -77,24 +41,25 @@ class DeviceErrorRecord:
         flag, rank, peer, stage, seq, waited_ns = self.C.read_error(self.err_host)
         if flag != 1:
             return None
-        if stage in INPUT_ERRORS:
+        input_error = input_error_text(self.C, stage)
+        if input_error is not None:
             if leave_input:
                 return None
             self.C.clear_error(self.err_host)  # the Buffer stays usable
-            err = ValueError(INPUT_ERRORS[stage].format(peer=peer, peer_or_some="some rank" if peer < 0 else peer))
+            err = ValueError(input_error.format(peer=peer, peer_or_some="some rank" if peer < 0 else peer))
             if defer_input:
                 return err
             raise err
         if flag:
             self.broken, self.broken_peer = True, peer
-            raise CommTimeoutError(rank, peer, STAGES.get(stage, f"stage {stage}"),
+            raise CommTimeoutError(rank, peer, stage_text(self.C, stage),
                                    f"call #{seq}, waited {waited_ns / 1e9:.3f} s")
 
     def set_masked(self, ranks: frozenset) -> None:
         """After a timeout waiting for a peer that is now masked, the record is cleared and work may go on."""
         torch.cuda.synchronize(self.device)  # queued kernels gave up at once after the record was set
         flag, _, peer, stage, _, _ = self.C.read_error(self.err_host)
-        if flag and stage not in INPUT_ERRORS and not self.broken:
+        if flag and input_error_text(self.C, stage) is None and not self.broken:
             self.broken, self.broken_peer = True, peer
         if self.broken and self.broken_peer in ranks:
             self.C.clear_error(self.err_host)

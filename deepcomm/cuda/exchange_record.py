@@ -9,7 +9,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from ..errors import CommTimeoutError
-from .error_record import STAGES
+from .wait_stages import stage_text
 
 
 def peer_list(rank: int, world_size: int, peers: Optional[Sequence[int]]) -> List[int]:
@@ -58,7 +58,7 @@ class RecordedWaits:
         flag, rank, peer, stage, seq, waited_ns = self.C.read_error(self.err_host)
         if flag:
             self.broken = True
-            raise CommTimeoutError(rank, None if peer < 0 else peer, STAGES.get(stage, f"stage {stage}"),
+            raise CommTimeoutError(rank, None if peer < 0 else peer, stage_text(self.C, stage),
                                    f"{self._what(seq)}, waited {waited_ns / 1e9:.3f} s")
 
     def close(self) -> None:

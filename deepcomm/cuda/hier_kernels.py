@@ -26,6 +26,8 @@ from ..reference.collectives import as_byte_rows, part_row_bytes, unpack_rows
 from .align import round_up
 from .hier_comm import HierComm
 from .hier_normal import combine_area_row, fresh_route, node_masks, pack_rows, payload_parts
+from .nic_transport import CHUNK_BYTES, LOG_WQEBBS
+from .sm_split import nic_blocks_for, split_sms
 
 
 @dataclasses.dataclass
@@ -35,22 +37,6 @@ class NodeRoute:
     singles: torch.Tensor      # int32 [N]
     rows_from: List[int]       # rows the rail rank of each node sent us
     counts: List[List[int]]    # the count matrix, on the host
-
-
-def split_sms(num_sms: int, sm_count: int, extra_blocks: int) -> tuple:
-    """(rdma_blocks, nvl_blocks): half of ``num_sms`` each, at least one, leaving room on a device of
-    ``sm_count`` SMs for the ``extra_blocks`` (poster and NIC blocks) every block of the grid must be resident
-    beside."""
-    usable = max(2, min(num_sms, sm_count - extra_blocks))
-    rdma = max(1, usable // 2)
-    return rdma, max(1, usable - rdma)
-
-
-def nic_blocks_for(free_sms: int, num_peers: int, most: int) -> int:
-    """Blocks per queue pair's emulated NIC (its leader and helpers, csrc/transport/nic_serve_block.cuh): the
-    ``free_sms`` SMs the rest of the grid leaves, shared evenly by the ``num_peers`` queues, in [1, most]. One
-    block copies ~15-20 GB/s over NVLink; a large write is split among them."""
-    return max(1, min(most, free_sms // max(1, num_peers)))
 
 
 class HierKernels:
@@ -77,7 +63,6 @@ class HierKernels:
     # ---- one launch ----
     def _fields(self, **kw) -> dict:
         """The fields every launch shares; starts the launch's exchange round and node epoch."""
-        from .internode import CHUNK_BYTES, LOG_WQEBBS  # internode.py imports this module
         comm, tr, link = self.comm, self.tr, self.link
         tr.refuse_if_broken()
         tr.round += 1

@@ -27,8 +27,6 @@ from .arena import as_device_bytes
 from .nvshmem_memory import NvshmemMemory
 from .peer_memory import PeerMemory
 
-TOPK_MAX = 32
-TRACE_POINTS = 10  # kLlTracePoints
 MEMORY = {"ipc": PeerMemory, "nvshmem": NvshmemMemory}  # deepcomm.config.LL_MEMORY_KINDS
 FORCE_PUTS_ENV = "DEEPCOMM_LL_FORCE_PUTS"
 PDL_ENV = "DEEPCOMM_LL_PDL"
@@ -71,10 +69,10 @@ class LlBuffer:
         if memory == "nvshmem":
             # a heap that also holds the outbox, should a peer turn out to need puts (sized once per process)
             from . import nvshmem_session
-            with_outbox = C.LlContext(rank, world_size, num_experts, max_tokens, hidden, TOPK_MAX, True)
+            with_outbox = C.LlContext(rank, world_size, num_experts, max_tokens, hidden, C.TOPK_MAX, True)
             nvshmem_session.session_for(group, heap_bytes=with_outbox.layout()["total"])
         self.ctx = with_outbox if forced else C.LlContext(rank, world_size, num_experts, max_tokens, hidden,
-                                                          TOPK_MAX, False)
+                                                          C.TOPK_MAX, False)
         self.layout = self.ctx.layout()
         self.memory = MEMORY[memory](C, group, rank, world_size, self.layout["total"], **kw)
         if memory == "nvshmem" and not forced:
@@ -101,7 +99,7 @@ class LlBuffer:
         # diagnostics: per-block timer stamps of the latest call (csrc/kernels/ll_common.cuh, LlTracePoint)
         self.trace = None
         if os.environ.get("DEEPCOMM_LL_TRACE") == "1":
-            self.trace = torch.zeros(C.MAX_BLOCKS, TRACE_POINTS, dtype=torch.int64, device=device)
+            self.trace = torch.zeros(C.MAX_BLOCKS, C.LL_TRACE_POINTS, dtype=torch.int64, device=device)
             self.ctx.set_trace(self.trace.data_ptr())
         self.calls = 0
         self.world_size = world_size

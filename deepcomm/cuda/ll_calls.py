@@ -22,8 +22,6 @@ from ..gpu_share import usable_sms
 from ..handle import LowLatencyHandle
 from .ll_buffer import LlBuffer
 
-LL_SEND, LL_RECV, LL_BOTH, LL_WEIGHTS = 1, 2, 3, 4  # low-latency launch phases (csrc/kernels/ll_common.cuh)
-
 
 def _noop() -> None:
     return None
@@ -95,15 +93,16 @@ class LowLatencyCalls:
         halves are always two launches, the receive half at once when there is no hook. An input error an earlier
         call left is raised once the receive half is launched: here without a hook, else by the hook. Returns the
         hook."""
+        phases = self.C.LL_PHASES  # enum LlPhases (csrc/kernels/ll_phases.hpp)
         if not return_recv_hook and after_send is None:
-            launch(LL_BOTH, stream)
+            launch(phases["both"], stream)
             self._raise_pending()
             return _noop
-        launch(LL_SEND, stream)
+        launch(phases["send"], stream)
         if after_send is not None:
             after_send(stream)
         if not return_recv_hook:
-            launch(LL_RECV, stream)
+            launch(phases["recv"], stream)
             self._raise_pending()
             return _noop
         sent = torch.cuda.Event()
@@ -118,7 +117,7 @@ class LowLatencyCalls:
             current = torch.cuda.current_stream(self.device)
             if current.cuda_stream != stream:
                 current.wait_event(sent)
-            launch(LL_RECV, current.cuda_stream)
+            launch(phases["recv"], current.cuda_stream)
             if current.cuda_stream != stream:
                 for t in tensors:
                     t.record_stream(current)
@@ -162,7 +161,7 @@ class LowLatencyCalls:
         ptrs = (x.data_ptr(), topk_weights.data_ptr(), topk_idx.data_ptr(), out.data_ptr())
         if ll.put_peers:
             # the send half waits for every source's weights: put peers get ours first (a weights-only launch)
-            ll.ctx.combine(LL_WEIGHTS, blocks, *ptrs, T, K, slot, use_fp8, stream)
+            ll.ctx.combine(self.C.LL_PHASES["weights"], blocks, *ptrs, T, K, slot, use_fp8, stream)
             ll.put_weights(slot, stream, self.nvl.masked)
         # the receive half reads x (our own tokens' partial), topk_idx and topk_weights, and writes out
         hook = self._ll_launch(lambda phases, s: ll.ctx.combine(phases, blocks, *ptrs, T, K, slot, use_fp8, s),

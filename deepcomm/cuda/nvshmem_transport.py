@@ -30,6 +30,7 @@ import torch.distributed as dist
 from .align import round_up
 from .arena import as_device_bytes
 from .exchange_record import ExchangeRecord, check_round, peer_list
+from .internode_rows import rail_slot_bytes
 
 REGION_ALIGN = 256
 TOTAL_FIELDS = ("credits", "puts", "signals", "bytes")  # per peer, counted on the host as issued
@@ -109,7 +110,6 @@ class NvshmemTransport(ExchangeRecord):
 
     def __init__(self, C, group, rank: int, world_size: int, device: torch.device, max_tokens: int, hidden: int,
                  timeout_s: float, peers: Optional[Sequence[int]] = None):
-        from .internode import rail_slot_bytes
         from .nvshmem_library import load_library
         from .nvshmem_memory import NvshmemMemory
 

@@ -15,7 +15,7 @@ from nccl_run import needs_ranks, rank_device, reference, run_on_gpus
 
 pytestmark = [pytest.mark.gpu, needs_ranks(2)]
 
-CHUNK = 1 << 20  # deepcomm.cuda.internode.CHUNK_BYTES, restated: the test computes the WQEs independently
+CHUNK = 1 << 20  # deepcomm.cuda.nic_transport.CHUNK_BYTES, restated: the test computes the WQEs independently
 
 
 def _expected(round_bytes):

@@ -1,0 +1,26 @@
+"""Row sizes of the internode path (either RDMA transport and the NVLink hop): the widest row each hop carries and
+the receive slot of one rail rank."""
+from __future__ import annotations
+
+from ..validation import MAX_TOPK  # top-k slots a row has room for
+from .align import round_up
+
+
+def max_node_row_bytes(hidden: int) -> int:
+    """Widest row the NVLink hop carries: a dispatch row of bf16 x (FP8 values + scales are narrower), int64
+    top-k ids, fp32 top-k weights, an int32 source index and an int32 node mask, padded to 16 bytes (combine
+    rows, bf16 x + weights + source index, are narrower)."""
+    return round_up(2 * hidden + MAX_TOPK * 12 + 8, 16)
+
+
+def max_row_bytes(hidden: int) -> int:
+    """Widest row an RDMA exchange carries: a dispatch row, or a combine partial of several rows (fp32 x and
+    fp32 weights)."""
+    return max(max_node_row_bytes(hidden), round_up(4 * hidden + MAX_TOPK * 4, 16))
+
+
+def rail_slot_bytes(max_tokens: int, hidden: int) -> int:
+    """Bytes of one receive slot of the RDMA hop, for either transport: a rail rank sends us at most one row per
+    token of its own (dispatch: each token once per node; combine: one partial per (token, node)), each at most
+    ``max_row_bytes`` (the fp32 partial is the widest), 64-byte aligned."""
+    return round_up(max_tokens * max_row_bytes(hidden), 64)
