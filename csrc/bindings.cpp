@@ -192,7 +192,6 @@ PYBIND11_MODULE(_C, m) {
       })
       .def("set_error_record", [](NvlContext& c, uintptr_t dev) { c.err_device = ptr<ErrorRecord>(dev); })
       .def("set_timeout_ns", [](NvlContext& c, uint64_t ns) { c.timeout_ns = ns; })
-      .def("bump_seq", [](const NvlContext& c, uintptr_t stream) { launch_bump_seq(c.seq_counter(), stream_of(stream)); })
       .def("set_error_host", [](NvlContext& c, uintptr_t host) { c.err_host = ptr<const ErrorRecord>(host); })
       .def("set_dispatch_counts", [](NvlContext& c, uintptr_t host, uintptr_t dev) {
         c.counts_host = ptr<const DispatchCounts>(host);

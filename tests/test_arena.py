@@ -23,4 +23,4 @@ def test_releases_are_counted():
     got = arena.reserve(ALIGN)
     assert arena.releases == 0
     arena.release(*got)
-    assert arena.releases == 1  # the CUDA backend's _begin compares this with the count it last saw
+    assert arena.releases == 1  # the CUDA backend's _order compares this with the count it last saw

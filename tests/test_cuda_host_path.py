@@ -94,7 +94,7 @@ def env(monkeypatch):
     b.arena = Arena(0, arena_bytes, None)
     b.nvl = types.SimpleNamespace(ctx=FakeCtx(), layout={"arena": 4096}, broken=False,
                                   check_error=lambda **kw: None)
-    b.bounce, b.bounce_offset = None, arena_bytes
+    b.bounce_offset = arena_bytes
     b.comm_stream = types.SimpleNamespace(cuda_stream=COMM, wait_stream=state.waited_streams.append)
     b._events = [FakeEvent(100 + i) for i in range(B.EVENT_RING)]
     b._event_handles = [e.cuda_event for e in b._events]

@@ -171,7 +171,8 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
   if (!ok) return;  // the host sees the error record instead of the tag
   const int* counts = reinterpret_cast<const int*>(self + layout.notify_counts);
   DispatchCounts* host = a.host_counts;
-  for (int i = tid; i < R * R; i += blockDim.x) a.notify_out[i] = ptx::ld_volatile_s32(counts + (i / R) * row_len + i % R);
+  for (int i = tid; i < R * R; i += blockDim.x)
+    a.notify_out[i] = ptx::ld_volatile_s32(counts + (i / R) * row_len + i % R);
   for (int l = tid; l < L; l += blockDim.x) {
     int sum = 0;
     for (int s = 0; s < R; ++s) sum += ptx::ld_volatile_s32(counts + s * row_len + R + l);

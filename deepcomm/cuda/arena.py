@@ -1,10 +1,10 @@
 """Host-side allocator for the arena of a rank's NVLink buffer.
 
 Dispatch outputs live in the arena so that peers can store rows straight into them (zero copy). A block is
-handed out as a torch tensor whose storage keeps a small owner object alive; when the last view dies the
+handed out as typed torch tensors (``views``) that keep a small owner object alive; when the last of them dies the
 owner queues the block for release, and the next allocation takes it back. Blocks are only reused by later
-dispatches, whose kernels run after everything the caller queued before them (the communication stream waits
-for the caller's stream at the start of every call), so a block is never overwritten while still read.
+dispatches, whose kernels run after everything the caller queued before them (each call waits for the caller's
+stream, or runs on it), so a block is never overwritten while still read.
 """
 from __future__ import annotations
 
@@ -32,18 +32,10 @@ def as_device_bytes(ptr: int, nbytes: int, device: torch.device, owner=None) -> 
 
 
 class _Block:
-    """Owner of one arena block; exposes it through ``__cuda_array_interface__`` for ``torch.as_tensor``."""
+    """Owner of one reserved arena block: gives it back when the last view holding it dies."""
 
     def __init__(self, arena: "Arena", offset: int, nbytes: int):
         self._arena, self.offset, self.nbytes = arena, offset, nbytes
-        self.__cuda_array_interface__ = {
-            "shape": (nbytes,),
-            "typestr": "|u1",
-            "data": (arena.base_ptr + offset, False),
-            "version": 3,
-            "strides": None,
-            "stream": None,  # no implicit sync: stream order is managed by the backend
-        }
 
     def __del__(self):
         self._arena._released.append((self.offset, self.nbytes))
@@ -90,7 +82,7 @@ class Arena:
 
     def reserve(self, nbytes: int) -> Optional[Tuple[int, int]]:
         """``(offset, size)`` of a free range of at least ``nbytes``, taken from the free list; ``None`` when full.
-        The range belongs to the caller until it is turned into a tensor with ``tensor()``."""
+        The range belongs to the caller until it is turned into tensors with ``views()``."""
         self._drain()
         size = max(ALIGN, (nbytes + ALIGN - 1) // ALIGN * ALIGN)
         for i, (off, free) in enumerate(self._free):
@@ -116,10 +108,6 @@ class Arena:
         self._released.append((offset, size))
         self.releases += 1
 
-    def tensor(self, offset: int, size: int) -> torch.Tensor:
-        """A uint8 tensor over a reserved range; the range returns to the arena when its last view dies."""
-        return torch.as_tensor(_Block(self, offset, size), device=self.device)
-
     def views(self, offset: int, size: int, specs, owned: bool = True) -> List[torch.Tensor]:
         """Typed tensors over a reserved range, one per ``(byte offset in the range, shape, dtype)``; the range
         returns to the arena when the last of them dies (``owned=False``: a range that is not the free list's,
@@ -132,14 +120,6 @@ class Arena:
             t = torch.as_tensor(_View(owner, base + off, shape, _TYPESTR[as_dtype]), device=self.device)
             out.append(t if as_dtype is dtype else t.view(dtype))
         return out
-
-    def alloc(self, nbytes: int) -> Optional[torch.Tensor]:
-        """A uint8 tensor of ``nbytes`` (rounded up) in the arena, or ``None`` when no free range is large enough."""
-        got = self.reserve(nbytes)
-        return None if got is None else self.tensor(*got)
-
-    def offset_of(self, tensor: torch.Tensor) -> int:
-        return tensor.data_ptr() - self.base_ptr
 
     def free_bytes(self) -> int:
         self._drain()

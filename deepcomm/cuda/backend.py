@@ -1,10 +1,10 @@
 """CudaBackend: normal-mode layout, dispatch and combine on the NVLink kernels of ``deepcomm._C``.
 
 Same method signatures and results as ``deepcomm.reference.ReferenceBackend``; the Buffer validates inputs
-before calling in. Every call runs on a communication stream that first waits for the caller's stream (or for
-``previous_event``); unless ``async_finish`` is set, the caller's stream then waits for the communication
-stream, so results are ready in stream order. ``self.event`` is recorded at the end of every call. Each call
-crosses into C++ once (csrc/runtime/nvl_calls.hpp: stream order, launches, and a fresh dispatch's wait for its
+before calling in. A plain call runs on the caller's stream; one with ``previous_event`` or ``async_finish`` runs
+on a communication stream that first waits for the caller's stream (or for ``previous_event``), and unless
+``async_finish`` the caller's stream then waits for it; either way results are ready in stream order, and
+``self.event`` marks the end of the last call (_order). Each call crosses into C++ once (csrc/runtime/nvl_calls.hpp: stream order, launches, and a fresh dispatch's wait for its
 counts in mapped host memory); a fresh dispatch's payload is launched before that wait, into an output block
 reserved for the worst case whose unused tail goes back to the arena.
 Low-latency mode (deepcomm/cuda/ll_calls.py) uses its own double-buffered buffer and runs on the caller's stream.
@@ -21,14 +21,13 @@ from ..validation import is_capturing
 from ..errors import CommTimeoutError
 from ..gpu_share import GPU_SMS_ENV, usable_sms
 from ..handle import Handle
-from .arena import Arena, as_device_bytes
+from .arena import Arena
 from .ll_calls import LowLatencyCalls, low_latency_blocks
 from .nvl_buffer import NvlBuffer
 
 Payload = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 
 ARENA_OUTPUTS = 4         # worst-case dispatch outputs the arena holds at once (plus one bounce area)
-OUTPUTS = ("x", "scales", "topk_idx", "topk_weights", "src_idx")
 
 
 def _share_note() -> str:
@@ -144,8 +143,8 @@ class CudaBackend(LowLatencyCalls):
         self.arena = Arena(self.nvl.arena_ptr, arena, device)
         self._releases_seen = 0  # arena releases already covered by a wait on the caller's stream (_order)
         # When more dispatch outputs are alive than the arena holds (e.g. training keeps every layer's recv_x for
-        # backward), a dispatch lands in this bounce area and is copied out into ordinary torch tensors.
-        self.bounce = as_device_bytes(self.nvl.arena_ptr + arena, worst, device)
+        # backward), a dispatch lands in this bounce area (``worst`` bytes past the arena) and is copied out into
+        # ordinary torch tensors.
         self.bounce_offset = arena
         # end-of-call events (recorded once here, so that their CUDA events exist for the C++ side) and the event
         # the communication stream records on the caller's stream to wait for it
@@ -365,8 +364,9 @@ class CudaBackend(LowLatencyCalls):
         out = self._outputs(call, reserved, res[5], n, with_idx=True)
         recv = _Recv(out, per_expert, (work, in_rank, src_copy))
         handle = Handle(buffer_id=-1, num_experts=num_experts, num_tokens=T, hidden=call.values.shape[1],
-                        num_recv=n, is_token_in_rank=in_rank, send_pos=send_pos, count_matrix=notify_out[:R * R].view(R, R),
-                        recv_src_idx=src_copy[:n], num_recv_tokens_per_expert=per_expert)
+                        num_recv=n, is_token_in_rank=in_rank, send_pos=send_pos,
+                        count_matrix=notify_out[:R * R].view(R, R), recv_src_idx=src_copy[:n],
+                        num_recv_tokens_per_expert=per_expert)
         return recv, handle
 
     def _fresh_status(self, res, num_experts: int, reserved) -> None:
