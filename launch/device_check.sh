@@ -50,9 +50,19 @@ left() { echo $(( T0 + ${SHARED_BUDGET_S:-540} - $(date +%s) )); }
 if [[ "$MODE" == shared ]]; then
   WORLD="${2:-4}"
   export DEEPCOMM_TEST_SHARED_GPU=1 DEEPCOMM_TEST_WORLD="$WORLD"
+  # SHARED_FILES (space-separated test file names) picks and orders a subset; WS1_FIRST=1 runs the world-size-1
+  # tests (tests/gpu/test_normal_world1.py, the drop-in at one rank) before the shared ones
   files=(test_intranode test_ll_kernels test_fp8_combine_gpu test_internode test_graph_async test_shrink_gpu
-         test_faults test_topology_gpu test_dropin_gpu test_cupy test_memory test_internode_ll test_ll_puts
-         test_nvshmem test_internode_nvshmem test_device_qp test_ptx)
+         test_faults test_topology_gpu test_dropin_gpu test_compile_gpu test_agreement_gpu test_cupy test_memory
+         test_internode_ll test_ll_puts test_nvshmem test_internode_nvshmem test_device_qp test_ptx)
+  [[ -n "${SHARED_FILES:-}" ]] && read -r -a files <<< "$SHARED_FILES"
+  if [[ "${WS1_FIRST:-0}" == 1 ]]; then
+    t0=$(date +%s)
+    env -u DEEPCOMM_TEST_SHARED_GPU -u DEEPCOMM_TEST_WORLD timeout 150 python3 -m pytest -q -ra -m gpu -p no:cacheprovider \
+      tests/gpu/test_normal_world1.py tests/gpu/test_dropin_gpu.py > "$OUT/gpu_tests_ws1.log" 2>&1
+    echo "world-size-1 gpu tests: rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$summary"
+    tail -15 "$OUT/gpu_tests_ws1.log"
+  fi
   paths=()
   for f in "${files[@]}"; do paths+=("tests/gpu/$f.py"); done
   t0=$(date +%s)
