@@ -33,9 +33,15 @@ def _values_readable(t: torch.Tensor) -> bool:
     return not (t.is_cuda and is_capturing())
 
 
+_capture_query = None  # the raw capture query, or a constant False without CUDA (asked once: it costs microseconds)
+
+
 def is_capturing() -> bool:
     """Whether the current CUDA stream is being captured into a graph (the raw query: no Stream object made)."""
-    return torch._C._cuda_isCurrentStreamCapturing() if torch.cuda.is_available() else False
+    global _capture_query
+    if _capture_query is None:
+        _capture_query = torch._C._cuda_isCurrentStreamCapturing if torch.cuda.is_available() else (lambda: False)
+    return _capture_query()
 
 
 def check_int(name: str, value, minimum: Optional[int] = None, maximum: Optional[int] = None) -> int:

@@ -11,7 +11,8 @@
 #    $AB_PATCH applied (B; e.g. `git diff main exp/branch > ab.patch`, an untracked file in the tree), about 7 minutes;
 #    internode = the internode GPU tests (emulated NIC and NVSHMEM transports) and the internode benchmark;
 #    shared WORLD = the multi-rank GPU suite with WORLD ranks (default 4) all on GPU 0 under MPS (launch/with_mps.sh,
-#    docs/testing.md), the killed-peer tests last, then the soak at WORLD ranks; within ~540 s in all)
+#    docs/testing.md), the killed-peer tests last, then the soak at WORLD ranks; within ~540 s in all; SHARED_FILES,
+#    WS1_FIRST, PROFILE_FIRST, BENCH_FIRST and SHARED_TESTS_ONLY below pick the parts)
 # Used with the device tool on nvidia-h200-x2 (shared: nvidia-h200); every step is bounded by `timeout` so the call
 # always returns.
 set -uo pipefail
@@ -49,7 +50,7 @@ python3 -c 'import deepcomm, deepcomm._C as C; print("extension ok; gpus", C.dev
 left() { echo $(( T0 + ${SHARED_BUDGET_S:-540} - $(date +%s) )); }
 if [[ "$MODE" == shared ]]; then
   WORLD="${2:-4}"
-  export DEEPCOMM_TEST_SHARED_GPU=1 DEEPCOMM_TEST_WORLD="$WORLD"
+  export DEEPCOMM_TEST_SHARED_GPU=1 DEEPCOMM_TEST_WORLD="$WORLD" DEEPCOMM_TEST_FAILURES_AT_ONCE=1
   # SHARED_FILES (space-separated test file names) picks and orders a subset; WS1_FIRST=1 runs the world-size-1
   # tests (tests/gpu/test_normal_world1.py, the drop-in at one rank) before the shared ones
   files=(test_intranode test_ll_kernels test_fp8_combine_gpu test_internode test_graph_async test_shrink_gpu
@@ -63,13 +64,28 @@ if [[ "$MODE" == shared ]]; then
     echo "world-size-1 gpu tests: rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$summary"
     tail -15 "$OUT/gpu_tests_ws1.log"
   fi
+  if [[ "${PROFILE_FIRST:-0}" == 1 ]]; then  # the host-time profile (one rank), with cProfile of each call
+    env -u DEEPCOMM_TEST_SHARED_GPU -u DEEPCOMM_TEST_WORLD timeout 200 python3 launch/profile_host.py \
+      --json "$OUT/host_time.json" --cprofile "$OUT/host_cprofile.txt" > "$OUT/host_time.log" 2>&1
+    echo "host-time profile: rc=$?" | tee -a "$summary"
+    tail -12 "$OUT/host_time.log"
+  fi
+  if [[ "${BENCH_FIRST:-0}" == 1 ]]; then  # the normal-mode benchmark at world size 1 (one rank on the GPU)
+    env -u DEEPCOMM_TEST_SHARED_GPU -u DEEPCOMM_TEST_WORLD timeout 150 torchrun --nproc-per-node 1 -m deepcomm.bench \
+      --modes normal --tokens 128,4096 --num-sms 8,24 --systems deepcomm,a2a --no-progress \
+      --json "$OUT/bench_ws1.json" > "$OUT/bench_ws1.log" 2>&1
+    echo "benchmark, world size 1: rc=$?" | tee -a "$summary"
+    tail -14 "$OUT/bench_ws1.log"
+  fi
   paths=()
   for f in "${files[@]}"; do paths+=("tests/gpu/$f.py"); done
   t0=$(date +%s)
-  timeout $(( $(left) - 150 )) bash launch/with_mps.sh python3 -m pytest -q -ra -m gpu --durations=15 \
+  reserve=150; [[ "${SHARED_TESTS_ONLY:-0}" == 1 ]] && reserve=10  # room for the killed-peer tests and the soak
+  timeout $(( $(left) - reserve )) bash launch/with_mps.sh python3 -m pytest -v -ra -m gpu --durations=15 \
     -p no:cacheprovider -k "not killed" "${paths[@]}" > "$OUT/gpu_tests_shared$WORLD.log" 2>&1
   echo "shared gpu tests, $WORLD ranks on GPU 0: rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$summary"
-  tail -30 "$OUT/gpu_tests_shared$WORLD.log"
+  grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed" "$OUT/gpu_tests_shared$WORLD.log" | tail -40
+  [[ "${SHARED_TESTS_ONLY:-0}" == 1 ]] && exit 0  # SHARED_TESTS_ONLY=1: no killed-peer tests, no soak
   t0=$(date +%s)
   timeout $(( $(left) - 75 )) bash launch/with_mps.sh python3 -m pytest -q -ra -m gpu -p no:cacheprovider \
     -k killed tests/gpu/test_faults.py tests/gpu/test_shrink_gpu.py >> "$OUT/gpu_tests_shared$WORLD.log" 2>&1

@@ -86,7 +86,28 @@ def setup_calls(rank, tokens, hidden, num_sms):
     return buf, idx, w, x, fp8, h, torch.randn_like(recv)
 
 
-def worker(rank, world, tokens_list, hidden, num_sms, json_path):
+def _cprofile(cases, path, tokens, iters=500):
+    """Each call ``iters`` times under cProfile: the functions with the most own time, into ``path``."""
+    import cProfile
+    import io
+    import pstats
+    with open(path, "a") as f:
+        for name, (fn, _) in cases.items():
+            for _ in range(20):
+                fn()
+            torch.cuda.synchronize()
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(iters):
+                fn()
+            prof.disable()
+            torch.cuda.synchronize()
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(28)
+            f.write(f"==== {name}, {tokens} tokens, {iters} calls ====\n{text.getvalue()}\n")
+
+
+def worker(rank, world, tokens_list, hidden, num_sms, json_path, cprofile_path=""):
     dev = torch.device("cuda", rank)
     rows = []
     for tokens in tokens_list:
@@ -100,6 +121,8 @@ def worker(rank, world, tokens_list, hidden, num_sms, json_path):
             "combine": (lambda: buf.combine(y, h), None),
             "get_dispatch_layout": (lambda: buf.get_dispatch_layout(idx, 256), None),
         }
+        if cprofile_path and rank == 0 and tokens == min(tokens_list):
+            _cprofile(cases, cprofile_path, tokens)
         for name, (fn, backend) in cases.items():
             r = _host_times(fn, backend)
             r.update(call=name, tokens=tokens, world_size=world, num_sms=num_sms)
@@ -127,6 +150,7 @@ if __name__ == "__main__":
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--num-sms", type=int, default=24)
     p.add_argument("--json", default="")
+    p.add_argument("--cprofile", default="", help="also write each call's cProfile (smallest token count) here")
     a = p.parse_args()
-    run_on_gpus(worker, a.world, [int(t) for t in a.tokens.split(",")], a.hidden, a.num_sms, a.json,
+    run_on_gpus(worker, a.world, [int(t) for t in a.tokens.split(",")], a.hidden, a.num_sms, a.json, a.cprofile,
                 timeout_s=600)

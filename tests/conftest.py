@@ -21,3 +21,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_runtest_logreport(report):
+    """With DEEPCOMM_TEST_FAILURES_AT_ONCE set, a failure's traceback is printed when it happens, not at the end:
+    a run cut short by a time limit still says what failed."""
+    if report.failed and os.environ.get("DEEPCOMM_TEST_FAILURES_AT_ONCE"):
+        sys.stderr.write(f"\nFAILED {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n")
+        sys.stderr.flush()

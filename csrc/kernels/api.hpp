@@ -17,9 +17,6 @@ struct Peers {
   uint8_t* base[kMaxRanks];
 };
 
-// Advance this rank's device-side sequence number; the first launch of every collective call.
-void launch_bump_seq(uint64_t* counter, cudaStream_t stream);
-
 // Layout of one routing (no communication).
 //   topk_idx int64 [T, K] in [-1, E);  out: tokens_per_rank int32 [R], tokens_per_expert int32 [E],
 //   is_token_in_rank bool [T, R], send_pos int32 [T, R] (nullable): index of t among tokens sent to r, else -1.
@@ -73,6 +70,7 @@ struct DispatchArgs {
   int64_t out_block;          // offset of our output block in our buffer
   int64_t out_rows;           // rows it is carved for, or -1: the rows that arrive
   int* src_idx_copy;          // or null: after every row landed, our src_idx array (its rows) is copied here
+  bool advance_seq;           // this kernel starts the call: it advances the call number (a cached dispatch)
 };
 void launch_dispatch(const DispatchArgs& args, int num_blocks, const NvlLayout& layout, const Peers& peers,
                      const WaitCtx& ctx, cudaStream_t stream);

@@ -13,6 +13,7 @@
 
 #include <cstdlib>
 
+#include "../runtime/call_entry.cuh"
 #include "../runtime/cuda_check.hpp"
 #include "../runtime/wait.cuh"
 #include "api.hpp"
@@ -178,9 +179,10 @@ __device__ __forceinline__ void reduce_tokens(const CombineArgs& a, const NvlLay
 template <int kSend, int kReduce, int kUnroll, bool kFp8>
 __global__ void __launch_bounds__((kSend + kReduce) * 32, 1)
     combine_kernel(CombineArgs a, NvlLayout layout, Peers peers, WaitCtx ctx_in) {
-  const WaitCtx ctx = ctx_in.resolved();
+  uint8_t* self = peers.base[ctx_in.rank];
+  const WaitCtx ctx =
+      enter_call(ctx_in, reinterpret_cast<uint32_t*>(self + layout.notify_work + NotifyWork::kEntryTicket));
   const int R = layout.num_ranks, rank = ctx.rank, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  uint8_t* self = peers.base[rank];
   __shared__ int recv_base[kMaxRanks];  // first row from each source rank in our received rows
   __shared__ int ready_ok;
   if (tid == 0) {

@@ -8,6 +8,7 @@
 //      so when the kernel ends all rows addressed to us have landed.
 #include <cuda_runtime.h>
 
+#include "../runtime/call_entry.cuh"
 #include "../runtime/cuda_check.hpp"
 #include "../runtime/wait.cuh"
 #include "api.hpp"
@@ -49,10 +50,13 @@ __device__ __forceinline__ void copy_row_to_dests(const int4* src, int64_t n16, 
 
 __global__ void __launch_bounds__(kDispatchThreads, 1)
     dispatch_kernel(DispatchArgs a, NvlLayout layout, Peers peers, WaitCtx ctx_in) {
-  const WaitCtx ctx = ctx_in.resolved();
+  uint8_t* self = peers.base[ctx_in.rank];
+  // A fresh dispatch's number was advanced by notify; a cached one starts here.
+  const WaitCtx ctx = a.advance_seq
+      ? enter_call(ctx_in, reinterpret_cast<uint32_t*>(self + layout.notify_work + NotifyWork::kEntryTicket))
+      : ctx_in.resolved();
   __shared__ DispatchShared sh;
   const int R = layout.num_ranks, rank = ctx.rank, tid = threadIdx.x, lane = tid & 31;
-  uint8_t* self = peers.base[rank];
   // Bad expert ids anywhere: every rank sees the same count (from notify) and stops before any handshake. The
   // route is cleared, so whatever runs next on this handle (a combine in the same graph) moves nothing.
   if (a.invalid_count != nullptr && *a.invalid_count != 0) {

@@ -55,8 +55,8 @@ struct ErrorRecord {
 };
 
 // What every waiting kernel needs to bound its waits. The collective's sequence number lives on the device
-// (bumped by a one-thread kernel at the start of every call), so captured CUDA graphs get a new number on
-// every replay; kernels read it once at entry with resolved().
+// (advanced by the call's first kernel: notify, or enter_call() in call_entry.cuh), so captured CUDA graphs get a
+// new number on every replay; later kernels of the call read it once at entry with resolved().
 struct WaitCtx {
   ErrorRecord* err;          // device pointer to the mapped host record
   uint64_t timeout_ns;

@@ -53,10 +53,13 @@ NvlDispatchResult nvl_dispatch(const NvlContext& c, const StreamOrder& order, co
     DC_HOST_ASSERT(!call.wait || (c.counts_host != nullptr && call.notify_args.host_counts != nullptr),
                    "dispatch: a wait needs the mapped counts");
     launch_notify_dispatch(call.notify_args, c.layout, c.peers, c.wait_ctx(), order.comm);
-  } else if (call.bump) {
-    launch_bump_seq(c.seq_counter(), order.comm);
   }
-  if (call.payload) launch_dispatch(call.dispatch, call.num_blocks, c.layout, c.peers, c.wait_ctx(), order.comm);
+  DC_HOST_ASSERT(!call.bump || (call.payload && !call.notify), "dispatch: only a cached payload advances the call");
+  if (call.payload) {
+    DispatchArgs d = call.dispatch;
+    d.advance_seq = call.bump;  // a fresh dispatch's notify advanced it already
+    launch_dispatch(d, call.num_blocks, c.layout, c.peers, c.wait_ctx(), order.comm);
+  }
   if (call.dispatch.out_rows >= 0) r.num_recv = int(call.dispatch.out_rows);
   if (call.wait) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -86,7 +89,6 @@ NvlDispatchResult nvl_dispatch(const NvlContext& c, const StreamOrder& order, co
 
 void nvl_combine(const NvlContext& c, const StreamOrder& order, const CombineArgs& args, int num_blocks) {
   order.begin();
-  launch_bump_seq(c.seq_counter(), order.comm);
   launch_combine(args, num_blocks, c.layout, c.peers, c.wait_ctx(), order.comm);
   order.finish();
 }

@@ -40,6 +40,7 @@ DC_HD int notify_blocks(int num_tokens) { return num_tokens <= 0 ? 1 : (num_toke
 // (the dispatch kernel's ticket finds its last block, which copies src_idx for the handle)
 struct NotifyWork {
   static constexpr int64_t kDispatchTicket = 8;
+  static constexpr int64_t kEntryTicket = 12;  // call_entry.cuh: the blocks that read the call number
   int64_t ticket, invalid, expert_acc, block_count, total;
   DC_HD NotifyWork(int ranks, int local_experts, int max_tokens) {
     ticket = 0;

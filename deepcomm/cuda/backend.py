@@ -291,7 +291,7 @@ class CudaBackend(LowLatencyCalls):
         else:
             recv = self._cached(call, handle)
             handle_out = handle
-        self._after(async_finish, (values, scales, topk_idx, topk_weights) + recv.keep)
+        self._after(async_finish, (values, scales, topk_idx, topk_weights) + recv.keep if async_finish else ())
         recv_x = (recv.out["x"], recv.out["scales"]) if scales is not None else recv.out["x"]
         if handle is not None:
             return recv_x, None, recv.out["topk_weights"], recv.per_expert, handle_out
@@ -316,16 +316,17 @@ class CudaBackend(LowLatencyCalls):
         R, T = self.world_size, call.values.shape[0]
         L = num_experts // R
         n_out = R * R + L + 2
-        # send_pos [T, R] | notify_out [R*R + L + 2] (count matrix, tokens per local expert, bad-id counts)
-        work = torch.empty(T * R + n_out, dtype=torch.int32, device=self.device)
-        send_pos = work[:T * R].view(T, R)
-        notify_out = work[T * R:]
+        # One int32 allocation: send_pos [T, R] | notify_out [R*R + L + 2] (count matrix, tokens per local
+        # expert, bad-id counts) | the handle's src_idx copy [rows it can receive]; views are made after the call.
+        notify_at, src_at = T * R, T * R + n_out
+        work = torch.empty(src_at + (num_worst_tokens or self._capacity_rows), dtype=torch.int32, device=self.device)
         in_rank = torch.empty(T, R, dtype=torch.bool, device=self.device)
-        notify_ptr = notify_out.data_ptr()
+        work_ptr = work.data_ptr()
+        notify_ptr = work_ptr + 4 * notify_at
         invalid_ptr = notify_ptr + 4 * (R * R + L)
+        src_ptr = work_ptr + 4 * src_at
         rows = num_worst_tokens if num_worst_tokens else -1  # -1: the kernel carves for the rows that arrive
-        src_copy = torch.empty(num_worst_tokens or self._capacity_rows, dtype=torch.int32, device=self.device)
-        args = (topk_idx.data_ptr(), T, num_experts, in_rank.data_ptr(), send_pos.data_ptr(), notify_ptr)
+        args = (topk_idx.data_ptr(), T, num_experts, in_rank.data_ptr(), work_ptr, notify_ptr)
         reserved = self.arena.reserve(self._out_bytes(call, num_worst_tokens or self._capacity_rows))
         self._tag += 1
         if num_worst_tokens:
@@ -334,17 +335,17 @@ class CudaBackend(LowLatencyCalls):
             block_off = reserved[0] if reserved is not None else self.bounce_offset
             res = self._call(call, BEGIN | NOTIFY | PAYLOAD | REPORT_INVALID | (FINISH if reserved else 0),
                              *args, 0, notify_ptr, invalid_ptr, self.nvl.layout["arena"] + block_off, rows, 1,
-                             src_copy.data_ptr())
+                             src_ptr)
             run = torch.cuda.ExternalStream(call.order[1], device=self.device)
             with torch.cuda.stream(run):
-                counts = notify_out[R * R:R * R + L]
+                counts = work[notify_at + R * R:notify_at + R * R + L]
                 per_expert = (counts + (expert_alignment - 1)) // expert_alignment * expert_alignment
             per_expert.record_stream(torch.cuda.current_stream(self.device))
         elif reserved is not None:
             # The payload is launched right behind notify, into a block reserved for the worst case; the wait for
             # the counts overlaps it, and the block's unused tail goes back to the arena.
             res = self._call(call, BEGIN | NOTIFY | PAYLOAD | WAIT | FINISH, *args, self._tag, notify_ptr, invalid_ptr,
-                             self.nvl.layout["arena"] + reserved[0], rows, expert_alignment, src_copy.data_ptr())
+                             self.nvl.layout["arena"] + reserved[0], rows, expert_alignment, src_ptr)
             self._fresh_status(res, num_experts, reserved)
             self.last_wait_us = res[6]
             reserved = self.arena.trim(*reserved, res[5][5])
@@ -359,14 +360,15 @@ class CudaBackend(LowLatencyCalls):
             reserved = self.arena.reserve(res[5][5])
             block_off = reserved[0] if reserved is not None else self.bounce_offset
             res = self._call(call, PAYLOAD | (FINISH if reserved else 0), *args, 0, notify_ptr, 0,
-                             self.nvl.layout["arena"] + block_off, rows, 1, src_copy.data_ptr())
+                             self.nvl.layout["arena"] + block_off, rows, 1, src_ptr)
         n = res[1]
         out = self._outputs(call, reserved, res[5], n, with_idx=True)
-        recv = _Recv(out, per_expert, (work, in_rank, src_copy))
+        recv = _Recv(out, per_expert, (work, in_rank))
+        # as_strided: a view in one step (a slice and a reshape are two, each costing microseconds)
         handle = Handle(buffer_id=-1, num_experts=num_experts, num_tokens=T, hidden=call.values.shape[1],
-                        num_recv=n, is_token_in_rank=in_rank, send_pos=send_pos,
-                        count_matrix=notify_out[:R * R].view(R, R), recv_src_idx=src_copy[:n],
-                        num_recv_tokens_per_expert=per_expert)
+                        num_recv=n, is_token_in_rank=in_rank, send_pos=work.as_strided((T, R), (R, 1), 0),
+                        count_matrix=work.as_strided((R, R), (R, 1), notify_at),
+                        recv_src_idx=work.as_strided((n,), (1,), src_at), num_recv_tokens_per_expert=per_expert)
         return recv, handle
 
     def _fresh_status(self, res, num_experts: int, reserved) -> None:
@@ -447,8 +449,10 @@ class CudaBackend(LowLatencyCalls):
                                   handle.recv_src_idx.data_ptr(), handle.count_matrix.data_ptr(),
                                   handle.send_pos.data_ptr(), out.data_ptr(),
                                   out_w.data_ptr() if out_w is not None else 0, x.shape[0], T, H, K, use_fp8)
-        self._after(async_finish, (x, topk_weights, handle.recv_src_idx, handle.count_matrix, handle.send_pos,
-                                   out, out_w))
+        if async_finish:
+            self._after(True, (x, topk_weights, handle.recv_src_idx, handle.count_matrix, handle.send_pos, out, out_w))
+        else:
+            self._raise_pending()
         return out, out_w
 
     # ---- lifetime ----

@@ -71,6 +71,13 @@ def _child(rank, world, port, fn, args, errors, device):
             # the port _free_port found was taken again before rank 0 could listen on it: the parent retries
             errors.put((rank, _PORT_TAKEN + traceback.format_exc()))
             return
+        except RuntimeError as e:
+            # under MPS the server answers "busy or unavailable" for a moment while it lets the clients of a
+            # finished test go: the parent starts the ranks again (torch.AcceleratorError is a RuntimeError)
+            if not (shared_gpu() and "busy or unavailable" in str(e)):
+                raise
+            errors.put((rank, _PORT_TAKEN + traceback.format_exc()))
+            return
         fn(rank, world, *args)
         dist.barrier()
         dist.destroy_process_group()
@@ -93,7 +100,8 @@ def _launch(ctx, fn, world, args, errors, device):
 def run_on_gpus(fn, world: int, *args, timeout_s: float = 300.0, attempts: int = 3, device: str = "cuda") -> None:
     """Runs fn(rank, world, *args) on `world` GPU processes (device="cpu": processes joined by gloo, for the runner's
     own test). A rendezvous port taken between choosing it and listening on it (another process got it first)
-    starts the processes again on a new port, up to `attempts` times, within the same `timeout_s`."""
+    starts the processes again on a new port, up to `attempts` times, within the same `timeout_s`; so does a GPU
+    that MPS reports busy at start-up (shared mode)."""
     ctx = mp.get_context("spawn")
     if device == "cuda":
         timeout_s = scaled(timeout_s)
@@ -117,6 +125,7 @@ def run_on_gpus(fn, world: int, *args, timeout_s: float = 300.0, attempts: int =
                 p.kill()
             p.join()
         if retry:
+            time.sleep(1.0)
             continue
         if first is None and hung:  # what the killed ranks' peers report afterwards is a consequence, not the cause
             raise AssertionError(f"ranks {hung} did not finish within {timeout_s} s")

@@ -9,12 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nccl_run import gpu_count, ranks_for_tests, run_on_gpus
-
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(gpu_count() < 2, reason="needs 2 GPUs with peer access")]
+from nccl_run import needs_ranks, rank_device, ranks_for_tests, run_on_gpus, scaled
 
 WORLD = ranks_for_tests()
+pytestmark = [pytest.mark.gpu, needs_ranks(WORLD)]
 HIDDEN, EXPERTS, TOPK = 2048, 32, 4
 
 
@@ -36,7 +34,13 @@ def _inputs(rank, dev, tokens=None):
 def _same(want, got, what):
     for i, (a, b) in enumerate(zip(want, got)):
         assert a.shape == b.shape and a.dtype == b.dtype, f"{what}[{i}]: {a.shape}/{a.dtype} vs {b.shape}/{b.dtype}"
-        assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), f"{what}[{i}] differs"
+        if not torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)):
+            diff = (a.contiguous().view(torch.uint8) != b.contiguous().view(torch.uint8)).nonzero()
+            flat_a, flat_b = a.reshape(-1), b.reshape(-1)
+            first = [int(j) for j in (a != b).reshape(-1).nonzero()[:8, 0]] if a.numel() else []
+            raise AssertionError(f"{what}[{i}] differs: {diff.shape[0]} bytes of {a.numel() * a.element_size()}; "
+                                 f"first elements {first}: eager {[flat_a[j].item() for j in first]}, compiled "
+                                 f"{[flat_b[j].item() for j in first]}")
 
 
 def _run(step, x, idx, w):
@@ -51,7 +55,7 @@ def _run(step, x, idx, w):
 def _normal_worker(rank, world):
     import deepcomm
     _settings(True)
-    dev = torch.device("cuda", rank)
+    dev = rank_device(rank)
     buf = deepcomm.Buffer(max_tokens_per_rank=512, hidden=HIDDEN, backend="cuda", timeout_s=30)
 
     def step(x, idx, w):
@@ -77,14 +81,14 @@ def _normal_worker(rank, world):
 
 
 def test_compiled_dispatch_combine_cuda():
-    run_on_gpus(_normal_worker, WORLD, timeout_s=900)
+    run_on_gpus(_normal_worker, WORLD, timeout_s=scaled(900))
 
 
 def _moe_worker(rank, world):
     import deepcomm
     from deepcomm.moe import MoELayer
     _settings(True)
-    dev = torch.device("cuda", rank)
+    dev = rank_device(rank)
     buf = deepcomm.Buffer(max_tokens_per_rank=512, hidden=HIDDEN, backend="cuda", timeout_s=30)
     torch.manual_seed(7)
     layer = MoELayer(buf, HIDDEN, 1024, EXPERTS, TOPK, expert_alignment=16)  # bf16 on the CUDA backend
@@ -106,13 +110,13 @@ def _moe_worker(rank, world):
 
 
 def test_compiled_moe_layer_cuda():
-    run_on_gpus(_moe_worker, WORLD, timeout_s=900)
+    run_on_gpus(_moe_worker, WORLD, timeout_s=scaled(900))
 
 
 def _low_latency_worker(rank, world):
     import deepcomm
     _settings(False)  # static shapes
-    dev = torch.device("cuda", rank)
+    dev = rank_device(rank)
     M = 64
     buf = deepcomm.Buffer(max_tokens_per_rank=512, hidden=HIDDEN, backend="cuda", num_max_low_latency_tokens=M,
                           timeout_s=30)
@@ -136,4 +140,4 @@ def _low_latency_worker(rank, world):
 
 
 def test_compiled_low_latency_cuda():
-    run_on_gpus(_low_latency_worker, WORLD, timeout_s=900)
+    run_on_gpus(_low_latency_worker, WORLD, timeout_s=scaled(900))
