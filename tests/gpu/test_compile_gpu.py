@@ -1,8 +1,8 @@
 """torch.compile(fullgraph=True) through deepcomm's operators on the CUDA backend (bf16), against eager.
 
 dispatch + combine (forward and backward; aot_eager and inductor), the num_worst_tokens form and the low-latency
-calls: bit for bit. The MoE layer: bit for bit with aot_eager, within bf16 rounding with inductor (its fused
-kernels round differently from eager's).
+calls: bit for bit. The MoE layer: bit for bit with aot_eager but for x.grad (one bf16 unit: the sum of its two
+paths is rounded at different points), within bf16 rounding with inductor (its fused kernels round differently).
 """
 from __future__ import annotations
 
@@ -102,7 +102,14 @@ def _moe_worker(rank, world):
         return [y.detach(), leaf.grad] + [p.grad.clone() for p in layer.parameters()]
 
     want = run(layer)
-    _same(want, run(torch.compile(layer, fullgraph=True, backend="aot_eager")), f"MoE aot_eager, rank {rank}")
+    got = run(torch.compile(layer, fullgraph=True, backend="aot_eager"))
+    # x feeds the router and the dispatch: its gradient is the sum of both paths' bf16 gradients, which eager
+    # autograd and the compiled backward add at different points (one bf16 unit apart at most); all else bit-exact
+    a, b = want[1].float(), got[1].float()
+    err = (a - b).abs()
+    assert bool((err <= a.abs() * 2 ** -7 + a.abs().max() * 2 ** -14).all()), (
+        f"MoE aot_eager, rank {rank}: x.grad off by more than one bf16 unit (max error {err.max().item()})")
+    _same(want[:1] + want[2:], got[:1] + got[2:], f"MoE aot_eager (all but x.grad), rank {rank}")
     for i, (a, b) in enumerate(zip(want, run(torch.compile(layer, fullgraph=True)))):
         err, scale = (a.float() - b.float()).abs().max().item(), a.float().abs().max().item()
         assert err <= 3e-2 * scale, f"MoE inductor [{i}], rank {rank}: max error {err} of {scale}"
