@@ -18,9 +18,9 @@ import os
 import torch
 import torch.distributed as dist
 
-from ..gpu_share import usable_sms
+from ..gpu_share import GPU_SMS_ENV, usable_sms
 from ..handle import LowLatencyHandle
-from .ll_buffer import LlBuffer
+from .ll_buffer import LlBuffer, pdl_mode
 
 
 def _noop() -> None:
@@ -30,14 +30,19 @@ def _noop() -> None:
 def low_latency_blocks(C, device: torch.device) -> int:
     """Blocks of every low-latency kernel: one per SM (they are short, and hook mode holds none while waiting),
     at most the flag capacity (one per SM of this rank's share where ranks share the GPU: gpu_share.py);
-    DEEPCOMM_LL_NUM_SMS overrides it (every rank must use the same number)."""
+    DEEPCOMM_LL_NUM_SMS overrides it (every rank must use the same number). Where ranks share the GPU and the
+    kernels launch with an early trigger (DEEPCOMM_LL_PDL=1), half the share: the next kernel's blocks sit on the
+    SMs beside the running one's, and ranks whose blocks filled the GPU would keep a peer's blocks from starting."""
     env = os.environ.get("DEEPCOMM_LL_NUM_SMS")
     if env:
         n = int(env)
         if not 1 <= n <= C.MAX_BLOCKS:
             raise ValueError(f"DEEPCOMM_LL_NUM_SMS: expected 1..{C.MAX_BLOCKS}, got {env}")
         return n
-    return min(usable_sms(device), C.MAX_BLOCKS)
+    n = min(usable_sms(device), C.MAX_BLOCKS)
+    if os.environ.get(GPU_SMS_ENV, "").strip() and pdl_mode() == 1:
+        n = max(1, n // 2)
+    return n
 
 
 class LowLatencyCalls:
