@@ -12,7 +12,7 @@ from deepcomm import agreement
 from deepcomm.cuda import agree_record
 from deepcomm.cuda.error_record import DeviceErrorRecord
 
-from test_cuda_host_path import C, CALLER, COMM, _fresh, _inputs, env  # noqa: F401  (env is a fixture)
+from test_cuda_host_path import C, CALLER, _fresh, _inputs, env  # noqa: F401  (env is a fixture)
 
 W = agreement.Word
 
