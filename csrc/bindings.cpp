@@ -2,6 +2,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
+#include <array>
 #include <cstring>
 
 #include "kernels/api.hpp"
@@ -49,11 +51,28 @@ StreamOrder stream_order(uintptr_t caller, uintptr_t comm, uintptr_t previous, u
   return o;
 }
 
+// A call's words from Python (agreement.WORDS ints; all zeros: the call takes no part in agreement).
+using Words = std::array<int32_t, kFingerprintWords>;
+Fingerprint fingerprint_of(const Words& w) {
+  Fingerprint f{};
+  for (int i = 0; i < kFingerprintWords; ++i) f.w[i] = w[size_t(i)];
+  return f;
+}
+py::list rows_of(const int32_t (*rows)[kFingerprintWords], int n) {
+  py::list out;
+  for (int s = 0; s < n; ++s) {
+    py::list row;
+    for (int i = 0; i < kFingerprintWords; ++i) row.append(rows[s][i]);
+    out.append(row);
+  }
+  return out;
+}
+
 py::dict layout_dict(const NvlLayout& l) {
   py::dict d;
   d["seq_counter"] = l.seq_counter; d["notify_work"] = l.notify_work; d["notify_counts"] = l.notify_counts; d["notify_flag"] = l.notify_flag; d["mailbox"] = l.mailbox;
   d["dispatch_done"] = l.dispatch_done; d["combine_ready"] = l.combine_ready; d["combine_flag"] = l.combine_flag;
-  d["combine_stage"] = l.combine_stage; d["arena"] = l.arena; d["total"] = l.total;
+  d["combine_stage"] = l.combine_stage; d["arena"] = l.arena; d["total"] = l.total; d["agree"] = l.agree;
   d["signal_bytes"] = l.signal_bytes();
   return d;
 }
@@ -84,6 +103,7 @@ PYBIND11_MODULE(_C, m) {
     s["hier_arrive"] = int(kStageHierArrive); s["hier_local"] = int(kStageHierLocal);
     s["invalid_ids"] = int(kStageInvalidIds); s["overflow"] = int(kStageOverflow);
     s["ll_invalid_ids"] = int(kStageLlInvalidIds); s["ll_duplicate_ids"] = int(kStageLlDuplicateIds);
+    s["agree"] = int(kStageAgree); s["disagree"] = int(kStageDisagree);
     m.attr("WAIT_STAGES") = s;
   }
   {  // enum LlPhases (kernels/ll_phases.hpp): which halves a low-latency launch runs
@@ -140,6 +160,22 @@ PYBIND11_MODULE(_C, m) {
     return py::make_tuple(r.flag, r.rank, r.peer, r.stage, r.seq, r.waited_ns);
   });
   m.def("clear_error", [](uintptr_t host) { std::memset(reinterpret_cast<void*>(host), 0, sizeof(ErrorRecord)); });
+  // ---- call agreement (runtime/agree_record.hpp; deepcomm/cuda/agree_record.py reads these) ----
+  m.attr("FINGERPRINT_WORDS") = kFingerprintWords;
+  m.def("agree_record_bytes", [] { return sizeof(AgreeRecord); });
+  // (flag, peer, word, seq, rows): rows[s] = rank s's words, for the record's num_ranks ranks
+  m.def("read_agree", [](uintptr_t host) {
+    const auto* r = ptr<const AgreeRecord>(host);
+    const int flag = __atomic_load_n(&r->flag, __ATOMIC_ACQUIRE);
+    const int n = flag == 1 ? std::min(std::max(r->num_ranks, 0), kMaxRanks) : 0;
+    return py::make_tuple(flag, r->peer, r->word, r->seq, rows_of(r->rows, n));
+  });
+  m.def("clear_agree", [](uintptr_t host) { std::memset(reinterpret_cast<void*>(host), 0, sizeof(AgreeRecord)); });
+  // A fresh dispatch whose wait returned status 3: (1 + first differing peer, its first differing word, rows)
+  m.def("read_dispatch_disagreement", [](uintptr_t counts_host, int num_ranks) {
+    const auto* h = ptr<const DispatchCounts>(counts_host);
+    return py::make_tuple(h->disagree, h->disagree_word, rows_of(h->agree_rows, std::min(num_ranks, kMaxRanks)));
+  });
 
   // ---- layout math (the single source of offsets) ----
   m.def("nvl_layout", [](int ranks, int local_experts_cap, int max_tokens, int64_t hidden, int64_t topk,
@@ -193,6 +229,15 @@ PYBIND11_MODULE(_C, m) {
       .def("set_error_record", [](NvlContext& c, uintptr_t dev) { c.err_device = ptr<ErrorRecord>(dev); })
       .def("set_timeout_ns", [](NvlContext& c, uint64_t ns) { c.timeout_ns = ns; })
       .def("set_error_host", [](NvlContext& c, uintptr_t host) { c.err_host = ptr<const ErrorRecord>(host); })
+      .def("set_agree_record", [](NvlContext& c, uintptr_t dev) { c.agree_device = ptr<AgreeRecord>(dev); })
+      // A call this rank rejected: take part in its first exchange with `fingerprint` (REJECTED set), in the
+      // stream order of dispatch_call's flags (kCallWaitCaller), and move nothing (kernels/agree_reject.cu).
+      .def("agree_reject", [](const NvlContext& c, const Words& fingerprint, int flags, uintptr_t caller,
+                              uintptr_t comm, uintptr_t previous, uintptr_t start) {
+        const StreamOrder order = stream_order(caller, comm, previous, start, 0, flags);
+        order.begin();
+        launch_agree_reject(fingerprint_of(fingerprint), c.layout, c.peers, c.wait_ctx(), order.comm);
+      })
       .def("set_dispatch_counts", [](NvlContext& c, uintptr_t host, uintptr_t dev) {
         c.counts_host = ptr<const DispatchCounts>(host);
         c.counts_device = ptr<DispatchCounts>(dev);
@@ -208,7 +253,8 @@ PYBIND11_MODULE(_C, m) {
                                uintptr_t x, int64_t x_row_bytes, uintptr_t scales, int64_t scale_row_bytes,
                                uintptr_t topk_weights, uintptr_t count_matrix, uintptr_t invalid_count,
                                int64_t out_block, int64_t out_rows,
-                               int num_blocks, int expert_alignment, uintptr_t src_idx_copy, double wait_timeout_s) {
+                               int num_blocks, int expert_alignment, uintptr_t src_idx_copy, double wait_timeout_s,
+                               const Words& fingerprint) {
         NvlDispatchCall call;
         call.begin = flags & kCallBegin; call.notify = flags & kCallNotify; call.bump = flags & kCallBump;
         call.payload = flags & kCallPayload; call.wait = flags & kCallWait; call.finish = flags & kCallFinish;
@@ -221,6 +267,9 @@ PYBIND11_MODULE(_C, m) {
                                      ptr<const float>(topk_weights), ptr<int>(send_pos), ptr<int>(count_matrix),
                                      ptr<const int>(invalid_count), (flags & kCallReportInvalid) != 0, T, K, E / R,
                                      x_row_bytes, scale_row_bytes, out_block, out_rows, ptr<int>(src_idx_copy)};
+        // the words travel with the call's first exchange: notify's counts, or a cached dispatch's mailbox
+        if (call.notify) call.notify_args.agree = fingerprint_of(fingerprint);
+        else if (call.bump) call.dispatch.agree = fingerprint_of(fingerprint);
         call.num_blocks = num_blocks;
         call.expert_alignment = expert_alignment;
         call.wait_timeout_s = wait_timeout_s;
@@ -236,10 +285,11 @@ PYBIND11_MODULE(_C, m) {
       .def("combine_call", [](const NvlContext& c, int flags, uintptr_t caller, uintptr_t comm, uintptr_t previous,
                               uintptr_t start, uintptr_t end, int num_blocks, uintptr_t x, uintptr_t topk_weights,
                               uintptr_t recv_src_idx, uintptr_t count_matrix, uintptr_t send_pos, uintptr_t out,
-                              uintptr_t out_weights, int N, int T, int H, int K, bool use_fp8) {
+                              uintptr_t out_weights, int N, int T, int H, int K, bool use_fp8,
+                              const Words& fingerprint) {
         CombineArgs a{ptr<const void>(x), ptr<const float>(topk_weights), ptr<const int>(recv_src_idx),
                       ptr<const int>(count_matrix), ptr<const int>(send_pos), ptr<void>(out), ptr<float>(out_weights),
-                      N, T, H, K, use_fp8};
+                      N, T, H, K, use_fp8, fingerprint_of(fingerprint)};
         nvl_combine(c, stream_order(caller, comm, previous, start, end, flags), a, num_blocks);
       });
 
@@ -300,7 +350,13 @@ PYBIND11_MODULE(_C, m) {
         c.peers.base[r] = ptr<uint8_t>(base);
       })
       .def("set_error_record", [](LlContext& c, uintptr_t dev) { c.err_device = ptr<ErrorRecord>(dev); })
+      .def("set_agree_record", [](LlContext& c, uintptr_t dev) { c.agree_device = ptr<AgreeRecord>(dev); })
       .def("set_timeout_ns", [](LlContext& c, uint64_t ns) { c.timeout_ns = ns; })
+      // A call this rank rejected: a send half of `kind` (0 dispatch, 1 combine) into `slot` with only its words
+      .def("agree_reject", [](const LlContext& c, const Words& fingerprint, int kind, int slot, uintptr_t stream) {
+        launch_ll_agree_reject(fingerprint_of(fingerprint), kind, slot, c.layout, c.peers, c.wait_ctx(),
+                               stream_of(stream));
+      })
       .def("set_trace", [](LlContext& c, uintptr_t dev) { c.trace = ptr<uint64_t>(dev); })
       .def("set_pdl", [](LlContext& c, int mode) {
         DC_HOST_ASSERT(mode >= 0 && mode <= 2, "set_pdl: mode must be 0, 1 or 2");
@@ -309,15 +365,16 @@ PYBIND11_MODULE(_C, m) {
       // phases: 1 send half, 2 receive half, 3 both in one kernel, 4 (combine only) the weights alone
       // (LlPhases, csrc/kernels/ll_common.cuh)
       .def("dispatch", [](const LlContext& c, int phases, int num_blocks, uintptr_t x, uintptr_t topk_idx, int T,
-                          int K, int slot, bool use_fp8, bool use_ue8m0, uintptr_t stream) {
+                          int K, int slot, bool use_fp8, bool use_ue8m0, uintptr_t stream, const Words& fingerprint) {
         LlDispatchArgs a{ptr<const void>(x), ptr<const int64_t>(topk_idx), T, K, slot, use_fp8, use_ue8m0, c.trace,
-                         c.pdl};
+                         c.pdl, fingerprint_of(fingerprint)};
         launch_ll_dispatch(a, phases, num_blocks, c.layout, c.peers, c.wait_ctx(), stream_of(stream));
       })
       .def("combine", [](const LlContext& c, int phases, int num_blocks, uintptr_t x, uintptr_t topk_weights,
-                         uintptr_t topk_idx, uintptr_t out, int T, int K, int slot, bool use_fp8, uintptr_t stream) {
+                         uintptr_t topk_idx, uintptr_t out, int T, int K, int slot, bool use_fp8, uintptr_t stream,
+                         const Words& fingerprint) {
         LlCombineArgs a{ptr<const void>(x), ptr<const float>(topk_weights), ptr<const int64_t>(topk_idx), ptr<void>(out),
-                        T, K, slot, use_fp8, c.trace, c.pdl};
+                        T, K, slot, use_fp8, c.trace, c.pdl, fingerprint_of(fingerprint)};
         launch_ll_combine(a, phases, num_blocks, c.layout, c.peers, c.wait_ctx(), stream_of(stream));
       });
 }

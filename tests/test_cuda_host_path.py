@@ -36,9 +36,10 @@ class FakeCtx:
 
     def dispatch_call(self, flags, wait, run, prev, start, end, topk_idx, T, K, E, in_rank, send_pos, notify_out,
                       tag, x, x_row_bytes, scales, scale_row_bytes, weights, count_matrix, invalid, out_block,
-                      out_rows, num_blocks, alignment, src_copy, timeout_s):
+                      out_rows, num_blocks, alignment, src_copy, timeout_s, fingerprint):
         self.calls.append(dict(flags=flags, wait=wait, run=run, prev=prev, end=end, tag=tag, out_block=out_block,
-                               out_rows=out_rows, invalid=invalid, alignment=alignment, src_copy=src_copy))
+                               out_rows=out_rows, invalid=invalid, alignment=alignment, src_copy=src_copy,
+                               fingerprint=fingerprint))
         waited = flags & B.WAIT
         n = out_rows if out_rows >= 0 else (T if self.recv is None else self.recv) if waited else -1
         if waited and self.status:

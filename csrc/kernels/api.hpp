@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "../runtime/agree_record.hpp"
 #include "../runtime/dispatch_counts.hpp"
 #include "../runtime/error_record.cuh"
 #include "../runtime/ll_layout.hpp"
@@ -40,6 +41,9 @@ struct NotifyArgs {
   int* notify_out;          // [R*R + L + 2]
   DispatchCounts* host_counts;  // device view of mapped host memory, or null
   uint64_t host_tag;
+  Fingerprint agree;        // this call's words (agree_record.hpp; w[0] == 0: no agreement). They travel with
+                            // the counts; on a difference no rank dispatches (host_counts->disagree, else the
+                            // AgreeRecord and kStageDisagree) and invalid_count reads non-zero for the payload
 };
 void launch_notify_dispatch(const NotifyArgs& args, const NvlLayout& layout, const Peers& peers, const WaitCtx& ctx,
                             cudaStream_t stream);
@@ -71,6 +75,8 @@ struct DispatchArgs {
   int64_t out_rows;           // rows it is carved for, or -1: the rows that arrive
   int* src_idx_copy;          // or null: after every row landed, our src_idx array (its rows) is copied here
   bool advance_seq;           // this kernel starts the call: it advances the call number (a cached dispatch)
+  Fingerprint agree;          // a cached dispatch's words (w[0] == 0: none; a fresh one agrees in notify): they
+                              // travel with the mailbox, and on a difference no rank moves a row (kStageDisagree)
 };
 void launch_dispatch(const DispatchArgs& args, int num_blocks, const NvlLayout& layout, const Peers& peers,
                      const WaitCtx& ctx, cudaStream_t stream);
@@ -91,6 +97,8 @@ struct CombineArgs {
   int num_recv, num_tokens, hidden, topk;  // num_recv: rows of x (a worst-case size is fine; the real count
                                            // comes from count_matrix on the device)
   bool use_fp8;
+  Fingerprint agree;          // the call's words (w[0] == 0: none): they travel with combine_ready, and on a
+                              // difference no rank moves a row (kStageDisagree)
 };
 void launch_combine(const CombineArgs& args, int num_blocks, const NvlLayout& layout, const Peers& peers,
                     const WaitCtx& ctx, cudaStream_t stream);
@@ -107,6 +115,8 @@ struct LlDispatchArgs {
   bool use_fp8, use_ue8m0;
   uint64_t* trace;         // diagnostics: [blocks][8] timer stamps (ll_common.cuh), or null
   int pdl;                 // programmatic dependent launch: 0 off, 1 on and early, 2 on (ll_common.cuh ll_gate)
+  Fingerprint agree;       // the call's words (w[0] == 0: none), published by the send half ahead of the tagged
+                           // counts; the receive half compares them before any row lands in recv_x
 };
 // Dispatch, receive half: wait for every rank's tokens, fan them out into the packed expert rows recv_x [L][R*M],
 // and write the slot's out_count [L], out_layout [L][R][2] (begin, count per source rank), out_src_info [L][R*M]
@@ -126,11 +136,22 @@ struct LlCombineArgs {
   bool use_fp8;               // partials that cross to another rank travel as e4m3 + fp32 scales per 128
   uint64_t* trace;            // diagnostics: [blocks][8] timer stamps (ll_common.cuh), or null
   int pdl;                    // as LlDispatchArgs::pdl
+  Fingerprint agree;          // as LlDispatchArgs::agree: published ahead of the weights, compared before any
+                              // partial is sent or summed
 };
 // Send half: publish our weights, wait for everyone's, then send one partial per (token, source rank) (bf16 to
 // another rank, fp32 to ourselves). Receive half: out[t] = sum over the ranks holding t's experts, ascending, of
 // their partials; fp32, one rounding.
 void launch_ll_combine(const LlCombineArgs& args, int phases, int num_blocks, const LlLayout& layout,
                        const Peers& peers, const WaitCtx& ctx, cudaStream_t stream);
+
+// Call agreement of a call this rank rejected (agree_reject.cu): it takes part in the call's first exchange
+// with its words (REJECTED set) and moves nothing, so every peer stops that call naming it. Normal mode: advances
+// the sequence number like the call's first kernel and publishes the words into every peer's agree slot.
+void launch_agree_reject(const Fingerprint& words, const NvlLayout& layout, const Peers& peers, const WaitCtx& ctx,
+                         cudaStream_t stream);
+// Low-latency mode: a send half of `kind` into `slot` that publishes only the words and advances the call numbers.
+void launch_ll_agree_reject(const Fingerprint& words, int kind, int slot, const LlLayout& layout, const Peers& peers,
+                            const WaitCtx& ctx, cudaStream_t stream);
 
 }  // namespace dc

@@ -16,6 +16,7 @@
 #include "../runtime/call_entry.cuh"
 #include "../runtime/cuda_check.hpp"
 #include "../runtime/wait.cuh"
+#include "agree.cuh"
 #include "api.hpp"
 #include "bf16_vec.cuh"
 #include "combine_fp8.cuh"
@@ -197,9 +198,18 @@ __global__ void __launch_bounds__((kSend + kReduce) * 32, 1)
   int real = 0;
   for (int s = 0; s < R; ++s) real += a.count_matrix[s * R + rank];
   a.num_recv = min(a.num_recv, real);
-  if (blockIdx.x == 0 && tid < R)
+  const bool agree = agree_on(a.agree);
+  if (blockIdx.x == 0 && tid < R) {
+    if (agree)  // the call's words go with combine_ready (released before it)
+      agree_publish(peers.base[tid] + layout.agree_at(ctx.seq) + int64_t(rank) * kAgreeSlotBytes, a.agree, ctx.seq);
     ptx::st_release_sys_u64(reinterpret_cast<uint64_t*>(peers.base[tid] + layout.combine_ready) + rank, ctx.seq);
+  }
   __syncthreads();
+  // Senders and reducers alike compare every rank's words first: on a difference (or a rank that rejected its
+  // call) no rank sends or sums a row, so none waits for rows that never come.
+  if (agree && agree_block(self + layout.agree_at(ctx.seq), a.agree, ctx.seq, R, 0xffffffffu, ctx, kStageAgree,
+                           true).status != 1)
+    return;
 
   if (warp < kSend) {
     if (tid < R) {

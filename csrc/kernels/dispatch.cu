@@ -11,6 +11,7 @@
 #include "../runtime/call_entry.cuh"
 #include "../runtime/cuda_check.hpp"
 #include "../runtime/wait.cuh"
+#include "agree.cuh"
 #include "api.hpp"
 #include "block_flags.cuh"
 
@@ -79,11 +80,19 @@ __global__ void __launch_bounds__(kDispatchThreads, 1)
     const DispatchOutLayout out(rows, a.x_row_bytes, a.scale_row_bytes, a.topk);
     const int64_t offsets[5] = {out.x, out.scales, out.topk_idx, out.topk_weights, out.src_idx};
     auto* box = reinterpret_cast<uint64_t*>(peers.base[tid] + layout.mailbox) + rank * kMailboxWords;
+    // a cached dispatch's words go with the mailbox (released before it)
+    if (agree_on(a.agree))
+      agree_publish(peers.base[tid] + layout.agree_at(ctx.seq) + int64_t(rank) * kAgreeSlotBytes, a.agree, ctx.seq);
     for (int j = 0; j < 5; ++j) box[1 + j] = uint64_t(a.out_block + offsets[j]);
     box[6] = uint64_t(rows);
     ptx::st_release_sys_u64(box, ctx.seq);
   }
   __syncthreads();
+  // Every block compares every rank's words before it uses a mailbox: on a difference (or a rank that rejected
+  // its call and sent only its words) no rank moves a row, and the handle stays as it was.
+  if (agree_on(a.agree) && agree_block(self + layout.agree_at(ctx.seq), a.agree, ctx.seq, R, 0xffffffffu, ctx,
+                                       kStageAgree, true).status != 1)
+    return;
   if (tid < R) {
     const auto* box = reinterpret_cast<const uint64_t*>(self + layout.mailbox) + tid * kMailboxWords;
     if (wait_flag_geq(box, ctx.seq, ctx, tid, kStageDispatchMailbox)) {

@@ -103,9 +103,18 @@ __device__ __forceinline__ void combine_send_phase(const LlCombineArgs& a, const
   if (tid == 0) ok = 1;
   ll_load_ntok(self, l, a.slot, alive & ~(1u << rank), n);
 
+  const bool agree = ll_agree_on(a.agree, l);
+  if (agree && blockIdx.x == 0) ll_agree_publish(peers, l, alive, kLlCombine, a.slot, rank, a.agree, ctx.seq);
   store_weights(a, l, peers, ctx, alive);
   const int nchunks = int((H + kChunk - 1) / kChunk);
   __syncthreads();
+  // every rank's words before any partial leaves: on a difference no rank sends (the arrivals stay unsignalled,
+  // and every receive half stops on the same comparison)
+  if (agree && !ll_agree(self, l, alive, kLlCombine, a.slot, a.agree, ctx.seq, ctx)) {
+    if (tid == 0) ok = 0;
+    ll_finish_send(self, peers, l, kLlCombine, a.slot, ctx.seq, calls, rank, alive, &ok, a.trace);
+    return;
+  }
   if (tid == 0) items = ll_item_count(n, R, nchunks);
   __syncthreads();
   ll_trace(a.trace, kLlTraceWeights);
@@ -203,6 +212,7 @@ __device__ __forceinline__ void combine_recv_phase(const LlCombineArgs& a, const
     first_owners = owners_of(first / nchunks);
     if ((first_owners >> rank) & 1u) own_partial(a, l, self, rank, first / nchunks, first % nchunks, own);
   }
+  if (ll_agree_on(a.agree, l) && !ll_agree(self, l, alive, kLlCombine, a.slot, a.agree, ctx.seq, ctx)) return;
   if (!ll_wait_arrivals(self, l, kLlCombine, a.slot, calls, alive, ctx, kStageLlCombineData)) return;
   ll_trace(a.trace, kLlTraceArrived);
   for (int item = first; item < T * nchunks; item += total_warps) {

@@ -6,6 +6,7 @@
 #include "../../ptx/ptx.cuh"
 #include "../runtime/ll_layout.hpp"
 #include "../runtime/wait.cuh"
+#include "agree.cuh"
 #include "ll_phases.hpp"
 #include "ll_trace_points.hpp"
 
@@ -110,6 +111,27 @@ __device__ __forceinline__ bool ll_wait_arrivals(const uint8_t* self, const LlLa
   for (int i = w + 2 * W; w >= 0 && i < words && good; i += W)
     if (ll_is_alive(alive, i / G)) good = wait_flag_geq(word(i), calls, ctx, i / G, stage);
   return __syncthreads_and(good) != 0;
+}
+
+// Call agreement in low-latency mode (agree.cuh). Off for a buffer with peers reached by puts: its agree slots are
+// outside the blocks the host puts.
+__device__ __forceinline__ bool ll_agree_on(const Fingerprint& f, const LlLayout& l) {
+  return agree_on(f) && !l.with_outbox;
+}
+
+// Threads 0..R-1 of one block: our words into every live rank's slot for us (kind, slot), tagged `tag`.
+__device__ __forceinline__ void ll_agree_publish(const Peers& peers, const LlLayout& l, uint32_t alive, LlKind kind,
+                                                 int slot, int rank, const Fingerprint& f, uint64_t tag) {
+  const int d = threadIdx.x;
+  if (d < l.num_ranks && ll_is_alive(alive, d))
+    agree_publish(peers.base[d] + l.agree_at(kind, slot) + int64_t(rank) * kAgreeSlotBytes, f, tag);
+}
+
+// The whole block: every live rank's words for (kind, slot) carry `tag` and equal ours; false otherwise (after a
+// difference, recorded once per rank: agree_report) and after a timed-out wait.
+__device__ __forceinline__ bool ll_agree(const uint8_t* self, const LlLayout& l, uint32_t alive, LlKind kind,
+                                         int slot, const Fingerprint& f, uint64_t tag, const WaitCtx& ctx) {
+  return agree_block(self + l.agree_at(kind, slot), f, tag, l.num_ranks, alive, ctx, kStageAgree, true).status == 1;
 }
 
 // v[0], v[stride], ..., v[(n - 1) * stride] become their exclusive prefix sums; returns the total. One thread.

@@ -95,6 +95,8 @@ __device__ __forceinline__ void dispatch_recv_phase(const LlDispatchArgs& a, con
   int* base = smem;               // [L][R]
   int* total = smem + L * R;      // [L]
   int* n = total + L;             // [R] tokens of each source
+  // every rank's words first: on a difference (or a rank that rejected its call) nothing lands in recv_x here
+  if (ll_agree_on(a.agree, l) && !ll_agree(self, l, alive, kLlDispatch, slot, a.agree, calls, ctx)) return;
   // the bases come from the tagged counts, which land before the rows: known by the time the arrivals are in
   if (!ll_expert_bases(self, l, slot, rank, alive, calls, ctx, kStageLlDispatchData, base, total, n)) return;
   ll_trace(a.trace, kLlTraceRecvMeta);

@@ -262,6 +262,9 @@ __device__ __forceinline__ void dispatch_send_phase(const LlDispatchArgs& a, con
                                                     const WaitCtx& ctx, uint32_t alive, uint64_t calls, int* smem,
                                                     const SendRange& range, RowItem& r) {
   const int t0 = range.t0, t1 = range.t1, nchunks = range.nchunks;
+  // the call's words first, tagged like the counts, so a receiver compares them before it uses anything of ours
+  if (blockIdx.x == 0 && ll_agree_on(a.agree, l))
+    ll_agree_publish(peers, l, alive, kLlDispatch, a.slot, ctx.rank, a.agree, calls);
   if (t1 > t0) {  // the same for the whole block
     const int n = (t1 - t0) * a.topk;
     const RangeMeta m(smem, n, l.num_experts);

@@ -8,6 +8,7 @@
 #include "../runtime/cuda_check.hpp"
 #include "../runtime/smem_opt_in.hpp"
 #include "../runtime/wait.cuh"
+#include "agree.cuh"
 #include "api.hpp"
 
 namespace dc {
@@ -150,6 +151,10 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
   // Our row of the count matrix, each peer's expert counts and our count of invalid expert ids go to row
   // `rank` of its notify_counts, so every rank learns when any rank's input was bad and all of them stop.
   const int row_len = R + L + 1;
+  const bool agree = agree_on(a.agree);
+  // the call's words go first to every peer (its slot for us), released before the counts' flag below
+  if (agree && tid < R) agree_publish(peers.base[tid] + layout.agree_at(ctx.seq) + int64_t(rank) * kAgreeSlotBytes,
+                                      a.agree, ctx.seq);
   for (int i = tid; i < R * row_len; i += blockDim.x) {
     const int dst = i / row_len, j = i % row_len;
     const int v = j < R ? sh.rank_total[j] : (j < R + L ? expert_count[dst * L + (j - R)] : sh.invalid);
@@ -159,6 +164,33 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
   if (tid < R) {
     ptx::fence_acq_rel_sys();
     ptx::st_release_sys_u64(reinterpret_cast<uint64_t*>(peers.base[tid] + layout.notify_flag) + rank, ctx.seq);
+  }
+  DispatchCounts* host = a.host_counts;
+  // Every rank's words before the counts are used: a rank that rejected its call, or one in another call, sends
+  // only its words (agree_reject.cu), so they are waited for first. On a difference nothing is dispatched on any
+  // rank: the payload sees a non-zero invalid count, and the host learns why (the counts, or the AgreeRecord).
+  if (agree) {
+    const uint8_t* slots = self + layout.agree_at(ctx.seq);
+    const AgreeResult ar = agree_block(slots, a.agree, ctx.seq, R, 0xffffffffu, ctx, kStageAgree, host == nullptr);
+    if (ar.status < 0) return;
+    if (ar.status == 0) {
+      if (tid == 0) {
+        a.notify_out[R * R + L] = -1;
+        a.notify_out[R * R + L + 1] = 0;
+        if (host != nullptr) {
+          host->num_recv = 0;
+          host->bad_all = 0;
+          host->bad_mine = 0;
+          host->num_local_experts = L;
+          host->disagree = ar.peer + 1;
+          host->disagree_word = ar.word;
+          agree_copy_rows(host->agree_rows, slots, R, 0xffffffffu);
+          ptx::fence_acq_rel_sys();
+          ptx::st_release_sys_u64(&host->tag, a.host_tag);
+        }
+      }
+      return;
+    }
   }
   __shared__ int ok;
   if (tid == 0) ok = 1;
@@ -170,7 +202,6 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
   __syncthreads();
   if (!ok) return;  // the host sees the error record instead of the tag
   const int* counts = reinterpret_cast<const int*>(self + layout.notify_counts);
-  DispatchCounts* host = a.host_counts;
   for (int i = tid; i < R * R; i += blockDim.x)
     a.notify_out[i] = ptx::ld_volatile_s32(counts + (i / R) * row_len + i % R);
   for (int l = tid; l < L; l += blockDim.x) {
@@ -192,6 +223,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
       host->bad_all = bad;
       host->bad_mine = sh.invalid;
       host->num_local_experts = L;
+      host->disagree = 0;
     }
   }
   if (host != nullptr) {

@@ -5,6 +5,8 @@
 #pragma once
 #include <cstdint>
 
+#include "agree_record.hpp"
+
 namespace dc {
 
 constexpr int kCountsMaxExperts = 1024;  // local experts per rank the record carries (COUNTS_MAX_EXPERTS)
@@ -15,6 +17,9 @@ struct DispatchCounts {
   int32_t bad_all;       // expert ids outside [-1, E) on all ranks
   int32_t bad_mine;      // ... on this rank
   int32_t num_local_experts;
+  int32_t disagree;      // 0, or 1 + the first peer whose call fingerprint differs (nothing was dispatched)
+  int32_t disagree_word; // the first word that differs
+  int32_t agree_rows[8][kFingerprintWords];  // then: every rank's words (agree_record.hpp)
   int32_t per_expert[kCountsMaxExperts];  // tokens per local expert, summed over sources, not aligned
 };
 

@@ -19,6 +19,7 @@ enum WaitStage : int {
   kStageLlDispatchData = 8,    // low-latency dispatch: waiting for a peer's entries
   kStageLlCombineData = 9,     // low-latency combine: waiting for a peer's partial sums
   kStageLlCombineWeights = 10, // low-latency combine: waiting for a peer's top-k weights
+  kStageAgree = 11,            // waiting for a peer's call fingerprint (csrc/runtime/agree_record.hpp)
   // Device queue pairs and the device emulated NIC (csrc/transport/qp_poster.hpp, nic_serve.hpp).
   kStageQpRoom = 20,           // a poster waiting for send-queue slots to be completed (CQEs)
   kStageQpTurn = 21,           // a poster waiting for earlier posts to ring the doorbell
@@ -43,6 +44,9 @@ enum WaitStage : int {
   // host raises at its next look at the record (the next call, a hook, or synchronize()).
   kStageLlInvalidIds = 102,
   kStageLlDuplicateIds = 103,
+  // The ranks' call fingerprints differ (or a rank rejected its call): no row moved; the words are in the
+  // AgreeRecord (csrc/runtime/agree_record.hpp).
+  kStageDisagree = 104,
 };
 
 struct ErrorRecord {
@@ -63,6 +67,7 @@ struct WaitCtx {
   int rank;
   uint64_t seq;              // filled by resolved()
   const uint64_t* seq_ptr;   // this rank's device counter
+  struct AgreeRecord* agree = nullptr;  // mapped host memory: where a call-fingerprint difference is recorded
 
 #if defined(__CUDACC__)
   __device__ __forceinline__ WaitCtx resolved() const {

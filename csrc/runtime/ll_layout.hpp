@@ -13,6 +13,10 @@
 //                                          advances the call numbers)
 //   mask         int32 [R]                 ranks this rank treats as gone (written by the host): nothing is sent
 //                                          to them, nothing awaited from them, their experts count as absent
+//   agree        AgreeSlot [2][2][R]       per kind and slot: rank s's call fingerprint, tagged like the kind's
+//                                          words (dispatch: the slot's send count; combine: the sequence number);
+//                                          compared before any row lands (csrc/runtime/agree_record.hpp). Its
+//                                          offset depends on R only, so it is found alike in every rank's layout
 //   inbox        block [2][R]              per slot, everything rank s writes into us, contiguous (the unit a
 //                                          peer reached by NVSHMEM puts sends; see outbox), in four sections:
 //     dispatch data:  counts u64 [E] (entries rank s sends to every expert), ntok u64 (its token count), each
@@ -63,7 +67,7 @@ struct LlLayout {
   int64_t hidden;
   bool with_outbox;
   // our own words
-  int64_t seq, slot_seq, slot_calls, done_count, mask;
+  int64_t seq, slot_seq, slot_calls, done_count, mask, agree;
   // inside one inbox block: dispatch data | combine data | dispatch flags | combine flags | put_seq (ib_* offsets,
   // relative to the block's start), and the block's size
   int64_t ib_counts, ib_ntok, ib_meta, ib_input_err, ib_stage_x, ib_stage_scales, ib_weights, ib_partials,
@@ -105,6 +109,7 @@ struct LlLayout {
     slot_calls = take(4 * 8);
     done_count = take(2 * 4);
     mask = take(R * 4);
+    agree = take(2 * 2 * R * kAgreeSlotBytes);
     inbox = take(2 * R * block);
     outbox = take(outbox_ ? 2 * R * block : 0);
     entry = take(2 * R * M * K * 4);
@@ -122,6 +127,10 @@ struct LlLayout {
   // otherwise match the restarted calls; the rows in them are zeroed too, which does no harm).
   DC_HD int64_t signal_bytes() const { return entry; }
 
+  // Our agree slots of one kind and slot: [R], rank s's at + s * kAgreeSlotBytes.
+  DC_HD int64_t agree_at(int kind, int slot) const {
+    return agree + (int64_t(kind) * 2 + slot) * num_ranks * kAgreeSlotBytes;
+  }
   // Everything rank s writes into us for one slot: one contiguous block (the unit a put peer sends).
   DC_HD int64_t inbox_at(int slot, int s) const { return inbox + (int64_t(slot) * num_ranks + s) * block; }
   // Our copy of what we write into put peer d for one slot (with_outbox only).

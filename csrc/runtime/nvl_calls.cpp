@@ -70,6 +70,11 @@ NvlDispatchResult nvl_dispatch(const NvlContext& c, const StreamOrder& order, co
       return r;
     }
     const DispatchCounts& h = *c.counts_host;
+    if (h.disagree != 0) {  // nothing was dispatched on any rank; the host reads the words from the counts
+      r.status = 3;
+      if (call.payload && call.finish) order.finish();
+      return r;
+    }
     r.bad_all = h.bad_all;
     r.bad_mine = h.bad_mine;
     if (h.bad_all != 0 || h.bad_mine != 0) {

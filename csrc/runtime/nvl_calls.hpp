@@ -36,7 +36,8 @@ struct NvlDispatchCall {
 };
 
 struct NvlDispatchResult {
-  int status = 0;           // 0 ok; 1 the counts never came (see the error record); 2 bad expert ids
+  int status = 0;           // 0 ok; 1 the counts never came (see the error record); 2 bad expert ids;
+                            // 3 the ranks' call fingerprints differ (DispatchCounts::disagree)
   int num_recv = -1;        // rows received (known after a wait, or out_rows)
   int bad_all = 0, bad_mine = 0;
   std::vector<int> per_expert;  // aligned rows per local expert (after a wait)

@@ -19,6 +19,7 @@ struct NvlContext {
   DispatchCounts* counts_device = nullptr;  // mapped host memory: a fresh dispatch's counts, device view
   const DispatchCounts* counts_host = nullptr;  // ... host view
   uint64_t timeout_ns = 100ull * 1000 * 1000 * 1000;
+  AgreeRecord* agree_device = nullptr;  // mapped host memory: a call-fingerprint difference (agree_record.hpp)
 
   NvlContext(int rank_, int num_ranks, int local_experts_cap, int max_tokens, int64_t hidden_max, int64_t topk_max,
              int64_t arena_bytes)
@@ -26,7 +27,7 @@ struct NvlContext {
 
   WaitCtx wait_ctx() const {
     return WaitCtx{err_device, timeout_ns, rank, 0,
-                   reinterpret_cast<const uint64_t*>(peers.base[rank] + layout.seq_counter)};
+                   reinterpret_cast<const uint64_t*>(peers.base[rank] + layout.seq_counter), agree_device};
   }
   uint64_t* seq_counter() const { return reinterpret_cast<uint64_t*>(peers.base[rank] + layout.seq_counter); }
 };

@@ -12,6 +12,8 @@
 //   mailbox         u64   [R][kMailboxWords] dispatch: peer s's seq, the offsets of its output arrays, its row capacity
 //   dispatch_done   u64   [R][kMaxBlocks]   dispatch: block b of rank s finished writing into our output
 //   combine_ready   u64   [R]               combine: rank s may start writing into our staging rows
+//   agree           AgreeSlot [2][R]        call agreement: rank s's fingerprint of the call whose seq has parity p
+//                                           (kAgreeSlotBytes each; csrc/runtime/agree_record.hpp)
 //   combine_flag    u64   [R][max_chunks]   combine: rank s has stored every row of its received-row chunk c
 //                                           (kCombineChunk rows) that belongs to us
 //   combine_stage   bytes [R][max_tokens][combine_row_bytes]  rows coming back for our tokens (an FP8 combine
@@ -20,6 +22,7 @@
 #pragma once
 #include <cstdint>
 
+#include "agree_record.hpp"
 #include "host_device.hpp"
 
 namespace dc {
@@ -69,7 +72,7 @@ DC_HD int64_t combine_max_chunks(int ranks, int max_tokens) {
 struct NvlLayout {
   int num_ranks, num_local_experts, max_tokens;
   int64_t hidden_max, topk_max, arena_bytes;
-  int64_t seq_counter, notify_work, notify_counts, notify_flag, mailbox, dispatch_done, combine_ready, combine_flag, combine_stage, arena,
+  int64_t seq_counter, notify_work, notify_counts, notify_flag, mailbox, dispatch_done, combine_ready, agree, combine_flag, combine_stage, arena,
       total;
 
   DC_HD NvlLayout(int ranks, int local_experts, int max_tok, int64_t hidden, int64_t topk, int64_t arena_sz)
@@ -83,11 +86,14 @@ struct NvlLayout {
     mailbox = off;        off = align_up(off + int64_t(ranks) * kMailboxWords * 8, kAlign);
     dispatch_done = off;  off = align_up(off + int64_t(ranks) * kMaxBlocks * 8, kAlign);
     combine_ready = off;  off = align_up(off + int64_t(ranks) * 8, kAlign);
+    agree = off;          off = align_up(off + 2 * int64_t(ranks) * kAgreeSlotBytes, kAlign);
     combine_flag = off;   off = align_up(off + int64_t(ranks) * combine_max_chunks(ranks, max_tok) * 8, kAlign);
     combine_stage = off;  off = align_up(off + int64_t(ranks) * max_tok * combine_row_bytes(hidden, topk), kAlign);
     arena = off;          off = align_up(off + arena_sz, kAlign);
     total = off;
   }
+  // Our slots of the call with sequence number seq: [R] of them, rank s's at + s * kAgreeSlotBytes.
+  DC_HD int64_t agree_at(uint64_t seq) const { return agree + int64_t(seq & 1) * num_ranks * kAgreeSlotBytes; }
   // Everything before the combine staging holds flags and must start zeroed.
   DC_HD int64_t signal_bytes() const { return combine_stage; }
 };

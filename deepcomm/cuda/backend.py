@@ -16,11 +16,13 @@ from typing import Optional, Tuple, Union
 
 import torch
 
+from .. import agreement
 from .._ext import load_extension
 from ..validation import is_capturing
 from ..errors import CommTimeoutError
 from ..gpu_share import GPU_SMS_ENV, usable_sms
 from ..handle import Handle
+from .agree_record import dispatch_disagreement, words_or_none
 from .arena import Arena
 from .ll_calls import LowLatencyCalls, low_latency_blocks
 from .nvl_buffer import NvlBuffer
@@ -49,13 +51,14 @@ EVENT_RING = 8            # end-of-call events a Buffer cycles through (Buffer.e
 
 class _Call:
     """What one dispatch moves: the payload tensors and their row sizes."""
-    __slots__ = ("values", "scales", "weights", "K", "x_row_bytes", "scale_row_bytes", "order")
+    __slots__ = ("values", "scales", "weights", "K", "x_row_bytes", "scale_row_bytes", "order", "words")
 
     def __init__(self, values: torch.Tensor, scales: Optional[torch.Tensor], weights: Optional[torch.Tensor],
                  K: int):
         self.values, self.scales, self.weights, self.K = values, scales, weights, K
         self.x_row_bytes = values.shape[1] * values.element_size()
         self.scale_row_bytes = scales.shape[1] * scales.element_size() if scales is not None else 0
+        self.words = words_or_none(None)  # the call's fingerprint (deepcomm/agreement.py), set by dispatch
 
 
 class _Recv:
@@ -123,6 +126,9 @@ class CudaBackend(LowLatencyCalls):
     # Expert ids are range-checked on the device, without a host sync, inside the notify kernel of a fresh dispatch;
     # the Buffer then skips its own value checks (low-latency mode: LowLatencyCalls.checks_low_latency_ids_on_device).
     checks_expert_ids_on_device = True
+    # Every collective call's fingerprint travels in its first exchange and is compared on the device
+    # (deepcomm/agreement.py, csrc/runtime/agree_record.hpp); reject() joins that exchange for a rejected call.
+    takes_fingerprints = True
 
     def __init__(self, group, config, rank: int, world_size: int, device: torch.device):
         C = load_extension()
@@ -277,7 +283,7 @@ class CudaBackend(LowLatencyCalls):
     # ---- normal dispatch ----
     def dispatch(self, x: Payload, topk_idx: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor],
                  num_experts: Optional[int], handle: Optional[Handle], expert_alignment: int,
-                 num_worst_tokens: int = 0, previous_event=None, async_finish: bool = False):
+                 num_worst_tokens: int = 0, previous_event=None, async_finish: bool = False, fingerprint=None):
         if isinstance(x, (tuple, list)):
             values, scales = x[0], x[1]
         else:
@@ -285,6 +291,7 @@ class CudaBackend(LowLatencyCalls):
         T, H = values.shape
         K = topk_idx.shape[1] if topk_idx is not None else (topk_weights.shape[1] if topk_weights is not None else 0)
         call = _Call(values, scales, topk_weights, K)
+        call.words = words_or_none(fingerprint)
         call.order = self._order(previous_event, async_finish)
         if handle is None:
             recv, handle_out = self._fresh(call, topk_idx, num_experts, expert_alignment, num_worst_tokens)
@@ -309,7 +316,7 @@ class CudaBackend(LowLatencyCalls):
             topk_idx_ptr, T, call.K, E, in_rank_ptr, send_pos_ptr, notify_out_ptr, tag,
             v.data_ptr(), call.x_row_bytes, sc.data_ptr() if sc is not None else 0, call.scale_row_bytes,
             w.data_ptr() if w is not None else 0, count_matrix_ptr, invalid_ptr, out_block, out_rows,
-            self.config.num_sms, alignment, src_copy_ptr, self._wait_timeout_s)
+            self.config.num_sms, alignment, src_copy_ptr, self._wait_timeout_s, call.words)
 
     def _fresh(self, call: "_Call", topk_idx: torch.Tensor, num_experts: int, expert_alignment: int,
                num_worst_tokens: int):
@@ -384,6 +391,8 @@ class CudaBackend(LowLatencyCalls):
                                    f"no counts after {self._wait_timeout_s:.1f} s")
         if reserved is not None:
             self.arena.release(*reserved)
+        if status == 3:  # the ranks' fingerprints differ: nothing was dispatched on any rank (agree_record.py)
+            raise dispatch_disagreement(self.C, self.nvl.counts_host, self.world_size)
         earlier, self._pending_input = self._pending_input, None
         also = f" (also, from an earlier call: {earlier})" if earlier is not None else ""
         if res[3]:
@@ -438,7 +447,7 @@ class CudaBackend(LowLatencyCalls):
 
     # ---- normal combine ----
     def combine(self, x: torch.Tensor, handle: Handle, topk_weights: Optional[torch.Tensor],
-                previous_event=None, async_finish: bool = False, use_fp8: bool = False):
+                previous_event=None, async_finish: bool = False, use_fp8: bool = False, fingerprint=None):
         T, H = handle.num_tokens, x.shape[1]
         K = topk_weights.shape[1] if topk_weights is not None else 0
         wait, run, flags, prev, end = self._order(previous_event, async_finish)
@@ -448,12 +457,27 @@ class CudaBackend(LowLatencyCalls):
                                   topk_weights.data_ptr() if topk_weights is not None else 0,
                                   handle.recv_src_idx.data_ptr(), handle.count_matrix.data_ptr(),
                                   handle.send_pos.data_ptr(), out.data_ptr(),
-                                  out_w.data_ptr() if out_w is not None else 0, x.shape[0], T, H, K, use_fp8)
+                                  out_w.data_ptr() if out_w is not None else 0, x.shape[0], T, H, K, use_fp8,
+                                  words_or_none(fingerprint))
         if async_finish:
             self._after(True, (x, topk_weights, handle.recv_src_idx, handle.count_matrix, handle.send_pos, out, out_w))
         else:
             self._raise_pending()
         return out, out_w
+
+    # ---- a call this rank rejected ----
+    def reject(self, fingerprint) -> None:
+        """This rank's own validation rejected its call: take part in the call's first exchange with
+        ``fingerprint`` (its REJECTED word set), so every peer stops that call naming this rank; nothing moves. No
+        host wait. A Buffer that can run no call (a timeout, masked ranks) sends nothing: its next call says why."""
+        if fingerprint[agreement.Word.OP] in (agreement.Op.LOW_LATENCY_DISPATCH, agreement.Op.LOW_LATENCY_COMBINE):
+            self._ll_reject(fingerprint)
+            return
+        try:
+            wait, run, flags, prev, _ = self._order(None, False)
+        except (CommTimeoutError, RuntimeError):
+            return
+        self.nvl.ctx.agree_reject(tuple(fingerprint), flags, wait, run, prev, self._start_handle)
 
     # ---- lifetime ----
     def synchronize(self) -> None:

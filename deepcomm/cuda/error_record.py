@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 
 from ..errors import CommTimeoutError
+from .agree_record import recorded_disagreement
 from .wait_stages import input_error_text, stage_text
 
 class DeviceErrorRecord:
@@ -18,6 +19,13 @@ class DeviceErrorRecord:
     def __init__(self, C, device: torch.device, timeout_s: float):
         self.C, self.device = C, device
         self.err_host, self.err_dev = C.host_mapped_alloc(C.error_record_bytes())
+        # where the kernels leave every rank's words when a call's fingerprints differ (agree_record.py)
+        try:
+            self.agree_host, self.agree_dev = C.host_mapped_alloc(C.agree_record_bytes())
+        except BaseException:
+            C.host_mapped_free(self.err_host)
+            raise
+        C.clear_agree(self.agree_host)
         self.timeout_ns = int(timeout_s * 1e9)
         self.broken = False
         self.broken_peer = None
@@ -45,8 +53,11 @@ class DeviceErrorRecord:
         if input_error is not None:
             if leave_input:
                 return None
+            if stage == self.C.WAIT_STAGES.get("disagree"):  # the fingerprints differed: every rank's words are kept
+                err = recorded_disagreement(self.C, self.agree_host, getattr(self, "rank", None), self.masked)
+            else:
+                err = ValueError(input_error.format(peer=peer, peer_or_some="some rank" if peer < 0 else peer))
             self.C.clear_error(self.err_host)  # the Buffer stays usable
-            err = ValueError(input_error.format(peer=peer, peer_or_some="some rank" if peer < 0 else peer))
             if defer_input:
                 return err
             raise err
@@ -68,3 +79,4 @@ class DeviceErrorRecord:
 
     def free_record(self) -> None:
         self.C.host_mapped_free(self.err_host)
+        self.C.host_mapped_free(self.agree_host)

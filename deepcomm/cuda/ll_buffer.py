@@ -60,7 +60,8 @@ def force_puts(memory: str) -> bool:
 
 class LlBuffer:
     def __init__(self, C, group, rank: int, world_size: int, device: torch.device, num_experts: int,
-                 max_tokens: int, hidden: int, err_dev: int, timeout_ns: int, memory: str = "ipc"):
+                 max_tokens: int, hidden: int, err_dev: int, timeout_ns: int, memory: str = "ipc",
+                 agree_dev: int = 0):
         self.key = (num_experts, max_tokens, hidden)
         self.rank = rank
         forced = force_puts(memory)
@@ -94,6 +95,7 @@ class LlBuffer:
             self.ctx.set_peer(r, p)
         self.ctx.set_pdl(pdl_mode())
         self.ctx.set_error_record(err_dev)
+        self.ctx.set_agree_record(agree_dev)  # shared with the NVLink buffer (deepcomm/cuda/agree_record.py)
         self.ctx.set_timeout_ns(timeout_ns)
         self.bytes = as_device_bytes(self.memory.ptr, self.layout["total"], device)
         # diagnostics: per-block timer stamps of the latest call (csrc/kernels/ll_common.cuh, LlTracePoint)

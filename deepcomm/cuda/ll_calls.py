@@ -18,8 +18,10 @@ import os
 import torch
 import torch.distributed as dist
 
+from .. import agreement
 from ..gpu_share import GPU_SMS_ENV, usable_sms
 from ..handle import LowLatencyHandle
+from .agree_record import words_or_none
 from .ll_buffer import LlBuffer, pdl_mode
 
 
@@ -76,17 +78,55 @@ class LowLatencyCalls:
             torch.cuda.synchronize(self.device)
             ll.close()
 
-    def _ll_buffer(self, num_experts: int, max_tokens: int, hidden: int) -> LlBuffer:
-        """The low-latency buffer for this shape; (re)made collectively on the first call of a new shape."""
+    def _ll_buffer(self, num_experts: int, max_tokens: int, hidden: int, fingerprint=None) -> LlBuffer:
+        """The low-latency buffer for this shape; (re)made collectively on the first call of a new shape. Its
+        layout follows the shape, so before it is made every rank's fingerprint of the call is compared in a
+        host exchange (``fingerprint``: this call's words, deepcomm/agreement.py): ranks that disagree about
+        the shape, or one that rejected its call (``_ll_reject``), raise ValueError on every rank instead of
+        laying out their buffers differently."""
         key = (num_experts, max_tokens, hidden)
         if self._ll is None or self._ll.key != key:
             self._close_low_latency()
+            if fingerprint is not None:
+                self._agree_on_host(fingerprint)
             with torch.cuda.device(self.device):
                 self._ll = LlBuffer(self.C, self.group, self.rank, self.world_size, self.device, num_experts,
-                                    max_tokens, hidden, self.nvl.err_dev, self.nvl.timeout_ns, self.ll_memory)
+                                    max_tokens, hidden, self.nvl.err_dev, self.nvl.timeout_ns, self.ll_memory,
+                                    getattr(self.nvl, "agree_dev", 0))
                 if self.nvl.masked:
                     self._ll.write_mask(self.nvl.masked)
         return self._ll
+
+    def _agree_on_host(self, fingerprint) -> None:
+        """Every rank's words in one host exchange (only where a low-latency buffer is made); ValueError on every
+        rank when they differ (agreement.check: the same text everywhere)."""
+        rows = [None] * self.world_size
+        dist.all_gather_object(rows, list(fingerprint), group=self.group)
+        agreement.check(rows)
+
+    def _ll_reject(self, fingerprint) -> None:
+        """A low-latency call this rank rejected: the send half of its kind, with only ``fingerprint`` (REJECTED
+        set), so every peer's call stops on the words, naming this rank (no host wait). Before the first
+        low-latency call the peers are making the buffer: this rank joins that exchange instead. A rejected
+        combine is paired with the latest dispatch's slot."""
+        if self._ll is None:
+            try:
+                self._agree_on_host(fingerprint)
+            except ValueError:
+                pass  # it names this rank's rejection: the caller raises this rank's own error instead
+            return
+        try:
+            self._check(low_latency=True)
+        except (RuntimeError, ValueError):
+            return  # a timeout: nothing runs on this Buffer any more (the next call says so)
+        ll = self._ll
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        if fingerprint[agreement.Word.OP] == agreement.Op.LOW_LATENCY_DISPATCH:
+            kind, slot = 0, ll.calls & 1
+            ll.calls += 1
+        else:
+            kind, slot = 1, (ll.calls - 1) & 1
+        ll.ctx.agree_reject(tuple(fingerprint), kind, slot, stream)
 
     def _ll_launch(self, launch, return_recv_hook: bool, stream: int, keep=(), after_send=None):
         """Without a hook: ``launch(SEND | RECV, stream)``, both halves in one kernel. With a hook: the send half
@@ -136,19 +176,20 @@ class LowLatencyCalls:
         return lambda stream: ll.put(kind, slot, stream, self.nvl.masked)
 
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, use_ue8m0,
-                             return_recv_hook):
+                             return_recv_hook, fingerprint=None):
         # Runs on the caller's stream with no host sync (so it can be captured in a CUDA graph): expert ids are
         # checked by the kernel, and a bad id raises ValueError at the next look at the error record.
         T, H = x.shape
         K, M = topk_idx.shape[1], num_max_dispatch_tokens_per_rank
-        ll = self._ll_buffer(num_experts, M, H)
+        ll = self._ll_buffer(num_experts, M, H, fingerprint)
         self._check(low_latency=True)
+        words = words_or_none(fingerprint)
         slot = ll.calls & 1
         ll.calls += 1
         blocks, stream = self.ll_blocks, torch.cuda.current_stream(self.device).cuda_stream
         x_ptr, idx_ptr = x.data_ptr(), topk_idx.data_ptr()
         hook = self._ll_launch(lambda phases, s: ll.ctx.dispatch(phases, blocks, x_ptr, idx_ptr, T, K, slot, use_fp8,
-                                                                 use_ue8m0, s), return_recv_hook, stream,
+                                                                 use_ue8m0, s, words), return_recv_hook, stream,
                                after_send=self._ll_puts(ll, 0, slot))
         recv_x, recv_count, layout, src_info = ll.outputs(slot, use_fp8)
         handle = LowLatencyHandle(src_info=src_info, layout=layout, recv_pos=ll.recv_pos(slot, T, K),
@@ -156,20 +197,22 @@ class LowLatencyCalls:
                                   buffer_id=-1, slot=slot)
         return recv_x, recv_count, handle, hook
 
-    def low_latency_combine(self, x, topk_idx, topk_weights, handle, return_recv_hook, use_fp8=False):
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, return_recv_hook, use_fp8=False,
+                            fingerprint=None):
         T, K = topk_idx.shape
         H = x.shape[2]
-        ll = self._ll_buffer(handle.num_experts, handle.num_max_dispatch_tokens_per_rank, handle.hidden)
+        ll = self._ll_buffer(handle.num_experts, handle.num_max_dispatch_tokens_per_rank, handle.hidden, fingerprint)
         self._check(low_latency=True)
+        words = words_or_none(fingerprint)
         out = torch.empty(T, H, dtype=torch.bfloat16, device=self.device)
         blocks, slot, stream = self.ll_blocks, handle.slot, torch.cuda.current_stream(self.device).cuda_stream
         ptrs = (x.data_ptr(), topk_weights.data_ptr(), topk_idx.data_ptr(), out.data_ptr())
         if ll.put_peers:
             # the send half waits for every source's weights: put peers get ours first (a weights-only launch)
-            ll.ctx.combine(self.C.LL_PHASES["weights"], blocks, *ptrs, T, K, slot, use_fp8, stream)
+            ll.ctx.combine(self.C.LL_PHASES["weights"], blocks, *ptrs, T, K, slot, use_fp8, stream, words)
             ll.put_weights(slot, stream, self.nvl.masked)
         # the receive half reads x (our own tokens' partial), topk_idx and topk_weights, and writes out
-        hook = self._ll_launch(lambda phases, s: ll.ctx.combine(phases, blocks, *ptrs, T, K, slot, use_fp8, s),
+        hook = self._ll_launch(lambda phases, s: ll.ctx.combine(phases, blocks, *ptrs, T, K, slot, use_fp8, s, words),
                                return_recv_hook, stream, keep=(x, topk_idx, topk_weights, out),
                                after_send=self._ll_puts(ll, 1, slot))
         return out, hook

@@ -37,6 +37,7 @@ class NvlBuffer(DeviceErrorRecord):
             raise
         self.ctx.set_error_record(self.err_dev)
         self.ctx.set_error_host(self.err_host)
+        self.ctx.set_agree_record(self.agree_dev)
         # a fresh dispatch's counts for the host (csrc/runtime/dispatch_counts.hpp), written by the notify kernel
         self.counts_host, counts_dev = C.host_mapped_alloc(C.DISPATCH_COUNTS_BYTES)
         self.ctx.set_dispatch_counts(self.counts_host, counts_dev)

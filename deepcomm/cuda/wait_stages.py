@@ -18,6 +18,7 @@ STAGE_TEXT = {
     "ll_dispatch_data": "low_latency_dispatch:data",
     "ll_combine_data": "low_latency_combine:data",
     "ll_combine_weights": "low_latency_combine:weights",
+    "agree": "agree (waiting for a peer's call fingerprint: it has not reached this call)",
     "qp_room": "qp:room (send queue full, no completions)",
     "qp_turn": "qp:turn (an earlier post never rang the doorbell)",
     "qp_quiet": "qp:quiet (posted WQEs not completed)",
@@ -42,6 +43,9 @@ INPUT_ERROR_TEXT = {
                       "[-1, num_experts); those slots were dropped (sent nowhere)",
     "ll_duplicate_ids": "topk_idx: an earlier low_latency_dispatch on rank {peer} had a token naming the same "
                         "expert twice",
+    # the ranks' call fingerprints differed: the text comes from the AgreeRecord (deepcomm/cuda/agree_record.py);
+    # this one only when that record is missing
+    "disagree": "fingerprint: an earlier call disagreed with rank {peer_or_some}'s; no rank ran it",
 }
 
 

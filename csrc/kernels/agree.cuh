@@ -1,0 +1,107 @@
+// Device side of call agreement (csrc/runtime/agree_record.hpp): publish this call's words to every peer, wait
+// for theirs, compare, and leave one record when they differ. Used by notify.cu, dispatch.cu (cached dispatch),
+// combine.cu, the low-latency kernels and agree_reject.cu.
+#pragma once
+#include <cstdint>
+
+#include "../../ptx/ptx.cuh"
+#include "../runtime/agree_record.hpp"
+#include "../runtime/wait.cuh"
+
+namespace dc {
+
+__device__ __forceinline__ bool agree_on(const Fingerprint& f) { return f.w[0] != 0; }
+
+// One thread: our words into a peer's slot for us, then its tag with release (so a reader that sees the tag sees
+// the words). The caller's next release store to that peer (its first signal) follows it.
+__device__ __forceinline__ void agree_publish(uint8_t* slot, const Fingerprint& f, uint64_t tag) {
+  auto* s = reinterpret_cast<AgreeSlot*>(slot);
+#pragma unroll
+  for (int i = 0; i < kFingerprintWords; ++i) s->words[i] = f.w[i];
+  ptx::st_release_sys_u64(&s->tag, tag);
+}
+
+// One thread: wait (bounded) until a peer's slot carries call `tag` or a later one.
+__device__ __forceinline__ bool agree_wait(const uint8_t* slot, uint64_t tag, const WaitCtx& ctx, int peer,
+                                           int stage) {
+  const auto* t = &reinterpret_cast<const AgreeSlot*>(slot)->tag;
+  return wait_flag_geq(t, tag, ctx, peer, stage);
+}
+
+// The first word of a slot that differs from ours, or -1.
+__device__ __forceinline__ int agree_diff(const uint8_t* slot, const Fingerprint& f) {
+  const auto* s = reinterpret_cast<const AgreeSlot*>(slot);
+  for (int i = 0; i < kFingerprintWords; ++i)
+    if (ptx::ld_volatile_s32(&s->words[i]) != f.w[i]) return i;
+  return -1;
+}
+
+// One thread, once every peer's slot is in: copy every rank's words (slots[s] at slots + s * kAgreeSlotBytes; ranks
+// outside `alive` read as zeros) into `rows`.
+__device__ __forceinline__ void agree_copy_rows(int32_t (*rows)[kFingerprintWords], const uint8_t* slots, int R,
+                                                uint32_t alive) {
+  for (int s = 0; s < R; ++s)
+    for (int i = 0; i < kFingerprintWords; ++i)
+      rows[s][i] = ((alive >> s) & 1u)
+                       ? ptx::ld_volatile_s32(&reinterpret_cast<const AgreeSlot*>(slots + int64_t(s) * kAgreeSlotBytes)
+                                                  ->words[i])
+                       : 0;
+}
+
+// One thread: the first disagreement of this rank's kernels wins the record; then the error record names it as
+// an input error (kStageDisagree), which the host raises as a ValueError at its next look (no host wait here).
+__device__ __forceinline__ void agree_report(AgreeRecord* rec, const uint8_t* slots, int R, uint32_t alive, int peer,
+                                             int word, const WaitCtx& ctx) {
+  if (rec == nullptr) return;
+  if (ptx::atom_cas_acquire_gpu_u32(reinterpret_cast<uint32_t*>(&rec->flag), 0u, 2u) != 0u) return;
+  rec->num_ranks = R;
+  rec->peer = peer;
+  rec->word = word;
+  rec->seq = ctx.seq;
+  agree_copy_rows(rec->rows, slots, R, alive);
+  ptx::fence_acq_rel_sys();
+  ptx::st_release_sys_u32(reinterpret_cast<uint32_t*>(&rec->flag), 1u);
+  report_input_error(ctx, peer, kStageDisagree);
+}
+
+// What agree_block found: status 1 every rank agrees, 0 a difference (peer, word: the first), -1 a timed-out wait.
+struct AgreeResult {
+  int status, peer, word;
+};
+
+// The whole block (threads 0..R-1 wait for one peer each): wait for every peer in `alive` to publish call `tag` into
+// `slots` (ours, [R] consecutive), compare with `f`. On a difference thread 0 of a block with `report` leaves the
+// record (agree_report). The same result for every thread; ends with __syncthreads.
+__device__ __forceinline__ AgreeResult agree_block(const uint8_t* slots, const Fingerprint& f, uint64_t tag, int R,
+                                                   uint32_t alive, const WaitCtx& ctx, int stage, bool report) {
+  __shared__ int diff_peer, diff_word, timed_out;
+  if (threadIdx.x == 0) {
+    diff_peer = -1;
+    diff_word = -1;
+    timed_out = 0;
+  }
+  __syncthreads();
+  const int s = threadIdx.x;
+  if (s < R && ((alive >> s) & 1u)) {
+    if (!agree_wait(slots + int64_t(s) * kAgreeSlotBytes, tag, ctx, s, stage)) timed_out = 1;
+  }
+  __syncthreads();
+  // the lowest differing peer and its first differing word (one thread: the same choice on every block)
+  if (threadIdx.x == 0 && !timed_out) {
+    for (int p = 0; p < R && diff_peer < 0; ++p) {
+      if (!((alive >> p) & 1u)) continue;
+      const int w = agree_diff(slots + int64_t(p) * kAgreeSlotBytes, f);
+      if (w >= 0) {
+        diff_peer = p;
+        diff_word = w;
+      }
+    }
+    if (diff_peer >= 0 && report) agree_report(ctx.agree, slots, R, alive, diff_peer, diff_word, ctx);
+  }
+  __syncthreads();
+  const AgreeResult r{timed_out ? -1 : diff_peer < 0 ? 1 : 0, diff_peer, diff_word};
+  __syncthreads();  // the shared words may be reused by a later agree_block
+  return r;
+}
+
+}  // namespace dc

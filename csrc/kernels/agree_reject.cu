@@ -1,0 +1,64 @@
+// A call this rank rejected before its kernels (its own validation raised): it still takes part in the call's
+// first exchange, with its words (agreement.Word.REJECTED set), so every peer stops that call naming it instead of
+// pairing the call with this rank's next one. Nothing else moves; the call numbers advance as the call's own
+// first kernel would advance them.
+#include "../runtime/cuda_check.hpp"
+#include "agree.cuh"
+#include "api.hpp"
+#include "ll_common.cuh"
+
+namespace dc {
+
+namespace {
+
+// Normal mode: the sequence number advances (as the call's first kernel would), then our words go into every
+// peer's agree slot for us.
+__global__ void agree_reject_kernel(Fingerprint f, NvlLayout layout, Peers peers, WaitCtx ctx) {
+  __shared__ uint64_t seq;
+  if (threadIdx.x == 0) {
+    auto* counter = reinterpret_cast<uint64_t*>(peers.base[ctx.rank] + layout.seq_counter);
+    seq = *counter + 1;
+    *counter = seq;
+  }
+  __syncthreads();
+  const int d = threadIdx.x;
+  if (d < layout.num_ranks)
+    agree_publish(peers.base[d] + layout.agree_at(seq) + int64_t(ctx.rank) * kAgreeSlotBytes, f, seq);
+}
+
+// Low-latency mode: a send half of `kind` into `slot` that only publishes the words (tagged as that send's words
+// are) and advances the call numbers as ll_finish_send does; no arrival word is raised (the peers stop on the words
+// before they wait for any).
+__global__ void ll_agree_reject_kernel(Fingerprint f, int kind, int slot, LlLayout l, Peers peers, WaitCtx ctx) {
+  uint8_t* self = peers.base[ctx.rank];
+  uint32_t alive;
+  const LlKind k = LlKind(kind);
+  const uint64_t calls = ll_enter<true>(self, l, k, slot, ctx, &alive);
+  if (ll_agree_on(f, l)) ll_agree_publish(peers, l, alive, k, slot, ctx.rank, f, k == kLlDispatch ? calls : ctx.seq);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    reinterpret_cast<uint64_t*>(self + l.seq)[kind] = ctx.seq;
+    reinterpret_cast<uint64_t*>(self + l.slot_seq)[kind * 2 + slot] = ctx.seq;
+    reinterpret_cast<uint64_t*>(self + l.slot_calls)[kind * 2 + slot] = calls;
+    __threadfence();
+  }
+}
+
+}  // namespace
+
+void launch_agree_reject(const Fingerprint& words, const NvlLayout& layout, const Peers& peers, const WaitCtx& ctx,
+                         cudaStream_t stream) {
+  DC_HOST_ASSERT(layout.num_ranks <= 32, "agree_reject: too many ranks");
+  agree_reject_kernel<<<1, 32, 0, stream>>>(words, layout, peers, ctx);
+  DC_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_ll_agree_reject(const Fingerprint& words, int kind, int slot, const LlLayout& layout, const Peers& peers,
+                            const WaitCtx& ctx, cudaStream_t stream) {
+  DC_HOST_ASSERT(kind == kLlDispatch || kind == kLlCombine, "ll_agree_reject: kind must be 0 or 1");
+  DC_HOST_ASSERT(slot == 0 || slot == 1, "ll_agree_reject: slot must be 0 or 1");
+  ll_agree_reject_kernel<<<1, 32, 0, stream>>>(words, kind, slot, layout, peers, ctx);
+  DC_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace dc
