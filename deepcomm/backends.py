@@ -1,8 +1,12 @@
 """Which backend a Buffer gets, and why "cuda" is refused when it is.
 
 ``backend="auto"`` never falls back to the reference backend without saying so: where the CUDA kernels could have
-run (CUDA present, an NCCL group), the reason they did not is a ``RuntimeWarning``, once per process and reason.
-``backend="cuda"`` raises ``RuntimeError`` with the reason instead.
+run (CUDA present, an NCCL group), or whenever the ranks span several hosts, the reason they did not is a
+``RuntimeWarning``, once per process and reason. ``backend="cuda"`` raises ``RuntimeError`` with the reason instead.
+
+With ranks on several hosts the CUDA backend is the internode one, and its RDMA hop goes through NVSHMEM: unless
+``internode_transport`` (or ``DEEPCOMM_INTERNODE_TRANSPORT``) chooses a transport, "auto" and "cuda" take
+"nvshmem" there (the default "emulated" NIC reaches other GPUs over NVLink, so it serves one host only).
 """
 from __future__ import annotations
 
@@ -69,6 +73,7 @@ class BackendChoice:
     internode: bool
     refused: Optional[str] = None
     faster_possible: bool = False
+    transport: Optional[str] = None  # the internode transport the CUDA backend takes ("emulated" | "nvshmem")
 
     @property
     def kind(self) -> str:
@@ -81,24 +86,56 @@ class BackendChoice:
 _warned: Set[str] = set()
 
 
+def group_hosts(group, world_size: int) -> Optional[List[str]]:
+    """Every rank's host name (``hosts_of``), or None without an initialized process group (only this process).
+    Collective over ``group``."""
+    if world_size < 2 or not (dist.is_available() and dist.is_initialized()):
+        return None
+    return hosts_of(group)
+
+
+def nvshmem_unavailable_reason() -> Optional[str]:
+    """``None`` when NVSHMEM's host library opens (deepcomm/cuda/nvshmem_library.py); otherwise why not."""
+    try:
+        from .cuda.nvshmem_library import NvshmemUnavailableError, load_library
+    except ImportError as exc:
+        return f"NVSHMEM support cannot be imported ({exc})"
+    try:
+        load_library()
+    except NvshmemUnavailableError as exc:
+        return f"NVSHMEM is not available ({str(exc).splitlines()[0]})"
+    return None
+
+
 def choose_backend(requested: str, group, config: Config, world_size: int) -> BackendChoice:
-    """Decide the backend for ``requested`` ("auto" | "cuda" | "reference"). Collective over ``group`` for
-    topologies of several nodes (the internode check compares host names). ``backend="cuda"`` that cannot run
-    raises ``RuntimeError`` naming the reason."""
+    """Decide the backend for ``requested`` ("auto" | "cuda" | "reference"). Collective over ``group`` (it compares
+    host names) unless "reference" is requested. ``backend="cuda"`` that cannot run raises ``RuntimeError`` naming
+    the reason."""
     if requested not in BACKENDS:
         raise ValueError(f"backend: expected one of {', '.join(map(repr, BACKENDS))}, got {requested!r}")
     internode = config.gpus_per_node is not None and config.gpus_per_node < world_size
     if requested == "reference":
         return BackendChoice(requested, "reference", internode)
+    hosts = group_hosts(group, world_size)  # on every rank, whatever it decides next: a collective
+    several_hosts = hosts is not None and len(set(hosts)) > 1
+    transport = config.internode_transport
+    if internode and several_hosts and not config.internode_transport_chosen:
+        transport = "nvshmem"  # the only transport that reaches other hosts
     reason = cuda_unavailable_reason(group, requested)
+    if reason is None and several_hosts and not internode:
+        reason = ("the ranks span several hosts but the topology is one node; set LOCAL_WORLD_SIZE (torchrun and "
+                  "deepcomm's launchers do), DEEPCOMM_GPUS_PER_NODE or Buffer(gpus_per_node=...)")
     if reason is None and internode:
-        reason = internode_unavailable_reason(group, world_size, config.internode_transport, config.gpus_per_node)
+        reason = internode_unavailable_reason(group, world_size, transport, config.gpus_per_node, hosts)
+        if reason is None and transport == "nvshmem":
+            reason = nvshmem_unavailable_reason()
         if reason is not None:
             reason = f"the internode CUDA backend cannot run: {reason}"
     if reason is not None and requested == "cuda":
         raise RuntimeError(f"deepcomm: backend='cuda' cannot run here: {reason}")
-    faster_possible = reason is not None and torch.cuda.is_available() and group_uses_nccl(group)
-    return BackendChoice(requested, "cuda" if reason is None else "reference", internode, reason, faster_possible)
+    faster_possible = reason is not None and (several_hosts or (torch.cuda.is_available() and group_uses_nccl(group)))
+    return BackendChoice(requested, "cuda" if reason is None else "reference", internode, reason, faster_possible,
+                         transport if internode and reason is None else None)
 
 
 def warn_if_fallback(choice: BackendChoice, rank: int) -> None:
@@ -121,6 +158,7 @@ def make_backend(requested: str, group, config: Config, rank: int, world_size: i
     warn_if_fallback(choice, rank)
     if choice.name == "cuda" and choice.internode:
         from .cuda.internode import InternodeBackend
+        config.internode_transport = choice.transport  # the Buffer's config says what carries the RDMA hop
         return InternodeBackend(group, config, rank, world_size, device, load_extension()), choice
     if choice.name == "cuda":
         from .cuda.backend import CudaBackend
@@ -129,17 +167,25 @@ def make_backend(requested: str, group, config: Config, rank: int, world_size: i
     return ReferenceBackend(group, config, rank, world_size, device, buffer_number), choice
 
 
-def internode_unavailable_reason(group, world_size: int, transport: str = "emulated",
-                                 gpus_per_node: int = 1) -> Optional[str]:
-    """``None`` when the internode CUDA backend can run. Collective over ``group`` (it compares host names).
-    The "emulated" transport's WQEs are executed by the device emulated NIC, which reaches the "remote" GPU over
-    NVLink, so every rank must be on one host. The "nvshmem" transport leaves the reaching to NVSHMEM, so ranks
-    may span hosts (not tested across hosts yet: docs/internode.md), but the NVLink hop inside a node maps its
-    peers' memory with CUDA IPC, so the ranks of one node (``gpus_per_node`` consecutive ranks) share a host."""
-    from .cuda.nic_transport import MAX_RANKS
-    if world_size > MAX_RANKS:
-        return f"the internode transport takes at most {MAX_RANKS} ranks, the group has {world_size}"
-    hosts = hosts_of(group)
+def internode_unavailable_reason(group, world_size: int, transport: str = "emulated", gpus_per_node: int = 1,
+                                 hosts: Optional[List[str]] = None) -> Optional[str]:
+    """``None`` when the internode CUDA backend can run. Collective over ``group`` unless ``hosts`` (every rank's
+    host name) is given.
+    The topology must fit the extension's internode tables (at most ``INTERNODE_MAX_RANKS`` ranks and
+    ``INTERNODE_MAX_NODES`` nodes, csrc/runtime/internode_limits.hpp). The "emulated" transport's WQEs are executed
+    by the device emulated NIC, which reaches the "remote" GPU over NVLink, so every rank must be on one host. The
+    "nvshmem" transport leaves the reaching to NVSHMEM, so ranks may span hosts (docs/internode.md), but the NVLink
+    hop inside a node maps its peers' memory with CUDA IPC, so the ranks of one node (``gpus_per_node``
+    consecutive ranks) share a host."""
+    from .cuda.internode_size import internode_size_problem
+    C = load_extension()
+    if C is None:
+        return f"the extension deepcomm._C is not available ({extension_error()})"
+    problem = internode_size_problem(C.transport, world_size, gpus_per_node)
+    if problem is not None:
+        return problem
+    if hosts is None:
+        hosts = hosts_of(group)
     for node in range(world_size // gpus_per_node):
         on = sorted(set(hosts[node * gpus_per_node:(node + 1) * gpus_per_node]))
         if len(on) > 1:

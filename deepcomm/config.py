@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 DEFAULT_HIDDEN = 7168
@@ -77,9 +77,14 @@ class Config:
     low_latency_memory: Optional[str] = None  # "ipc" | "nvshmem"; None: $DEEPCOMM_LL_MEMORY, else "ipc"
     # "emulated" | "nvshmem"; None: $DEEPCOMM_INTERNODE_TRANSPORT, else "emulated". Used only by several nodes.
     internode_transport: Optional[str] = None
+    # Whether internode_transport was chosen (argument or environment) rather than defaulted: with ranks on several
+    # hosts, backend="auto" replaces the default with "nvshmem" (deepcomm/backends.py).
+    internode_transport_chosen: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.low_latency_memory = resolve_low_latency_memory(self.low_latency_memory)
+        self.internode_transport_chosen = (self.internode_transport is not None
+                                           or bool(os.environ.get(INTERNODE_TRANSPORT_ENV, "").strip()))
         self.internode_transport = resolve_internode_transport(self.internode_transport)
         _check_positive_int("num_sms", self.num_sms)
         _check_positive_int("max_tokens_per_rank", self.max_tokens_per_rank)

@@ -49,8 +49,9 @@ args=(-np "$NP")
 [[ -n "$HOSTFILE" ]] && args+=(--hostfile "$HOSTFILE")
 # pass the environment this job needs to every rank (Open MPI: -x NAME; MPICH/Hydra: -genvlist)
 envs=()
-for e in NCCL_NVLS_ENABLE NVSHMEM_DISABLE_NVLS TORCH_SYMM_MEM_DISABLE_MULTICAST PATH PYTHONPATH VIRTUAL_ENV \
-         DEEPCOMM_LL_MEMORY NVSHMEM_HOME NVSHMEM_SYMMETRIC_SIZE; do
+# (every DEEPCOMM_*, NVSHMEM_*, NCCL_*, UCX_* and FI_* variable too: the transport settings of docs/internode.md)
+for e in TORCH_SYMM_MEM_DISABLE_MULTICAST PATH PYTHONPATH VIRTUAL_ENV LD_LIBRARY_PATH CUDA_HOME \
+         $(compgen -e | grep -E '^(DEEPCOMM|NVSHMEM|NCCL|UCX|FI)_' || true); do
     [[ -n "${!e:-}" ]] && envs+=("$e")
 done
 if mpirun --version 2>&1 | grep -qi "open mpi\|open-rte"; then

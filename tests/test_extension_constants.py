@@ -67,3 +67,28 @@ def test_topk_limit_is_exported_once():
     from deepcomm import validation
     assert C.TOPK_MAX == int(re.search(r"kTopkMax\s*=\s*(\d+);", _header("kernels", "topk_max.hpp")).group(1))
     assert validation.MAX_TOPK == C.TOPK_MAX
+
+
+def test_internode_limits_are_the_header_s():
+    """The internode limits come from csrc/runtime/internode_limits.hpp, and Python keeps no copy of them."""
+    text = _header("runtime", "internode_limits.hpp")
+    ranks = int(re.search(r"kInternodeMaxRanks = (\d+);", text).group(1))
+    nodes = int(re.search(r"kInternodeMaxNodes = (\d+);", text).group(1))
+    T = C.transport
+    assert (T.INTERNODE_MAX_RANKS, T.INTERNODE_MAX_NODES) == (ranks, nodes) == (256, 32)
+    assert T.KEY_TABLE_REGIONS == T.HIER_MAX_NODES == nodes  # our region and one per rail peer; a lane per node
+    assert ranks // nodes == 8 <= T.MAX_NODE_GPUS
+    keys = T.KeyTable()
+    for i in range(T.KEY_TABLE_REGIONS):
+        keys.add(i, 4096 * i, 4096, 4096 * i)
+    with pytest.raises(ValueError, match=f"at most {nodes} regions"):
+        keys.add(99, 0, 16, 0)
+    from deepcomm.cuda.internode_size import internode_size_problem
+    assert internode_size_problem(T, 256, 8) is None and internode_size_problem(T, 32, 1) is None
+    assert "at most 256 ranks" in internode_size_problem(T, 264, 8)
+    assert "at most 32 nodes" in internode_size_problem(T, 64, 1)
+    for root, _, files in os.walk(os.path.join(ROOT, "deepcomm")):
+        for name in files:
+            if name.endswith(".py"):
+                with open(os.path.join(root, name)) as f:
+                    assert not re.search(r"MAX_RANKS\s*=\s*\d", f.read()), name

@@ -228,7 +228,8 @@ def test_several_hosts_need_the_nvshmem_transport(monkeypatch):
     monkeypatch.setattr(backends, "hosts_of", lambda group: ["a", "b"])
     assert "DEEPCOMM_INTERNODE_TRANSPORT=nvshmem" in backends.internode_unavailable_reason(None, 2, "emulated")
     assert backends.internode_unavailable_reason(None, 2, "nvshmem") is None
-    assert "at most 32 ranks" in backends.internode_unavailable_reason(None, 33, "nvshmem")
+    assert "at most 256 ranks" in backends.internode_unavailable_reason(None, 257, "nvshmem", 8)
+    assert "at most 32 nodes" in backends.internode_unavailable_reason(None, 66, "nvshmem", 2)
     monkeypatch.setattr(backends, "hosts_of", lambda group: ["a", "a"])
     assert backends.internode_unavailable_reason(None, 2, "emulated") is None
     # 2 nodes x 2 GPUs: each node on its own host is fine over NVSHMEM; a node split over hosts is not

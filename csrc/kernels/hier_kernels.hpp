@@ -23,13 +23,14 @@
 #include <cstdint>
 
 #include "../runtime/error_record.cuh"
+#include "../runtime/internode_limits.hpp"
 #include "../transport/key_table.hpp"
 #include "internode_exchange.hpp"
 #include "node_barrier.hpp"
 
 namespace dc {
 
-constexpr int kHierMaxNodes = 32;
+constexpr int kHierMaxNodes = kInternodeMaxNodes;  // per-node arrays below: rows_to, rows_from
 constexpr int kHierThreads = 512;
 
 struct HierTopo {

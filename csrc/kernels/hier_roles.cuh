@@ -136,6 +136,8 @@ inline int checked_grid_blocks(const HierTopo& t, const HierRdma& r, int rdma_bl
                  what + ": num_nodes must be in [1, " + std::to_string(kHierMaxNodes) + "]");
   DC_HOST_ASSERT(t.gpus >= 1 && t.gpus <= kMaxNodeGpus,
                  what + ": gpus per node must be in [1, " + std::to_string(kMaxNodeGpus) + "]");
+  DC_HOST_ASSERT(internode_topology_fits(t.num_nodes, t.gpus),
+                 what + ": at most " + std::to_string(kInternodeMaxRanks) + " ranks (num_nodes * gpus)");
   DC_HOST_ASSERT(t.node >= 0 && t.node < t.num_nodes && t.local >= 0 && t.local < t.gpus &&
                      t.rank == t.node * t.gpus + t.local,
                  what + ": topo must have node < num_nodes, local < gpus, rank = node * gpus + local");

@@ -40,8 +40,10 @@ void fill(T (&out)[N], const py::dict& d, const char* key, size_t want) {
 
 HierTopo topo_of(const py::dict& d) {
   HierTopo t{get<int>(d, "num_nodes"), get<int>(d, "gpus"), get<int>(d, "node"), get<int>(d, "local"), 0};
-  if (t.num_nodes < 1 || t.num_nodes > kHierMaxNodes || t.gpus < 1 || t.gpus > kMaxNodeGpus)
-    throw std::invalid_argument("hier launch: num_nodes must be in [1, 32] and gpus in [1, 32]");
+  if (!internode_topology_fits(t.num_nodes, t.gpus) || t.gpus > kMaxNodeGpus)
+    throw std::invalid_argument("hier launch: num_nodes must be in [1, " + std::to_string(kInternodeMaxNodes) +
+                                "], gpus in [1, " + std::to_string(kMaxNodeGpus) + "] and num_nodes * gpus at most " +
+                                std::to_string(kInternodeMaxRanks));
   t.rank = t.node * t.gpus + t.local;
   return t;
 }
@@ -102,6 +104,9 @@ void fill_common(Args& a, const py::dict& d) {
 
 void bind_hier(py::module_& m) {
   m.attr("HIER_MAX_NODES") = kHierMaxNodes;
+  m.attr("INTERNODE_MAX_RANKS") = kInternodeMaxRanks;  // runtime/internode_limits.hpp
+  m.attr("INTERNODE_MAX_NODES") = kInternodeMaxNodes;
+  m.attr("KEY_TABLE_REGIONS") = kMaxRegions;           // transport/key_table.hpp: ours + one per rail peer
   m.attr("STAGE_HIER_FREE") = int(kStageHierFree);
   m.attr("STAGE_HIER_ARRIVE") = int(kStageHierArrive);
   m.attr("STAGE_HIER_LOCAL") = int(kStageHierLocal);

@@ -151,7 +151,7 @@ void bind_transport(py::module_& parent) {
   py::class_<KeyTable>(m, "KeyTable")
       .def(py::init([] { KeyTable t{}; return t; }))
       .def("add", [](KeyTable& t, uint32_t key, uint64_t addr, uint64_t length, uintptr_t ptr) {
-        if (t.count == kMaxRegions) throw std::invalid_argument("KeyTable: at most 32 regions");
+        if (t.count == kMaxRegions) throw std::invalid_argument("KeyTable: at most " + std::to_string(kMaxRegions) + " regions");
         t.regions[t.count++] = MemRegion{key, addr, length, reinterpret_cast<uint8_t*>(ptr)};
       }, py::arg("key"), py::arg("addr"), py::arg("length"), py::arg("ptr"),
          "Key `key` names [addr, addr + length); the NIC reaches it at host pointer `ptr`.")

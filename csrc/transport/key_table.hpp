@@ -4,11 +4,14 @@
 #pragma once
 #include <cstdint>
 
+#include "../runtime/internode_limits.hpp"
 #include "mem_ops.hpp"
 
 namespace dc::transport {
 
-constexpr int kMaxRegions = 32;
+// Our own region and one per rail peer (the same local index on every other node): the internode path registers
+// nothing else. 32 regions of 32 bytes: the table travels by value as a kernel argument (1 KiB of the 4 KiB).
+constexpr int kMaxRegions = kInternodeMaxNodes;
 
 struct MemRegion {
   uint32_t key;

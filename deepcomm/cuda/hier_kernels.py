@@ -105,6 +105,62 @@ def _rdma_slots(in_node: torch.Tensor) -> torch.Tensor:
     return torch.where(in_node, ranks, torch.full_like(ranks, -1)).contiguous()
 
 
+# ------------------------------------------------------------------------------------------------------- launch plans
+def dispatch_plan(comm: HierComm, counts: List[List[int]], ncounts: List[List[int]], in_rank: torch.Tensor,
+                  stride: int) -> dict:
+    """The routing fields of one dispatch launch (hier_kernels.hpp HierDispatchArgs), from the count matrix
+    ``counts`` [R][R], the node counts ``ncounts`` [R][N] (``counts`` itself with one GPU per node) and our
+    ``in_rank`` bool [T, R]: ``rows_to`` / ``rows_from`` [N], ``first_row`` [N][G], ``max_rows``, ``rdma_slot``
+    int32 [T, N], ``masks`` int32 [T, N] (None with one GPU per node), and ``area_rows`` (rows into each node GPU's
+    area, for the size check). Host lists and CPU-or-device tensors on ``in_rank``'s device; no launch."""
+    rank, R, N, G = comm.rank, comm.world_size, comm.num_nodes, comm.gpus
+    T = in_rank.shape[0]
+    node = comm.node_ranks()
+    rows_to = [ncounts[rank][m] for m in range(N)]
+    rows_from = [ncounts[comm.rank_of(m, comm.local)][comm.node] for m in range(N)]
+    # node GPU d's rows from rail source (m, local) start after every lower source rank's rows for d
+    first_row = [[sum(counts[q][d] for q in range(comm.rank_of(m, comm.local))) for d in node] for m in range(N)]
+    return dict(rows_to=rows_to, rows_from=rows_from, first_row=first_row, max_rows=max(rows_from + [1]),
+                rdma_slot=_rdma_slots(in_rank.view(T, N, G).any(dim=2)),
+                masks=node_masks(in_rank, N, G).contiguous() if G > 1 else None,
+                area_rows=[sum(counts[s][d] for s in range(R)) for d in node])
+
+
+def combine_plan(comm: HierComm, counts: List[List[int]], is_token_in_rank: torch.Tensor, held_stride: int,
+                 partial_stride: int) -> dict:
+    """The routing fields of one combine launch (hier_kernels.hpp HierCombineArgs): ``held`` / ``begins`` [R] (rows
+    we hold per source and where they start), ``gather`` [R][3], ``area_off`` [N][G], ``into`` (rows into our
+    area) and ``recv_off`` int64 [T, N] (where token t's partial from node m lands: >= 0 an fp32 partial at that
+    byte offset, <= -2 a held row at ``-recv_off - 2``, -1 none). No launch."""
+    rank, R, N, G = comm.rank, comm.world_size, comm.num_nodes, comm.gpus
+    T = is_token_in_rank.shape[0]
+    held = [counts[s][rank] for s in range(R)]
+    begins = [sum(held[:s]) for s in range(R)]
+    gather = [[begins[s], held[s] if s != rank else 0,
+               combine_area_row(comm, counts, s, rank) * held_stride if held[s] and s != rank else 0]
+              for s in range(R)]
+    node = comm.node_ranks()
+    area_off = [[combine_area_row(comm, counts, comm.rank_of(m, comm.local), d) * held_stride
+                 if counts[comm.rank_of(m, comm.local)][d] else 0 for d in node] for m in range(N)]
+    # rows into our area: every node GPU's rows for every source of our rail (ours for ourselves excluded)
+    into = sum(counts[comm.rank_of(m, comm.local)][d] for m in range(N) for d in node)
+
+    holders = is_token_in_rank.view(T, N, G).sum(dim=2)  # [T, N]
+    recv_off = torch.full((T, N), -1, dtype=torch.int64, device=is_token_in_rank.device)
+    for m in range(N):
+        if m == comm.node:  # our own partials: row = the token's place among ours our node holds
+            slot = _rdma_slots(holders[:, m:m + 1] > 0)[:, 0].to(torch.int64)
+            recv_off[:, m] = torch.where(slot >= 0, slot * partial_stride, recv_off[:, m])
+            continue
+        one, several = holders[:, m] == 1, holders[:, m] > 1
+        r1 = torch.cumsum(one.to(torch.int64), 0) - 1
+        r2 = torch.cumsum(several.to(torch.int64), 0) - 1
+        n1 = one.to(torch.int64).sum()
+        recv_off[:, m] = torch.where(one, -(r1 * held_stride) - 2,
+                                     torch.where(several, n1 * held_stride + r2 * partial_stride, recv_off[:, m]))
+    return dict(held=held, begins=begins, gather=gather, area_off=area_off, into=into, recv_off=recv_off)
+
+
 # ---------------------------------------------------------------------------------------------------------- dispatch
 def dispatch(k: HierKernels, x, topk_idx: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor],
              num_experts: int, handle: Optional[Handle], expert_alignment: int):
@@ -117,7 +173,7 @@ def dispatch(k: HierKernels, x, topk_idx: Optional[torch.Tensor], topk_weights: 
     dev = rows[0].device
 
     if handle is None:
-        in_rank, send_pos, in_node, count_matrix, node_counts = fresh_route(comm, topk_idx, num_experts, T)
+        in_rank, send_pos, _, count_matrix, node_counts = fresh_route(comm, topk_idx, num_experts, T)
         counts, ncounts = count_matrix.tolist(), node_counts.tolist()  # the host sync of the count round
     else:
         in_rank, send_pos, count_matrix = handle.is_token_in_rank, handle.send_pos, handle.count_matrix
@@ -125,7 +181,6 @@ def dispatch(k: HierKernels, x, topk_idx: Optional[torch.Tensor], topk_weights: 
         route = handle.node_route
         if node_counts is None or route is None:
             raise ValueError("handle: it has no node route; pass a handle from this Buffer's dispatch")
-        in_node = in_rank.view(T, N, G).any(dim=2)
         counts = route.counts
         ncounts = node_counts.tolist() if G > 1 else counts
 
@@ -135,19 +190,15 @@ def dispatch(k: HierKernels, x, topk_idx: Optional[torch.Tensor], topk_weights: 
     stride = round_up(mask_off + (4 if G > 1 else 0), 16)
     packed = pack_rows(parts, T, stride)
 
-    rows_to = [ncounts[rank][m] for m in range(N)]
-    rows_from = [ncounts[comm.rank_of(m, comm.local)][comm.node] for m in range(N)]
-    node = comm.node_ranks()
-    first_row = [[sum(counts[q][d] for q in range(comm.rank_of(m, comm.local))) for d in node] for m in range(N)]
+    plan = dispatch_plan(comm, counts, ncounts, in_rank, stride)
+    rows_to, rows_from, max_rows, masks = plan["rows_to"], plan["rows_from"], plan["max_rows"], plan["masks"]
     for n in rows_to + rows_from:
         k._check_slot(n * stride)
-    k._check_area([sum(counts[s][d] for s in range(R)) for d in node], stride)
-    max_rows = max(rows_from + [1])
+    k._check_area(plan["area_rows"], stride)
     route = torch.empty(N, max_rows, G + 1, dtype=torch.int32, device=dev)
     singles = torch.empty(N, dtype=torch.int32, device=dev)
-    masks = node_masks(in_rank, N, G).contiguous() if G > 1 else None
-    slots = _rdma_slots(in_node)
-    first = torch.tensor(first_row, dtype=torch.int32).to(dev)
+    slots = plan["rdma_slot"]
+    first = torch.tensor(plan["first_row"], dtype=torch.int32).to(dev)
     with torch.cuda.device(dev):
         k._launch(k.tr.T.hier_dispatch, k._fields(
             rows=packed.data_ptr(), stride=stride, mask_off=mask_off, num_tokens=T,
@@ -187,47 +238,23 @@ def combine(k: HierKernels, x: torch.Tensor, handle: Handle, topk_weights: Optio
             use_fp8: bool = False):
     """Returns ``(combined_x, combined_topk_weights)``."""
     comm = k.comm
-    rank, R, N, G = comm.rank, comm.world_size, comm.num_nodes, comm.gpus
+    rank, R = comm.rank, comm.world_size
     info = handle.node_route
     if info is None:
         raise ValueError("handle: it has no node route; pass a handle from this Buffer's dispatch")
     counts = info.counts
     dev, H, T = x.device, x.shape[1], handle.num_tokens
-    held = [counts[s][rank] for s in range(R)]
-    begins = [sum(held[:s]) for s in range(R)]
-    real = sum(held)
+    real = sum(counts[s][rank] for s in range(R))  # rows we hold (x may be worst-case sized)
     xs = x[:real].contiguous()
     w = topk_weights[:real].to(torch.float32).contiguous() if topk_weights is not None else None
     K = w.shape[1] if w is not None else 0
     rows, held_stride, w_off = _held_rows(xs, w, use_fp8)
     partial_stride = round_up(4 * H + 4 * K, 16)
-
-    gather = [[begins[s], held[s] if s != rank else 0,
-               combine_area_row(comm, counts, s, rank) * held_stride if held[s] and s != rank else 0]
-              for s in range(R)]
-    node = comm.node_ranks()
-    area_off = [[combine_area_row(comm, counts, comm.rank_of(m, comm.local), d) * held_stride
-                 if counts[comm.rank_of(m, comm.local)][d] else 0 for d in node] for m in range(N)]
-    # rows into our area: every node GPU's rows for every source of our rail (ours for ourselves excluded)
-    into = sum(counts[comm.rank_of(m, comm.local)][d] for m in range(N) for d in node)
-    k._check_area([into], held_stride)
+    plan = combine_plan(comm, counts, handle.is_token_in_rank, held_stride, partial_stride)
+    begins, gather, area_off, recv_off = plan["begins"], plan["gather"], plan["area_off"], plan["recv_off"]
+    k._check_area([plan["into"]], held_stride)
     for n in info.rows_from:
         k._check_slot(n * max(held_stride, partial_stride))
-
-    # Where token t's partial from node m lands (hier_kernels.hpp: >= 0 fp32, <= -2 held row, -1 none).
-    holders = handle.is_token_in_rank.view(T, N, G).sum(dim=2)  # [T, N]
-    recv_off = torch.full((T, N), -1, dtype=torch.int64, device=dev)
-    for m in range(N):
-        if m == comm.node:  # our own partials: row = the token's place among ours our node holds
-            slot = _rdma_slots(holders[:, m:m + 1] > 0)[:, 0].to(torch.int64)
-            recv_off[:, m] = torch.where(slot >= 0, slot * partial_stride, recv_off[:, m])
-            continue
-        one, several = holders[:, m] == 1, holders[:, m] > 1
-        r1 = torch.cumsum(one.to(torch.int64), 0) - 1
-        r2 = torch.cumsum(several.to(torch.int64), 0) - 1
-        n1 = one.to(torch.int64).sum()
-        recv_off[:, m] = torch.where(one, -(r1 * held_stride) - 2,
-                                     torch.where(several, n1 * held_stride + r2 * partial_stride, recv_off[:, m]))
 
     out_x = torch.empty(T, H, dtype=x.dtype, device=dev)
     out_w = torch.empty(T, K, dtype=torch.float32, device=dev) if w is not None else None

@@ -17,7 +17,6 @@ from .internode_rows import rail_slot_bytes
 from .peer_memory import PeerMemory
 from .sm_split import nic_blocks_for
 
-MAX_RANKS = 32         # the key table holds 32 regions: ours and one per peer
 LOG_WQEBBS = 8         # 256 WQEBBs per send queue; every WQE is signaled, so posters never wait on a later one
 CHUNK_BYTES = 1 << 20  # bytes per RDMA write WQE
 LKEY_BASE, RKEY_BASE = 0x1000, 0x2000
@@ -39,13 +38,18 @@ class NicTransport(ExchangeRecord):
 
     def __init__(self, C, group, rank: int, world_size: int, device: torch.device, max_tokens: int, hidden: int,
                  timeout_s: float, peers: Optional[Sequence[int]] = None):
-        if not 2 <= world_size <= MAX_RANKS:
-            raise ValueError(f"world_size: the internode transport takes 2..{MAX_RANKS} ranks, got {world_size}")
-        self.C, self.T = C, C.transport
+        T = C.transport
+        if not 2 <= world_size <= T.INTERNODE_MAX_RANKS:
+            raise ValueError(f"world_size: the internode transport takes 2..{T.INTERNODE_MAX_RANKS} ranks, "
+                             f"got {world_size}")
+        self.C, self.T = C, T
         self.rank, self.world_size, self.device, self.timeout_s = rank, world_size, device, timeout_s
         R = world_size
         # queue pairs only to these ranks (the internode path: the same local index on other nodes)
         self.peers = peer_list(rank, R, peers)
+        if len(self.peers) + 1 > T.KEY_TABLE_REGIONS:  # the key table: our region and one per peer
+            raise ValueError(f"peers: the emulated NIC's key table holds {T.KEY_TABLE_REGIONS} regions (ours and one "
+                             f"per peer), got {len(self.peers)} peers")
         self.slot_bytes = rail_slot_bytes(max_tokens, hidden)
         off: Dict[str, int] = {}
         at = 0

@@ -114,7 +114,7 @@ class NvshmemTransport(ExchangeRecord):
         from .nvshmem_memory import NvshmemMemory
 
         self.peers = peer_list(rank, world_size, peers)  # ValueError before any collective
-        limit = C.transport.MAX_COUNTER_WAIT_RANKS
+        limit = C.transport.INTERNODE_MAX_RANKS
         if not 2 <= world_size <= limit:
             raise ValueError(f"world_size: the NVSHMEM internode transport takes 2..{limit} ranks, got {world_size}")
         self.n = load_library()  # NvshmemUnavailableError, before any collective, when NVSHMEM is missing

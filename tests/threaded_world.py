@@ -1,0 +1,151 @@
+"""Every rank of a large job in one process, one thread per rank, for CPU checks of routing code at sizes no
+process-per-rank test can afford (16 x 8 = 128 ranks and more on 2 cores).
+
+``World(R, G)`` holds what the ranks share: a board for all-gathers and the node areas of the NVLink hop.
+Per rank it hands out stand-ins with the interfaces the routing code calls:
+
+- ``ThreadComm``: the reference backend's ``Comm`` (deepcomm/reference/collectives.py) with its all_gather and
+  all_to_all done between the threads, so the reference backend's own dispatch / combine code runs unchanged;
+- ``RailTransport``: the RDMA hop of ``HierComm`` (NicTransport's interface): a round delivers each rank's block
+  for each rail peer, and refuses bytes for any other rank;
+- ``NodeArea``: the NVLink hop of ``HierComm`` (NodeLink's interface): every rank's area is a tensor the node's
+  threads write; a fence is a barrier of all ranks, and an area is poisoned before every stage, so stale rows are
+  never read as fresh ones.
+
+``run(world, fn)`` calls ``fn(rank)`` on every thread and returns the results by rank; the first exception is
+raised in the caller, and a failing rank breaks the barrier so no thread waits forever.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable, Dict, List
+
+import torch
+
+from deepcomm.reference.collectives import Comm, PendingRows, as_byte_rows, part_row_bytes, unpack_rows
+
+POISON = 0xEE
+
+
+class World:
+    def __init__(self, world_size: int, gpus_per_node: int, area_bytes: int = 0, timeout_s: float = 300.0):
+        self.world_size, self.gpus = world_size, gpus_per_node
+        self.barrier = threading.Barrier(world_size, timeout=timeout_s)
+        self.board: List[object] = [None] * world_size
+        self.areas = [torch.full((area_bytes,), POISON, dtype=torch.uint8) for _ in range(world_size)]
+
+    def wait(self) -> None:
+        self.barrier.wait()
+
+    def all_gather(self, rank: int, obj) -> list:
+        """Every rank's ``obj``, by rank (a collective of all threads)."""
+        self.board[rank] = obj
+        self.wait()
+        out = list(self.board)
+        self.wait()  # nobody overwrites the board before everyone has read it
+        return out
+
+
+def run(world: World, fn: Callable[[int], object]) -> list:
+    results: Dict[int, object] = {}
+    errors: List[BaseException] = []
+
+    def body(rank: int) -> None:
+        try:
+            results[rank] = fn(rank)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            errors.append(exc)
+            world.barrier.abort()
+
+    torch.set_num_threads(1)
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(world.world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    real = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
+    if real or errors:
+        raise (real or errors)[0]
+    return [results[r] for r in range(world.world_size)]
+
+
+class ThreadComm(Comm):
+    """The reference backend's communicator over the threads of ``world``."""
+
+    def __init__(self, world: World, rank: int):
+        super().__init__(None, rank, world.world_size, torch.device("cpu"), 300.0)
+        self.world = world
+
+    def all_gather(self, t: torch.Tensor, stage: str) -> torch.Tensor:
+        return torch.stack(self.world.all_gather(self.rank, t.contiguous().clone()))
+
+    def exchange_rows(self, parts, send_counts, recv_counts, stage: str) -> PendingRows:
+        row_bytes = [part_row_bytes(p) for p in parts]
+        packed = torch.cat([as_byte_rows(p, sum(send_counts), b) for p, b in zip(parts, row_bytes)], dim=1)
+        begins = [sum(send_counts[:d]) for d in range(self.world_size)]
+        mine = [packed[begins[d]:begins[d] + send_counts[d]] for d in range(self.world_size)]
+        every = self.world.all_gather(self.rank, mine)
+        got = [every[s][self.rank] for s in range(self.world_size)]
+        assert [g.shape[0] for g in got] == list(recv_counts), stage
+        out = torch.cat(got) if got else packed[:0]
+        return PendingRows(lambda: unpack_rows(out, parts, row_bytes))
+
+
+class RailTransport:
+    """The RDMA hop between the threads: one receive slot per peer, ``peers`` only (the rail)."""
+
+    def __init__(self, world: World, rank: int, slot_bytes: int, peers):
+        self.world, self.rank, self.slot_bytes, self.peers = world, rank, slot_bytes, set(peers) - {rank}
+        self.send = torch.zeros(slot_bytes * max(1, len(self.peers)), dtype=torch.uint8)
+        self.recv: Dict[int, torch.Tensor] = {}
+        self.rounds = 0
+        self.sent: Dict[int, int] = {}  # bytes handed to each peer, over all rounds
+
+    def send_view(self, rows: int, stride: int) -> torch.Tensor:
+        return self.send[:rows * stride].view(rows, stride)
+
+    def recv_view(self, src: int, rows: int, stride: int) -> torch.Tensor:
+        assert src in self.peers, f"rank {self.rank} reads a block from {src}, not a rail peer"
+        block = self.recv[src]
+        assert rows * stride <= block.numel(), f"rank {self.rank} reads past what {src} sent"
+        return block[:rows * stride].view(rows, stride)
+
+    def exchange(self, send_bytes, send_begin) -> None:
+        self.rounds += 1
+        blocks = {}
+        for d in range(self.world.world_size):
+            assert d in self.peers or send_bytes[d] == 0, f"bytes for rank {d}, not a rail peer of {self.rank}"
+            if d in self.peers:
+                assert send_bytes[d] <= self.slot_bytes
+                blocks[d] = self.send[send_begin[d]:send_begin[d] + send_bytes[d]].clone()
+                self.sent[d] = self.sent.get(d, 0) + send_bytes[d]
+        every = self.world.all_gather(self.rank, blocks)
+        self.recv = {s: every[s][self.rank] for s in self.peers}
+
+
+class NodeArea:
+    """The NVLink hop between the threads of one node."""
+
+    def __init__(self, world: World, rank: int):
+        self.world, self.gpus = world, world.gpus
+        self.local, self.first = rank % world.gpus, rank - rank % world.gpus
+        self.area_bytes = world.areas[rank].numel()
+
+    def area(self) -> torch.Tensor:
+        return self.world.areas[self.first + self.local]
+
+    def put(self, local: int, byte_offset: int, rows: torch.Tensor) -> None:
+        assert rows.dtype == torch.uint8 and rows.is_contiguous()
+        area = self.world.areas[self.first + local]
+        assert 0 <= byte_offset and byte_offset + rows.numel() <= area.numel()
+        area[byte_offset:byte_offset + rows.numel()] = rows.reshape(-1)
+
+    def fence(self, stage: str) -> None:
+        if self.gpus == 1:
+            return
+        if stage.endswith(":free"):
+            self.area().fill_(POISON)  # only we read our area, and we are done with it
+        self.world.wait()
+
+    def synchronize(self) -> None:
+        pass
