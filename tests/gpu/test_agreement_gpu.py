@@ -54,7 +54,7 @@ class Side:
 
     def __init__(self, label, buf):
         self.label, self.buf = label, buf
-        self.handle = self.recv_x = self.recv_w = self.ll_handle = self.ll_x = None
+        self.handle = self.recv_x = self.recv_w = self.ll_handle = self.ll_x = self.ll_idx = self.ll_w = None
 
 
 def _round(side, inp):
@@ -66,6 +66,7 @@ def _round(side, inp):
     ll_x, ll_count, ll_h, _ = b.low_latency_dispatch(inp.x, inp.idx, M, E, use_fp8=False)
     ll_out, _ = b.low_latency_combine(ll_x, inp.idx, inp.w, ll_h)
     side.handle, side.recv_x, side.recv_w, side.ll_handle, side.ll_x = h, recv_x, recv_w, ll_h, ll_x
+    side.ll_idx, side.ll_w = inp.idx, inp.w  # a low-latency combine of ll_handle takes its dispatch's topk_idx
     return {"recv_x": recv_x, "recv_topk_idx": recv_idx, "recv_topk_weights": recv_w,
             "tokens per expert": list(per_expert), "cached recv_x": again[0], "cached weights": again[2],
             "combine x": combined[0], "combine weights": combined[1], "low-latency recv_count": ll_count,
@@ -151,9 +152,10 @@ def _cases(rank, world, me, dev):
         ("low-latency dispatch, a rank rejected x",
          lambda s: s.buf.low_latency_dispatch(inp.x.float() if odd else inp.x, inp.idx, M, E, use_fp8=False), True),
         ("low-latency combine, use_fp8 differs",
-         lambda s: s.buf.low_latency_combine(s.ll_x, inp.idx, inp.w, s.ll_handle, use_fp8=odd), True),
+         lambda s: s.buf.low_latency_combine(s.ll_x, s.ll_idx, s.ll_w, s.ll_handle, use_fp8=odd), True),
         ("low-latency combine, a rank rejected its topk_weights",
-         lambda s: s.buf.low_latency_combine(s.ll_x, inp.idx, inp.w.double() if odd else inp.w, s.ll_handle), True),
+         lambda s: s.buf.low_latency_combine(s.ll_x, s.ll_idx, s.ll_w.double() if odd else s.ll_w, s.ll_handle),
+         True),
     ]
 
 
@@ -224,7 +226,8 @@ def _random_worker(rank, world):
             if kind == "ll_dispatch":
                 x = inp.x.float() if odd and change == "reject" else inp.x
                 return b.low_latency_dispatch(x, inp.idx, M, E, use_fp8=odd and change == "fp8")
-            return b.low_latency_combine(s.ll_x, inp.idx, w, s.ll_handle, use_fp8=odd and change == "fp8")
+            ll_w = s.ll_w.double() if odd and change == "reject" else s.ll_w
+            return b.low_latency_combine(s.ll_x, s.ll_idx, ll_w, s.ll_handle, use_fp8=odd and change == "fp8")
 
         what = f"random step {step}: {kind}, rank {who} changes {change}"
         ref = _outcome(sides[1], call)  # None where the change touches nothing of this call: it agrees

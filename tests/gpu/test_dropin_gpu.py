@@ -19,6 +19,9 @@ def _compat_worker(rank, world):
     deep_ep = install_deep_ep()
     from deep_ep.utils import EventOverlap
     device = rank_device(rank)
+    # calls without a config take DeepEP's default (Buffer.num_sms, 20): within this rank's share of a shared GPU,
+    # as a DeepEP user sizes it with Buffer.set_num_sms
+    deep_ep.Buffer.set_num_sms(max(2, sms(20) // 2 * 2))
     E, H, T, K = 8 * world, 7168, 1024 + 128 * rank, 8
     gen = torch.Generator().manual_seed(rank)
     idx = torch.rand(T, E, generator=gen).topk(K, dim=1).indices.to(device)
