@@ -22,20 +22,11 @@ from deepcomm.cuda.internode_rows import max_node_row_bytes, max_row_bytes
 from deepcomm.fp8 import per_token_cast_to_fp8
 from deepcomm.reference import normal
 from threaded_world import NodeArea, RailTransport, ThreadComm, World, run
+from same_bits import assert_same as _same
 
 H, K = 128, 8
 
 
-def _same(a, b, what):
-    if isinstance(a, (tuple, list)):
-        assert isinstance(b, (tuple, list)) and len(a) == len(b), what
-        for i, (u, v) in enumerate(zip(a, b)):
-            _same(u, v, f"{what}[{i}]")
-    elif torch.is_tensor(a):
-        assert torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape, (what, a.shape, b.shape)
-        assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), what
-    else:
-        assert a == b, f"{what}: {a} vs {b}"
 
 
 def _inputs(rank, world, tokens, experts, node_heavy):

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from multiproc import run_ranks
+from same_bits import assert_same as _same
 
 
 def up16(n):
@@ -86,16 +87,6 @@ class _StandInLink:
         pass
 
 
-def _same(a, b, what):
-    if isinstance(a, (tuple, list)):
-        assert isinstance(b, (tuple, list)) and len(a) == len(b), what
-        for i, (u, v) in enumerate(zip(a, b)):
-            _same(u, v, f"{what}[{i}]")
-    elif torch.is_tensor(a):
-        assert torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape, what
-        assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), what
-    else:
-        assert a == b, f"{what}: {a} vs {b}"
 
 
 def _traffic(comm, stage, hop):

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from same_bits import assert_same as _same
+
 E, K, M = 16, 4, 128
 
 
@@ -20,20 +22,6 @@ def _routing(gen, T, mode, device):
     return idx.to(device), torch.rand(T, K, generator=gen).to(device)
 
 
-def _same(a, b, what):
-    if a is None or b is None:
-        assert a is None and b is None, what
-        return
-    if isinstance(a, (tuple, list)):
-        assert len(a) == len(b), what
-        for i, (u, w) in enumerate(zip(a, b)):
-            _same(u, w, f"{what}[{i}]")
-        return
-    if not torch.is_tensor(a):
-        assert a == b, f"{what}: {a} vs {b}"
-        return
-    assert a.shape == b.shape and a.dtype == b.dtype, f"{what}: {a.shape}/{a.dtype} vs {b.shape}/{b.dtype}"
-    assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), f"{what} differs"
 
 
 def _same_handle(a, b, what):

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from nccl_run import cuda_buffer, needs_ranks, rank_device, ranks_for_tests, reference, run_on_gpus, scaled
+from same_bits import assert_same
 
 pytestmark = [pytest.mark.gpu, needs_ranks(2)]
 
@@ -24,20 +25,8 @@ T, H, E, K, M = 24, 512, 16, 4, 32  # tokens, hidden (% 128 == 0: FP8 paths), ex
 
 
 def _same(a, b, what):
-    if a is None or b is None:
-        assert a is None and b is None, f"{what}: one side is None"
-        return
-    if isinstance(a, (tuple, list)):
-        assert len(a) == len(b), f"{what}: {len(a)} vs {len(b)} parts"
-        for i, (u, w) in enumerate(zip(a, b)):
-            _same(u, w, f"{what}[{i}]")
-        return
-    if not torch.is_tensor(a):
-        assert a == b, f"{what}: {a!r} (cuda) vs {b!r} (reference)"
-        return
-    assert a.shape == b.shape and a.dtype == b.dtype, f"{what}: {a.shape}/{a.dtype} (cuda) vs {b.shape}/{b.dtype}"
-    assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), \
-        f"{what}: values differ between the CUDA and the reference backend"
+    assert_same(a, b, what, ("the CUDA backend", "the reference backend"))
+
 
 
 class Inputs:
