@@ -38,7 +38,7 @@ definition of it):
 May differ per rank: the token count, ``expert_alignment``, ``num_worst_tokens``, ``previous_event``,
 ``async_finish``, ``return_recv_hook`` (its send and receive halves are the same kernels), the values in the tensors.
 
-A backend takes part by setting ``takes_fingerprints = True``; Buffer then passes ``fingerprint=<words>`` to its
+A backend takes part with ``capabilities.takes_fingerprints`` (backend_protocol.py); Buffer then passes ``fingerprint=<words>`` to its
 ``dispatch``, ``combine``, ``low_latency_dispatch`` and ``low_latency_combine``, and calls its ``reject(words)`` for a
 call this rank rejected before handing it over (the backend joins that call's first exchange with those words and
 returns; Buffer raises the rank's own error). Every kind of call must start with an exchange of the same fixed

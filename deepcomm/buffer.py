@@ -105,10 +105,11 @@ class Buffer:
                                              self._device, number)
         self._backend_name = choice.name
         log_buffer_created(self, choice)
+        caps = self._backend.capabilities  # deepcomm/backend_protocol.py
         # the backend compares fingerprints in each call's first exchange and has reject() (deepcomm/agreement.py)
-        self._takes_fingerprints = bool(getattr(self._backend, "takes_fingerprints", False))
+        self._takes_fingerprints = caps.takes_fingerprints
         # dtypes of a non-FP8 x the backend takes in normal mode (the CUDA backend: bf16 only)
-        self._x_dtypes = tuple(getattr(self._backend, "x_dtypes", (torch.bfloat16,)))
+        self._x_dtypes = caps.x_dtypes
         buffer_registry.register(self)  # for the custom ops of torch.compile (deepcomm/custom_ops.py)
 
     # ---- properties -------------------------------------------------------------------------------------
@@ -148,8 +149,7 @@ class Buffer:
     def low_latency_buffer_info(self) -> Dict[str, object]:
         """``{"memory": "ipc" | "nvshmem", "bytes": n}``: where the CUDA backend's low-latency buffer lives and its
         size (0 before the first low-latency call); ``memory`` is None on the reference backend, which has none."""
-        info = getattr(self._live(), "low_latency_buffer_info", None)
-        return info() if info is not None else {"memory": None, "bytes": 0}
+        return self._live().low_latency_buffer_info()
 
     # ---- normal mode ------------------------------------------------------------------------------------
     def get_dispatch_layout(self, topk_idx: torch.Tensor,
@@ -222,7 +222,7 @@ class Buffer:
             v.fail("topk_idx", "required when no handle is given")
         v.check_num_experts(num_experts, self._world_size)
         v.check_topk_idx(topk_idx, num_tokens, num_experts, self._device,
-                         check_values=not getattr(backend, "checks_expert_ids_on_device", False))
+                         check_values=not backend.capabilities.checks_expert_ids_on_device)
         if topk_weights is not None:
             v.check_topk_weights(topk_weights, tuple(topk_idx.shape), self._device)
         agreed = self._agree(lambda: self._dispatch_fields(x, topk_idx, topk_weights, num_experts, None),
@@ -255,7 +255,7 @@ class Buffer:
     def event(self):
         """``torch.cuda.Event`` recorded at the end of the last dispatch/combine on the CUDA backend (``None``
         on the reference backend, whose calls finish before they return)."""
-        return getattr(self._live(), "event", None)
+        return self._live().event
 
     def _agree(self, fields, fingerprint) -> dict:
         """From here on the backend owns the call (its errors are every rank's). With check_calls on: this call's
@@ -303,7 +303,7 @@ class Buffer:
         v.check_low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
                                      use_ue8m0, self._world_size, self._device, self.config.hidden,
                                      self.config.num_max_low_latency_tokens,
-                                     check_values=not getattr(backend, "checks_low_latency_ids_on_device", False))
+                                     check_values=not backend.capabilities.checks_low_latency_ids_on_device)
         self._check_hook_flag(return_recv_hook)
         agreed = self._agree({"hidden": x.shape[1], "topk": topk_idx.shape[1], "num_experts": num_experts,
                               "num_max_dispatch_tokens_per_rank": num_max_dispatch_tokens_per_rank, "use_fp8": use_fp8},

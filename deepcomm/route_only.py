@@ -128,7 +128,7 @@ def dispatch(buffer, backend, x, is_token_in_rank: torch.Tensor, topk_idx: Optio
         num_tokens = is_token_in_rank.shape[0]
         packed = pack_rows(topk_idx, topk_weights, num_tokens)
         got = backend.dispatch(packed, None, None, num_experts, handle, 1, **stream)[0]
-        if async_finish and buffer.device.type == "cuda" and getattr(backend, "event", None) is not None:
+        if async_finish and buffer.device.type == "cuda" and backend.event is not None:
             torch.cuda.current_stream(buffer.device).wait_event(backend.event)  # the unpacking reads the rows
         k_idx = topk_idx.shape[1] if topk_idx is not None else 0
         k_w = topk_weights.shape[1] if topk_weights is not None else 0

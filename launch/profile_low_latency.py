@@ -92,13 +92,13 @@ def worker(rank, world):
                 for _ in range(5):
                     replay()
                 torch.cuda.synchronize()
-            ll = buf._backend._ll
+            ll = buf._backend.ll.buffer
             if ll is not None and ll.trace is not None:
                 ll.trace.zero_()
                 dist.barrier()
                 replay()
                 torch.cuda.synchronize()
-                table = trace_table(ll.trace, buf._backend.ll_blocks)
+                table = trace_table(ll.trace, buf._backend.ll.blocks)
             for r in range(world):
                 if r == rank:
                     if rank == 0:

@@ -190,10 +190,11 @@ class _LlCtx:
 
 
 def _ll_backend(monkeypatch, ll):
-    from deepcomm.cuda.ll_calls import LowLatencyCalls
-    b = LowLatencyCalls()
-    b._ll, b._pending_input, b.device = ll, None, torch.device("cpu")
-    b.nvl = types.SimpleNamespace(check_error=lambda **kw: None)
+    from deepcomm.cuda.call_errors import CallErrors
+    from deepcomm.cuda.ll_calls import LowLatencyEngine
+    record = types.SimpleNamespace(check_error=lambda **kw: None)
+    b = LowLatencyEngine(None, None, 0, 2, torch.device("cpu"), record, CallErrors(record), "ipc", 4)
+    b.buffer = ll
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=CALLER))
     return b
 
@@ -201,9 +202,9 @@ def _ll_backend(monkeypatch, ll):
 def test_a_rejected_low_latency_call_takes_its_kinds_slot(monkeypatch):
     ll = types.SimpleNamespace(calls=3, ctx=_LlCtx())
     b = _ll_backend(monkeypatch, ll)
-    b._ll_reject(agreement.rejected("low_latency_dispatch", 4, 1, ValueError("x: bad")))
+    b.reject(agreement.rejected("low_latency_dispatch", 4, 1, ValueError("x: bad")))
     assert ll.ctx.rejects == [(0, 1)] and ll.calls == 4  # slot 3 & 1, and the next dispatch takes the other
-    b._ll_reject(agreement.rejected("low_latency_combine", 5, 1, ValueError("handle: bad")))
+    b.reject(agreement.rejected("low_latency_combine", 5, 1, ValueError("handle: bad")))
     assert ll.ctx.rejects[-1] == (1, 1)  # the latest dispatch's slot
 
 
@@ -212,7 +213,7 @@ def test_a_rejected_first_low_latency_call_joins_the_buffers_exchange(monkeypatc
     gathered = []
     b._agree_on_host = lambda words: (gathered.append(words), agreement.check([words, words]))
     words = agreement.rejected("low_latency_dispatch", 1, 1, ValueError("x: bad"))
-    b._ll_reject(words)  # the check names this rank's rejection: swallowed, the caller raises its own error
+    b.reject(words)  # the check names this rank's rejection: swallowed, the caller raises its own error
     assert gathered == [words]
 
 
@@ -225,5 +226,5 @@ def test_the_low_latency_buffer_is_made_only_after_every_rank_agrees(monkeypatch
     monkeypatch.setattr(dist, "all_gather_object", lambda out, obj, group=None: out.__setitem__(
         slice(None), [obj, theirs]))
     with pytest.raises(ValueError) as e:
-        b._ll_buffer(8, 128, 1024, mine)
-    assert str(e.value) == _expected([mine, theirs]) and b._ll is None
+        b._buffer_for(8, 128, 1024, mine)
+    assert str(e.value) == _expected([mine, theirs]) and b.buffer is None

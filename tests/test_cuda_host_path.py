@@ -19,6 +19,7 @@ if C is not None:
     from deepcomm.config import Config
     from deepcomm.cuda import backend as B
     from deepcomm.cuda.arena import Arena, _Block
+    from deepcomm.cuda.call_errors import CallErrors
     from deepcomm.handle import Handle
     B._load_flags(C)
 
@@ -101,7 +102,8 @@ def env(monkeypatch):
     b._event_handles = [e.cuda_event for e in b._events]
     b._start_event, b._start_handle = FakeEvent(99), 99
     b._event_i, b._event, b._last_stream, b._last_end, b._last_captured = 0, None, None, 0, False
-    b._pending_input, b._releases_seen, b._bounce_pending, b._tag = None, 0, False, 0
+    b._releases_seen, b._bounce_pending, b._tag = 0, False, 0
+    b.errors = CallErrors(b.nvl)
     b._capacity_rows, b._out_bytes_cache, b.last_wait_us, b.bounced_calls = 256, {}, 0.0, 0
     b._wait_timeout_s = 8.5
     state.b, state.ctx = b, b.nvl.ctx

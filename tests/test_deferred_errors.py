@@ -1,5 +1,5 @@
 """How the CUDA backends raise input errors that kernels record on the device (deepcomm/cuda/error_record.py
-check_error, deepcomm/cuda/ll_calls.py _check / _raise_pending), on CPU with a stand-in for the error record: an
+check_error, deepcomm/cuda/call_errors.py CallErrors), on CPU with a stand-in for the error record: an
 earlier call's error is held while the current call joins its collective and raised after it, one at a time, the
 next left recorded; a record still being written waits; a timeout raises at once and marks the Buffer broken.
 The same for the internode backend's low-latency mode (internode_ll.py), whose record also gates its normal mode."""
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from deepcomm._ext import load_extension
-from deepcomm.cuda.backend import CudaBackend
+from deepcomm.cuda.call_errors import CallErrors
 from deepcomm.cuda.error_record import DeviceErrorRecord
 from deepcomm.cuda.internode import InternodeBackend
 from deepcomm.cuda.internode_ll import InternodeLowLatency, low_latency_memory_for
@@ -53,46 +53,52 @@ def _record(record):
     return r
 
 
-def _backend(record, cls=CudaBackend):
-    b = cls.__new__(cls)
-    b.nvl, b._pending_input = (_nvl(record) if cls is CudaBackend else _record(record)), None
-    return b
+def _errors(record, kind):
+    """CallErrors over the NVLink buffer's record (CudaBackend) or the internode backend's low-latency record."""
+    return CallErrors(_nvl(record) if kind == "nvlink" else _record(record))
 
 
-BACKENDS = [CudaBackend, InternodeLowLatency]
+def _internode_ll(record):
+    part = InternodeLowLatency.__new__(InternodeLowLatency)
+    part.errors = _errors(record, "internode")
+    part.record = part.errors.record
+    return part
+
+
+BACKENDS = ["nvlink", "internode"]
 
 
 @pytest.mark.parametrize("cls", BACKENDS)
 def test_input_error_is_held_and_raised_after_the_call(cls):
     rec = FakeRecord()
-    b = _backend(rec, cls)
+    b = _errors(rec, cls)
     rec.record = (1, 0, 1, S["ll_invalid_ids"], 7, 0)  # rank 1 passed bad low-latency ids
-    b._check(low_latency=True)  # the call goes on
-    assert rec.record[0] == 0 and b._pending_input is not None
+    b.check(low_latency=True)  # the call goes on
+    assert rec.record[0] == 0 and b.pending is not None
     rec.record = (1, 0, 0, S["ll_duplicate_ids"], 8, 0)  # another one, recorded while the first is held: stays recorded
-    b._check(low_latency=True)
+    b.check(low_latency=True)
     assert rec.record[0] == 1
     with pytest.raises(ValueError, match="on rank 1 had expert ids outside"):
-        b._raise_pending()
-    b._raise_pending()  # nothing held any more
-    b._check(low_latency=True)  # the next call takes the second one
+        b.raise_pending()
+    b.raise_pending()  # nothing held any more
+    b.check(low_latency=True)  # the next call takes the second one
     with pytest.raises(ValueError, match="on rank 0 had a token naming the same expert twice"):
-        b._raise_pending()
+        b.raise_pending()
 
 
 @pytest.mark.parametrize("cls", BACKENDS)
 def test_record_being_written_waits_and_timeouts_raise_at_once(cls):
     rec = FakeRecord()
-    b = _backend(rec, cls)
+    b = _errors(rec, cls)
     rec.record = (2, 0, 1, S["ll_dispatch_data"], 3, 0)  # flag 2: the kernel is still writing it
-    b._check(low_latency=True)
-    assert b._pending_input is None and not b.nvl.broken
+    b.check(low_latency=True)
+    assert b.pending is None and not b.record.broken
     rec.record = (1, 0, 1, S["ll_dispatch_data"], 3, 5_000_000_000)  # a timed-out wait for rank 1's low-latency data
     with pytest.raises(CommTimeoutError):
-        b._check(low_latency=True)
-    assert b.nvl.broken and b.nvl.broken_peer == 1
+        b.check(low_latency=True)
+    assert b.record.broken and b.record.broken_peer == 1
     with pytest.raises(RuntimeError, match="had a communication timeout"):
-        b._check(low_latency=True)
+        b.check(low_latency=True)
 
 
 def test_check_error_modes():
@@ -112,17 +118,17 @@ def test_internode_normal_mode_reads_the_low_latency_record():
     as on one node, and leaves a low-latency input error recorded for the low-latency call that raises it."""
     rec = FakeRecord()
     backend = InternodeBackend.__new__(InternodeBackend)
-    backend.ll = _backend(rec, InternodeLowLatency)
+    backend.ll = _internode_ll(rec)
     rec.record = (1, 0, 1, S["ll_invalid_ids"], 4, 0)  # bad ids in an earlier low-latency dispatch of rank 1
     backend._normal_mode_check()
     assert rec.record[0] == 1
-    backend.ll._check(low_latency=True)
+    backend.ll.errors.check(low_latency=True)
     with pytest.raises(ValueError, match="on rank 1 had expert ids outside"):
-        backend.ll._raise_pending()
-    backend.ll.nvl.masked = frozenset({1})
+        backend.ll.errors.raise_pending()
+    backend.ll.record.masked = frozenset({1})
     with pytest.raises(RuntimeError, match=r"ranks \[1\] are masked"):
         backend._normal_mode_check()
-    backend.ll.nvl.masked = frozenset()
+    backend.ll.record.masked = frozenset()
     # a low-latency combine that timed out waiting for rank 1
     rec.record = (1, 0, 1, S["ll_combine_data"], 5, 3_000_000_000)
     with pytest.raises(CommTimeoutError, match="low_latency_combine:data"):

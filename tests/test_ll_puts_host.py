@@ -7,6 +7,7 @@ import types
 
 import numpy as np
 import pytest
+import torch
 
 from deepcomm._ext import load_extension
 
@@ -121,20 +122,19 @@ def test_stores_through_the_outbox_then_puts_equal_direct_stores(world, monkeypa
 
 
 def test_no_put_peers_one_fused_launch():
-    """_ll_launch without put peers and without a hook: one launch of both halves (main's path)."""
-    from deepcomm.cuda.ll_calls import LowLatencyCalls
-    calls = LowLatencyCalls()
-    calls.C = C
+    """_launch without put peers and without a hook: one launch of both halves (main's path)."""
+    from deepcomm.cuda.ll_calls import LowLatencyEngine
+    record = types.SimpleNamespace(masked=frozenset())
+    errors = types.SimpleNamespace(raise_pending=lambda: None)
+    calls = LowLatencyEngine(C, None, 0, 2, torch.device("cpu"), record, errors, "ipc", 4)
     phases = C.LL_PHASES
-    calls._raise_pending = lambda: None
     ll = types.SimpleNamespace(put_peers=[])
-    assert calls._ll_puts(ll, 0, 0) is None
+    assert calls._puts(ll, 0, 0) is None
     launches = []
-    calls._ll_launch(lambda phases, s: launches.append(phases), False, 5, after_send=calls._ll_puts(ll, 0, 0))
+    calls._launch(lambda phases, s: launches.append(phases), False, 5, after_send=calls._puts(ll, 0, 0))
     assert launches == [phases["both"]]
     # with put peers: send, the puts, receive
-    calls.nvl = types.SimpleNamespace(masked=frozenset())
     seen = []
     ll = types.SimpleNamespace(put_peers=[1], put=lambda kind, slot, stream, masked: seen.append(("put", kind)))
-    calls._ll_launch(lambda phases, s: seen.append(phases), False, 5, after_send=calls._ll_puts(ll, 1, 0))
+    calls._launch(lambda phases, s: seen.append(phases), False, 5, after_send=calls._puts(ll, 1, 0))
     assert seen == [phases["send"], ("put", 1), phases["recv"]]

@@ -22,7 +22,8 @@ from typing import Callable, Dict, List
 
 import torch
 
-from deepcomm.reference.collectives import Comm, PendingRows, as_byte_rows, part_row_bytes, unpack_rows
+from deepcomm.dispatch_rows import as_byte_rows, part_row_bytes, unpack_rows
+from deepcomm.reference.collectives import Comm, PendingRows
 
 POISON = 0xEE
 

@@ -21,10 +21,12 @@ from .._ext import load_extension
 from ..validation import is_capturing
 from ..errors import CommTimeoutError
 from ..gpu_share import GPU_SMS_ENV, usable_sms
+from ..backend_protocol import Capabilities
 from ..handle import Handle
 from .agree_record import dispatch_disagreement, words_or_none
 from .arena import Arena
-from .ll_calls import LowLatencyCalls, low_latency_blocks
+from .call_errors import CallErrors
+from .ll_calls import LowLatencyEngine, low_latency_blocks
 from .nvl_buffer import NvlBuffer
 
 Payload = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
@@ -120,15 +122,18 @@ def arena_sizes(C, world_size: int, max_tokens: int, hidden: int) -> Tuple[int, 
     return ARENA_OUTPUTS * worst, worst
 
 
-class CudaBackend(LowLatencyCalls):
+class CudaBackend:
+    """One node over NVLink: normal mode here, low-latency mode in its LowLatencyEngine (``self.ll``); both report
+    through the NVLink buffer's error record (``self.nvl``, its state in ``self.errors``). A Backend
+    (deepcomm/backend_protocol.py)."""
     name = "cuda"
-    x_dtypes = (torch.bfloat16,)  # non-FP8 x of normal dispatch/combine
-    # Expert ids are range-checked on the device, without a host sync, inside the notify kernel of a fresh dispatch;
-    # the Buffer then skips its own value checks (low-latency mode: LowLatencyCalls.checks_low_latency_ids_on_device).
-    checks_expert_ids_on_device = True
-    # Every collective call's fingerprint travels in its first exchange and is compared on the device
-    # (deepcomm/agreement.py, csrc/runtime/agree_record.hpp); reject() joins that exchange for a rejected call.
-    takes_fingerprints = True
+    # BF16 x in normal mode; expert ids range-checked on the device, without a host sync, inside the notify kernel
+    # of a fresh dispatch and the low-latency send kernels; every collective call's fingerprint travels in its
+    # first exchange and is compared on the device (deepcomm/agreement.py, csrc/runtime/agree_record.hpp), and
+    # reject() joins that exchange for a rejected call.
+    capabilities = Capabilities(x_dtypes=(torch.bfloat16,), takes_fingerprints=True,
+                                checks_expert_ids_on_device=True,
+                                checks_low_latency_ids_on_device=LowLatencyEngine.checks_ids_on_device)
 
     def __init__(self, group, config, rank: int, world_size: int, device: torch.device):
         C = load_extension()
@@ -176,10 +181,10 @@ class CudaBackend(LowLatencyCalls):
         # peer that never comes is reported by the device wait (naming it) first
         self._wait_timeout_s = config.timeout_s * 1.5 + 1.0
         # an input error found on the device by an earlier call: raised once the current call has been launched
-        self._pending_input: Optional[ValueError] = None
-        self._ll = None  # the low-latency buffer (ll_calls.py), made at the first low-latency call
-        self.ll_memory = config.low_latency_memory
-        self.ll_blocks = low_latency_blocks(C, device)
+        # the parts it owns: the error state of its record, shared with the low-latency engine (ll_calls.py)
+        self.errors = CallErrors(self.nvl)
+        self.ll = LowLatencyEngine(C, group, rank, world_size, device, self.nvl, self.errors,
+                                   config.low_latency_memory, low_latency_blocks(C, device))
 
     # ---- plumbing ----
     def _order(self, previous_event: Optional[torch.cuda.Event], async_finish: bool):
@@ -194,7 +199,7 @@ class CudaBackend(LowLatencyCalls):
         event is ``self.event`` (one of a ring, so an event a user holds is re-recorded only calls later, and
         waiting on it then waits for a later call of the same stream: never too early). Consecutive calls never
         overlap: each waits for the stream the previous one ran on."""
-        self._check()
+        self.errors.check()
         caller = _current_stream(self._device_index)
         comm = self.comm_stream.cuda_stream
         last, last_end = self._last_stream, self._last_end
@@ -252,7 +257,7 @@ class CudaBackend(LowLatencyCalls):
                         t.record_stream(self.comm_stream)
                     except RuntimeError:
                         pass  # not from the caching allocator (an arena view): its lifetime is ours already
-        self._raise_pending()
+        self.errors.raise_pending()
 
     def set_num_sms(self, num_sms: int) -> None:
         # Every block of the normal combine must be resident at once (its reducers wait for other blocks' senders),
@@ -266,7 +271,7 @@ class CudaBackend(LowLatencyCalls):
 
     def size_bytes(self) -> int:
         """Device bytes this rank holds: the NVLink buffer, plus the low-latency buffer once one was made."""
-        return self.nvl.size_bytes + (self._ll.layout["total"] if self._ll is not None else 0)
+        return self.nvl.size_bytes + self.ll.buffer_info()["bytes"]
 
     # ---- layout ----
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
@@ -385,7 +390,7 @@ class CudaBackend(LowLatencyCalls):
         if status == 0:
             return
         if status == 1:
-            self._check()  # a device wait that timed out raises here, naming its peer and stage
+            self.errors.check()  # a device wait that timed out raises here, naming its peer and stage
             self.nvl.broken = True
             raise CommTimeoutError(self.rank, None, "notify:counts (host)",
                                    f"no counts after {self._wait_timeout_s:.1f} s")
@@ -393,7 +398,7 @@ class CudaBackend(LowLatencyCalls):
             self.arena.release(*reserved)
         if status == 3:  # the ranks' fingerprints differ: nothing was dispatched on any rank (agree_record.py)
             raise dispatch_disagreement(self.C, self.nvl.counts_host, self.world_size)
-        earlier, self._pending_input = self._pending_input, None
+        earlier = self.errors.take_pending()
         also = f" (also, from an earlier call: {earlier})" if earlier is not None else ""
         if res[3]:
             raise ValueError(f"topk_idx: {res[3]} expert ids outside [-1, {num_experts}) "
@@ -462,8 +467,28 @@ class CudaBackend(LowLatencyCalls):
         if async_finish:
             self._after(True, (x, topk_weights, handle.recv_src_idx, handle.count_matrix, handle.send_pos, out, out_w))
         else:
-            self._raise_pending()
+            self.errors.raise_pending()
         return out, out_w
+
+    # ---- low-latency mode and masking (the engine, ll_calls.py) ----
+    def low_latency_dispatch(self, *args, **kwargs):
+        return self.ll.dispatch(*args, **kwargs)
+
+    def low_latency_combine(self, *args, **kwargs):
+        return self.ll.combine(*args, **kwargs)
+
+    def low_latency_buffer_info(self) -> dict:
+        return self.ll.buffer_info()
+
+    @property
+    def masked(self) -> frozenset:
+        return self.ll.masked
+
+    def mask_ranks(self, ranks: frozenset) -> None:
+        self.ll.mask_ranks(ranks)
+
+    def unmask_ranks(self) -> None:
+        self.ll.unmask_ranks()
 
     # ---- a call this rank rejected ----
     def reject(self, fingerprint) -> None:
@@ -471,7 +496,7 @@ class CudaBackend(LowLatencyCalls):
         ``fingerprint`` (its REJECTED word set), so every peer stops that call naming this rank; nothing moves. No
         host wait. A Buffer that can run no call (a timeout, masked ranks) sends nothing: its next call says why."""
         if fingerprint[agreement.Word.OP] in (agreement.Op.LOW_LATENCY_DISPATCH, agreement.Op.LOW_LATENCY_COMBINE):
-            self._ll_reject(fingerprint)
+            self.ll.reject(fingerprint)
             return
         try:
             wait, run, flags, prev, _ = self._order(None, False)
@@ -483,12 +508,12 @@ class CudaBackend(LowLatencyCalls):
     def synchronize(self) -> None:
         # low-latency kernels run on the caller's streams, normal mode on the communication stream: wait for all
         torch.cuda.synchronize(self.device)
-        self._check(low_latency=True)
-        self._raise_pending()
+        self.errors.check(low_latency=True)
+        self.errors.raise_pending()
 
     def destroy(self) -> None:
         """Local (no collective): safe after a timeout, even with a dead peer."""
         try:
-            self._close_low_latency()
+            self.ll.close()
         finally:
             self.nvl.close()

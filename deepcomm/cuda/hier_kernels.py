@@ -21,8 +21,7 @@ import torch
 from ..fp8 import per_token_cast_to_fp8
 from ..gpu_share import usable_sms
 from ..handle import Handle
-from ..reference import normal
-from ..reference.collectives import as_byte_rows, part_row_bytes, unpack_rows
+from ..dispatch_rows import as_byte_rows, dispatch_outputs, part_row_bytes, unpack_rows
 from .align import round_up
 from .hier_comm import HierComm
 from .hier_normal import combine_area_row, fresh_route, node_masks, pack_rows, payload_parts
@@ -209,7 +208,7 @@ def dispatch(k: HierKernels, x, topk_idx: Optional[torch.Tensor], topk_weights: 
     n_recv = sum(counts[s][rank] for s in range(R))
     area = k.link.area()[:n_recv * stride].view(n_recv, stride).clone()
     received = unpack_rows(area, parts, row_bytes)
-    out = normal.dispatch_outputs(received, len(rows), is_pair, topk_weights is not None, handle, rank, R,
+    out = dispatch_outputs(received, len(rows), is_pair, topk_weights is not None, handle, rank, R,
                                   num_experts, T, rows[0].shape[1], in_rank, send_pos, count_matrix,
                                   expert_alignment)
     if handle is None:

@@ -33,8 +33,7 @@ import torch
 from .. import layout
 from ..fp8 import per_token_cast_back, per_token_cast_to_fp8
 from ..handle import Handle
-from ..reference import normal
-from ..reference.collectives import as_byte_rows, part_row_bytes, unpack_rows
+from ..dispatch_rows import as_byte_rows, dispatch_outputs, part_row_bytes, unpack_rows
 from .align import round_up
 from .hier_comm import HierComm
 
@@ -157,7 +156,7 @@ def dispatch(comm: HierComm, x, topk_idx: Optional[torch.Tensor], topk_weights: 
     n_recv = sum(counts[s][rank] for s in range(R))
     area = comm.node_area()[:n_recv * stride].view(n_recv, stride).clone()
     received = unpack_rows(area, parts, row_bytes)
-    out = normal.dispatch_outputs(received, len(rows), is_pair, topk_weights is not None, handle, rank, R,
+    out = dispatch_outputs(received, len(rows), is_pair, topk_weights is not None, handle, rank, R,
                                   num_experts, T, H, in_rank, send_pos, count_matrix, expert_alignment)
     if handle is None:
         out = out[:4] + (dataclasses.replace(out[4], node_count_matrix=node_counts),)

@@ -24,15 +24,17 @@ import os
 
 import torch
 
+from ..backend_protocol import Capabilities
 from ..config import Config
+from ..dispatch_rows import pad_to_worst
 from ..hosts import hosts_of
-from ..reference import normal
 from ..validation import MAX_TOPK
 from . import hier_kernels, hier_normal
 from .hier_comm import HierComm
 from .hier_kernels import HierKernels
 from .internode_ll import InternodeLowLatency, low_latency_memory_for
 from .internode_rows import max_node_row_bytes
+from .ll_calls import LowLatencyEngine
 from .nic_transport import NicTransport
 from .node_link import NodeLink
 from .nvshmem_transport import NvshmemTransport
@@ -43,7 +45,16 @@ class InternodeBackend:
     hierarchical (this file), low-latency mode over the whole group (internode_ll.py)."""
 
     name = "cuda"
-    x_dtypes = (torch.bfloat16,)
+    # BF16 x in normal mode; expert ids checked by Buffer (normal mode) and by the low-latency kernels; no call
+    # agreement yet (Buffer(check_calls=True) compares calls through the store)
+    capabilities = Capabilities(x_dtypes=(torch.bfloat16,), takes_fingerprints=False,
+                                checks_expert_ids_on_device=False,
+                                checks_low_latency_ids_on_device=LowLatencyEngine.checks_ids_on_device)
+    event = None  # every normal-mode exchange has finished when the call returns
+
+    def reject(self, fingerprint) -> None:
+        """Never called: this backend takes no fingerprints (``capabilities``)."""
+        raise RuntimeError("the internode backend takes no part in call agreement")
 
     def __init__(self, group, config: Config, rank: int, world_size: int, device: torch.device, C):
         self.config, self.rank, self.world_size, self.device = config, rank, world_size, device
@@ -89,7 +100,7 @@ class InternodeBackend:
     def _normal_mode_check(self) -> None:
         """Normal mode needs every rank, and a Buffer a low-latency timeout broke is done (as on one node); an
         input error of a low-latency call stays recorded for that mode."""
-        self.ll.nvl.check_error(low_latency=False, leave_input=True)
+        self.ll.record.check_error(low_latency=False, leave_input=True)
 
     # previous_event / async_finish: every exchange synchronizes before it returns, so there is
     # nothing to overlap; accepted so code runs unchanged on every backend.
@@ -108,7 +119,7 @@ class InternodeBackend:
             else:
                 out = hier_normal.dispatch(self.comm, x, topk_idx, topk_weights, num_experts, handle,
                                            expert_alignment)
-        return normal.pad_to_worst(out, num_worst_tokens, handle is not None) if num_worst_tokens else out
+        return pad_to_worst(out, num_worst_tokens, handle is not None) if num_worst_tokens else out
 
     def combine(self, x, handle, topk_weights, previous_event=None, async_finish=False, use_fp8=False):
         self._normal_mode_check()
@@ -120,26 +131,24 @@ class InternodeBackend:
             return hier_normal.combine(self.comm, x, handle, topk_weights, use_fp8)
 
     # low-latency mode (internode_ll.py)
-    checks_low_latency_ids_on_device = InternodeLowLatency.checks_low_latency_ids_on_device
-
-    def low_latency_dispatch(self, *args):
-        return self.ll.low_latency_dispatch(*args)
+    def low_latency_dispatch(self, *args, **kwargs):
+        return self.ll.engine.dispatch(*args, **kwargs)
 
     def low_latency_combine(self, *args, **kwargs):
-        return self.ll.low_latency_combine(*args, **kwargs)
+        return self.ll.engine.combine(*args, **kwargs)
 
     def low_latency_buffer_info(self) -> dict:
-        return self.ll.low_latency_buffer_info()
+        return self.ll.engine.buffer_info()
 
     @property
     def masked(self) -> frozenset:
-        return self.ll.masked
+        return self.ll.engine.masked
 
     def mask_ranks(self, ranks: frozenset) -> None:
-        self.ll.mask_ranks(ranks)
+        self.ll.engine.mask_ranks(ranks)
 
     def unmask_ranks(self) -> None:
-        self.ll.unmask_ranks()
+        self.ll.engine.unmask_ranks()
 
     def nic_totals(self):
         """Per peer, what the emulated NIC executed; {} with the NVSHMEM transport (no NIC of ours)."""
@@ -152,7 +161,7 @@ class InternodeBackend:
             self.kernels.set_num_sms(num_sms)
 
     def size_bytes(self) -> int:
-        ll = self.ll.low_latency_buffer_info()["bytes"]
+        ll = self.ll.engine.buffer_info()["bytes"]
         return self.transport.size_bytes() + self.link.mem.nbytes + ll
 
     def synchronize(self) -> None:

@@ -9,12 +9,13 @@ hosts), else where ``low_latency_memory`` says. Its own error record carries the
 errors (error_record.py); normal mode's transport and NVLink hop keep theirs."""
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List
 
 import torch
 
 from .error_record import DeviceErrorRecord
-from .ll_calls import LowLatencyCalls, low_latency_blocks
+from .call_errors import CallErrors
+from .ll_calls import LowLatencyEngine, low_latency_blocks
 
 
 def low_latency_memory_for(hosts: List[str], configured: str) -> str:
@@ -22,22 +23,21 @@ def low_latency_memory_for(hosts: List[str], configured: str) -> str:
     return "nvshmem" if len(set(hosts)) > 1 else configured
 
 
-class InternodeLowLatency(LowLatencyCalls):
-    """The internode backend's low-latency calls (LowLatencyCalls over the whole group); ``ll_memory``: "ipc" or
-    "nvshmem" (low_latency_memory_for). Nothing collective here: the buffer comes at the first low-latency call."""
+class InternodeLowLatency:
+    """The internode backend's low-latency part: an error record of its own (``record``, its state in ``errors``)
+    and the LowLatencyEngine over the whole group (``engine``); ``ll_memory``: "ipc" or "nvshmem"
+    (low_latency_memory_for). Nothing collective here: the buffer comes at the first low-latency call."""
 
     def __init__(self, C, group, config, rank: int, world_size: int, device: torch.device, ll_memory: str):
-        self.C, self.group, self.rank, self.world_size, self.device = C, group, rank, world_size, device
-        self.ll_memory = ll_memory
-        self.ll_blocks = low_latency_blocks(C, device)
-        self.nvl = DeviceErrorRecord(C, device, config.timeout_s)
-        self._ll = None
-        self._pending_input: Optional[ValueError] = None
+        self.record = DeviceErrorRecord(C, device, config.timeout_s)
+        self.errors = CallErrors(self.record)
+        self.engine = LowLatencyEngine(C, group, rank, world_size, device, self.record, self.errors, ll_memory,
+                                       low_latency_blocks(C, device))
         self.closed = False
 
     def synchronize(self) -> None:
-        self._check(low_latency=True)
-        self._raise_pending()
+        self.errors.check(low_latency=True)
+        self.errors.raise_pending()
 
     def close(self) -> None:
         """Local, like CudaBackend.destroy: the buffer (once idle), then the record."""
@@ -45,6 +45,6 @@ class InternodeLowLatency(LowLatencyCalls):
             return
         self.closed = True
         try:
-            self._close_low_latency()
+            self.engine.close()
         finally:
-            self.nvl.free_record()
+            self.record.free_record()

@@ -1,19 +1,18 @@
-"""Low-latency mode of the CUDA backends (a mixin of CudaBackend, deepcomm/cuda/backend.py, and of the internode
-backend's InternodeLowLatency, deepcomm/cuda/internode_ll.py): the double-buffered
-low-latency buffer (deepcomm/cuda/ll_buffer.py), the kernel launches with and without a receive hook, and masking
-lost ranks. Everything runs on the caller's stream with no host sync, so calls can be captured in CUDA graphs;
-everything a dispatch returns is a view of the buffer, valid until the same slot is used again two low-latency
-dispatches later.
+"""Low-latency mode of the CUDA backends: the engine a backend owns (CudaBackend, deepcomm/cuda/backend.py, and the
+internode backend, deepcomm/cuda/internode.py) over the double-buffered low-latency buffer
+(deepcomm/cuda/ll_buffer.py): the kernel launches with and without a receive hook, agreement for calls a rank
+rejected, and masking lost ranks. Everything runs on the caller's stream with no host sync, so calls can be
+captured in CUDA graphs; everything a dispatch returns is a view of the buffer, valid until the same slot is used
+again two low-latency dispatches later.
 
-What the class using it provides: ``C``, ``group``, ``rank``, ``world_size``, ``device``, ``nvl`` (an error record:
-deepcomm/cuda/error_record.py, which the NVLink buffer is), ``ll_memory`` ("ipc" or "nvshmem"), ``ll_blocks``,
-``_ll`` (None at first) and ``_pending_input`` (None at first). CudaBackend (backend.py) and the internode
-backend's InternodeLowLatency (internode_ll.py) use it; the error plumbing ``_check`` / ``_raise_pending`` is
-here, and CudaBackend's normal mode uses it too.
+The engine is given the backend's error record (``record``: timeouts, the mask, the agreement record; the NVLink
+buffer is one, deepcomm/cuda/error_record.py) and the CallErrors over it (call_errors.py), which the backend's
+normal mode shares.
 """
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -47,55 +46,48 @@ def low_latency_blocks(C, device: torch.device) -> int:
     return n
 
 
-class LowLatencyCalls:
+class LowLatencyEngine:
     # the low-latency send kernels check expert ids on the device (no host sync: calls stay graph-capturable), so
     # the Buffer skips its own value checks
-    checks_low_latency_ids_on_device = True
+    checks_ids_on_device = True
 
-    def _check(self, low_latency: bool = False) -> None:
-        """Timeouts raise now; an input error an earlier call left on the device is kept for _raise_pending (one
-        at a time: while one is held, the next stays recorded for a later look)."""
-        held = self._pending_input is not None
-        err = self.nvl.check_error(low_latency=low_latency, defer_input=True, leave_input=held)
-        if err is not None:
-            self._pending_input = err
+    def __init__(self, C, group, rank: int, world_size: int, device: torch.device, record, errors, memory: str,
+                 blocks: int):
+        self.C, self.group, self.rank, self.world_size, self.device = C, group, rank, world_size, device
+        self.record, self.errors = record, errors
+        self.memory = memory  # "ipc" or "nvshmem" (deepcomm.config.LL_MEMORY_KINDS)
+        self.blocks = blocks  # blocks of every low-latency kernel (low_latency_blocks)
+        self.buffer: Optional[LlBuffer] = None  # made at the first call (_buffer_for)
 
-    def _raise_pending(self) -> None:
-        """After a call's kernels are launched (so every rank joined it): raise the kept input error, if any."""
-        err, self._pending_input = self._pending_input, None
-        if err is not None:
-            raise err
-
-    def low_latency_buffer_info(self) -> dict:
+    def buffer_info(self) -> dict:
         """Which memory the low-latency buffer uses and its bytes (0 until the first low-latency call)."""
-        return {"memory": self.ll_memory,
-                "bytes": self._ll.layout["total"] if self._ll is not None else 0}
+        return {"memory": self.memory, "bytes": self.buffer.layout["total"] if self.buffer is not None else 0}
 
-    def _close_low_latency(self) -> None:
+    def close(self) -> None:
         """Free the low-latency buffer, if one was made, once this device is idle (local, no collective)."""
-        if self._ll is not None:
-            ll, self._ll = self._ll, None
+        if self.buffer is not None:
+            ll, self.buffer = self.buffer, None
             torch.cuda.synchronize(self.device)
             ll.close()
 
-    def _ll_buffer(self, num_experts: int, max_tokens: int, hidden: int, fingerprint=None) -> LlBuffer:
+    def _buffer_for(self, num_experts: int, max_tokens: int, hidden: int, fingerprint=None) -> LlBuffer:
         """The low-latency buffer for this shape; (re)made collectively on the first call of a new shape. Its
         layout follows the shape, so before it is made every rank's fingerprint of the call is compared in a
         host exchange (``fingerprint``: this call's words, deepcomm/agreement.py): ranks that disagree about
-        the shape, or one that rejected its call (``_ll_reject``), raise ValueError on every rank instead of
+        the shape, or one that rejected its call (``reject``), raise ValueError on every rank instead of
         laying out their buffers differently."""
         key = (num_experts, max_tokens, hidden)
-        if self._ll is None or self._ll.key != key:
-            self._close_low_latency()
+        if self.buffer is None or self.buffer.key != key:
+            self.close()
             if fingerprint is not None:
                 self._agree_on_host(fingerprint)
             with torch.cuda.device(self.device):
-                self._ll = LlBuffer(self.C, self.group, self.rank, self.world_size, self.device, num_experts,
-                                    max_tokens, hidden, self.nvl.err_dev, self.nvl.timeout_ns, self.ll_memory,
-                                    getattr(self.nvl, "agree_dev", 0))
-                if self.nvl.masked:
-                    self._ll.write_mask(self.nvl.masked)
-        return self._ll
+                self.buffer = LlBuffer(self.C, self.group, self.rank, self.world_size, self.device, num_experts,
+                                       max_tokens, hidden, self.record.err_dev, self.record.timeout_ns, self.memory,
+                                       getattr(self.record, "agree_dev", 0))
+                if self.record.masked:
+                    self.buffer.write_mask(self.record.masked)
+        return self.buffer
 
     def _agree_on_host(self, fingerprint) -> None:
         """Every rank's words in one host exchange (only where a low-latency buffer is made); ValueError on every
@@ -104,22 +96,22 @@ class LowLatencyCalls:
         dist.all_gather_object(rows, list(fingerprint), group=self.group)
         agreement.check(rows)
 
-    def _ll_reject(self, fingerprint) -> None:
+    def reject(self, fingerprint) -> None:
         """A low-latency call this rank rejected: the send half of its kind, with only ``fingerprint`` (REJECTED
         set), so every peer's call stops on the words, naming this rank (no host wait). Before the first
         low-latency call the peers are making the buffer: this rank joins that exchange instead. A rejected
         combine is paired with the latest dispatch's slot."""
-        if self._ll is None:
+        if self.buffer is None:
             try:
                 self._agree_on_host(fingerprint)
             except ValueError:
                 pass  # it names this rank's rejection: the caller raises this rank's own error instead
             return
         try:
-            self._check(low_latency=True)
+            self.errors.check(low_latency=True)
         except (RuntimeError, ValueError):
             return  # a timeout: nothing runs on this Buffer any more (the next call says so)
-        ll = self._ll
+        ll = self.buffer
         stream = torch.cuda.current_stream(self.device).cuda_stream
         if fingerprint[agreement.Word.OP] == agreement.Op.LOW_LATENCY_DISPATCH:
             kind, slot = 0, ll.calls & 1
@@ -128,7 +120,7 @@ class LowLatencyCalls:
             kind, slot = 1, (ll.calls - 1) & 1
         ll.ctx.agree_reject(tuple(fingerprint), kind, slot, stream)
 
-    def _ll_launch(self, launch, return_recv_hook: bool, stream: int, keep=(), after_send=None):
+    def _launch(self, launch, return_recv_hook: bool, stream: int, keep=(), after_send=None):
         """Without a hook: ``launch(SEND | RECV, stream)``, both halves in one kernel. With a hook: the send half
         now, and a hook that launches the receive half once, on the stream current when it is called, so no SM
         waits in between. When that is another stream, an event recorded after the send orders the receive after
@@ -141,14 +133,14 @@ class LowLatencyCalls:
         phases = self.C.LL_PHASES  # enum LlPhases (csrc/kernels/ll_phases.hpp)
         if not return_recv_hook and after_send is None:
             launch(phases["both"], stream)
-            self._raise_pending()
+            self.errors.raise_pending()
             return _noop
         launch(phases["send"], stream)
         if after_send is not None:
             after_send(stream)
         if not return_recv_hook:
             launch(phases["recv"], stream)
-            self._raise_pending()
+            self.errors.raise_pending()
             return _noop
         sent = torch.cuda.Event()
         sent.record(torch.cuda.current_stream(self.device))
@@ -158,7 +150,7 @@ class LowLatencyCalls:
             if not held:
                 return
             tensors = held.pop()
-            self._check(low_latency=True)
+            self.errors.check(low_latency=True)
             current = torch.cuda.current_stream(self.device)
             if current.cuda_stream != stream:
                 current.wait_event(sent)
@@ -166,76 +158,76 @@ class LowLatencyCalls:
             if current.cuda_stream != stream:
                 for t in tensors:
                     t.record_stream(current)
-            self._raise_pending()
+            self.errors.raise_pending()
         return hook
 
-    def _ll_puts(self, ll: LlBuffer, kind: int, slot: int):
+    def _puts(self, ll: LlBuffer, kind: int, slot: int):
         """The after_send of a call with peers reached by puts (LlBuffer.put), else None."""
         if not ll.put_peers:
             return None
-        return lambda stream: ll.put(kind, slot, stream, self.nvl.masked)
+        return lambda stream: ll.put(kind, slot, stream, self.record.masked)
 
-    def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, use_ue8m0,
-                             return_recv_hook, fingerprint=None):
+    def dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, use_ue8m0,
+                 return_recv_hook, fingerprint=None):
         # Runs on the caller's stream with no host sync (so it can be captured in a CUDA graph): expert ids are
         # checked by the kernel, and a bad id raises ValueError at the next look at the error record.
         T, H = x.shape
         K, M = topk_idx.shape[1], num_max_dispatch_tokens_per_rank
-        ll = self._ll_buffer(num_experts, M, H, fingerprint)
-        self._check(low_latency=True)
+        ll = self._buffer_for(num_experts, M, H, fingerprint)
+        self.errors.check(low_latency=True)
         words = words_or_none(fingerprint)
         slot = ll.calls & 1
         ll.calls += 1
-        blocks, stream = self.ll_blocks, torch.cuda.current_stream(self.device).cuda_stream
+        blocks, stream = self.blocks, torch.cuda.current_stream(self.device).cuda_stream
         x_ptr, idx_ptr = x.data_ptr(), topk_idx.data_ptr()
-        hook = self._ll_launch(lambda phases, s: ll.ctx.dispatch(phases, blocks, x_ptr, idx_ptr, T, K, slot, use_fp8,
+        hook = self._launch(lambda phases, s: ll.ctx.dispatch(phases, blocks, x_ptr, idx_ptr, T, K, slot, use_fp8,
                                                                  use_ue8m0, s, words), return_recv_hook, stream,
-                               after_send=self._ll_puts(ll, 0, slot))
+                            after_send=self._puts(ll, 0, slot))
         recv_x, recv_count, layout, src_info = ll.outputs(slot, use_fp8)
         handle = LowLatencyHandle(src_info=src_info, layout=layout, recv_pos=ll.recv_pos(slot, T, K),
                                   num_experts=num_experts, num_max_dispatch_tokens_per_rank=M, hidden=H,
                                   buffer_id=-1, slot=slot)
         return recv_x, recv_count, handle, hook
 
-    def low_latency_combine(self, x, topk_idx, topk_weights, handle, return_recv_hook, use_fp8=False,
-                            fingerprint=None):
+    def combine(self, x, topk_idx, topk_weights, handle, return_recv_hook, use_fp8=False, fingerprint=None):
         T, K = topk_idx.shape
         H = x.shape[2]
-        ll = self._ll_buffer(handle.num_experts, handle.num_max_dispatch_tokens_per_rank, handle.hidden, fingerprint)
-        self._check(low_latency=True)
+        ll = self._buffer_for(handle.num_experts, handle.num_max_dispatch_tokens_per_rank, handle.hidden,
+                              fingerprint)
+        self.errors.check(low_latency=True)
         words = words_or_none(fingerprint)
         out = torch.empty(T, H, dtype=torch.bfloat16, device=self.device)
-        blocks, slot, stream = self.ll_blocks, handle.slot, torch.cuda.current_stream(self.device).cuda_stream
+        blocks, slot, stream = self.blocks, handle.slot, torch.cuda.current_stream(self.device).cuda_stream
         ptrs = (x.data_ptr(), topk_weights.data_ptr(), topk_idx.data_ptr(), out.data_ptr())
         if ll.put_peers:
             # the send half waits for every source's weights: put peers get ours first (a weights-only launch)
             ll.ctx.combine(self.C.LL_PHASES["weights"], blocks, *ptrs, T, K, slot, use_fp8, stream, words)
-            ll.put_weights(slot, stream, self.nvl.masked)
+            ll.put_weights(slot, stream, self.record.masked)
         # the receive half reads x (our own tokens' partial), topk_idx and topk_weights, and writes out
-        hook = self._ll_launch(lambda phases, s: ll.ctx.combine(phases, blocks, *ptrs, T, K, slot, use_fp8, s, words),
-                               return_recv_hook, stream, keep=(x, topk_idx, topk_weights, out),
-                               after_send=self._ll_puts(ll, 1, slot))
+        hook = self._launch(lambda phases, s: ll.ctx.combine(phases, blocks, *ptrs, T, K, slot, use_fp8, s, words),
+                            return_recv_hook, stream, keep=(x, topk_idx, topk_weights, out),
+                            after_send=self._puts(ll, 1, slot))
         return out, hook
 
     @property
     def masked(self) -> frozenset:
-        return self.nvl.masked
+        return self.record.masked
 
     def mask_ranks(self, ranks: frozenset) -> None:
         """Leave ``ranks`` out of low-latency mode from the next call on (no collective: survivors of a lost peer
         call it on their own)."""
-        masked = self.nvl.masked | ranks
-        self.nvl.set_masked(masked)
-        if self._ll is not None:
-            self._ll.write_mask(masked)
+        masked = self.record.masked | ranks
+        self.record.set_masked(masked)
+        if self.buffer is not None:
+            self.buffer.write_mask(masked)
 
     def unmask_ranks(self) -> None:
         """Every rank again; collective (every rank calls it, with no low-latency call in flight): the kernels'
         call numbers and counters restart from zero everywhere, since masked ranks missed calls."""
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)
-        if self._ll is not None:
-            self._ll.reset_signals()
+        if self.buffer is not None:
+            self.buffer.reset_signals()
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)
-        self.nvl.set_masked(frozenset())
+        self.record.set_masked(frozenset())

@@ -12,7 +12,9 @@ import torch
 import torch.distributed as dist
 
 from .. import agreement, layout
+from ..backend_protocol import Capabilities
 from ..config import Config
+from ..dispatch_rows import pad_to_worst
 from . import low_latency, normal
 from .collectives import Comm, own_gloo_group_maker
 
@@ -21,10 +23,12 @@ class ReferenceBackend:
     """Backend interface shared with ``deepcomm.cuda.backend.CudaBackend``."""
 
     name = "reference"
-    # dtypes accepted for the non-FP8 ``x`` of normal dispatch/combine
-    x_dtypes = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-    # the collective calls take ``fingerprint=`` and the backend has ``reject`` (Buffer passes them only then)
-    takes_fingerprints = True
+    # any floating x in normal mode; the collective calls take ``fingerprint=`` and the backend has ``reject``;
+    # expert ids are checked by Buffer (reading them here is cheap anyway)
+    capabilities = Capabilities(x_dtypes=(torch.bfloat16, torch.float16, torch.float32, torch.float64),
+                                takes_fingerprints=True, checks_expert_ids_on_device=False,
+                                checks_low_latency_ids_on_device=False)
+    event = None  # every call has finished when it returns
 
     def __init__(self, group, config: Config, rank: int, world_size: int, device: torch.device,
                  buffer_number: Optional[int] = None):
@@ -77,7 +81,7 @@ class ReferenceBackend:
             num_worst_tokens = handle.num_recv  # a worst-case handle keeps its padded size
         out = normal.dispatch(self.comm, x, topk_idx, topk_weights, num_experts, handle, expert_alignment,
                               fingerprint)
-        return normal.pad_to_worst(out, num_worst_tokens, handle is not None) if num_worst_tokens else out
+        return pad_to_worst(out, num_worst_tokens, handle is not None) if num_worst_tokens else out
 
     def combine(self, x, handle, topk_weights, previous_event=None, async_finish=False, use_fp8=False,
                 fingerprint=None):
@@ -97,6 +101,10 @@ class ReferenceBackend:
         topk_idx = self._without_masked(topk_idx, handle.num_experts)
         return low_latency.combine(self.comm, x, topk_idx, topk_weights, handle, return_recv_hook, use_fp8,
                                    fingerprint)
+
+    def low_latency_buffer_info(self) -> dict:
+        """No low-latency buffer: every exchange allocates what it needs."""
+        return {"memory": None, "bytes": 0}
 
     def set_num_sms(self, num_sms: int) -> None:
         # Recorded in the Buffer's Config; collectives have no SM budget to apply it to.

@@ -6,13 +6,13 @@ backend (gloo has no fp8) and all the per-row fields of one exchange go in a sin
 from __future__ import annotations
 
 import datetime
-import math
 from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from .. import agreement
+from ..dispatch_rows import as_byte_rows, part_row_bytes, unpack_rows
 from ..errors import CommTimeoutError
 
 
@@ -147,29 +147,3 @@ class PendingRows:
         if self._result is None:
             self._result = self._unpack()
         return self._result
-
-
-def part_row_bytes(t: torch.Tensor) -> int:
-    """Bytes of one row of ``t`` (everything after its first dimension)."""
-    return math.prod(t.shape[1:]) * t.element_size()
-
-
-def as_byte_rows(t: torch.Tensor, rows: int, nbytes: int) -> torch.Tensor:
-    """``t`` as uint8 ``[rows, nbytes]``."""
-    if t.shape[0] != rows:
-        raise RuntimeError(f"exchange_rows: part has {t.shape[0]} rows, expected {rows}")
-    return t.contiguous().reshape(-1).view(torch.uint8).reshape(rows, nbytes)
-
-
-def unpack_rows(out: torch.Tensor, parts: Sequence[torch.Tensor], row_bytes: Sequence[int]) -> List[torch.Tensor]:
-    """Split uint8 rows ``out`` (the parts side by side, in order, from byte 0) back into one tensor per part, with
-    each part's dtype and trailing shape."""
-    tensors, offset = [], 0
-    for part, nbytes in zip(parts, row_bytes):
-        # flatten before the dtype view: a 1-row slice counts as contiguous but keeps the wide stride
-        chunk = out[:, offset:offset + nbytes].contiguous().reshape(-1)
-        if chunk.storage_offset() % part.element_size():  # that 1-row view may start mid-element: copy
-            chunk = chunk.clone()
-        tensors.append(chunk.view(part.dtype).reshape(out.shape[0], *part.shape[1:]))
-        offset += nbytes
-    return tensors

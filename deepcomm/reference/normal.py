@@ -1,13 +1,13 @@
 """Normal-mode dispatch and combine on torch.distributed (see docs/api.md for the contract)."""
 from __future__ import annotations
 
-import dataclasses
 from typing import List, Optional, Tuple, Union
 
 import torch
 
 from .. import agreement, layout
 from ..fp8 import per_token_cast_back, per_token_cast_to_fp8
+from ..dispatch_rows import dispatch_outputs
 from ..handle import Handle
 from .collectives import Comm
 
@@ -47,33 +47,6 @@ def dispatch(comm: Comm, x: Payload, topk_idx: Optional[torch.Tensor], topk_weig
 
     return dispatch_outputs(received, len(rows), is_pair, topk_weights is not None, handle, rank, world, num_experts,
                             num_tokens, hidden, is_token_in_rank, send_pos, count_matrix, expert_alignment)
-
-
-def dispatch_outputs(received: List[torch.Tensor], num_x_parts: int, is_pair: bool, has_weights: bool,
-                     handle: Optional[Handle], rank: int, world: int, num_experts: int, num_tokens: int, hidden: int,
-                     is_token_in_rank: torch.Tensor, send_pos: torch.Tensor, count_matrix: torch.Tensor,
-                     expert_alignment: int):
-    """The dispatch result from the received rows (ordered by source rank, then token), one tensor per part as
-    sent: x (or its FP8 values and scales), then, without a handle, the global top-k ids and the source token
-    index, then the weights if any. Shared by every backend built on these routes (reference, internode)."""
-    recv_x = tuple(received[:num_x_parts]) if is_pair else received[0]
-    recv_topk_weights = received[-1] if has_weights else None
-    if handle is not None:
-        # No topk_idx on this path: the weights arrive as sent, non-local slots included.
-        return recv_x, None, recv_topk_weights, list(handle.num_recv_tokens_per_expert), handle
-
-    recv_global_idx, recv_src_idx = received[num_x_parts], received[num_x_parts + 1]
-    experts_per_rank = num_experts // world
-    recv_topk_idx = layout.to_local_experts(recv_global_idx, rank, experts_per_rank)
-    if recv_topk_weights is not None:
-        recv_topk_weights = torch.where(recv_topk_idx >= 0, recv_topk_weights,
-                                        torch.zeros_like(recv_topk_weights))
-    per_expert = layout.count_rows_per_local_expert(recv_topk_idx, experts_per_rank, expert_alignment)
-    new_handle = Handle(buffer_id=-1, num_experts=num_experts, num_tokens=num_tokens, hidden=hidden,
-                        num_recv=recv_src_idx.shape[0], is_token_in_rank=is_token_in_rank, send_pos=send_pos,
-                        count_matrix=count_matrix, recv_src_idx=recv_src_idx,
-                        num_recv_tokens_per_expert=per_expert)
-    return recv_x, recv_topk_idx, recv_topk_weights, per_expert, new_handle
 
 
 def combine(comm: Comm, x: torch.Tensor, handle: Handle, topk_weights: Optional[torch.Tensor],
@@ -138,28 +111,3 @@ def _reduce(rows: torch.Tensor, handle: Handle, recv_counts: List[int], out_dtyp
         tokens = held.nonzero()[:, 0]  # a node adds its partial only for the tokens it holds (no +0 added)
         acc.index_add_(0, tokens, part[tokens])
     return acc.to(out_dtype)
-
-
-def pad_to_worst(out, num_worst_tokens: int, cached: bool):
-    """A dispatch result in the worst-case-size form (``num_worst_tokens``): every per-row output has that many
-    rows (the real ones first), tokens per expert is an int32 tensor, and a new handle's ``num_recv`` is the
-    padded size, so combine takes the padded expert outputs as they are."""
-    recv_x, recv_topk_idx, recv_topk_weights, per_expert, handle = out
-    n = (recv_x[0] if isinstance(recv_x, tuple) else recv_x).shape[0]
-    if n > num_worst_tokens:
-        raise ValueError(f"num_worst_tokens: this rank receives {n} rows, more than num_worst_tokens="
-                         f"{num_worst_tokens}")
-
-    def pad(t: Optional[torch.Tensor], value) -> Optional[torch.Tensor]:
-        if t is None:
-            return None
-        if t.dtype == torch.float8_e4m3fn:  # pad through bytes: fills of fp8 are not supported everywhere
-            return pad(t.view(torch.uint8), value).view(t.dtype)
-        return torch.cat([t, t.new_full((num_worst_tokens - n, *t.shape[1:]), value)])
-
-    recv_x = tuple(pad(t, 0) for t in recv_x) if isinstance(recv_x, tuple) else pad(recv_x, 0)
-    per_expert_t = torch.tensor([int(c) for c in per_expert], dtype=torch.int32, device=handle.count_matrix.device)
-    if not cached:
-        handle = dataclasses.replace(handle, num_recv=num_worst_tokens, recv_src_idx=pad(handle.recv_src_idx, -1),
-                                     num_recv_tokens_per_expert=per_expert_t)
-    return recv_x, pad(recv_topk_idx, -1), pad(recv_topk_weights, 0), per_expert_t, handle

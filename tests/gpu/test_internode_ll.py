@@ -25,7 +25,7 @@ def _internode_ll_worker(rank, world, memory):
     cases = [(128, 7168, 64, 8, "random", "fp8"), (0 if rank == 0 else 5, 2176, 32, 6, "masked", "bf16"),
              (33, 2176, 32, 6, "one_expert", "ue8m0")]
     check_cases(cuda, ref, cases, gen, dev, world)
-    ll = cuda._backend.ll._ll
+    ll = cuda._backend.ll.engine.buffer
     others = [p for p in range(world) if p != rank]  # every rank is a node of its own: all are put peers
     assert ll.put_peers == (others if memory == "nvshmem" else []), ll.put_peers
     assert cuda.low_latency_buffer_info()["memory"] == memory

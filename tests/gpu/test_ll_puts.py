@@ -26,7 +26,7 @@ def _forced_puts_worker(rank, world):
     cases = [(128, 7168, 64, 8, "random", "fp8"), (7, 2048, 64, 4, "masked", "bf16"),
              (0 if rank == 0 else 5, 2176, 32, 6, "random", "ue8m0"), (33, 2176, 32, 6, "one_expert", "bf16")]
     check_cases(cuda, ref, cases, gen, dev, world)
-    ll = cuda._backend._ll
+    ll = cuda._backend.ll.buffer
     assert ll.put_peers == [p for p in range(world) if p != rank], ll.put_peers  # forced: every peer
     assert cuda.low_latency_buffer_info()["memory"] == "nvshmem"
 

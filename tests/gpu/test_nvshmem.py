@@ -106,7 +106,7 @@ def _low_latency_worker(rank, world):
              (0 if rank == 0 else 5, 5120, 32, 6, "masked", "ue8m0")]
     check_cases(cuda, ref, cases, gen, dev, world)
 
-    ll = cuda._backend._ll
+    ll = cuda._backend.ll.buffer
     assert isinstance(ll.memory, NvshmemMemory)
     assert cuda.low_latency_buffer_info() == {"memory": "nvshmem", "bytes": ll.layout["total"]}
     n = ns.load_library()

@@ -1,0 +1,54 @@
+"""The contract between Buffer and a backend: what every backend provides (deepcomm/reference: ReferenceBackend;
+deepcomm/cuda/backend.py: CudaBackend, NVLink within a node; deepcomm/cuda/internode.py: InternodeBackend, several
+nodes). Buffer validates the arguments and numbers the calls, then calls these methods directly, never probing
+for them; docs/api.md is the semantics each meets bit for bit."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Protocol, Tuple, runtime_checkable
+
+import torch
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend does itself, so that Buffer does not do it too."""
+    x_dtypes: Tuple[torch.dtype, ...]  # dtypes of a non-FP8 x in normal dispatch / combine
+    takes_fingerprints: bool  # collective calls take ``fingerprint=`` and the backend has ``reject`` (agreement.py)
+    checks_expert_ids_on_device: bool  # a fresh dispatch's expert ids are range-checked by its kernels (no sync)
+    checks_low_latency_ids_on_device: bool  # likewise for low-latency dispatch (range and duplicates)
+
+
+@runtime_checkable
+class Backend(Protocol):
+    name: str
+    capabilities: Capabilities
+
+    # ---- normal mode ----
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int): ...
+    def dispatch(self, x, topk_idx, topk_weights, num_experts, handle, expert_alignment, num_worst_tokens=0,
+                 previous_event=None, async_finish=False, **agreed): ...
+    def combine(self, x, handle, topk_weights, previous_event=None, async_finish=False, use_fp8=False,
+                **agreed): ...
+    @property
+    def event(self) -> Optional[torch.cuda.Event]: ...  # the end of the last call (None where calls are synchronous)
+
+    # ---- low-latency mode ----
+    def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, use_ue8m0,
+                             return_recv_hook, **agreed): ...
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, return_recv_hook, use_fp8=False,
+                            **agreed): ...
+    def low_latency_buffer_info(self) -> dict: ...
+
+    # ---- masking lost ranks (low-latency mode) ----
+    @property
+    def masked(self) -> frozenset: ...
+    def mask_ranks(self, ranks: frozenset) -> None: ...
+    def unmask_ranks(self) -> None: ...
+
+    # ---- agreement, settings, lifetime ----
+    def reject(self, fingerprint) -> None: ...
+    def set_num_sms(self, num_sms: int) -> None: ...
+    def size_bytes(self) -> int: ...
+    def synchronize(self) -> None: ...
+    def destroy(self) -> None: ...
