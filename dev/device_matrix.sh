@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Several GPU checks of different world sizes in one run on a one-GPU machine: build once, then each STEP in order,
+# each bounded so that the whole run ends within MATRIX_BUDGET_S (default 540) seconds. Logs go to $OUT.
+#   bash dev/device_matrix.sh STEP...
+#   STEP = profile            the host-time profile at world size 1 (dev/profile_host.py, 128 and 4096 tokens)
+#        | 1:FILE,FILE        tests/*/FILE.py at world size 1 (one rank on the GPU)
+#        | N:FILE,FILE[:EXPR] the files with N ranks sharing GPU 0 under MPS (docs/testing.md), pytest -k EXPR
+# e.g. bash dev/device_matrix.sh profile 1:test_normal_world1 2:test_agreement_gpu,test_intranode 8:test_intranode
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
+export DEEPCOMM_TEST_FAILURES_AT_ONCE=1
+T0=$(date +%s)
+OUT="${OUT:-$PWD/out}"
+mkdir -p "$OUT"
+summary="$OUT/summary.txt"
+left() { echo $(( T0 + ${MATRIX_BUDGET_S:-540} - $(date +%s) )); }
+{ date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; } > "$summary" 2>&1
+if ! timeout 300 python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; then
+  tail -40 "$OUT/build.log"; echo "BUILD FAILED"; exit 1
+fi
+rm -f "$OUT/build.log"
+echo "build: $(( $(date +%s) - T0 )) s" | tee -a "$summary"
+
+for step in "$@"; do
+  budget=$(( $(left) - 5 ))
+  if (( budget < 20 )); then echo "step $step: skipped, no time left" | tee -a "$summary"; continue; fi
+  t0=$(date +%s)
+  if [[ "$step" == profile ]]; then
+    timeout "$budget" python3 dev/profile_host.py --json "$OUT/host_time.json" > "$OUT/host_time.log" 2>&1
+    echo "profile: rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$summary"
+    tail -13 "$OUT/host_time.log"
+    continue
+  fi
+  world="${step%%:*}"; rest="${step#*:}"; files="${rest%%:*}"; expr=""
+  [[ "$rest" == *:* ]] && expr="${rest#*:}"
+  paths=()
+  for f in ${files//,/ }; do paths+=(tests/*/"$f".py); done  # test file names are unique across subjects
+  log="$OUT/tests_w$world.log"
+  if [[ "$world" == 1 ]]; then
+    env -u DEEPCOMM_TEST_SHARED_GPU -u DEEPCOMM_TEST_WORLD timeout "$budget" python3 -m pytest -v -ra -m gpu \
+      -p no:cacheprovider ${expr:+-k "$expr"} "${paths[@]}" >> "$log" 2>&1
+  else
+    DEEPCOMM_TEST_SHARED_GPU=1 DEEPCOMM_TEST_WORLD="$world" timeout "$budget" bash launch/with_mps.sh \
+      python3 -m pytest -v -ra -m gpu -p no:cacheprovider ${expr:+-k "$expr"} "${paths[@]}" >> "$log" 2>&1
+  fi
+  echo "$step: rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$summary"
+  grep -E "(PASSED|FAILED|SKIPPED|ERROR)( |$)|passed|failed" "$log" | grep -v "^E " | tail -25
+done

@@ -1,0 +1,156 @@
+"""Host cost of normal-mode calls: for each call, the loop's wall time per call (GPU included: back-to-back
+throughput), the host time from entry to return (median), a fresh dispatch's wait for its counts, and the GPU
+time (CUDA events); then the host cost of the torch primitives a call is built from. A diagnostic for the host
+path, not the benchmark: `python dev/profile_host.py [--world N] [--tokens 128,4096] [--json PATH]`.
+One rank per GPU (speed figures mean nothing on a shared GPU)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the repository, for tests.helpers
+from tests.helpers.nccl_run import run_on_gpus  # noqa: E402
+
+ITERS = 200
+
+
+def _host_times(fn, backend=None, iters=ITERS):
+    """(loop wall us per call incl. GPU, median host us per call, median wait us, median GPU us)."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    host, waits = [], []
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    clock = time.perf_counter
+    t_loop = clock()
+    for i in range(iters):
+        starts[i].record()
+        t0 = clock()
+        fn()
+        host.append((clock() - t0) * 1e6)
+        ends[i].record()
+        if backend is not None:
+            waits.append(getattr(backend, "last_wait_us", 0.0))
+    torch.cuda.synchronize()
+    wall = (clock() - t_loop) / iters * 1e6
+    gpu = statistics.median(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends))
+    return {"wall_us": round(wall, 1), "host_us": round(statistics.median(host), 1),
+            "wait_us": round(statistics.median(waits), 1) if waits else 0.0, "gpu_us": round(gpu, 1)}
+
+
+def _primitives(dev):
+    """Host microseconds of the torch operations a call is made of (median of 2000)."""
+    from deepcomm.cuda.arena import as_device_bytes
+    base = torch.empty(1 << 20, dtype=torch.uint8, device=dev)
+    ev = torch.cuda.Event()
+    ops = {
+        "torch.empty cuda": lambda: torch.empty(4096, 8, dtype=torch.int32, device=dev),
+        "slice+view+view": lambda: base[256:256 + 4096].view(torch.int32).view(128, 8),
+        "as_tensor (CAI)": lambda: as_device_bytes(base.data_ptr(), 4096, dev),
+        "current_stream": lambda: torch.cuda.current_stream(dev),
+        "event.record": lambda: ev.record(),
+        "data_ptr": lambda: base.data_ptr(),
+    }
+    out = {}
+    for name, fn in ops.items():
+        times = []
+        for _ in range(2000):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e6)
+        out[name] = round(statistics.median(times), 2)
+    return out
+
+
+def setup_calls(rank, tokens, hidden, num_sms):
+    """A CUDA Buffer and the DeepSeek-V3-shaped inputs of one rank (top-8 of 256 experts), with one fresh dispatch
+    made: ``(buf, idx, w, x, fp8, handle, y)``, y being expert outputs for that dispatch's rows."""
+    import deepcomm
+    from deepcomm.fp8 import per_token_cast_to_fp8
+    dev = torch.device("cuda", rank)
+    buf = deepcomm.Buffer(max_tokens_per_rank=tokens, hidden=hidden, backend="cuda", num_sms=num_sms)
+    g = torch.Generator(device=dev).manual_seed(rank)
+    idx = torch.rand(tokens, 256, device=dev, generator=g).topk(8, dim=1).indices
+    w = torch.rand(tokens, 8, device=dev, generator=g)
+    x = torch.randn(tokens, hidden, device=dev, generator=g).to(torch.bfloat16)
+    fp8 = per_token_cast_to_fp8(x)
+    recv, _, _, _, h = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=256)
+    return buf, idx, w, x, fp8, h, torch.randn_like(recv)
+
+
+def _cprofile(cases, path, tokens, iters=500):
+    """Each call ``iters`` times under cProfile: the functions with the most own time, into ``path``."""
+    import cProfile
+    import io
+    import pstats
+    with open(path, "a") as f:
+        for name, (fn, _) in cases.items():
+            for _ in range(20):
+                fn()
+            torch.cuda.synchronize()
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(iters):
+                fn()
+            prof.disable()
+            torch.cuda.synchronize()
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(28)
+            f.write(f"==== {name}, {tokens} tokens, {iters} calls ====\n{text.getvalue()}\n")
+
+
+def worker(rank, world, tokens_list, hidden, num_sms, json_path, cprofile_path=""):
+    dev = torch.device("cuda", rank)
+    rows = []
+    for tokens in tokens_list:
+        buf, idx, w, x, fp8, h, y = setup_calls(rank, tokens, hidden, num_sms)
+        be = buf._backend
+        cases = {
+            "fresh dispatch bf16": (lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=256), be),
+            "fresh dispatch fp8": (lambda: buf.dispatch(fp8, topk_idx=idx, topk_weights=w, num_experts=256), be),
+            "cached dispatch bf16": (lambda: buf.dispatch(x, handle=h), None),
+            "cached dispatch fp8": (lambda: buf.dispatch(fp8, handle=h), None),
+            "combine": (lambda: buf.combine(y, h), None),
+            "get_dispatch_layout": (lambda: buf.get_dispatch_layout(idx, 256), None),
+        }
+        if cprofile_path and rank == 0 and tokens == min(tokens_list):
+            _cprofile(cases, cprofile_path, tokens)
+        for name, (fn, backend) in cases.items():
+            r = _host_times(fn, backend)
+            r.update(call=name, tokens=tokens, world_size=world, num_sms=num_sms)
+            rows.append(r)
+        dist.barrier()
+        buf.destroy()
+    prims = _primitives(dev)
+    if rank == 0:
+        print(f"{'call':24s} {'tokens':>6s} {'wall':>8s} {'host':>8s} {'wait':>8s} {'gpu':>8s}   (us per call)")
+        for r in rows:
+            print(f"{r['call']:24s} {r['tokens']:6d} {r['wall_us']:8.1f} {r['host_us']:8.1f} {r['wait_us']:8.1f} "
+                  f"{r['gpu_us']:8.1f}")
+        print("torch primitives (host us):", json.dumps(prims))
+        if json_path:
+            with open(json_path, "w") as f:
+                json.dump({"world_size": world, "hidden": hidden, "num_sms": num_sms, "rows": rows,
+                           "primitives": prims, "device": torch.cuda.get_device_name(dev),
+                           "commit": os.environ.get("DEEPCOMM_COMMIT", "")}, f, indent=1)
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--world", type=int, default=1)
+    p.add_argument("--tokens", default="128,4096")
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--num-sms", type=int, default=24)
+    p.add_argument("--json", default="")
+    p.add_argument("--cprofile", default="", help="also write each call's cProfile (smallest token count) here")
+    a = p.parse_args()
+    run_on_gpus(worker, a.world, [int(t) for t in a.tokens.split(",")], a.hidden, a.num_sms, a.json, a.cprofile,
+                timeout_s=600)

@@ -1,0 +1,230 @@
+"""The host side of call agreement on the CUDA backend, on the CPU: the words each call hands to its crossing into
+C++, how a disagreement the kernels found becomes the ValueError (the same text as the reference backend's, through
+deepcomm/agreement.py), in the call itself for a fresh dispatch and at the next look at the error record for the
+others, and the reject path of normal and low-latency calls. The kernels' side is tested on GPUs
+(tests/agreement/test_agreement_gpu.py)."""
+import types
+
+import pytest
+import torch
+
+from deepcomm import agreement
+from deepcomm.cuda import agree_record
+from deepcomm.cuda.error_record import DeviceErrorRecord
+
+from tests.normal.test_cuda_host_path import C, CALLER, _fresh, _inputs, env  # noqa: F401  (env is a fixture)
+
+W = agreement.Word
+
+
+def _dispatch_words(call=3, hidden=1024, num_experts=8, weights=True, dtype=torch.bfloat16):
+    x = torch.zeros(4, hidden, dtype=dtype)
+    idx = torch.zeros(4, 2, dtype=torch.int64)
+    return agreement.dispatch(call, 1, x, idx, torch.zeros(4, 2) if weights else None, num_experts, None)
+
+
+def _expected(rows):
+    with pytest.raises(ValueError) as e:
+        agreement.check(rows)
+    return str(e.value)
+
+
+# ---- the message ----------------------------------------------------------------------------------------
+CASES = {
+    "num_experts": [_dispatch_words(num_experts=12), _dispatch_words(num_experts=24)],
+    "hidden": [_dispatch_words(hidden=7168), _dispatch_words(hidden=4096)],
+    "weights on one rank only": [_dispatch_words(), _dispatch_words(weights=False)],
+    "call order": [_dispatch_words(call=3), _dispatch_words(call=4)],
+    "rejected": [_dispatch_words(), agreement.rejected("dispatch", 3, 1, ValueError("topk_idx: bad"))],
+    "low-latency cap": [agreement.low_latency_dispatch(2, 1, torch.zeros(4, 128), torch.zeros(4, 2), m, 8, True,
+                                                       False) for m in (128, 64)],
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_message_is_the_reference_backends(case):
+    rows = [list(r) for r in CASES[case]]
+    err = agree_record.disagreement_error(rows, 1, 5)
+    assert isinstance(err, ValueError)
+    assert str(err) == _expected(rows), f"{case}: the CUDA text differs from agreement.check's"
+
+
+def test_masked_ranks_count_as_agreeing_and_equal_rows_still_name_the_peer():
+    mine = list(_dispatch_words())
+    other = list(_dispatch_words(hidden=512))
+    rows = [mine, [0] * agreement.WORDS, other]  # rank 1 masked: its words were never read
+    err = agree_record.disagreement_error(rows, 2, W.HIDDEN, rank=0, left_out=[1])
+    assert str(err) == _expected([mine, mine, other])
+    # rows that, as read, agree (they cannot: a kernel found a difference) still give a ValueError naming the peer
+    err = agree_record.disagreement_error([mine, mine], 1, W.HIDDEN)
+    assert str(err).startswith("fingerprint: rank 1 disagreed") and "HIDDEN" in str(err)
+
+
+def test_words_or_none():
+    assert agree_record.words_or_none(None) == (0,) * agreement.WORDS
+    assert agree_record.words_or_none([1, 2]) == (1, 2)
+
+
+# ---- the deferred path: the AgreeRecord behind the error record ----------------------------------------
+class FakeRecords:
+    """read_error / clear_error of the error record and read_agree / clear_agree of the AgreeRecord."""
+
+    WAIT_STAGES = {"disagree": 104, "invalid_ids": 100}
+
+    def __init__(self):
+        self.error = (0, 0, 0, 0, 0, 0)
+        self.agree = (0, -1, -1, 0, [])
+        self.cleared = []
+
+    def read_error(self, _host):
+        return self.error
+
+    def clear_error(self, _host):
+        self.error = (0, 0, 0, 0, 0, 0)
+        self.cleared.append("error")
+
+    def read_agree(self, _host):
+        return self.agree
+
+    def clear_agree(self, _host):
+        self.agree = (0, -1, -1, 0, [])
+        self.cleared.append("agree")
+
+
+def _record(C_):
+    r = DeviceErrorRecord.__new__(DeviceErrorRecord)
+    r.C, r.err_host, r.agree_host, r.device, r.rank = C_, 0, 0, torch.device("cpu"), 0
+    r.broken, r.broken_peer, r.masked = False, None, frozenset()
+    return r
+
+
+def test_a_recorded_disagreement_is_a_value_error_and_the_buffer_stays_usable():
+    fake = FakeRecords()
+    rec = _record(fake)
+    rows = [list(r) for r in CASES["hidden"]]
+    fake.agree = (1, 1, int(W.HIDDEN), 9, rows)
+    fake.error = (1, 0, 1, 104, 9, 0)
+    err = rec.check_error(low_latency=True, defer_input=True)
+    assert isinstance(err, ValueError) and str(err) == _expected(rows)
+    assert sorted(fake.cleared) == ["agree", "error"] and not rec.broken
+    assert rec.check_error(low_latency=True, defer_input=True) is None  # nothing left: the next call runs
+    fake.agree, fake.error = (1, 1, int(W.HIDDEN), 9, rows), (1, 0, 1, 104, 9, 0)
+    with pytest.raises(ValueError, match="x: the hidden size differs across ranks"):
+        rec.check_error()  # not deferred: raised at once
+
+
+def test_a_disagreement_recorded_while_another_error_is_held_stays_for_the_next_look():
+    fake = FakeRecords()
+    rec = _record(fake)
+    fake.agree, fake.error = (1, 1, int(W.HIDDEN), 9, [list(r) for r in CASES["hidden"]]), (1, 0, 1, 104, 9, 0)
+    assert rec.check_error(low_latency=True, defer_input=True, leave_input=True) is None
+    assert fake.error[0] == 1 and fake.agree[0] == 1 and not fake.cleared
+
+
+def test_an_incomplete_agree_record_still_raises_value_error():
+    fake = FakeRecords()
+    fake.error = (1, 0, -1, 104, 9, 0)
+    err = _record(fake).check_error(defer_input=True)
+    assert isinstance(err, ValueError) and str(err).startswith("fingerprint: the ranks disagreed")
+
+
+# ---- the normal-mode calls (the stand-in NVLink context of test_cuda_host_path.py) ------------------------
+def test_every_call_hands_its_words_to_its_crossing(env):  # noqa: F811
+    b, ctx = env.b, env.ctx
+    words = tuple(_dispatch_words())
+    x, idx, w, E = _inputs()
+    h = b.dispatch(x, idx, w, E, None, 1, fingerprint=words)[4]
+    assert ctx.calls[-1]["fingerprint"] == words
+    b.dispatch(x, None, w, E, h, 1, fingerprint=words[:2] + (9,) + words[3:])
+    assert ctx.calls[-1]["fingerprint"][W.CALL] == 9
+    _fresh(b)  # no fingerprint (a caller that takes no part): zeros, which the kernels skip
+    assert ctx.calls[-1]["fingerprint"] == (0,) * agreement.WORDS
+
+
+def test_a_fresh_dispatch_that_disagrees_raises_in_the_call_and_gives_the_block_back(env, monkeypatch):  # noqa: F811
+    b, ctx = env.b, env.ctx
+    rows = [list(r) for r in CASES["num_experts"]]
+    b.nvl.counts_host = 1234
+    seen = {}
+
+    def read(counts_host, world_size):
+        seen.update(host=counts_host, ranks=world_size)
+        return 2, int(W.NUM_EXPERTS), rows
+
+    names = {k: getattr(C, k) for k in dir(C) if not k.startswith("_")}
+    monkeypatch.setattr(b, "C", types.SimpleNamespace(**dict(names, read_dispatch_disagreement=read)))
+    ctx.status = 3
+    with pytest.raises(ValueError) as e:
+        _fresh(b)
+    assert str(e.value) == _expected(rows) and seen == {"host": 1234, "ranks": 1}
+    assert b.arena.free_bytes() == b.arena.nbytes  # the worst-case block went back
+    ctx.status = 0
+    assert _fresh(b)[0].shape == (64, 1024)  # and the next agreeing call runs
+
+
+def test_a_rejected_normal_call_joins_the_exchange_in_stream_order(env):  # noqa: F811
+    b, ctx = env.b, env.ctx
+    sent = []
+    ctx.agree_reject = lambda words, flags, wait, run, prev, start: sent.append((words, flags, wait, run, prev))
+    words = agreement.rejected("combine", 5, 1, ValueError("x: bad"))
+    b.reject(words)
+    assert sent == [(tuple(words), 0, CALLER, CALLER, 0)]
+    b.dispatch(*_inputs()[:2], None, 8, None, 1, async_finish=True)  # a call on the communication stream...
+    end = b._last_end
+    words = agreement.rejected("dispatch", 7, 1, ValueError("topk_idx: bad"))
+    b.reject(words)
+    assert end != 0 and sent[-1] == (tuple(words), 0, CALLER, CALLER, end)  # ...is waited for before the words go
+    b.nvl.broken = True
+    b.nvl.check_error = lambda **kw: (_ for _ in ()).throw(RuntimeError("broken"))
+    b.reject(words)  # a Buffer that runs nothing sends nothing, and raises nothing over the caller's own error
+    assert len(sent) == 2
+
+
+# ---- low-latency rejects --------------------------------------------------------------------------------
+class _LlCtx:
+    def __init__(self):
+        self.rejects = []
+
+    def agree_reject(self, words, kind, slot, stream):
+        self.rejects.append((kind, slot))
+
+
+def _ll_backend(monkeypatch, ll):
+    from deepcomm.cuda.call_errors import CallErrors
+    from deepcomm.cuda.ll_calls import LowLatencyEngine
+    record = types.SimpleNamespace(check_error=lambda **kw: None)
+    b = LowLatencyEngine(None, None, 0, 2, torch.device("cpu"), record, CallErrors(record), "ipc", 4)
+    b.buffer = ll
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=CALLER))
+    return b
+
+
+def test_a_rejected_low_latency_call_takes_its_kinds_slot(monkeypatch):
+    ll = types.SimpleNamespace(calls=3, ctx=_LlCtx())
+    b = _ll_backend(monkeypatch, ll)
+    b.reject(agreement.rejected("low_latency_dispatch", 4, 1, ValueError("x: bad")))
+    assert ll.ctx.rejects == [(0, 1)] and ll.calls == 4  # slot 3 & 1, and the next dispatch takes the other
+    b.reject(agreement.rejected("low_latency_combine", 5, 1, ValueError("handle: bad")))
+    assert ll.ctx.rejects[-1] == (1, 1)  # the latest dispatch's slot
+
+
+def test_a_rejected_first_low_latency_call_joins_the_buffers_exchange(monkeypatch):
+    b = _ll_backend(monkeypatch, None)
+    gathered = []
+    b._agree_on_host = lambda words: (gathered.append(words), agreement.check([words, words]))
+    words = agreement.rejected("low_latency_dispatch", 1, 1, ValueError("x: bad"))
+    b.reject(words)  # the check names this rank's rejection: swallowed, the caller raises its own error
+    assert gathered == [words]
+
+
+def test_the_low_latency_buffer_is_made_only_after_every_rank_agrees(monkeypatch):
+    import torch.distributed as dist
+    b = _ll_backend(monkeypatch, None)
+    b.group, b.world_size = None, 2
+    mine = list(_dispatch_words(hidden=1024))
+    theirs = list(_dispatch_words(hidden=2048))
+    monkeypatch.setattr(dist, "all_gather_object", lambda out, obj, group=None: out.__setitem__(
+        slice(None), [obj, theirs]))
+    with pytest.raises(ValueError) as e:
+        b._buffer_for(8, 128, 1024, mine)
+    assert str(e.value) == _expected([mine, theirs]) and b.buffer is None

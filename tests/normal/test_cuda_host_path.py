@@ -1,0 +1,258 @@
+"""The host side of the CUDA backend's normal mode (deepcomm/cuda/backend.py), on the CPU with a stand-in for the
+NVLink context: which steps each kind of dispatch asks of its one crossing into C++ (csrc/runtime/nvl_calls.hpp),
+the stream order it passes (plain calls on the caller's stream, previous_event / async_finish on the communication
+stream, CUDA-graph capture), how the output block is reserved, trimmed and released, and what comes back. The
+kernels themselves are tested on GPUs (tests/normal/test_intranode.py)."""
+import contextlib
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from deepcomm._ext import load_extension
+
+C = load_extension()
+pytestmark = pytest.mark.skipif(C is None, reason="needs the extension deepcomm._C (its layouts and flags)")
+
+if C is not None:
+    from deepcomm.config import Config
+    from deepcomm.cuda import backend as B
+    from deepcomm.cuda.arena import Arena, _Block
+    from deepcomm.cuda.call_errors import CallErrors
+    from deepcomm.handle import Handle
+    B._load_flags(C)
+
+CALLER, OTHER, COMM, CAPTURE = 11, 22, 33, 44
+LAYOUT_KEYS = ("x", "scales", "topk_idx", "topk_weights", "src_idx", "total")
+
+
+class FakeCtx:
+    """Records each dispatch_call / combine_call and answers as the C++ side would for rows arriving ``recv`` (the
+    rank's own token count when None) with ``status``."""
+
+    def __init__(self):
+        self.calls, self.combines = [], []
+        self.status, self.recv, self.bad_mine = 0, None, 0
+
+    def dispatch_call(self, flags, wait, run, prev, start, end, topk_idx, T, K, E, in_rank, send_pos, notify_out,
+                      tag, x, x_row_bytes, scales, scale_row_bytes, weights, count_matrix, invalid, out_block,
+                      out_rows, num_blocks, alignment, src_copy, timeout_s, fingerprint):
+        self.calls.append(dict(flags=flags, wait=wait, run=run, prev=prev, end=end, tag=tag, out_block=out_block,
+                               out_rows=out_rows, invalid=invalid, alignment=alignment, src_copy=src_copy,
+                               fingerprint=fingerprint))
+        waited = flags & B.WAIT
+        n = out_rows if out_rows >= 0 else (T if self.recv is None else self.recv) if waited else -1
+        if waited and self.status:
+            return (self.status, -1, 1, self.bad_mine, [], (0,) * 6, 1.0)
+        lay = C.dispatch_out_layout(n, x_row_bytes, scale_row_bytes, K) if n >= 0 else None
+        per_expert = [-(-n // alignment) * alignment] + [0] * (E - 1) if waited else []
+        return (0, n, 0, 0, per_expert, tuple(lay[k] for k in LAYOUT_KEYS) if lay else (0,) * 6, 2.0)
+
+    def combine_call(self, flags, wait, run, prev, start, end, *rest):
+        self.combines.append(dict(flags=flags, wait=wait, run=run, prev=prev, end=end))
+
+
+class _Host:
+    """A numpy buffer exposing an arena range to torch on the CPU; holds the range's owner like a device view."""
+
+    def __init__(self, owner, nbytes):
+        self.owner, self.buf = owner, np.zeros(max(nbytes, 1), np.uint8)
+        self.__array_interface__ = self.buf.__array_interface__
+
+
+def _views(arena, offset, size, specs, owned=True):
+    owner = _Block(arena, offset, size) if owned else None
+    out = []
+    for off, shape, dtype in specs:
+        nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+        raw = torch.from_numpy(np.asarray(_Host(owner, nbytes)))[:nbytes]
+        out.append(raw.view(dtype).view(*shape))
+    return out
+
+
+class FakeEvent:
+    def __init__(self, handle):
+        self.cuda_event, self.recorded = handle, 0
+
+    def record(self, stream=None):
+        self.recorded += 1
+
+
+@pytest.fixture
+def env(monkeypatch):
+    state = types.SimpleNamespace(stream=CALLER, capturing=False, waited_streams=[])
+    monkeypatch.setattr(B, "_current_stream", lambda index: state.stream)
+    monkeypatch.setattr(B, "is_capturing", lambda: state.capturing)
+    monkeypatch.setattr(Arena, "views", _views)
+    monkeypatch.setattr(torch.cuda, "ExternalStream", lambda ptr, device=None: ptr)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: CALLER)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None, raising=False)
+    b = B.CudaBackend.__new__(B.CudaBackend)
+    b.C, b.rank, b.world_size, b.device, b._device_index = C, 0, 1, torch.device("cpu"), 0
+    b.config = Config(num_sms=24, timeout_s=5, max_tokens_per_rank=256, hidden=1024)
+    arena_bytes, worst = B.arena_sizes(C, 1, 256, 1024)
+    b.arena = Arena(0, arena_bytes, None)
+    b.nvl = types.SimpleNamespace(ctx=FakeCtx(), layout={"arena": 4096}, broken=False,
+                                  check_error=lambda **kw: None)
+    b.bounce_offset = arena_bytes
+    b.comm_stream = types.SimpleNamespace(cuda_stream=COMM, wait_stream=state.waited_streams.append)
+    b._events = [FakeEvent(100 + i) for i in range(B.EVENT_RING)]
+    b._event_handles = [e.cuda_event for e in b._events]
+    b._start_event, b._start_handle = FakeEvent(99), 99
+    b._event_i, b._event, b._last_stream, b._last_end, b._last_captured = 0, None, None, 0, False
+    b._releases_seen, b._bounce_pending, b._tag = 0, False, 0
+    b.errors = CallErrors(b.nvl)
+    b._capacity_rows, b._out_bytes_cache, b.last_wait_us, b.bounced_calls = 256, {}, 0.0, 0
+    b._wait_timeout_s = 8.5
+    state.b, state.ctx = b, b.nvl.ctx
+    return state
+
+
+def _inputs(T=64, H=1024, K=4, E=8, weights=True):
+    x = torch.zeros(T, H, dtype=torch.bfloat16)
+    idx = torch.zeros(T, K, dtype=torch.int64)
+    return x, idx, torch.zeros(T, K) if weights else None, E
+
+
+def _fresh(b, **kw):
+    x, idx, w, E = _inputs()
+    return b.dispatch(x, idx, w, E, None, 1, **kw)
+
+
+def test_plain_fresh_dispatch_is_one_crossing_on_the_callers_stream(env):
+    b, ctx = env.b, env.ctx
+    recv_x, recv_idx, recv_w, per_expert, h = _fresh(b)
+    (call,) = ctx.calls
+    steps = B.BEGIN | B.NOTIFY | B.PAYLOAD | B.WAIT | B.FINISH
+    assert call["flags"] & steps == steps and not call["flags"] & (B.WAIT_CALLER | B.CALLER_WAITS | B.BUMP)
+    assert call["wait"] == call["run"] == CALLER and call["prev"] == 0 and call["end"] == 0
+    assert call["out_rows"] == -1 and call["tag"] == 1 and call["src_copy"] != 0
+    assert recv_x.shape == (64, 1024) and recv_x.dtype == torch.bfloat16
+    assert recv_idx.shape == (64, 4) and recv_w.shape == (64, 4) and per_expert == [64] + [0] * 7
+    assert isinstance(h, Handle) and h.num_recv == 64 and h.recv_src_idx.shape == (64,)
+    assert h.count_matrix.shape == (1, 1) and h.send_pos.shape == (64, 1) and h.is_token_in_rank.shape == (64, 1)
+    # the worst-case block (256 rows) was trimmed to the 64 rows that came
+    used = C.dispatch_out_layout(64, 2048, 0, 4)["total"]
+    assert b.arena.nbytes - b.arena.free_bytes() == -(-used // 256) * 256
+    del recv_x, recv_idx, recv_w, h
+    assert b.arena.free_bytes() == b.arena.nbytes  # the block returns when its last view dies
+
+
+def test_fresh_dispatch_tags_each_call_and_waits_longer_than_the_kernels(env):
+    _fresh(env.b)
+    _fresh(env.b)
+    assert [c["tag"] for c in env.ctx.calls] == [1, 2]
+    assert env.b._wait_timeout_s > env.b.config.timeout_s
+
+
+def test_stream_order_of_plain_async_and_event_calls(env):
+    b, ctx = env.b, env.ctx
+    _fresh(b, async_finish=True)
+    a = ctx.calls[-1]
+    assert a["run"] == COMM and a["wait"] == CALLER and a["flags"] & B.WAIT_CALLER
+    assert not a["flags"] & B.CALLER_WAITS and a["end"] == b._event_handles[b._event_i] != 0
+    assert b.event is b._events[b._event_i]
+    _fresh(b)  # a plain call after an async one waits for its end
+    p = ctx.calls[-1]
+    assert p["run"] == CALLER and p["prev"] == a["end"] and not p["flags"] & B.WAIT_CALLER
+    env.stream = OTHER  # a plain call on another stream waits for the one the last call ran on
+    _fresh(b)
+    q = ctx.calls[-1]
+    assert q["run"] == OTHER and q["wait"] == CALLER and q["flags"] & B.WAIT_CALLER
+    ready = FakeEvent(555)
+    kept = [_fresh(b, previous_event=ready)]  # the last call ran on this caller's stream: wait for it and the event
+    e = ctx.calls[-1]
+    assert e["run"] == COMM and e["prev"] == 555 and e["flags"] & B.WAIT_CALLER and e["flags"] & B.CALLER_WAITS
+    kept.append(_fresh(b, previous_event=ready))  # now the event alone: no output released, last call on COMM
+    assert not ctx.calls[-1]["flags"] & B.WAIT_CALLER
+    kept.clear()  # outputs released since: the next call waits for the caller after all (they may still be read)
+    _fresh(b, previous_event=ready)
+    assert ctx.calls[-1]["flags"] & B.WAIT_CALLER
+
+
+def test_reading_event_after_a_plain_call_records_on_its_stream(env):
+    b = env.b
+    _fresh(b)
+    before = sum(e.recorded for e in b._events)
+    ev = b.event
+    assert ev is not None and sum(e.recorded for e in b._events) == before + 1
+
+
+def test_capture_waits_for_nothing_outside_it(env):
+    b, ctx = env.b, env.ctx
+    _fresh(b, async_finish=True)  # eager work on the communication stream
+    env.stream, env.capturing = CAPTURE, True
+    x, idx, w, E = _inputs()
+    b.dispatch(x, idx, w, E, None, 1, num_worst_tokens=256)
+    c = ctx.calls[-1]
+    assert c["run"] == c["wait"] == CAPTURE and c["prev"] == 0 and not c["flags"] & B.WAIT_CALLER
+    assert c["flags"] & B.REPORT_INVALID and not c["flags"] & B.WAIT and c["out_rows"] == 256
+    b.dispatch(x, idx, w, E, None, 1, num_worst_tokens=256)  # captured together: same stream, no waits
+    c2 = ctx.calls[-1]
+    assert c2["run"] == CAPTURE and c2["prev"] == 0 and not c2["flags"] & B.WAIT_CALLER
+    assert env.waited_streams == []
+
+
+def test_full_arena_learns_the_size_first_then_places_rows_exactly(env):
+    b, ctx = env.b, env.ctx
+    worst = C.dispatch_out_layout(256, 2048, 0, 4)["total"]  # a fresh dispatch's reservation
+    exact = C.dispatch_out_layout(64, 2048, 0, 4)["total"]
+    kept = []
+    while b.arena.free_bytes() >= worst:  # 64-row outputs kept alive fill the arena's worst-case room
+        kept.append(_fresh(b))
+    if b.arena.free_bytes() < exact:
+        kept.pop()
+    assert exact <= b.arena.free_bytes() < worst
+    ctx.calls.clear()
+    out = _fresh(b)
+    first, second = ctx.calls
+    assert first["flags"] & (B.NOTIFY | B.WAIT) and not first["flags"] & (B.PAYLOAD | B.FINISH)
+    assert second["flags"] & (B.PAYLOAD | B.FINISH) and not second["flags"] & (B.NOTIFY | B.BEGIN | B.WAIT)
+    assert second["out_rows"] == 64 and second["invalid"] == 0 and second["src_copy"] != 0
+    assert out[0].shape == (64, 1024)
+    del kept
+
+
+def test_bad_ids_raise_on_every_rank_and_give_the_block_back(env):
+    b, ctx = env.b, env.ctx
+    ctx.status, ctx.bad_mine = 2, 3
+    with pytest.raises(ValueError, match="topk_idx: 3 expert ids outside"):
+        _fresh(b)
+    ctx.bad_mine = 0
+    with pytest.raises(ValueError, match="topk_idx: another rank passed expert ids"):
+        _fresh(b)
+    assert b.arena.free_bytes() == b.arena.nbytes
+    ctx.status = 0
+    assert _fresh(b)[0].shape == (64, 1024)  # usable afterwards
+
+
+def test_counts_that_never_come_raise_a_timeout_and_break_the_buffer(env):
+    from deepcomm.errors import CommTimeoutError
+    env.ctx.status = 1
+    with pytest.raises(CommTimeoutError, match="notify:counts"):
+        _fresh(env.b)
+    assert env.b.nvl.broken
+
+
+def test_cached_dispatch_bumps_the_call_number_and_places_the_known_rows(env):
+    b, ctx = env.b, env.ctx
+    x, idx, w, E = _inputs()
+    h = b.dispatch(x, idx, w, E, None, 1)[4]
+    recv_x, recv_idx, recv_w, per_expert, h2 = b.dispatch(x, None, w, E, h, 1)
+    c = ctx.calls[-1]
+    assert c["flags"] & (B.BUMP | B.PAYLOAD) and not c["flags"] & (B.NOTIFY | B.WAIT)
+    assert c["out_rows"] == h.num_recv and c["src_copy"] == 0 and c["tag"] == 0
+    assert h2 is h and recv_idx is None and recv_x.shape == (64, 1024) and per_expert == h.num_recv_tokens_per_expert
+
+
+def test_combine_takes_the_same_stream_order(env):
+    b, ctx = env.b, env.ctx
+    x, idx, w, E = _inputs()
+    h = b.dispatch(x, idx, w, E, None, 1)[4]
+    out, out_w = b.combine(torch.zeros(64, 1024, dtype=torch.bfloat16), h, torch.zeros(64, 4))
+    (c,) = ctx.combines
+    assert c["run"] == c["wait"] == CALLER and c["end"] == 0 and out.shape == (64, 1024) and out_w.shape == (64, 4)
+    b.combine(torch.zeros(64, 1024, dtype=torch.bfloat16), h, None, async_finish=True)
+    assert ctx.combines[-1]["run"] == COMM and not ctx.combines[-1]["flags"] & B.CALLER_WAITS

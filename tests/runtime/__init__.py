@@ -1,0 +1,2 @@
+"""Below the backends: ptx/ helpers, sizing and device memory, extension constants, WQE encoding and device
+queue pairs, NVSHMEM loading."""
