@@ -9,9 +9,7 @@
 #include "kernels/api.hpp"
 #include "kernels/ll_phases.hpp"
 #include "kernels/ll_trace_points.hpp"
-#include "kernels/ptx_selftest.hpp"
 #include "kernels/topk_max.hpp"
-#include "../ptx/bswap.cuh"
 #include "runtime/cuda_check.hpp"
 #include "runtime/error_record.cuh"
 #include "runtime/ipc.hpp"
@@ -189,25 +187,6 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("combine_row_bytes", &combine_row_bytes);
   m.def("combine_fp8_row_bytes", &combine_fp8_row_bytes);
-
-  // ---- ptx/ helpers: host twins and the GPU self-test ----
-  m.def("bswap32_host", [](uint32_t v) { return ptx::bswap32_host(v); });
-  m.def("bswap64_host", [](uint64_t v) { return ptx::bswap64_host(v); });
-  m.def("ptx_selftest", [](std::vector<uint64_t> values) {
-    DC_HOST_ASSERT(values.size() == size_t(kSelftestValues), "ptx_selftest: needs 32 values");
-    PtxSelftest r = run_ptx_selftest(values.data());
-    py::dict d;
-    d["bswap32"] = std::vector<uint32_t>(r.bswap32, r.bswap32 + kSelftestValues);
-    d["bswap64"] = std::vector<uint64_t>(r.bswap64, r.bswap64 + kSelftestValues);
-    d["acquire_sys"] = r.acquire_sys; d["acquire_gpu"] = r.acquire_gpu; d["relaxed_sys"] = r.relaxed_sys;
-    d["na_u64"] = r.na_u64; d["acquire_sys_u32"] = r.acquire_sys_u32; d["volatile_s32"] = r.volatile_s32;
-    d["add_sys"] = r.add_sys; d["add_gpu"] = r.add_gpu; d["add_gpu_u32"] = r.add_gpu_u32;
-    d["cas_old_first"] = r.cas_old_first; d["cas_old_second"] = r.cas_old_second; d["cas_final"] = r.cas_final;
-    d["lanemask_lt"] = std::vector<uint32_t>(r.lanemask_lt, r.lanemask_lt + 32);
-    d["named_barrier_seen"] = r.named_barrier_seen; d["copy_mismatches"] = r.copy_match;
-    d["timer_advanced"] = r.timer_advanced; d["threads"] = kSelftestThreads;
-    return d;
-  });
 
   // ---- kernels without communication ----
   m.def("get_dispatch_layout", [](uintptr_t topk_idx, int T, int K, int E, int R, uintptr_t per_rank,

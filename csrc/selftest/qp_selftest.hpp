@@ -11,11 +11,6 @@
 
 namespace dc {
 
-// Zero the queue pair at `base`, mark every CQE invalid, and start all WQEBB indices (poster counters and the
-// doorbell record) at `start`, so tests can begin just before the 16-bit index wrap.
-void launch_device_qp_init(uint8_t* base, const transport::DeviceQpLayout& layout, uint32_t start,
-                           cudaStream_t stream);
-
 // One WQE for the encoding check: what the host encoders take.
 enum QpTestKind : uint32_t { kQpTestWrite = 0, kQpTestWriteImm = 1, kQpTestInline = 2, kQpTestFetchAdd = 3 };
 struct QpTestWqe {

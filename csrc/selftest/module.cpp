@@ -1,0 +1,190 @@
+// deepcomm._selftest: the test-only module (tests/ call it; nothing in deepcomm/ does). The ptx/ host twins and GPU
+// self-test, the device queue pair checks, and the CPU-thread runs of the device poster, NIC and internode round
+// protocols. Raw pointers (int) and streams (int), like deepcomm._C; it takes deepcomm._C.transport.KeyTable, so
+// it imports deepcomm._C first (pybind11 shares the registered type between the two modules).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "../../ptx/bswap.cuh"
+#include "../runtime/cuda_check.hpp"
+#include "internode_host_selftest.hpp"
+#include "ptx_selftest.hpp"
+#include "qp_selftest.hpp"
+
+namespace py = pybind11;
+using namespace dc;
+using namespace dc::transport;
+
+namespace {
+
+DeviceQpLayout checked_layout(uint32_t log_wqebbs, uint32_t log_cqes) {
+  if (log_wqebbs < 2 || log_wqebbs > kMaxLogWqebbs) throw std::invalid_argument("log_wqebbs must be in [2, 15]");
+  if (log_cqes > kMaxLogCqes) throw std::invalid_argument("log_cqes must be <= 16");
+  return DeviceQpLayout::make(log_wqebbs, log_cqes);
+}
+
+WaitCtx make_ctx(uintptr_t err_dev, uint64_t timeout_ns, int rank, uintptr_t seq_ptr) {
+  WaitCtx c{};
+  c.err = reinterpret_cast<ErrorRecord*>(err_dev);
+  c.timeout_ns = timeout_ns;
+  c.rank = rank;
+  c.seq_ptr = reinterpret_cast<const uint64_t*>(seq_ptr);
+  return c;
+}
+
+// ---- ptx/ helpers: host twins and the GPU self-test (tests/test_ptx_host.py, tests/gpu/test_ptx.py) ----
+void register_ptx(py::module_& m) {
+  m.def("bswap32_host", [](uint32_t v) { return ptx::bswap32_host(v); });
+  m.def("bswap64_host", [](uint64_t v) { return ptx::bswap64_host(v); });
+  m.def("ptx_selftest", [](std::vector<uint64_t> values) {
+    DC_HOST_ASSERT(values.size() == size_t(kSelftestValues), "ptx_selftest: needs 32 values");
+    PtxSelftest r = run_ptx_selftest(values.data());
+    py::dict d;
+    d["bswap32"] = std::vector<uint32_t>(r.bswap32, r.bswap32 + kSelftestValues);
+    d["bswap64"] = std::vector<uint64_t>(r.bswap64, r.bswap64 + kSelftestValues);
+    d["acquire_sys"] = r.acquire_sys; d["acquire_gpu"] = r.acquire_gpu; d["relaxed_sys"] = r.relaxed_sys;
+    d["na_u64"] = r.na_u64; d["acquire_sys_u32"] = r.acquire_sys_u32; d["volatile_s32"] = r.volatile_s32;
+    d["add_sys"] = r.add_sys; d["add_gpu"] = r.add_gpu; d["add_gpu_u32"] = r.add_gpu_u32;
+    d["cas_old_first"] = r.cas_old_first; d["cas_old_second"] = r.cas_old_second; d["cas_final"] = r.cas_final;
+    d["lanemask_lt"] = std::vector<uint32_t>(r.lanemask_lt, r.lanemask_lt + 32);
+    d["named_barrier_seen"] = r.named_barrier_seen; d["copy_mismatches"] = r.copy_match;
+    d["timer_advanced"] = r.timer_advanced; d["threads"] = kSelftestThreads;
+    return d;
+  });
+}
+
+// ---- the device queue pair: GPU posting and the device NIC (tests/gpu/test_device_qp.py), and the same traffic
+// on CPU threads (tests/test_qp_poster_host.py) ----
+void register_device_qp(py::module_& m) {
+  m.def("qp_test_message_bytes", &qp_test_message_bytes, py::arg("channel"), py::arg("message"),
+        py::arg("slot_bytes"), py::arg("inline_every"));
+  m.def("qp_test_is_inline", &qp_test_is_inline, py::arg("message"), py::arg("inline_every"));
+
+  m.def("qp_encode_selftest", [](uintptr_t base, uint32_t log_wqebbs, uint32_t log_cqes, uint32_t qpn,
+                                 const std::vector<py::dict>& specs, uintptr_t err_dev, double timeout_s,
+                                 uintptr_t seq_ptr) {
+    std::vector<QpTestWqe> v;
+    for (const py::dict& d : specs) {
+      QpTestWqe w{};
+      const std::string kind = py::str(d["kind"]);
+      if (kind == "write") w.kind = kQpTestWrite;
+      else if (kind == "write_imm") w.kind = kQpTestWriteImm;
+      else if (kind == "inline") w.kind = kQpTestInline;
+      else if (kind == "fetch_add") w.kind = kQpTestFetchAdd;
+      else throw std::invalid_argument("specs: kind must be write, write_imm, inline or fetch_add");
+      auto get = [&](const char* k) { return d.contains(k) ? d[k].cast<uint64_t>() : uint64_t(0); };
+      w.fm_ce_se = uint8_t(get("fm_ce_se")); w.signature = uint8_t(get("signature")); w.imm = uint32_t(get("imm"));
+      w.laddr = get("laddr"); w.raddr = get("raddr"); w.add = get("add");
+      w.lkey = uint32_t(get("lkey")); w.rkey = uint32_t(get("rkey")); w.bytes = uint32_t(get("bytes"));
+      w.payload = reinterpret_cast<const uint8_t*>(get("payload"));
+      if (w.kind == kQpTestInline && w.bytes > kMaxInlineBytes)
+        throw std::invalid_argument("specs: inline bytes > 220");
+      v.push_back(w);
+    }
+    py::gil_scoped_release nogil;
+    return run_qp_encode_selftest(reinterpret_cast<uint8_t*>(base), checked_layout(log_wqebbs, log_cqes), qpn, v,
+                                  make_ctx(err_dev, uint64_t(timeout_s * 1e9), 0, seq_ptr));
+  }, py::arg("base"), py::arg("log_wqebbs"), py::arg("log_cqes"), py::arg("qpn"), py::arg("specs"),
+     py::arg("err_dev"), py::arg("timeout_s"), py::arg("seq_ptr"),
+     "Synchronous: thread i posts specs[i] (dicts: kind, fm_ce_se, signature, imm, laddr, lkey, raddr, rkey, bytes, "
+     "add, payload) into the device queue pair; returns the WQE index of each.");
+
+  m.def("qp_traffic", [](py::dict a, const KeyTable& keys, uintptr_t err_dev, double timeout_s, int rank,
+                         uintptr_t seq_ptr, int peer, uintptr_t stream) {
+    QpTrafficArgs t{};
+    t.qp_base = reinterpret_cast<uint8_t*>(a["qp_base"].cast<uintptr_t>());
+    t.layout = checked_layout(a["log_wqebbs"].cast<uint32_t>(), a["log_cqes"].cast<uint32_t>());
+    t.qpn = a["qpn"].cast<uint32_t>();
+    t.start = a["start"].cast<uint32_t>();
+    t.channels = a["channels"].cast<int>();
+    t.messages = a["messages"].cast<int>();
+    t.slot_bytes = a["slot_bytes"].cast<int>();
+    t.inline_every = a["inline_every"].cast<int>();
+    t.lkey = a["lkey"].cast<uint32_t>();
+    t.rkey = a["rkey"].cast<uint32_t>();
+    t.local_src_addr = a["local_src_addr"].cast<uint64_t>();
+    t.local_fa_old_addr = a["local_fa_old_addr"].cast<uint64_t>();
+    t.remote_recv_addr = a["remote_recv_addr"].cast<uint64_t>();
+    t.remote_counter_addr = a["remote_counter_addr"].cast<uint64_t>();
+    t.peer_src = reinterpret_cast<const uint8_t*>(a["peer_src"].cast<uintptr_t>());
+    t.recv = reinterpret_cast<uint8_t*>(a["recv"].cast<uintptr_t>());
+    t.counters = reinterpret_cast<const uint64_t*>(a["counters"].cast<uintptr_t>());
+    t.posters_done = reinterpret_cast<uint32_t*>(a["posters_done"].cast<uintptr_t>());
+    t.nic_stop_target = a["nic_stop_target"].cast<uint32_t>();
+    t.mismatches = reinterpret_cast<int*>(a["mismatches"].cast<uintptr_t>());
+    if (t.messages < 0 || t.slot_bytes < 1) throw std::invalid_argument("messages >= 0 and slot_bytes >= 1");
+    launch_qp_traffic(t, keys, make_ctx(err_dev, uint64_t(timeout_s * 1e9), rank, seq_ptr), peer,
+                      reinterpret_cast<cudaStream_t>(stream));
+  }, py::arg("args"), py::arg("keys"), py::arg("err_dev"), py::arg("timeout_s"), py::arg("rank"), py::arg("seq_ptr"),
+     py::arg("peer"), py::arg("stream"),
+     "Launch the device-QP traffic kernel (posters, device NIC, receive checkers); see csrc/selftest/qp_selftest.hpp.");
+
+  m.def("qp_traffic_on_host", [](int channels, int messages, int slot_bytes, int inline_every, uint32_t log_wqebbs,
+                                 uint32_t start, py::bytes src, double timeout_s, int nic_extra) {
+    checked_layout(log_wqebbs, log_wqebbs);
+    const std::string s = src;
+    const std::vector<uint8_t> v(s.begin(), s.end());
+    QpHostRun r;
+    {
+      py::gil_scoped_release nogil;
+      r = run_qp_traffic_on_host(channels, messages, slot_bytes, inline_every, log_wqebbs, start, v, timeout_s,
+                                 nic_extra);
+    }
+    py::dict d;
+    d["recv"] = py::bytes(reinterpret_cast<const char*>(r.recv.data()), r.recv.size());
+    d["counters"] = r.counters;
+    d["fa_old"] = r.fa_old;
+    d["reserved"] = r.poster.reserved; d["published"] = r.poster.published; d["retired"] = r.poster.retired;
+    d["cqes_seen"] = r.poster.cqes_seen; d["error_cqes"] = r.poster.error_cqes;
+    d["nic_consumed"] = r.nic.consumed; d["nic_wqes"] = r.nic.wqes; d["nic_cqes"] = r.nic.cqes;
+    d["nic_error"] = r.nic.error; d["nic_stopped"] = r.nic.stopped;
+    d["failed_stage"] = r.failed_stage; d["dbrec"] = r.dbrec;
+    return d;
+  }, py::arg("channels"), py::arg("messages"), py::arg("slot_bytes"), py::arg("inline_every"), py::arg("log_wqebbs"),
+     py::arg("start"), py::arg("src"), py::arg("timeout_s"), py::arg("nic_extra") = 0,
+     "The device-QP traffic with CPU threads as posters and as the NIC (the same qp_traffic_post and nic_serve).");
+}
+
+// ---- the internode exchange round on CPU threads (tests/test_internode_host.py) ----
+void register_internode(py::module_& m) {
+  m.def("internode_test_byte", &internode_test_byte, py::arg("rank"), py::arg("round"), py::arg("offset"));
+  m.def("internode_rounds_on_host", [](const std::vector<std::vector<uint64_t>>& sizes, uint32_t chunk_bytes,
+                                       uint32_t log_wqebbs, double timeout_s) {
+    if (log_wqebbs < 2 || log_wqebbs > kMaxLogWqebbs) throw std::invalid_argument("log_wqebbs must be in [2, 15]");
+    InternodeHostRun r;
+    {
+      py::gil_scoped_release nogil;
+      r = run_internode_rounds_on_host(sizes, chunk_bytes, log_wqebbs, timeout_s);
+    }
+    py::list ranks;
+    for (const InternodeHostRank& k : r.rank) {
+      py::dict d;
+      d["mismatched_rounds"] = k.mismatched_rounds; d["rounds_done"] = k.rounds_done; d["fa_old"] = k.fa_old;
+      d["credit"] = k.credit; d["signal"] = k.signal;
+      d["reserved"] = k.poster.reserved; d["published"] = k.poster.published; d["retired"] = k.poster.retired;
+      d["cqes_seen"] = k.poster.cqes_seen; d["error_cqes"] = k.poster.error_cqes;
+      d["nic_consumed"] = k.nic.consumed; d["nic_wqes"] = k.nic.wqes; d["nic_cqes"] = k.nic.cqes;
+      d["nic_error"] = k.nic.error; d["nic_stopped"] = k.nic.stopped;
+      ranks.append(d);
+    }
+    py::dict out;
+    out["ranks"] = ranks;
+    out["failed_stage"] = r.failed_stage;
+    return out;
+  }, py::arg("sizes"), py::arg("chunk_bytes"), py::arg("log_wqebbs"), py::arg("timeout_s"),
+     "Synchronous: two ranks of CPU threads run internode exchange rounds (csrc/selftest/internode_host_selftest.hpp).");
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_selftest, m) {
+  m.doc() = "deepcomm self-tests (test-only; raw pointers and streams; no libtorch)";
+  py::module_::import("deepcomm._C");  // registers KeyTable, which qp_traffic takes
+  register_ptx(m);
+  register_device_qp(m);
+  register_internode(m);
+}
