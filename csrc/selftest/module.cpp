@@ -176,7 +176,8 @@ void register_internode(py::module_& m) {
     out["failed_stage"] = r.failed_stage;
     return out;
   }, py::arg("sizes"), py::arg("chunk_bytes"), py::arg("log_wqebbs"), py::arg("timeout_s"),
-     "Synchronous: two ranks of CPU threads run internode exchange rounds (csrc/selftest/internode_host_selftest.hpp).");
+     "Synchronous: two ranks of CPU threads run internode exchange rounds "
+     "(csrc/selftest/internode_host_selftest.hpp).");
 }
 
 }  // namespace

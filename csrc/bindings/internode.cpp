@@ -6,8 +6,8 @@
 #include "../kernels/internode_exchange.hpp"
 #include "../kernels/node_barrier.hpp"
 #include "../runtime/cuda_check.hpp"
-#include "bindings_transport.hpp"
-#include "device_qp_layout.hpp"
+#include "../transport/device_qp_layout.hpp"
+#include "registry.hpp"
 
 namespace py = pybind11;
 using namespace dc;
@@ -19,7 +19,7 @@ static WaitCtx wait_ctx(uintptr_t err_dev, double timeout_s, int rank, uintptr_t
                  reinterpret_cast<const uint64_t*>(seq_ptr)};
 }
 
-void bind_internode(py::module_& m) {
+void dc::bindings::register_internode(py::module_& m) {
   m.attr("INTERNODE_PEER_FIELDS") = kInternodePeerFields;
   m.attr("NIC_TOTALS_FIELDS") = py::make_tuple("wqes", "bytes", "writes", "atomics");
   m.attr("NIC_TOTALS_BYTES") = sizeof(NicTotals);

@@ -5,8 +5,8 @@
 #include <stdexcept>
 
 #include "../runtime/cuda_check.hpp"
-#include "bindings_transport.hpp"
-#include "device_qp_init.hpp"
+#include "../transport/device_qp_init.hpp"
+#include "registry.hpp"
 
 namespace py = pybind11;
 using namespace dc;
@@ -22,7 +22,7 @@ DeviceQpLayout checked_layout(uint32_t log_wqebbs, uint32_t log_cqes) {
 
 }  // namespace
 
-void bind_device_qp(py::module_& m) {
+void dc::bindings::register_device_qp(py::module_& m) {
   m.def("device_qp_layout", [](uint32_t log_wqebbs, uint32_t log_cqes) {
     const DeviceQpLayout l = checked_layout(log_wqebbs, log_cqes);
     py::dict d;
