@@ -1,6 +1,7 @@
-"""Build deepcomm: the Python package always, the CUDA extension deepcomm._C when nvcc is found.
+"""Build deepcomm: the Python package always, the CUDA extensions when nvcc is found: deepcomm._C (the library,
+every csrc/ source outside csrc/selftest/) and deepcomm._selftest (test-only: csrc/selftest/ alone, plus headers).
 
-The extension is compiled and linked by nvcc alone (sm_90, static cudart, pybind11 headers). It never includes or
+Each extension is compiled and linked by nvcc alone (sm_90, static cudart, pybind11 headers). Neither includes or
 links libtorch or libcuda, so one build serves any torch version and links on machines without a GPU driver.
 Set DEEPCOMM_NO_CUDA=1 to force a Python-only install, DEEPCOMM_CUDA_ARCH to change the target (default 90).
 The build writes deepcomm/_build_info.json (arch, nvcc version, NVSHMEM headers) for `python -m deepcomm`.
@@ -63,9 +64,10 @@ def cuda_home(nvcc):
 
 
 class NvccBuild(build_ext):
-    """Compile every csrc/ source with nvcc in parallel, then link the module with nvcc."""
+    """Compile the sources of every extension with nvcc in one parallel pool (each source once), then link each
+    module with nvcc."""
 
-    def build_extension(self, ext):
+    def build_extensions(self):
         nvcc = find_nvcc()
         home = cuda_home(nvcc)
         import pybind11
@@ -82,13 +84,13 @@ class NvccBuild(build_ext):
         common = ["-std=c++17", "-O3", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden"]
         common += [f"-I{p}" for p in includes]
         nvshmem_include = find_nvshmem_include()
-        sources = list(ext.sources)
         if nvshmem_include is None:
             print("deepcomm: NVSHMEM headers not found (pip install nvidia-nvshmem-cu13, or set NVSHMEM_HOME): "
                   "building without NVSHMEM support; DEEPCOMM_LL_MEMORY=nvshmem will raise", file=sys.stderr)
-            sources = [s for s in sources if not is_nvshmem_source(s)]
         else:
             print(f"deepcomm: NVSHMEM headers from {nvshmem_include} (the library is loaded at run time)")
+        sources = {ext.name: [s for s in ext.sources if nvshmem_include is not None or not is_nvshmem_source(s)]
+                   for ext in self.extensions}
         cu_flags = [f"-gencode=arch=compute_{arch},code=sm_{arch}", "-lineinfo", "--expt-relaxed-constexpr"]
         build_tmp = Path(self.build_temp) / "deepcomm"
         build_tmp.mkdir(parents=True, exist_ok=True)
@@ -98,7 +100,7 @@ class NvccBuild(build_ext):
             obj = build_tmp / (rel.replace("/", "_") + ".o")
             dep, stamp = obj.with_suffix(".d"), obj.with_suffix(".cmd")
             flags = common + (cu_flags if src.endswith(".cu") else ["-x", "c++"])
-            if nvshmem_include is not None and "nvshmem" in Path(rel).name:  # incl. bindings_nvshmem.cpp
+            if nvshmem_include is not None and "nvshmem" in Path(rel).name:  # incl. the NVSHMEM bindings
                 flags = flags + [f"-I{nvshmem_include}", "-DDEEPCOMM_WITH_NVSHMEM=1"]
             cmd = [nvcc, *flags, "-c", src, "-o", str(obj)]
             if up_to_date(obj, dep, stamp, " ".join(cmd)):
@@ -109,15 +111,19 @@ class NvccBuild(build_ext):
             return str(obj)
 
         jobs = int(os.environ.get("DEEPCOMM_BUILD_JOBS", os.cpu_count() or 2))
+        every = [rel for ext in self.extensions for rel in sources[ext.name]]
         with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-            objects = list(pool.map(compile_one, sources))
-        out = Path(self.get_ext_fullpath(ext.name))
-        out.parent.mkdir(parents=True, exist_ok=True)
-        link = [nvcc, "-shared", f"-gencode=arch=compute_{arch},code=sm_{arch}", *objects, "-o", str(out),
-                "-cudart=static", "-lrt", "-ldl", "-lpthread"]
-        print(" ".join(link), flush=True)
-        subprocess.run(link, check=True)
-        write_build_info(out.parent / "_build_info.json", nvcc, arch, nvshmem_include)
+            objects = dict(zip(every, pool.map(compile_one, every)))
+        for ext in self.extensions:
+            out = Path(self.get_ext_fullpath(ext.name))
+            out.parent.mkdir(parents=True, exist_ok=True)
+            link = [nvcc, "-shared", f"-gencode=arch=compute_{arch},code=sm_{arch}",
+                    *(objects[rel] for rel in sources[ext.name]), "-o", str(out),
+                    "-cudart=static", "-lrt", "-ldl", "-lpthread"]
+            print(" ".join(link), flush=True)
+            subprocess.run(link, check=True)
+            if ext.name == "deepcomm._C":
+                write_build_info(out.parent / "_build_info.json", nvcc, arch, nvshmem_include)
 
 
 def write_build_info(path: Path, nvcc: str, arch: str, nvshmem_include) -> None:
@@ -141,15 +147,20 @@ def up_to_date(obj: Path, dep: Path, stamp: Path, cmd: str) -> bool:
     return bool(inputs) and all(Path(p).exists() and Path(p).stat().st_mtime <= built for p in inputs)
 
 
-def extension_sources():
-    """Relative to setup.py, as setuptools requires."""
-    srcs = sorted((ROOT / "csrc").rglob("*.cu")) + sorted((ROOT / "csrc").rglob("*.cpp"))
-    return [p.relative_to(ROOT).as_posix() for p in srcs]
+SELFTEST_DIR = ROOT / "csrc" / "selftest"
+
+
+def extension_sources(folder: Path, skip=None):
+    """The .cu and .cpp files under `folder` (none under `skip`), relative to setup.py, as setuptools requires."""
+    srcs = sorted(folder.rglob("*.cu")) + sorted(folder.rglob("*.cpp"))
+    return [p.relative_to(ROOT).as_posix() for p in srcs if skip is None or skip not in p.parents]
 
 
 ext_modules, cmdclass = [], {}
 if find_nvcc() is not None:
-    ext_modules = [Extension("deepcomm._C", sources=extension_sources())]
+    # The self-test module compiles only its own sources: what it needs from the library is header-only.
+    ext_modules = [Extension("deepcomm._C", sources=extension_sources(ROOT / "csrc", skip=SELFTEST_DIR)),
+                   Extension("deepcomm._selftest", sources=extension_sources(SELFTEST_DIR))]
     cmdclass = {"build_ext": NvccBuild}
 else:
     print("deepcomm: nvcc not found, installing the Python-only package (reference backend)", file=sys.stderr)

@@ -1,6 +1,6 @@
 // One peer's side of an internode exchange round (the protocol of internode_exchange.hpp), for one posting thread:
 // host and device code over a Waiter, like qp_poster.hpp, so CPU threads run exactly this in CI
-// (internode_host_selftest.cpp) and GPU threads in the exchange kernel (internode_exchange.cu).
+// (csrc/selftest/internode_host_selftest.cpp) and GPU threads in the exchange kernel (internode_exchange.cu).
 #pragma once
 #include "../transport/qp_poster.hpp"
 #include "internode_exchange.hpp"

@@ -3,7 +3,7 @@
 
 namespace dc {
 
-// Diagnostics (DEEPCOMM_LL_TRACE=1, launch/profile_low_latency.py): thread 0 of every block stamps the global
+// Diagnostics (DEEPCOMM_LL_TRACE=1, dev/profile_low_latency.py): thread 0 of every block stamps the global
 // timer at numbered points of a call into trace[block][point] (kLlTrace* below); nothing when trace is null.
 constexpr int kLlTracePoints = 10;
 enum LlTracePoint : int {

@@ -5,8 +5,8 @@
 
 namespace dc {
 
-// Stages name the wait that timed out. Keep the numbers stable. bindings.cpp exports every one (WAIT_STAGES, name ->
-// number); deepcomm/cuda/wait_stages.py gives each name its text.
+// Stages name the wait that timed out. Keep the numbers stable. csrc/bindings/constants.cpp exports every one
+// (WAIT_STAGES, name -> number); deepcomm/cuda/wait_stages.py gives each name its text.
 enum WaitStage : int {
   kStageNone = 0,
   kStageNotifyCounts = 1,      // waiting for a peer's token counts

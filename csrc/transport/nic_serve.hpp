@@ -4,7 +4,7 @@
 // On the GPU it must run concurrently with the posters. The safe way used here: the NIC is one thread of a
 // dedicated block of the same grid as the posters, with the grid no larger than the number of SMs, so every
 // block is resident. On a cluster a ConnectX replaces that block and reads the same bytes. The CPU checks run
-// the same function in a std::thread (csrc/kernels/qp_host_selftest.cpp).
+// the same function in a std::thread (csrc/selftest/qp_host_selftest.cpp).
 //
 // It stops once `*stop_word >= stop_target` (posters count themselves done after their last doorbell) and the
 // doorbell record announces nothing more. Waits go through the Waiter (see qp_poster.hpp): posters that stop

@@ -38,7 +38,7 @@ def _share_note() -> str:
     return f" by {GPU_SMS_ENV}" if os.environ.get(GPU_SMS_ENV, "").strip() else ""
 
 
-# NvlContext.dispatch_call's steps and stream-order bits (csrc/bindings.cpp, exported as DISPATCH_FLAGS)
+# NvlContext.dispatch_call's steps and stream-order bits (csrc/bindings/args.hpp, exported as DISPATCH_FLAGS)
 BEGIN = NOTIFY = BUMP = PAYLOAD = WAIT = FINISH = WAIT_CALLER = CALLER_WAITS = REPORT_INVALID = 0
 
 

@@ -7,12 +7,11 @@ import random
 
 import pytest
 
-from deepcomm._ext import load_extension
+from deepcomm._ext import load_extension, load_selftest, selftest_error
 
 C = load_extension()
-T = getattr(C, "transport", None)
-pytestmark = pytest.mark.skipif(T is None or not hasattr(T, "internode_rounds_on_host"),
-                                reason="deepcomm._C (with the internode exchange) is not built")
+S = load_selftest()  # the test-only module: internode_rounds_on_host, internode_test_byte
+pytestmark = pytest.mark.skipif(S is None, reason=f"deepcomm._selftest is not available ({selftest_error()})")
 
 INLINE_MAX = 220
 STAGES = getattr(C, "WAIT_STAGES", {})  # enum WaitStage, exported by the extension
@@ -36,7 +35,7 @@ def test_rounds_deliver_every_block_in_order_with_flow_control():
              [rng.randrange(0, 30_000) for _ in range(rounds)]]
     sizes[1][5] = 0
     # a 16-WQEBB ring: a 100 kB block is 25 write WQEs, so posters wait for completions mid-round
-    r = T.internode_rounds_on_host(sizes, chunk, 4, 20.0)
+    r = S.internode_rounds_on_host(sizes, chunk, 4, 20.0)
     assert r["failed_stage"] == 0
     for k, d in enumerate(r["ranks"]):
         assert d["mismatched_rounds"] == 0 and d["rounds_done"] == rounds
@@ -50,7 +49,7 @@ def test_rounds_deliver_every_block_in_order_with_flow_control():
 
 def test_a_peer_that_stops_early_gives_a_bounded_credit_wait():
     sizes = [[64, 300, 64], [64, 300]]  # rank 1 never runs round 3
-    r = T.internode_rounds_on_host(sizes, 4096, 6, 0.5)
+    r = S.internode_rounds_on_host(sizes, 4096, 6, 0.5)
     # rank 0 waits for rank 1's credit (its NIC may give up first, waiting for a post that never comes)
     assert r["failed_stage"] in (STAGE_CREDIT, STAGE_NIC_DOORBELL)
     assert [d["rounds_done"] for d in r["ranks"]] == [2, 2]
@@ -58,6 +57,6 @@ def test_a_peer_that_stops_early_gives_a_bounded_credit_wait():
 
 
 def test_test_pattern_differs_between_rounds_and_ranks():
-    a = [T.internode_test_byte(0, 1, i) for i in range(512)]
-    assert a != [T.internode_test_byte(0, 2, i) for i in range(512)]
-    assert a != [T.internode_test_byte(1, 1, i) for i in range(512)]
+    a = [S.internode_test_byte(0, 1, i) for i in range(512)]
+    assert a != [S.internode_test_byte(0, 2, i) for i in range(512)]
+    assert a != [S.internode_test_byte(1, 1, i) for i in range(512)]

@@ -20,6 +20,14 @@ def _ext():
     return C
 
 
+def _selftest():
+    from deepcomm._ext import load_selftest, selftest_error
+    S = load_selftest()
+    if S is None:
+        pytest.skip(f"the test-only module deepcomm._selftest is not available ({selftest_error()})")
+    return S
+
+
 def _wqebbs_of(kind, nbytes):
     if kind != "inline":
         return 1
@@ -75,7 +83,7 @@ def test_gpu_posted_wqes_equal_host_encoder():
 
     qp = DeviceQueuePair(C, dev, log_wqebbs=log_wqebbs, qpn=qpn, start=start, timeout_s=5)
     torch.cuda.synchronize(dev)
-    indices = T.qp_encode_selftest(qp.ptr, log_wqebbs, qp.log_cqes, qpn, specs, qp.err_dev, 5.0, qp.seq.data_ptr())
+    indices = _selftest().qp_encode_selftest(qp.ptr, log_wqebbs, qp.log_cqes, qpn, specs, qp.err_dev, 5.0, qp.seq.data_ptr())
     qp.check_error()
 
     # Reservations are contiguous and disjoint, whatever order the threads got them in.
@@ -119,7 +127,7 @@ def test_full_send_queue_without_completions_times_out():
     torch.cuda.synchronize(dev)
     specs = [dict(kind="write", fm_ce_se=T.CTRL_CQ_UPDATE, laddr=64 * i, lkey=1, raddr=0, rkey=2, bytes=64)
              for i in range(6)]
-    indices = T.qp_encode_selftest(qp.ptr, 2, qp.log_cqes, qp.qpn, specs, qp.err_dev, 0.5, qp.seq.data_ptr())
+    indices = _selftest().qp_encode_selftest(qp.ptr, 2, qp.log_cqes, qp.qpn, specs, qp.err_dev, 0.5, qp.seq.data_ptr())
     assert sorted(i for i in indices if i != 0xFFFFFFFF) == [0, 1, 2, 3]
     with pytest.raises(CommTimeoutError, match="qp:room"):
         qp.check_error()
@@ -178,7 +186,7 @@ def _traffic_worker(rank, world, channels, messages, slot, inline_every, log_wqe
                 peer_src=mem.peer_ptrs[peer] + o["src"], recv=mem.ptr + o["recv"], counters=mem.ptr + o["counters"],
                 posters_done=mem.ptr + o["done"], nic_stop_target=channels + nic_extra,
                 mismatches=mem.ptr + o["mismatches"])
-    T.qp_traffic(args, keys, qp.err_dev, timeout_s, rank, qp.seq.data_ptr(), peer,
+    _selftest().qp_traffic(args, keys, qp.err_dev, timeout_s, rank, qp.seq.data_ptr(), peer,
                  torch.cuda.current_stream(dev).cuda_stream)
     torch.cuda.synchronize(dev)
     if nic_extra:
@@ -194,7 +202,7 @@ def _traffic_worker(rank, world, channels, messages, slot, inline_every, log_wqe
     assert mism == 0, f"{mism} messages were signalled before their bytes arrived"
     peer_src = src_of(peer).view(channels, messages, slot)
     recv = host[o["recv"]:o["recv"] + area].view(channels, messages, slot)
-    sizes = [[T.qp_test_message_bytes(c, m, slot, inline_every) for m in range(messages)] for c in range(channels)]
+    sizes = [[_selftest().qp_test_message_bytes(c, m, slot, inline_every) for m in range(messages)] for c in range(channels)]
     for c in range(channels):
         for m in range(messages):
             n = sizes[c][m]
@@ -206,7 +214,7 @@ def _traffic_worker(rank, world, channels, messages, slot, inline_every, log_wqe
     assert torch.equal(fa_old, torch.arange(messages).expand(channels, messages)), "fetch-add results out of order"
 
     # The queue: every WQEBB posted, published, completed and consumed; one CQE per signal, all good.
-    total = sum(1 + (_wqebbs_of("inline", sizes[c][m]) if T.qp_test_is_inline(m, inline_every) else 1)
+    total = sum(1 + (_wqebbs_of("inline", sizes[c][m]) if _selftest().qp_test_is_inline(m, inline_every) else 1)
                 for c in range(channels) for m in range(messages))
     end = (start + total) % (1 << 32)
     assert total >= 4 * qp.wqebbs, "the test must wrap the ring several times"

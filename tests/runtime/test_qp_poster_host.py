@@ -7,12 +7,12 @@ import random
 
 import pytest
 
-from deepcomm._ext import load_extension
+from deepcomm._ext import load_extension, load_selftest, selftest_error
 
 C = load_extension()
 T = getattr(C, "transport", None)
-pytestmark = pytest.mark.skipif(T is None or not hasattr(T, "qp_traffic_on_host"),
-                                reason="deepcomm._C (with the device queue pair) is not built")
+S = load_selftest()  # the test-only module: qp_traffic_on_host, qp_test_*
+pytestmark = pytest.mark.skipif(S is None, reason=f"deepcomm._selftest is not available ({selftest_error()})")
 STAGES = getattr(C, "WAIT_STAGES", {})  # enum WaitStage, exported by the extension
 STAGE_QP_ROOM, STAGE_NIC_DOORBELL = STAGES.get("qp_room"), STAGES.get("nic_doorbell")
 
@@ -26,8 +26,8 @@ def _wqebbs(nbytes, inline):
 def _run(channels, messages, slot, inline_every, log_wqebbs, start, timeout_s=20.0, nic_extra=0):
     rng = random.Random(channels * 1000 + messages)
     src = bytes(rng.getrandbits(8) for _ in range(channels * messages * slot))
-    r = T.qp_traffic_on_host(channels, messages, slot, inline_every, log_wqebbs, start, src, timeout_s, nic_extra)
-    sizes = [[T.qp_test_message_bytes(c, m, slot, inline_every) for m in range(messages)] for c in range(channels)]
+    r = S.qp_traffic_on_host(channels, messages, slot, inline_every, log_wqebbs, start, src, timeout_s, nic_extra)
+    sizes = [[S.qp_test_message_bytes(c, m, slot, inline_every) for m in range(messages)] for c in range(channels)]
     return src, r, sizes
 
 
@@ -50,7 +50,7 @@ def test_threads_post_through_nic_thread(channels, messages, slot, inline_every,
     _check_delivered(src, r, sizes, slot)
     assert r["counters"] == [messages] * channels
     assert r["fa_old"] == [m for _ in range(channels) for m in range(messages)], "signals out of posting order"
-    total = sum(1 + _wqebbs(n, T.qp_test_is_inline(m, inline_every))
+    total = sum(1 + _wqebbs(n, S.qp_test_is_inline(m, inline_every))
                 for row in sizes for m, n in enumerate(row))
     assert total >= 8 * (1 << log_wqebbs), "the ring must wrap many times"
     end = (start + total) % 2**32
@@ -66,7 +66,7 @@ def test_unsignaled_wqes_larger_than_the_ring_time_out_waiting_for_room():
     a doorbell that cannot come, times out after the same timeout: whichever of the two threads gets there first
     is recorded, which one depends on the scheduling of a loaded machine."""
     slot, messages = 220, 64
-    sizes = [T.qp_test_message_bytes(0, m, slot, 1) for m in range(messages)]
+    sizes = [S.qp_test_message_bytes(0, m, slot, 1) for m in range(messages)]
     first_big = next(m for m, n in enumerate(sizes) if _wqebbs(n, True) == 4)
     src, r, _ = _run(1, messages, slot, 1, 2, 0, timeout_s=0.5)
     assert r["failed_stage"] in (STAGE_QP_ROOM, STAGE_NIC_DOORBELL), r["failed_stage"]

@@ -4,11 +4,10 @@
 
 #include "../kernels/counter_wait.hpp"
 #include "../kernels/internode_exchange.hpp"
-#include "../kernels/internode_host_selftest.hpp"
 #include "../kernels/node_barrier.hpp"
 #include "../runtime/cuda_check.hpp"
-#include "bindings_transport.hpp"
-#include "device_qp_layout.hpp"
+#include "../transport/device_qp_layout.hpp"
+#include "registry.hpp"
 
 namespace py = pybind11;
 using namespace dc;
@@ -20,7 +19,7 @@ static WaitCtx wait_ctx(uintptr_t err_dev, double timeout_s, int rank, uintptr_t
                  reinterpret_cast<const uint64_t*>(seq_ptr)};
 }
 
-void bind_internode(py::module_& m) {
+void dc::bindings::register_internode(py::module_& m) {
   m.attr("INTERNODE_PEER_FIELDS") = kInternodePeerFields;
   m.attr("NIC_TOTALS_FIELDS") = py::make_tuple("wqes", "bytes", "writes", "atomics");
   m.attr("NIC_TOTALS_BYTES") = sizeof(NicTotals);
@@ -87,31 +86,4 @@ void bind_internode(py::module_& m) {
      py::arg("stage"), py::arg("err_dev"), py::arg("timeout_s"), py::arg("seq_ptr"), py::arg("stream"),
      "Launch a bounded wait until counters[p] >= target for every p in peers (device u64 [world_size]); a "
      "timeout is recorded in the error record with `stage`.");
-
-  m.def("internode_test_byte", &internode_test_byte, py::arg("rank"), py::arg("round"), py::arg("offset"));
-  m.def("internode_rounds_on_host", [](const std::vector<std::vector<uint64_t>>& sizes, uint32_t chunk_bytes,
-                                       uint32_t log_wqebbs, double timeout_s) {
-    if (log_wqebbs < 2 || log_wqebbs > kMaxLogWqebbs) throw std::invalid_argument("log_wqebbs must be in [2, 15]");
-    InternodeHostRun r;
-    {
-      py::gil_scoped_release nogil;
-      r = run_internode_rounds_on_host(sizes, chunk_bytes, log_wqebbs, timeout_s);
-    }
-    py::list ranks;
-    for (const InternodeHostRank& k : r.rank) {
-      py::dict d;
-      d["mismatched_rounds"] = k.mismatched_rounds; d["rounds_done"] = k.rounds_done; d["fa_old"] = k.fa_old;
-      d["credit"] = k.credit; d["signal"] = k.signal;
-      d["reserved"] = k.poster.reserved; d["published"] = k.poster.published; d["retired"] = k.poster.retired;
-      d["cqes_seen"] = k.poster.cqes_seen; d["error_cqes"] = k.poster.error_cqes;
-      d["nic_consumed"] = k.nic.consumed; d["nic_wqes"] = k.nic.wqes; d["nic_cqes"] = k.nic.cqes;
-      d["nic_error"] = k.nic.error; d["nic_stopped"] = k.nic.stopped;
-      ranks.append(d);
-    }
-    py::dict out;
-    out["ranks"] = ranks;
-    out["failed_stage"] = r.failed_stage;
-    return out;
-  }, py::arg("sizes"), py::arg("chunk_bytes"), py::arg("log_wqebbs"), py::arg("timeout_s"),
-     "Synchronous: two ranks of CPU threads run internode exchange rounds (csrc/kernels/internode_host_selftest.hpp).");
 }

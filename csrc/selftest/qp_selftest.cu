@@ -1,5 +1,5 @@
-// Kernels behind tests/gpu/test_device_qp.py: initialise a device queue pair, post WQEs from GPU threads for a
-// byte-for-byte comparison with the host encoders, and run traffic through the device emulated NIC.
+// Kernels behind tests/runtime/test_device_qp.py: post WQEs from GPU threads for a byte-for-byte comparison with the
+// host encoders, and run traffic through the device emulated NIC.
 #include <cuda_runtime.h>
 
 #include <stdexcept>
@@ -17,17 +17,7 @@ using namespace transport;
 
 namespace {
 
-constexpr int kInitThreads = 256;
 constexpr int kTrafficThreads = 32;
-
-__global__ void device_qp_init_kernel(uint8_t* base, DeviceQpLayout layout, uint32_t start) {
-  auto* words = reinterpret_cast<uint64_t*>(base);
-  for (uint64_t i = threadIdx.x; i < layout.total / 8; i += blockDim.x) words[i] = 0;
-  __syncthreads();
-  const DeviceQp qp = DeviceQp::at(base, layout, 0);
-  for (uint32_t i = threadIdx.x; i < qp.cq.size(); i += blockDim.x) qp.cq.cqe(i)[63] = uint8_t(kCqeInvalid << 4);
-  if (threadIdx.x == 0) qp_init_counters(qp, start);
-}
 
 __global__ void qp_encode_kernel(uint8_t* base, DeviceQpLayout layout, uint32_t qpn, const QpTestWqe* specs, int n,
                                  uint32_t* indices, WaitCtx ctx_in) {
@@ -94,11 +84,6 @@ __global__ void qp_traffic_kernel(QpTrafficArgs a, KeyTable keys, WaitCtx ctx_in
 }
 
 }  // namespace
-
-void launch_device_qp_init(uint8_t* base, const DeviceQpLayout& layout, uint32_t start, cudaStream_t stream) {
-  device_qp_init_kernel<<<1, kInitThreads, 0, stream>>>(base, layout, start);
-  DC_CUDA_CHECK(cudaGetLastError());
-}
 
 std::vector<uint32_t> run_qp_encode_selftest(uint8_t* qp_base, const DeviceQpLayout& layout, uint32_t qpn,
                                              const std::vector<QpTestWqe>& specs, const WaitCtx& ctx) {

@@ -1,6 +1,4 @@
 // deepcomm._C.transport. Addresses are ints, payloads are bytes; no torch types. Keys and QPNs are host order.
-#include "bindings_transport.hpp"
-
 #include <pybind11/stl.h>
 
 #include <memory>
@@ -8,8 +6,9 @@
 #include <string>
 #include <vector>
 
-#include "cpu_proxy.hpp"
-#include "host_qp.hpp"
+#include "../transport/cpu_proxy.hpp"
+#include "../transport/host_qp.hpp"
+#include "registry.hpp"
 
 namespace py = pybind11;
 using namespace dc::transport;
@@ -80,7 +79,7 @@ struct Nic {
 
 }  // namespace
 
-void bind_transport(py::module_& parent) {
+void dc::bindings::register_transport(py::module_& parent) {
   py::module_ m = parent.def_submodule("transport", "mlx5 WQE encoding, emulated NIC and CPU proxy (host side)");
   m.attr("WQEBB_BYTES") = kWqebbBytes;
   m.attr("CQE_BYTES") = kCqeBytes;
@@ -258,7 +257,7 @@ void bind_transport(py::module_& parent) {
       .def("__enter__", [](CpuProxy& p) -> CpuProxy& { p.start(); return p; }, py::return_value_policy::reference)
       .def("__exit__", [](CpuProxy& p, py::args) { p.stop(); });
 
-  bind_device_qp(m);
-  bind_internode(m);
-  bind_hier(m);
+  register_device_qp(m);
+  register_internode(m);
+  register_hier(m);
 }

@@ -1,4 +1,4 @@
-// Exercises every ptx/ helper on the GPU so tests can compare with the plain C++ twins (tests/gpu/test_ptx.py).
+// Exercises every ptx/ helper on the GPU so tests can compare with the plain C++ twins (tests/runtime/test_ptx.py).
 #include <cuda_runtime.h>
 
 #include <cstring>

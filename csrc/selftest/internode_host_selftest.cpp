@@ -12,7 +12,7 @@
 #include "../transport/host_bytes.hpp"
 #include "../transport/host_waiter.hpp"
 #include "../transport/nic_serve.hpp"
-#include "internode_round.hpp"
+#include "../kernels/internode_round.hpp"
 
 namespace dc {
 

@@ -1,13 +1,12 @@
-// deepcomm._C.nvshmem: see nvshmem_host.hpp. Blocking collectives release the GIL.
-#include "bindings_nvshmem.hpp"
-
+// deepcomm._C.nvshmem: see csrc/transport/nvshmem_host.hpp. Blocking collectives release the GIL.
 #include <pybind11/stl.h>
 
-#include "nvshmem_host.hpp"
+#include "../transport/nvshmem_host.hpp"
+#include "registry.hpp"
 
 namespace py = pybind11;
 
-void bind_nvshmem(py::module_& m) {
+void dc::bindings::register_nvshmem(py::module_& m) {
 #ifdef DEEPCOMM_WITH_NVSHMEM
   using namespace dc::nvshmem;
   using release = py::call_guard<py::gil_scoped_release>;

@@ -1,4 +1,4 @@
-// GPU checks of the device queue pair and the device emulated NIC (tests/gpu/test_device_qp.py).
+// GPU checks of the device queue pair and the device emulated NIC (tests/runtime/test_device_qp.py).
 // Launchers take raw pointers; the runners marked "synchronous" wait for the kernel before returning.
 #pragma once
 #include <cuda_runtime.h>
@@ -10,11 +10,6 @@
 #include "../transport/qp_poster.hpp"
 
 namespace dc {
-
-// Zero the queue pair at `base`, mark every CQE invalid, and start all WQEBB indices (poster counters and the
-// doorbell record) at `start`, so tests can begin just before the 16-bit index wrap.
-void launch_device_qp_init(uint8_t* base, const transport::DeviceQpLayout& layout, uint32_t start,
-                           cudaStream_t stream);
 
 // One WQE for the encoding check: what the host encoders take.
 enum QpTestKind : uint32_t { kQpTestWrite = 0, kQpTestWriteImm = 1, kQpTestInline = 2, kQpTestFetchAdd = 3 };

@@ -8,8 +8,8 @@
 #include <vector>
 
 #include "../kernels/hier_kernels.hpp"
-#include "bindings_transport.hpp"
-#include "device_qp_layout.hpp"
+#include "../transport/device_qp_layout.hpp"
+#include "registry.hpp"
 
 namespace py = pybind11;
 using namespace dc;
@@ -102,7 +102,7 @@ void fill_common(Args& a, const py::dict& d) {
 
 }  // namespace
 
-void bind_hier(py::module_& m) {
+void dc::bindings::register_hier(py::module_& m) {
   m.attr("HIER_MAX_NODES") = kHierMaxNodes;
   m.attr("INTERNODE_MAX_RANKS") = kInternodeMaxRanks;  // runtime/internode_limits.hpp
   m.attr("INTERNODE_MAX_NODES") = kInternodeMaxNodes;

@@ -1,4 +1,4 @@
-// What the ptx/ self-test kernel reports; compared with plain C++/Python twins by tests/gpu/test_ptx.py.
+// What the ptx/ self-test kernel reports; compared with plain C++/Python twins by tests/runtime/test_ptx.py.
 #pragma once
 #include <cstdint>
 

@@ -1,12 +1,19 @@
-// deepcomm._C.transport, device part: the layout of a device queue pair, its initialisation, and the GPU checks
-// of device posting and the device emulated NIC. Pointers are ints; streams are ints.
+// deepcomm._selftest: the test-only module (tests/ call it; nothing in deepcomm/ does). The ptx/ host twins and GPU
+// self-test, the device queue pair checks, and the CPU-thread runs of the device poster, NIC and internode round
+// protocols. Raw pointers (int) and streams (int), like deepcomm._C; it takes deepcomm._C.transport.KeyTable, so
+// it imports deepcomm._C first (pybind11 shares the registered type between the two modules).
+#include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <stdexcept>
 #include <string>
+#include <vector>
 
-#include "../kernels/qp_selftest.hpp"
+#include "../../ptx/bswap.cuh"
 #include "../runtime/cuda_check.hpp"
-#include "bindings_transport.hpp"
+#include "internode_host_selftest.hpp"
+#include "ptx_selftest.hpp"
+#include "qp_selftest.hpp"
 
 namespace py = pybind11;
 using namespace dc;
@@ -29,25 +36,30 @@ WaitCtx make_ctx(uintptr_t err_dev, uint64_t timeout_ns, int rank, uintptr_t seq
   return c;
 }
 
-}  // namespace
-
-void bind_device_qp(py::module_& m) {
-  m.def("device_qp_layout", [](uint32_t log_wqebbs, uint32_t log_cqes) {
-    const DeviceQpLayout l = checked_layout(log_wqebbs, log_cqes);
+// ---- ptx/ helpers: host twins and the GPU self-test (tests/runtime/test_ptx_host.py, tests/runtime/test_ptx.py) ----
+void register_ptx(py::module_& m) {
+  m.def("bswap32_host", [](uint32_t v) { return ptx::bswap32_host(v); });
+  m.def("bswap64_host", [](uint64_t v) { return ptx::bswap64_host(v); });
+  m.def("ptx_selftest", [](std::vector<uint64_t> values) {
+    DC_HOST_ASSERT(values.size() == size_t(kSelftestValues), "ptx_selftest: needs 32 values");
+    PtxSelftest r = run_ptx_selftest(values.data());
     py::dict d;
-    d["ring"] = l.ring; d["cqes"] = l.cqes; d["dbrec"] = l.dbrec; d["doorbell"] = l.doorbell;
-    d["cq_dbrec"] = l.cq_dbrec; d["poster"] = l.poster; d["nic"] = l.nic; d["total"] = l.total;
-    d["poster_fields"] = py::make_tuple("reserved", "published", "retired", "cq_ci", "lock", "cqes_seen",
-                                        "error_cqes", "first_syndrome");
-    d["nic_fields"] = py::make_tuple("consumed", "wqes", "cqes", "error", "stopped");
+    d["bswap32"] = std::vector<uint32_t>(r.bswap32, r.bswap32 + kSelftestValues);
+    d["bswap64"] = std::vector<uint64_t>(r.bswap64, r.bswap64 + kSelftestValues);
+    d["acquire_sys"] = r.acquire_sys; d["acquire_gpu"] = r.acquire_gpu; d["relaxed_sys"] = r.relaxed_sys;
+    d["na_u64"] = r.na_u64; d["acquire_sys_u32"] = r.acquire_sys_u32; d["volatile_s32"] = r.volatile_s32;
+    d["add_sys"] = r.add_sys; d["add_gpu"] = r.add_gpu; d["add_gpu_u32"] = r.add_gpu_u32;
+    d["cas_old_first"] = r.cas_old_first; d["cas_old_second"] = r.cas_old_second; d["cas_final"] = r.cas_final;
+    d["lanemask_lt"] = std::vector<uint32_t>(r.lanemask_lt, r.lanemask_lt + 32);
+    d["named_barrier_seen"] = r.named_barrier_seen; d["copy_mismatches"] = r.copy_match;
+    d["timer_advanced"] = r.timer_advanced; d["threads"] = kSelftestThreads;
     return d;
-  }, py::arg("log_wqebbs"), py::arg("log_cqes"),
-     "Byte offsets of a device queue pair's parts (64-byte aligned) and the u32 fields of its poster/NIC records.");
-  m.def("device_qp_init", [](uintptr_t base, uint32_t log_wqebbs, uint32_t log_cqes, uint32_t start, uintptr_t stream) {
-    launch_device_qp_init(reinterpret_cast<uint8_t*>(base), checked_layout(log_wqebbs, log_cqes), start,
-                          reinterpret_cast<cudaStream_t>(stream));
-  }, py::arg("base"), py::arg("log_wqebbs"), py::arg("log_cqes"), py::arg("start"), py::arg("stream"));
+  });
+}
 
+// ---- the device queue pair: GPU posting and the device NIC (tests/runtime/test_device_qp.py), and the same traffic
+// on CPU threads (tests/runtime/test_qp_poster_host.py) ----
+void register_device_qp(py::module_& m) {
   m.def("qp_test_message_bytes", &qp_test_message_bytes, py::arg("channel"), py::arg("message"),
         py::arg("slot_bytes"), py::arg("inline_every"));
   m.def("qp_test_is_inline", &qp_test_is_inline, py::arg("message"), py::arg("inline_every"));
@@ -109,7 +121,7 @@ void bind_device_qp(py::module_& m) {
                       reinterpret_cast<cudaStream_t>(stream));
   }, py::arg("args"), py::arg("keys"), py::arg("err_dev"), py::arg("timeout_s"), py::arg("rank"), py::arg("seq_ptr"),
      py::arg("peer"), py::arg("stream"),
-     "Launch the device-QP traffic kernel (posters, device NIC, receive checkers); see csrc/kernels/qp_selftest.hpp.");
+     "Launch the device-QP traffic kernel (posters, device NIC, receive checkers); see csrc/selftest/qp_selftest.hpp.");
 
   m.def("qp_traffic_on_host", [](int channels, int messages, int slot_bytes, int inline_every, uint32_t log_wqebbs,
                                  uint32_t start, py::bytes src, double timeout_s, int nic_extra) {
@@ -135,4 +147,45 @@ void bind_device_qp(py::module_& m) {
   }, py::arg("channels"), py::arg("messages"), py::arg("slot_bytes"), py::arg("inline_every"), py::arg("log_wqebbs"),
      py::arg("start"), py::arg("src"), py::arg("timeout_s"), py::arg("nic_extra") = 0,
      "The device-QP traffic with CPU threads as posters and as the NIC (the same qp_traffic_post and nic_serve).");
+}
+
+// ---- the internode exchange round on CPU threads (tests/internode/test_internode_host.py) ----
+void register_internode(py::module_& m) {
+  m.def("internode_test_byte", &internode_test_byte, py::arg("rank"), py::arg("round"), py::arg("offset"));
+  m.def("internode_rounds_on_host", [](const std::vector<std::vector<uint64_t>>& sizes, uint32_t chunk_bytes,
+                                       uint32_t log_wqebbs, double timeout_s) {
+    if (log_wqebbs < 2 || log_wqebbs > kMaxLogWqebbs) throw std::invalid_argument("log_wqebbs must be in [2, 15]");
+    InternodeHostRun r;
+    {
+      py::gil_scoped_release nogil;
+      r = run_internode_rounds_on_host(sizes, chunk_bytes, log_wqebbs, timeout_s);
+    }
+    py::list ranks;
+    for (const InternodeHostRank& k : r.rank) {
+      py::dict d;
+      d["mismatched_rounds"] = k.mismatched_rounds; d["rounds_done"] = k.rounds_done; d["fa_old"] = k.fa_old;
+      d["credit"] = k.credit; d["signal"] = k.signal;
+      d["reserved"] = k.poster.reserved; d["published"] = k.poster.published; d["retired"] = k.poster.retired;
+      d["cqes_seen"] = k.poster.cqes_seen; d["error_cqes"] = k.poster.error_cqes;
+      d["nic_consumed"] = k.nic.consumed; d["nic_wqes"] = k.nic.wqes; d["nic_cqes"] = k.nic.cqes;
+      d["nic_error"] = k.nic.error; d["nic_stopped"] = k.nic.stopped;
+      ranks.append(d);
+    }
+    py::dict out;
+    out["ranks"] = ranks;
+    out["failed_stage"] = r.failed_stage;
+    return out;
+  }, py::arg("sizes"), py::arg("chunk_bytes"), py::arg("log_wqebbs"), py::arg("timeout_s"),
+     "Synchronous: two ranks of CPU threads run internode exchange rounds "
+     "(csrc/selftest/internode_host_selftest.hpp).");
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_selftest, m) {
+  m.doc() = "deepcomm self-tests (test-only; raw pointers and streams; no libtorch)";
+  py::module_::import("deepcomm._C");  // registers KeyTable, which qp_traffic takes
+  register_ptx(m);
+  register_device_qp(m);
+  register_internode(m);
 }

@@ -1,6 +1,6 @@
 // The traffic check of qp_selftest.cu with CPU threads as posters and as the NIC: the same poster code
 // (qp_poster.hpp) and the same nic_serve loop, on host memory, so the reservation / turn / retirement protocol
-// and the NIC's stop rule run with real concurrency on machines without a GPU (tests/test_qp_poster_host.py).
+// and the NIC's stop rule run with real concurrency on machines without a GPU (tests/runtime/test_qp_poster_host.py).
 #include <cstdlib>
 #include <cstring>
 #include <memory>

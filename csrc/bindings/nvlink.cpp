@@ -1,0 +1,124 @@
+// deepcomm._C normal mode over NVLink: the layout kernel and NvlContext (notify, dispatch, combine in one crossing
+// each; csrc/runtime/nvl_calls.hpp). Argument order is positional: deepcomm/cuda/nvl_calls.py is the caller.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+
+#include "../kernels/api.hpp"
+#include "../runtime/cuda_check.hpp"
+#include "../runtime/error_record.cuh"
+#include "../runtime/nvl_calls.hpp"
+#include "../runtime/nvl_context.hpp"
+#include "args.hpp"
+#include "layout_dict.hpp"
+#include "registry.hpp"
+
+namespace py = pybind11;
+
+namespace dc::bindings {
+
+namespace {
+
+StreamOrder stream_order(uintptr_t caller, uintptr_t comm, uintptr_t previous, uintptr_t start, uintptr_t end,
+                         int flags) {
+  StreamOrder o;
+  o.caller = stream_of(caller);
+  o.comm = stream_of(comm);
+  o.previous = event_of(previous);
+  o.start = event_of(start);
+  o.end = event_of(end);
+  o.wait_caller = (flags & kCallWaitCaller) != 0;
+  o.caller_waits = (flags & kCallCallerWaits) != 0;
+  return o;
+}
+
+}  // namespace
+
+void register_nvlink(py::module_& m) {
+  // ---- kernels without communication ----
+  m.def("get_dispatch_layout", [](uintptr_t topk_idx, int T, int K, int E, int R, uintptr_t per_rank,
+                                  uintptr_t per_expert, uintptr_t in_rank, uintptr_t send_pos, uintptr_t stream) {
+    launch_dispatch_layout(ptr<const int64_t>(topk_idx), T, K, E, R, ptr<int>(per_rank), ptr<int>(per_expert),
+                           ptr<bool>(in_rank), ptr<int>(send_pos), stream_of(stream));
+  });
+
+  // ---- NVLink context and collective kernels ----
+  py::class_<NvlContext>(m, "NvlContext")
+      .def(py::init<int, int, int, int, int64_t, int64_t, int64_t>(), py::arg("rank"), py::arg("num_ranks"),
+           py::arg("local_experts_cap"), py::arg("max_tokens"), py::arg("hidden_max"), py::arg("topk_max"),
+           py::arg("arena_bytes"))
+      .def("layout", [](const NvlContext& c) { return layout_dict(c.layout); })
+      .def("set_peer", [](NvlContext& c, int r, uintptr_t base) {
+        DC_HOST_ASSERT(r >= 0 && r < c.layout.num_ranks, "set_peer: rank out of range");
+        c.peers.base[r] = ptr<uint8_t>(base);
+      })
+      .def("set_error_record", [](NvlContext& c, uintptr_t dev) { c.err_device = ptr<ErrorRecord>(dev); })
+      .def("set_timeout_ns", [](NvlContext& c, uint64_t ns) { c.timeout_ns = ns; })
+      .def("set_error_host", [](NvlContext& c, uintptr_t host) { c.err_host = ptr<const ErrorRecord>(host); })
+      .def("set_agree_record", [](NvlContext& c, uintptr_t dev) { c.agree_device = ptr<AgreeRecord>(dev); })
+      // A call this rank rejected: take part in its first exchange with `fingerprint` (REJECTED set), in the
+      // stream order of dispatch_call's flags (kCallWaitCaller), and move nothing (kernels/agree_reject.cu).
+      .def("agree_reject", [](const NvlContext& c, const Words& fingerprint, int flags, uintptr_t caller,
+                              uintptr_t comm, uintptr_t previous, uintptr_t start) {
+        const StreamOrder order = stream_order(caller, comm, previous, start, 0, flags);
+        order.begin();
+        launch_agree_reject(fingerprint_of(fingerprint), c.layout, c.peers, c.wait_ctx(), order.comm);
+      })
+      .def("set_dispatch_counts", [](NvlContext& c, uintptr_t host, uintptr_t dev) {
+        c.counts_host = ptr<const DispatchCounts>(host);
+        c.counts_device = ptr<DispatchCounts>(dev);
+      })
+      // One normal dispatch crossing (csrc/runtime/nvl_calls.hpp): the steps in `flags`, then
+      // (status, num_recv, bad_all, bad_mine, aligned rows per local expert, DispatchOutLayout offsets + total,
+      // microseconds the host waited for the counts).
+      // Argument order: stream order | notify | payload | the rest; deepcomm/cuda/nvl_calls.py is its one caller.
+      .def("dispatch_call", [](const NvlContext& c, int flags, uintptr_t caller, uintptr_t comm, uintptr_t previous,
+                               uintptr_t start, uintptr_t end,
+                               uintptr_t topk_idx, int T, int K, int E, uintptr_t in_rank, uintptr_t send_pos,
+                               uintptr_t notify_out, uint64_t host_tag,
+                               uintptr_t x, int64_t x_row_bytes, uintptr_t scales, int64_t scale_row_bytes,
+                               uintptr_t topk_weights, uintptr_t count_matrix, uintptr_t invalid_count,
+                               int64_t out_block, int64_t out_rows,
+                               int num_blocks, int expert_alignment, uintptr_t src_idx_copy, double wait_timeout_s,
+                               const Words& fingerprint) {
+        NvlDispatchCall call;
+        call.begin = flags & kCallBegin; call.notify = flags & kCallNotify; call.bump = flags & kCallBump;
+        call.payload = flags & kCallPayload; call.wait = flags & kCallWait; call.finish = flags & kCallFinish;
+        call.notify_args = NotifyArgs{ptr<const int64_t>(topk_idx), T, K, E, ptr<bool>(in_rank), ptr<int>(send_pos),
+                                      ptr<int>(notify_out), (flags & kCallWait) ? c.counts_device : nullptr,
+                                      host_tag};
+        const int R = c.layout.num_ranks;
+        call.dispatch = DispatchArgs{ptr<const void>(x), ptr<const void>(scales),
+                                     ptr<const int64_t>(topk_idx),
+                                     ptr<const float>(topk_weights), ptr<int>(send_pos), ptr<int>(count_matrix),
+                                     ptr<const int>(invalid_count), (flags & kCallReportInvalid) != 0, T, K, E / R,
+                                     x_row_bytes, scale_row_bytes, out_block, out_rows, ptr<int>(src_idx_copy)};
+        // the words travel with the call's first exchange: notify's counts, or a cached dispatch's mailbox
+        if (call.notify) call.notify_args.agree = fingerprint_of(fingerprint);
+        else if (call.bump) call.dispatch.agree = fingerprint_of(fingerprint);
+        call.num_blocks = num_blocks;
+        call.expert_alignment = expert_alignment;
+        call.wait_timeout_s = wait_timeout_s;
+        NvlDispatchResult r;
+        {
+          py::gil_scoped_release release;  // the wait for the counts must not hold other Python threads
+          r = nvl_dispatch(c, stream_order(caller, comm, previous, start, end, flags), call);
+        }
+        return py::make_tuple(r.status, r.num_recv, r.bad_all, r.bad_mine, r.per_expert,
+                              py::make_tuple(r.out[0], r.out[1], r.out[2], r.out[3], r.out[4], r.out[5]),
+                              r.waited_us);
+      })
+      .def("combine_call", [](const NvlContext& c, int flags, uintptr_t caller, uintptr_t comm, uintptr_t previous,
+                              uintptr_t start, uintptr_t end, int num_blocks, uintptr_t x, uintptr_t topk_weights,
+                              uintptr_t recv_src_idx, uintptr_t count_matrix, uintptr_t send_pos, uintptr_t out,
+                              uintptr_t out_weights, int N, int T, int H, int K, bool use_fp8,
+                              const Words& fingerprint) {
+        CombineArgs a{ptr<const void>(x), ptr<const float>(topk_weights), ptr<const int>(recv_src_idx),
+                      ptr<const int>(count_matrix), ptr<const int>(send_pos), ptr<void>(out), ptr<float>(out_weights),
+                      N, T, H, K, use_fp8, fingerprint_of(fingerprint)};
+        nvl_combine(c, stream_order(caller, comm, previous, start, end, flags), a, num_blocks);
+      });
+}
+
+}  // namespace dc::bindings

@@ -1,0 +1,24 @@
+// The parts of deepcomm._C, one per subsystem, each in its own file of csrc/bindings/; module.cpp calls them in
+// this order. Every binding takes raw pointers and streams as ints: no torch types cross this boundary.
+#pragma once
+#include <pybind11/pybind11.h>
+
+namespace dc::bindings {
+
+void register_constants(pybind11::module_& m);    // constants.cpp: limits, WAIT_STAGES, LL_PHASES, DISPATCH_FLAGS
+void register_runtime(pybind11::module_& m);      // runtime.cpp: device facts, memory, error and agreement records
+void register_layouts(pybind11::module_& m);      // layouts.cpp: the NVLink buffer and dispatch output offsets
+void register_nvlink(pybind11::module_& m);       // nvlink.cpp: the layout kernel, NvlContext (normal mode)
+void register_low_latency(pybind11::module_& m);  // low_latency.cpp: LlContext
+
+// transport.cpp: the submodule deepcomm._C.transport (mlx5 WQEs, host queue pair, emulated NIC, CPU proxy), then
+// the parts below inside it.
+void register_transport(pybind11::module_& m);
+void register_device_qp(pybind11::module_& transport);  // device_qp.cpp: device queue pair layout and init
+void register_internode(pybind11::module_& transport);  // internode.cpp: exchange round, node barrier, waits
+void register_hier(pybind11::module_& transport);       // hier.cpp: hierarchical dispatch and combine launches
+
+// nvshmem.cpp: deepcomm._C.nvshmem when built with the NVSHMEM headers, else only NVSHMEM_MISSING (the reason).
+void register_nvshmem(pybind11::module_& m);
+
+}  // namespace dc::bindings
