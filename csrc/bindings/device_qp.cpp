@@ -6,21 +6,12 @@
 
 #include "../runtime/cuda_check.hpp"
 #include "../transport/device_qp_init.hpp"
+#include "../transport/device_qp_checked.hpp"
 #include "registry.hpp"
 
 namespace py = pybind11;
 using namespace dc;
 using namespace dc::transport;
-
-namespace {
-
-DeviceQpLayout checked_layout(uint32_t log_wqebbs, uint32_t log_cqes) {
-  if (log_wqebbs < 2 || log_wqebbs > kMaxLogWqebbs) throw std::invalid_argument("log_wqebbs must be in [2, 15]");
-  if (log_cqes > kMaxLogCqes) throw std::invalid_argument("log_cqes must be <= 16");
-  return DeviceQpLayout::make(log_wqebbs, log_cqes);
-}
-
-}  // namespace
 
 void dc::bindings::register_device_qp(py::module_& m) {
   m.def("device_qp_layout", [](uint32_t log_wqebbs, uint32_t log_cqes) {

@@ -11,6 +11,7 @@
 
 #include "../../ptx/bswap.cuh"
 #include "../runtime/cuda_check.hpp"
+#include "../transport/device_qp_checked.hpp"
 #include "internode_host_selftest.hpp"
 #include "ptx_selftest.hpp"
 #include "qp_selftest.hpp"
@@ -20,12 +21,6 @@ using namespace dc;
 using namespace dc::transport;
 
 namespace {
-
-DeviceQpLayout checked_layout(uint32_t log_wqebbs, uint32_t log_cqes) {
-  if (log_wqebbs < 2 || log_wqebbs > kMaxLogWqebbs) throw std::invalid_argument("log_wqebbs must be in [2, 15]");
-  if (log_cqes > kMaxLogCqes) throw std::invalid_argument("log_cqes must be <= 16");
-  return DeviceQpLayout::make(log_wqebbs, log_cqes);
-}
 
 WaitCtx make_ctx(uintptr_t err_dev, uint64_t timeout_ns, int rank, uintptr_t seq_ptr) {
   WaitCtx c{};
