@@ -21,7 +21,7 @@ GPU_TOKENS = [128, 512, 1024, 2048, 4096, 8192]
 CPU_TOKENS = [128, 512]
 GPU_NUM_SMS = [4, 8, 16, 24, 32]
 GPU_LL_TOKENS = [1, 32, 128, 256]
-SYSTEMS = ["deepcomm", "a2a", "moe-layer"]
+SYSTEMS = ["deepcomm", "a2a", "moe-layer", "deepep"]
 
 
 def _int_list(text: str) -> list[int]:
@@ -82,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated: dispatch, combine (default both)")
     p.add_argument("--systems", type=_choice_list(SYSTEMS), default=list(SYSTEMS),
                    help="a2a = all_to_all_single of the same bytes; moe-layer = count exchange + permute + "
-                        "all-to-all + un-permute with torch.distributed")
+                        "all-to-all + un-permute with torch.distributed; deepep = DeepEP V1 when `import deep_ep` "
+                        "finds it (GPUs, NCCL; skipped with a note otherwise)")
     p.add_argument("--world-size", type=int, default=None,
                    help="processes to spawn when not under torchrun (CPU default 2, GPU default all visible)")
     p.add_argument("--backend", choices=["auto", "cuda", "reference"], default="auto", help="deepcomm backend")
@@ -155,9 +156,10 @@ def _make_cases(args, systems, dc):
             for sys_ in systems:
                 cases += [Case(sys_.name, mode, op, dt, T) for op, dt in op_dtypes()
                           if sys_.supports(mode, op, dt)]
-            if mode == "normal" and dc is not None and dc.uses_sms and args.num_sms and T == args.sweep_tokens:
-                cases += [Case(dc.name, mode, op, dt, T, n) for n in args.num_sms for op, dt in op_dtypes()
-                          if dc.supports(mode, op, dt)]
+            sweeping = [s for s in systems if getattr(s, "uses_sms", False)]  # deepcomm's kernels, DeepEP
+            if mode == "normal" and args.num_sms and T == args.sweep_tokens:
+                cases += [Case(s.name, mode, op, dt, T, n) for s in sweeping for n in args.num_sms
+                          for op, dt in op_dtypes() if s.supports(mode, op, dt)]
             if mode == "low_latency" and dc is not None:
                 # the decoding step (dispatch + combine), and on GPUs the kernels' own time through CUDA graphs
                 both = [("dispatch+combine", d) for d in args.dtypes] if len(args.ops) == 2 else []
@@ -165,6 +167,10 @@ def _make_cases(args, systems, dc):
                 if dc.uses_sms:
                     cases += [Case(dc.name, mode, op, dt, T, timing="cuda-graph")
                               for op, dt in op_dtypes() + both if dc.supports(mode, op, dt)]
+            if mode == "low_latency":
+                cases += [Case(s.name, mode, op, dt, T, timing="cuda-graph") for s in systems
+                          if s is not dc and getattr(s, "graph_timing", False)
+                          for op, dt in op_dtypes() if s.supports(mode, op, dt)]
     return cases
 
 
@@ -180,6 +186,26 @@ def _fp8_errors(dc, case, inp, device) -> dict:
     dist.all_reduce(sums)
     err, ref = sums.tolist()
     return {"max_rel_err": float(f"{float(worst[0]):.4g}"), "mean_rel_err": float(f"{err / ref if ref else 0.0:.4g}")}
+
+
+def _deepep_peer(args, ctx, dc, rank):
+    """DeepEP V1 as a peer where every rank imports the real deep_ep on a GPU over NCCL, else None (rank 0 says
+    why; every rank decides alike, so none runs DeepEP's collectives alone)."""
+    import torch.distributed as dist
+
+    from deepcomm.bench.deepep_peer import DeepEP, find_deep_ep
+
+    module, why = find_deep_ep()
+    if ctx.device.type != "cuda" or ctx.dist_backend != "nccl":
+        module, why = None, "DeepEP needs GPUs and an NCCL group"
+    found = [None] * ctx.world_size
+    dist.all_gather_object(found, module is not None, group=ctx.group)
+    if not all(found):
+        if rank == 0:
+            print(f"deepep-v1 skipped: {why or 'not importable on every rank'}")
+        return None
+    default_sms = dc.default_num_sms if dc is not None and dc.default_num_sms else 24
+    return DeepEP(ctx, module, max(args.tokens), max(args.ll_tokens), default_sms)
 
 
 def run_worker(rank: int, world_size: int, local_rank: int, args, device_type: str) -> int:
@@ -218,6 +244,9 @@ def run_worker(rank: int, world_size: int, local_rank: int, args, device_type: s
         systems.append(peers.AllToAll(ctx))
     if "moe-layer" in args.systems:
         systems.append(peers.MoELayer(ctx))
+    deepep = _deepep_peer(args, ctx, dc, rank) if "deepep" in args.systems else None
+    if deepep is not None:
+        systems.append(deepep)
     by_name = {s.name: s for s in systems}
 
     cases = _make_cases(args, systems, dc)
@@ -278,6 +307,8 @@ def run_worker(rank: int, world_size: int, local_rank: int, args, device_type: s
             print("wrote " + ", ".join(written) if written else "plots skipped (matplotlib not importable)")
     if dc is not None:
         dc.close()
+    if deepep is not None:
+        deepep.close()
     dist.barrier()
     dist.destroy_process_group()
     return 0
