@@ -5,6 +5,10 @@
 #   STEP = profile            the host-time profile at world size 1 (dev/profile_host.py, 128 and 4096 tokens)
 #        | 1:FILE,FILE        tests/*/FILE.py at world size 1 (one rank on the GPU)
 #        | N:FILE,FILE[:EXPR] the files with N ranks sharing GPU 0 under MPS (docs/testing.md), pytest -k EXPR
+#        | deepep             build DeepEP V1 from $DEEPEP_SRC (a copy carried into the tree) so that the benchmark
+#                             times it beside deepcomm (PYTHONPATH for the later steps)
+#        | bench              python -m deepcomm.bench over every GPU (one rank each) with $BENCH_ARGS into
+#                             $OUT/bench.json
 # e.g. bash dev/device_matrix.sh profile 1:test_normal_world1 2:test_agreement_gpu,test_intranode 8:test_intranode
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
@@ -25,6 +29,24 @@ for step in "$@"; do
   budget=$(( $(left) - 5 ))
   if (( budget < 20 )); then echo "step $step: skipped, no time left" | tee -a "$summary"; continue; fi
   t0=$(date +%s)
+  if [[ "$step" == deepep ]]; then
+    (cd "${DEEPEP_SRC:?DEEPEP_SRC: the DeepEP V1 source folder}" && CPATH=/usr/local/cuda/include/cccl:${CPATH:-} \
+      TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 timeout "$budget" python3 setup.py build_ext --inplace) \
+      > "$OUT/deepep_build.log" 2>&1
+    echo "deepep build: rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$summary"
+    export PYTHONPATH="$(cd "$DEEPEP_SRC" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
+    tail -3 "$OUT/deepep_build.log"
+    continue
+  fi
+  if [[ "$step" == bench ]]; then
+    gpus=$(nvidia-smi -L | wc -l)
+    # shellcheck disable=SC2086
+    timeout "$budget" torchrun --nproc-per-node "$gpus" -m deepcomm.bench --no-progress ${BENCH_ARGS:-} \
+      --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
+    echo "bench ($gpus GPUs): rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$summary"
+    tail -40 "$OUT/bench.log"
+    continue
+  fi
   if [[ "$step" == profile ]]; then
     timeout "$budget" python3 dev/profile_host.py --json "$OUT/host_time.json" > "$OUT/host_time.log" 2>&1
     echo "profile: rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$summary"
