@@ -78,14 +78,14 @@ void register_runtime(py::module_& m) {
   m.def("read_agree", [](uintptr_t host) {
     const auto* r = ptr<const AgreeRecord>(host);
     const int flag = __atomic_load_n(&r->flag, __ATOMIC_ACQUIRE);
-    const int n = flag == 1 ? std::min(std::max(r->num_ranks, 0), kMaxRanks) : 0;
+    const int n = flag == 1 ? std::min(std::max(r->num_ranks, 0), kAgreeRecordRanks) : 0;
     return py::make_tuple(flag, r->peer, r->word, r->seq, rows_of(r->rows, n));
   });
   m.def("clear_agree", [](uintptr_t host) { std::memset(reinterpret_cast<void*>(host), 0, sizeof(AgreeRecord)); });
   // A fresh dispatch whose wait returned status 3: (1 + first differing peer, its first differing word, rows)
   m.def("read_dispatch_disagreement", [](uintptr_t counts_host, int num_ranks) {
     const auto* h = ptr<const DispatchCounts>(counts_host);
-    return py::make_tuple(h->disagree, h->disagree_word, rows_of(h->agree_rows, std::min(num_ranks, kMaxRanks)));
+    return py::make_tuple(h->disagree, h->disagree_word, rows_of(h->agree_rows, std::min(num_ranks, kAgreeRecordRanks)));
   });
 }
 

@@ -28,19 +28,11 @@ __device__ __forceinline__ bool agree_wait(const uint8_t* slot, uint64_t tag, co
   return wait_flag_geq(t, tag, ctx, peer, stage);
 }
 
-// The first word of a slot that differs from ours, or -1.
-__device__ __forceinline__ int agree_diff(const uint8_t* slot, const Fingerprint& f) {
-  const auto* s = reinterpret_cast<const AgreeSlot*>(slot);
-  for (int i = 0; i < kFingerprintWords; ++i)
-    if (ptx::ld_volatile_s32(&s->words[i]) != f.w[i]) return i;
-  return -1;
-}
-
 // One thread, once every peer's slot is in: copy every rank's words (slots[s] at slots + s * kAgreeSlotBytes; ranks
 // outside `alive` read as zeros) into `rows`.
 __device__ __forceinline__ void agree_copy_rows(int32_t (*rows)[kFingerprintWords], const uint8_t* slots, int R,
                                                 uint32_t alive) {
-  for (int s = 0; s < R; ++s)
+  for (int s = 0; s < R && s < kAgreeRecordRanks; ++s)
     for (int i = 0; i < kFingerprintWords; ++i)
       rows[s][i] = ((alive >> s) & 1u)
                        ? ptx::ld_volatile_s32(&reinterpret_cast<const AgreeSlot*>(slots + int64_t(s) * kAgreeSlotBytes)
@@ -75,25 +67,35 @@ struct AgreeResult {
 __device__ __forceinline__ AgreeResult agree_block(const uint8_t* slots, const Fingerprint& f, uint64_t tag, int R,
                                                    uint32_t alive, const WaitCtx& ctx, int stage, bool report) {
   __shared__ int diff_peer, diff_word, timed_out;
+  __shared__ uint32_t differs[32];  // per peer, bit i: word i differs from ours (R <= 32: `alive` is one word)
   if (threadIdx.x == 0) {
     diff_peer = -1;
     diff_word = -1;
     timed_out = 0;
   }
+  if (threadIdx.x < 32) differs[threadIdx.x] = 0u;
   __syncthreads();
   const int s = threadIdx.x;
   if (s < R && ((alive >> s) & 1u)) {
     if (!agree_wait(slots + int64_t(s) * kAgreeSlotBytes, tag, ctx, s, stage)) timed_out = 1;
   }
   __syncthreads();
+  // every (peer, word) compared by its own thread: one load each instead of R * 16 in one thread
+  if (!timed_out) {
+    for (int i = threadIdx.x; i < R * kFingerprintWords; i += blockDim.x) {
+      const int p = i / kFingerprintWords, w = i % kFingerprintWords;
+      const auto* slot = reinterpret_cast<const AgreeSlot*>(slots + int64_t(p) * kAgreeSlotBytes);
+      if (((alive >> p) & 1u) && ptx::ld_volatile_s32(&slot->words[w]) != f.w[w]) atomicOr(&differs[p], 1u << w);
+    }
+  }
+  __syncthreads();
   // the lowest differing peer and its first differing word (one thread: the same choice on every block)
   if (threadIdx.x == 0 && !timed_out) {
-    for (int p = 0; p < R && diff_peer < 0; ++p) {
-      if (!((alive >> p) & 1u)) continue;
-      const int w = agree_diff(slots + int64_t(p) * kAgreeSlotBytes, f);
-      if (w >= 0) {
+    for (int p = 0; p < R; ++p) {
+      if (differs[p] != 0u) {
         diff_peer = p;
-        diff_word = w;
+        diff_word = __ffs(int(differs[p])) - 1;
+        break;
       }
     }
     if (diff_peer >= 0 && report) agree_report(ctx.agree, slots, R, alive, diff_peer, diff_word, ctx);

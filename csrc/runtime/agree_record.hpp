@@ -17,6 +17,7 @@ namespace dc {
 
 constexpr int kFingerprintWords = 16;  // agreement.WORDS
 constexpr int kAgreeSlotBytes = 128;   // tag u64 | pad | words int32 [16]
+constexpr int kAgreeRecordRanks = 8;  // ranks whose words a record carries (one NVLink domain)
 
 // A call's words as a kernel argument. w[0] == 0 (no MAGIC): the caller takes no part in agreement (the
 // internode backends), and the kernels skip it.
@@ -41,7 +42,7 @@ struct AgreeRecord {
   int32_t peer;
   int32_t word;
   uint64_t seq;  // the call's device sequence number
-  int32_t rows[8][kFingerprintWords];  // rows[s]: rank s's words (kMaxRanks = 8)
+  int32_t rows[kAgreeRecordRanks][kFingerprintWords];  // rows[s]: rank s's words
 };
 
 }  // namespace dc

@@ -19,7 +19,7 @@ struct DispatchCounts {
   int32_t num_local_experts;
   int32_t disagree;      // 0, or 1 + the first peer whose call fingerprint differs (nothing was dispatched)
   int32_t disagree_word; // the first word that differs
-  int32_t agree_rows[8][kFingerprintWords];  // then: every rank's words (agree_record.hpp)
+  int32_t agree_rows[kAgreeRecordRanks][kFingerprintWords];  // then: every rank's words (agree_record.hpp)
   int32_t per_expert[kCountsMaxExperts];  // tokens per local expert, summed over sources, not aligned
 };
 
