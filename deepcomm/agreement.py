@@ -38,9 +38,9 @@ definition of it):
 May differ per rank: the token count, ``expert_alignment``, ``num_worst_tokens``, ``previous_event``,
 ``async_finish``, ``return_recv_hook`` (its send and receive halves are the same kernels), the values in the tensors.
 
-A backend takes part with ``capabilities.takes_fingerprints`` (backend_protocol.py); Buffer then passes ``fingerprint=<words>`` to its
-``dispatch``, ``combine``, ``low_latency_dispatch`` and ``low_latency_combine``, and calls its ``reject(words)`` for a
-call this rank rejected before handing it over (the backend joins that call's first exchange with those words and
+A backend takes part with ``capabilities.takes_fingerprints`` (backend_protocol.py); Buffer then passes
+``fingerprint=<words>`` to its ``dispatch``, ``combine``, ``low_latency_dispatch`` and ``low_latency_combine``,
+and calls its ``reject(words)`` for a call this rank rejected before handing it over (the backend joins that call's first exchange with those words and
 returns; Buffer raises the rank's own error). Every kind of call must start with an exchange of the same fixed
 size, so that any two calls that meet pair up safely: the reference backend's is an all_gather of ``WORDS + R``
 int32 (the words, then a fresh dispatch's rows per destination rank, zeros in the other calls).

@@ -1,6 +1,6 @@
-// The internode exchange round with CPU threads as posters and as NICs (tests/internode/test_internode_host.py): two ranks in
-// host memory, each with a queue pair to the other, run internode_post_round (the GPU kernel's code) round after
-// round, each NIC a thread running nic_serve. Synchronous.
+// The internode exchange round with CPU threads as posters and as NICs (tests/internode/test_internode_host.py):
+// two ranks in host memory, each with a queue pair to the other, run internode_post_round (the GPU kernel's code)
+// round after round, each NIC a thread running nic_serve. Synchronous.
 #pragma once
 #include <cstdint>
 #include <vector>
