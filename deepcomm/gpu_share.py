@@ -27,6 +27,11 @@ def sms_per_rank(sm_count: int, ranks_on_gpu: int) -> int:
     return max(1, sm_count // ranks_on_gpu)
 
 
+def shares_gpu() -> bool:
+    """Whether this rank was given a share of its GPU (``$DEEPCOMM_GPU_SMS`` set): ranks share the GPU."""
+    return bool(os.environ.get(GPU_SMS_ENV, "").strip())
+
+
 def sm_budget(sm_count: int) -> int:
     """``sm_count``, or ``$DEEPCOMM_GPU_SMS`` where that is set and smaller; ValueError names the variable."""
     env = os.environ.get(GPU_SMS_ENV, "").strip()

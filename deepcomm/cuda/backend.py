@@ -11,7 +11,6 @@ Low-latency mode (deepcomm/cuda/ll_calls.py) uses its own double-buffered buffer
 """
 from __future__ import annotations
 
-import os
 from typing import Optional, Tuple, Union
 
 import torch
@@ -20,7 +19,7 @@ from .. import agreement
 from .._ext import load_extension
 from ..validation import is_capturing
 from ..errors import CommTimeoutError
-from ..gpu_share import GPU_SMS_ENV, usable_sms
+from ..gpu_share import GPU_SMS_ENV, shares_gpu, usable_sms
 from ..backend_protocol import Capabilities
 from ..handle import Handle
 from .agree_record import dispatch_disagreement, words_or_none
@@ -35,7 +34,7 @@ ARENA_OUTPUTS = 4         # worst-case dispatch outputs the arena holds at once 
 
 
 def _share_note() -> str:
-    return f" by {GPU_SMS_ENV}" if os.environ.get(GPU_SMS_ENV, "").strip() else ""
+    return f" by {GPU_SMS_ENV}" if shares_gpu() else ""
 
 
 # NvlContext.dispatch_call's steps and stream-order bits (csrc/bindings/args.hpp, exported as DISPATCH_FLAGS)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .. import agreement
-from ..gpu_share import GPU_SMS_ENV, usable_sms
+from ..gpu_share import shares_gpu, usable_sms
 from ..handle import LowLatencyHandle
 from .agree_record import words_or_none
 from .ll_buffer import LlBuffer, pdl_mode
@@ -41,7 +41,7 @@ def low_latency_blocks(C, device: torch.device) -> int:
             raise ValueError(f"DEEPCOMM_LL_NUM_SMS: expected 1..{C.MAX_BLOCKS}, got {env}")
         return n
     n = min(usable_sms(device), C.MAX_BLOCKS)
-    if os.environ.get(GPU_SMS_ENV, "").strip() and pdl_mode() == 1:
+    if shares_gpu() and pdl_mode() == 1:
         n = max(1, n // 2)
     return n
 
