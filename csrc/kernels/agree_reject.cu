@@ -2,6 +2,7 @@
 // first exchange, with its words (agreement.Word.REJECTED set), so every peer stops that call naming it instead of
 // pairing the call with this rank's next one. Nothing else moves; the call numbers advance as the call's own
 // first kernel would advance them.
+#include "../runtime/call_entry.cuh"
 #include "../runtime/cuda_check.hpp"
 #include "agree.cuh"
 #include "api.hpp"
@@ -11,19 +12,14 @@ namespace dc {
 
 namespace {
 
-// Normal mode: the sequence number advances (as the call's first kernel would), then our words go into every
-// peer's agree slot for us.
-__global__ void agree_reject_kernel(Fingerprint f, NvlLayout layout, Peers peers, WaitCtx ctx) {
-  __shared__ uint64_t seq;
-  if (threadIdx.x == 0) {
-    auto* counter = reinterpret_cast<uint64_t*>(peers.base[ctx.rank] + layout.seq_counter);
-    seq = *counter + 1;
-    *counter = seq;
-  }
-  __syncthreads();
+// Normal mode: the call's first kernel, it advances the sequence number (call_entry.cuh), then our words go into
+// every peer's agree slot for us.
+__global__ void agree_reject_kernel(Fingerprint f, NvlLayout layout, Peers peers, WaitCtx ctx_in) {
+  auto* ticket = reinterpret_cast<uint32_t*>(peers.base[ctx_in.rank] + layout.notify_work + NotifyWork::kEntryTicket);
+  const uint64_t seq = enter_call(ctx_in, ticket).seq;
   const int d = threadIdx.x;
   if (d < layout.num_ranks)
-    agree_publish(peers.base[d] + layout.agree_at(seq) + int64_t(ctx.rank) * kAgreeSlotBytes, f, seq);
+    agree_publish(peers.base[d] + layout.agree_at(seq) + int64_t(ctx_in.rank) * kAgreeSlotBytes, f, seq);
 }
 
 // Low-latency mode: a send half of `kind` into `slot` that only publishes the words (tagged as that send's words
