@@ -47,11 +47,8 @@ class DeepEP:
 
     def close(self) -> None:
         for buf in (self._normal, self._low_latency):
-            if buf is not None and hasattr(buf, "destroy"):
-                try:
-                    buf.destroy()
-                except Exception:  # noqa: BLE001 - DeepEP without explicitly_destroy frees at exit
-                    pass
+            if buf is not None:
+                buf.destroy()  # made with explicitly_destroy=True: freed now, not at interpreter exit
         self._normal = self._low_latency = None
 
     def supports(self, mode: str, op: str, dtype: str) -> bool:
@@ -70,7 +67,7 @@ class DeepEP:
             Buffer = self.ep.Buffer
             nvl = max(Buffer.get_dispatch_config(R).get_nvl_buffer_size_hint(hidden_bytes, R),
                       Buffer.get_combine_config(R).get_nvl_buffer_size_hint(hidden_bytes, R))
-            self._normal = Buffer(self.ctx.group, nvl, 0)
+            self._normal = Buffer(self.ctx.group, nvl, 0, explicitly_destroy=True)
         return self._normal
 
     def _low_latency_buffer(self):
@@ -78,7 +75,7 @@ class DeepEP:
             R, E = self.ctx.world_size, self.ctx.experts
             rdma = self.ep.Buffer.get_low_latency_rdma_size_hint(self.ll_tokens, self.ctx.hidden, R, E)
             self._low_latency = self.ep.Buffer(self.ctx.group, 0, rdma, low_latency_mode=True,
-                                               num_qps_per_rank=E // R)
+                                               num_qps_per_rank=E // R, explicitly_destroy=True)
         return self._low_latency
 
     def _configs(self, num_sms: Optional[int]):

@@ -174,8 +174,8 @@ class Deepcomm:
         if not self.uses_sms:
             return None
         if case.mode == "low_latency":  # one block per SM, or DEEPCOMM_LL_NUM_SMS (tuning.md); num_sms is normal mode's
-            ll = getattr(self.buf._backend, "ll", None)  # the CUDA backends' low-latency part
-            return getattr(ll, "blocks", None) or getattr(getattr(ll, "engine", None), "blocks", None)
+            ll = getattr(self.buf._backend, "ll", None)  # the CUDA backends' low-latency part (internode: its engine)
+            return getattr(getattr(ll, "engine", ll), "blocks", None)
         return case.num_sms if case.num_sms is not None else self.default_num_sms
 
     def _buffer(self, num_sms):

@@ -27,8 +27,13 @@ def _fake_deep_ep(calls):
     class Buffer:
         num_sms = 20
 
-        def __init__(self, group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False, num_qps_per_rank=24):
+        def __init__(self, group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False, num_qps_per_rank=24,
+                     explicitly_destroy=False):
+            assert explicitly_destroy  # the peer frees its buffers itself (close)
             calls.append(("Buffer", num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank))
+
+        def destroy(self):
+            calls.append(("destroy",))
 
         @staticmethod
         def set_num_sms(n):
@@ -136,6 +141,8 @@ def test_low_latency_cases_use_their_own_buffer():
     fn()
     assert calls[-2] == ("ll_dispatch", 128, 8, False) and calls[-1] == ("ll_combine", "recv", ("ll_handle",))
     assert peer.reported_num_sms(Case("deepep-v1", "low_latency", "combine", "bf16", 128)) is None
+    peer.close()
+    assert calls[-1] == ("destroy",)
 
 
 def test_command_line_cases_for_deepep():
