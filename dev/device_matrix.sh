@@ -2,7 +2,8 @@
 # Several GPU checks of different world sizes in one run on a one-GPU machine: build once, then each STEP in order,
 # each bounded so that the whole run ends within MATRIX_BUDGET_S (default 540) seconds. Logs go to $OUT.
 #   bash dev/device_matrix.sh STEP...
-#   STEP = profile            the host-time profile at world size 1 (dev/profile_host.py, 128 and 4096 tokens)
+#   STEP = profile            the host-time profile at world size 1 (dev/profile_host.py, 128 and 4096 tokens),
+#                             with each call's cProfile in $OUT/cprofile.txt
 #        | 1:FILE,FILE        tests/*/FILE.py at world size 1 (one rank on the GPU)
 #        | N:FILE,FILE[:EXPR] the files with N ranks sharing GPU 0 under MPS (docs/testing.md), pytest -k EXPR
 #        | deepep             build DeepEP V1 from $DEEPEP_SRC (a copy carried into the tree) so that the benchmark
@@ -48,7 +49,7 @@ for step in "$@"; do
     continue
   fi
   if [[ "$step" == profile ]]; then
-    timeout "$budget" python3 dev/profile_host.py --json "$OUT/host_time.json" > "$OUT/host_time.log" 2>&1
+    timeout "$budget" python3 dev/profile_host.py --json "$OUT/host_time.json" --cprofile "$OUT/cprofile.txt" > "$OUT/host_time.log" 2>&1
     echo "profile: rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$summary"
     tail -13 "$OUT/host_time.log"
     continue
