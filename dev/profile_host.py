@@ -107,9 +107,57 @@ def _cprofile(cases, path, tokens, iters=500):
             f.write(f"==== {name}, {tokens} tokens, {iters} calls ====\n{text.getvalue()}\n")
 
 
+class _Recorder:
+    """Stands in for the NvlContext of a backend: records the crossings' results (``real`` set) or replays them
+    without crossing (``real`` None), so that a call's Python part can be timed alone."""
+
+    def __init__(self, real):
+        self.real, self.results = real, {}
+
+    def dispatch_call(self, flags, *args):
+        if self.real is not None:
+            self.results[flags] = self.real.dispatch_call(flags, *args)
+        return self.results[flags]
+
+    def combine_call(self, *args):
+        if self.real is not None:
+            self.real.combine_call(*args)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+def _breakdown(be, cases):
+    """Host microseconds of each call (a) as a whole, (b) without the crossing into C++ (the Python part, torch
+    tensor creation included), (c) the difference (the crossing: argument conversion, stream order, launches).
+    Only on the ranks' first Buffer, world size 1."""
+    real = be.nvl.ctx
+    rec = _Recorder(real)
+    out = {}
+    try:
+        for name, (fn, _) in cases.items():
+            if name == "get_dispatch_layout":
+                continue
+            be.nvl.ctx = rec
+            rec.real = real
+            fn()
+            torch.cuda.synchronize()
+            rec.real = None  # replay: nothing launched
+            py = _host_times(fn, iters=ITERS)["host_us"]
+            be.nvl.ctx = real
+            whole = _host_times(fn, iters=ITERS)["host_us"]
+            out[name] = {"host_us": whole, "python_us": py, "crossing_us": round(whole - py, 1)}
+    finally:
+        be.nvl.ctx = real
+    small = torch.zeros(1, device=be.device)
+    out["one torch kernel launch (small.add_)"] = {"host_us": _host_times(lambda: small.add_(1))["host_us"]}
+    return out
+
+
 def worker(rank, world, tokens_list, hidden, num_sms, json_path, cprofile_path=""):
     dev = torch.device("cuda", rank)
     rows = []
+    split = {}
     for tokens in tokens_list:
         buf, idx, w, x, fp8, h, y = setup_calls(rank, tokens, hidden, num_sms)
         be = buf._backend
@@ -123,6 +171,8 @@ def worker(rank, world, tokens_list, hidden, num_sms, json_path, cprofile_path="
         }
         if cprofile_path and rank == 0 and tokens == min(tokens_list):
             _cprofile(cases, cprofile_path, tokens)
+        if world == 1:
+            split[tokens] = _breakdown(be, cases)
         for name, (fn, backend) in cases.items():
             r = _host_times(fn, backend)
             r.update(call=name, tokens=tokens, world_size=world, num_sms=num_sms)
@@ -136,10 +186,15 @@ def worker(rank, world, tokens_list, hidden, num_sms, json_path, cprofile_path="
             print(f"{r['call']:24s} {r['tokens']:6d} {r['wall_us']:8.1f} {r['host_us']:8.1f} {r['wait_us']:8.1f} "
                   f"{r['gpu_us']:8.1f}")
         print("torch primitives (host us):", json.dumps(prims))
+        for tokens, parts in split.items():
+            print(f"host split at {tokens} tokens (whole / Python part / crossing, us):")
+            for name, r in parts.items():
+                print(f"  {name:36s} {r['host_us']:7.1f} {r.get('python_us', float('nan')):7.1f} "
+                      f"{r.get('crossing_us', float('nan')):7.1f}")
         if json_path:
             with open(json_path, "w") as f:
                 json.dump({"world_size": world, "hidden": hidden, "num_sms": num_sms, "rows": rows,
-                           "primitives": prims, "device": torch.cuda.get_device_name(dev),
+                           "primitives": prims, "host_split": split, "device": torch.cuda.get_device_name(dev),
                            "commit": os.environ.get("DEEPCOMM_COMMIT", "")}, f, indent=1)
 
 

@@ -17,8 +17,10 @@ TIMEOUT_S = 3.0
 T, H, E, K, M = 48, 1024, 16, 2, 64
 # Where the first wait on a silent peer is, per mode. Low-latency dispatch waits first for the peer's counts, or
 # (kernels that send data without a count exchange) for the peer's data: either is a dispatch wait on peer 1.
-STAGES = {"normal": ("notify:counts",),
-          "low_latency": ("low_latency_dispatch:counts", "low_latency_dispatch:data")}
+# a call's first wait is for its peers' fingerprints (the agreement word of its first exchange), then its data
+AGREE = "agree (waiting for a peer's call fingerprint: it has not reached this call)"
+STAGES = {"normal": (AGREE, "notify:counts"),
+          "low_latency": (AGREE, "low_latency_dispatch:counts", "low_latency_dispatch:data")}
 
 
 def _buffer():
