@@ -1,5 +1,6 @@
-"""Differentiable dispatch and combine, and the low-latency calls, on the operators of deepcomm/custom_ops.py: the
-same results as the Buffer's calls, and torch.compile traces them (docs/api.md, "torch.compile").
+"""Differentiable dispatch and combine, and the low-latency calls: the same results as the Buffer's calls. Traced
+by torch.compile, they run on the operators of deepcomm/custom_ops.py (docs/api.md, "torch.compile"); in eager
+mode dispatch and combine are the Buffer calls under autograd (deepcomm/eager_ops.py), with the same backward.
 
 dispatch and combine are adjoint linear maps along one route, so each one's backward is the other:
 - dispatch backward: combine the gradients of recv_x (and of recv_topk_weights, masked to the slots that
@@ -15,6 +16,7 @@ from typing import Optional
 import torch
 
 from . import custom_ops as c
+from . import eager_ops
 from . import validation as v
 from .handle import Handle, LowLatencyHandle
 
@@ -64,6 +66,10 @@ def dispatch(buf, x, topk_idx, topk_weights=None, num_experts: Optional[int] = N
     v.check_num_experts(num_experts, buf.world_size)
     v.check_int("expert_alignment", expert_alignment, minimum=1)
     v.check_int("num_worst_tokens", num_worst_tokens, minimum=0)
+    if not torch.compiler.is_compiling():  # eager: the Buffer call under autograd, no operator layer
+        recv_x, recv_scales, recv_idx, recv_w, per_expert, handle = eager_ops.dispatch(
+            buf, values, scales, topk_idx, topk_weights, num_experts, expert_alignment, num_worst_tokens)
+        return ((recv_x, recv_scales) if is_pair else recv_x), recv_idx, recv_w, per_expert, handle
     (recv_x, recv_scales, recv_idx, recv_w, counts, in_rank, send_pos, count_matrix, recv_src_idx,
      node_counts) = _ops.dispatch(buf.buffer_id, values, scales, topk_idx, topk_weights, num_experts,
                                   expert_alignment, num_worst_tokens)
@@ -125,6 +131,8 @@ def combine(buf, x, handle: Handle, topk_weights=None, use_fp8: bool = False):
         _tensor_arg("topk_weights", topk_weights)
     if not isinstance(use_fp8, bool):
         v.fail("use_fp8", f"expected a bool, got {type(use_fp8).__name__}")
+    if not torch.compiler.is_compiling():
+        return eager_ops.combine(buf, x, handle, topk_weights, use_fp8)
     combined_x, combined_w = _ops.combine(buf.buffer_id, x, topk_weights, *handle_args(handle), use_fp8)
     return combined_x, c.present(combined_w)
 

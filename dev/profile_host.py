@@ -136,7 +136,7 @@ def _breakdown(be, cases):
     out = {}
     try:
         for name, (fn, _) in cases.items():
-            if name == "get_dispatch_layout":
+            if name == "get_dispatch_layout" or name.startswith("ops."):
                 continue
             be.nvl.ctx = rec
             rec.real = real
@@ -161,6 +161,8 @@ def worker(rank, world, tokens_list, hidden, num_sms, json_path, cprofile_path="
     for tokens in tokens_list:
         buf, idx, w, x, fp8, h, y = setup_calls(rank, tokens, hidden, num_sms)
         be = buf._backend
+        from deepcomm import ops
+        xg, wg = x.detach().requires_grad_(), w.detach().requires_grad_()
         cases = {
             "fresh dispatch bf16": (lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=256), be),
             "fresh dispatch fp8": (lambda: buf.dispatch(fp8, topk_idx=idx, topk_weights=w, num_experts=256), be),
@@ -168,6 +170,9 @@ def worker(rank, world, tokens_list, hidden, num_sms, json_path, cprofile_path="
             "cached dispatch fp8": (lambda: buf.dispatch(fp8, handle=h), None),
             "combine": (lambda: buf.combine(y, h), None),
             "get_dispatch_layout": (lambda: buf.get_dispatch_layout(idx, 256), None),
+            # the differentiable calls (torch custom operators and autograd), what an MoE layer calls
+            "ops.dispatch (autograd)": (lambda: ops.dispatch(buf, xg, idx, wg, 256), be),
+            "ops.combine (autograd)": (lambda: ops.combine(buf, y, h), None),
         }
         if cprofile_path and rank == 0 and tokens == min(tokens_list):
             _cprofile(cases, cprofile_path, tokens)

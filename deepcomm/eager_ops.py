@@ -1,0 +1,89 @@
+"""The differentiable normal-mode calls outside torch.compile: the Buffer's own calls under a torch.autograd.Function.
+
+deepcomm.ops takes this path whenever it is not being traced. It computes what the operators of
+deepcomm/custom_ops.py compute (their implementations are the same Buffer calls, and the backward of each is the
+other call along the same handle, as in deepcomm/ops.py), without the operator layer: no dispatcher, no schema,
+no handle taken apart into tensors and rebuilt, which costs tens of microseconds of host time per call. The handle
+a dispatch returns is the Buffer's own and goes to backward as it is.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+class _Dispatch(torch.autograd.Function):
+    """Forward: ``buf.dispatch``; backward: ``buf.combine`` of the gradients along the same handle (the weights'
+    gradients masked to the slots that were local at the receiver, the only ones dispatch forwarded). The
+    counts and the handle are not tensors of the graph: they go back to the caller through ``box``."""
+
+    @staticmethod
+    def forward(ctx, box: list, buf, values, scales, topk_idx, topk_weights, num_experts: int, expert_alignment: int,
+                num_worst_tokens: int):
+        payload = values if scales is None else (values, scales)
+        recv_x, recv_idx, recv_w, per_expert, handle = buf.dispatch(
+            payload, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts,
+            expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens)
+        box.append((per_expert, handle))
+        ctx.buf, ctx.handle, ctx.x_dtype = buf, handle, values.dtype
+        # only the local-slot mask is kept: recv_topk_idx is a view of the CUDA backend's arena, and holding it
+        # until backward would pin an arena block per layer
+        ctx.local_slots = recv_idx >= 0 if topk_weights is not None else None
+        recv_values, recv_scales = recv_x if scales is not None else (recv_x, None)
+        return recv_values, recv_scales, recv_idx, recv_w
+
+    @staticmethod
+    def backward(ctx, grad_recv_x, _g_scales, _g_idx, grad_recv_weights):
+        handle, local_slots = ctx.handle, ctx.local_slots
+        if grad_recv_x is None:
+            grad_recv_x = torch.zeros(handle.num_recv, handle.hidden, dtype=ctx.x_dtype,
+                                      device=handle.recv_src_idx.device)
+        weights = None
+        if local_slots is not None:
+            if grad_recv_weights is None:
+                grad_recv_weights = torch.zeros(local_slots.shape, dtype=torch.float32, device=local_slots.device)
+            weights = torch.where(local_slots, grad_recv_weights, torch.zeros_like(grad_recv_weights))
+        grad_x, grad_weights = ctx.buf.combine(grad_recv_x.contiguous(), handle, topk_weights=weights)
+        return None, None, grad_x, None, None, grad_weights, None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    """Forward: ``buf.combine``; backward: a cached dispatch of the gradients along the same handle (every copy of
+    a token receives the token's gradient). With ``use_fp8`` the backward treats the cast as the identity."""
+
+    @staticmethod
+    def forward(ctx, buf, x, handle, topk_weights, use_fp8: bool):
+        combined_x, combined_w = buf.combine(x, handle, topk_weights=topk_weights, use_fp8=use_fp8)
+        ctx.buf, ctx.handle, ctx.x_dtype = buf, handle, x.dtype
+        ctx.weights_k = None if topk_weights is None else topk_weights.shape[1]
+        return combined_x, combined_w
+
+    @staticmethod
+    def backward(ctx, grad_combined_x, grad_combined_weights):
+        handle = ctx.handle
+        shape = (handle.num_tokens, handle.hidden)
+        device = handle.recv_src_idx.device
+        if grad_combined_x is None:
+            grad_combined_x = torch.zeros(shape, dtype=ctx.x_dtype, device=device)
+        weights = None
+        if ctx.weights_k is not None:
+            weights = (torch.zeros(shape[0], ctx.weights_k, dtype=torch.float32, device=device)
+                       if grad_combined_weights is None else grad_combined_weights.contiguous())
+        grad_x, _, grad_weights, _, _ = ctx.buf.dispatch(grad_combined_x.contiguous(), topk_weights=weights,
+                                                         handle=handle)
+        return None, grad_x, None, grad_weights if ctx.weights_k is not None else None, None
+
+
+def dispatch(buf, values, scales, topk_idx, topk_weights, num_experts: int, expert_alignment: int,
+             num_worst_tokens: int):
+    """``(recv_values, recv_scales, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert, handle)``."""
+    box: list = []
+    recv_values, recv_scales, recv_idx, recv_w = _Dispatch.apply(box, buf, values, scales, topk_idx, topk_weights,
+                                                                 num_experts, expert_alignment, num_worst_tokens)
+    per_expert, handle = box[0]
+    return recv_values, recv_scales, recv_idx, recv_w, per_expert, handle
+
+
+def combine(buf, x, handle, topk_weights: Optional[torch.Tensor], use_fp8: bool):
+    return _Combine.apply(buf, x, handle, topk_weights, use_fp8)
