@@ -8,8 +8,8 @@ The build writes deepcomm/_build_info.json (arch, nvcc version, NVSHMEM headers)
 deepcomm._C never links NVSHMEM (its host library is opened at run time); its headers, from NVSHMEM_HOME or the
 nvidia-nvshmem wheel, are needed to compile csrc/transport/nvshmem_*.cpp, which are skipped when absent.
 A third, optional module, deepcomm._nvshmem_kernels (csrc/nvshmem_kernels/ plus the hierarchical kernels compiled
-again with DEEPCOMM_NVSHMEM_DEVICE), is built only where NVSHMEM's device library (lib/libnvshmem_device.a) and
-host library are found next to those headers: relocatable device code (-rdc), device-linked against
+again with the NVSHMEM poster, -DDEEPCOMM_NVSHMEM_DEVICE=1), is built only where NVSHMEM's device library
+(lib/libnvshmem_device.a) and host library are found next to those headers: relocatable device code (-rdc), device-linked against
 libnvshmem_device.a, with libnvshmem_host.so.3 as a dependency (rpath to its directory); no libtorch, no libcuda.
 """
 import json
