@@ -5,8 +5,12 @@ Each extension is compiled and linked by nvcc alone (sm_90, static cudart, pybin
 links libtorch or libcuda, so one build serves any torch version and links on machines without a GPU driver.
 Set DEEPCOMM_NO_CUDA=1 to force a Python-only install, DEEPCOMM_CUDA_ARCH to change the target (default 90).
 The build writes deepcomm/_build_info.json (arch, nvcc version, NVSHMEM headers) for `python -m deepcomm`.
-NVSHMEM is never linked (its host library is opened at run time); its headers, from NVSHMEM_HOME or the
+deepcomm._C never links NVSHMEM (its host library is opened at run time); its headers, from NVSHMEM_HOME or the
 nvidia-nvshmem wheel, are needed to compile csrc/transport/nvshmem_*.cpp, which are skipped when absent.
+A third, optional module, deepcomm._nvshmem_kernels (csrc/nvshmem_kernels/ plus the hierarchical kernels compiled
+again with the NVSHMEM poster, -DDEEPCOMM_NVSHMEM_DEVICE=1), is built only where NVSHMEM's device library
+(lib/libnvshmem_device.a) and host library are found next to those headers: relocatable device code (-rdc), device-linked against
+libnvshmem_device.a, with libnvshmem_host.so.3 as a dependency (rpath to its directory); no libtorch, no libcuda.
 """
 import json
 import os
@@ -51,6 +55,18 @@ def find_nvshmem_include():
     return None
 
 
+def find_nvshmem_device_lib(include):
+    """NVSHMEM's lib/ directory next to ``include`` when it holds the device archive and the host library, else None:
+    what deepcomm._nvshmem_kernels links."""
+    if include is None:
+        return None
+    lib = Path(include).parent / "lib"
+    return lib if (lib / "libnvshmem_device.a").exists() and (lib / "libnvshmem_host.so.3").exists() else None
+
+
+NVSHMEM_KERNELS = "deepcomm._nvshmem_kernels"
+
+
 def is_nvshmem_source(rel):
     """Sources that include NVSHMEM headers: skipped without them."""
     return Path(rel).name.startswith("nvshmem_")
@@ -89,19 +105,28 @@ class NvccBuild(build_ext):
                   "building without NVSHMEM support; DEEPCOMM_LL_MEMORY=nvshmem will raise", file=sys.stderr)
         else:
             print(f"deepcomm: NVSHMEM headers from {nvshmem_include} (the library is loaded at run time)")
+        nvshmem_lib = find_nvshmem_device_lib(nvshmem_include)
+        if nvshmem_lib is None:
+            print("deepcomm: NVSHMEM device library not found: skipping deepcomm._nvshmem_kernels "
+                  "(internode_transport='nvshmem' will raise; 'nvshmem-host' and 'emulated' work)", file=sys.stderr)
+            self.extensions = [e for e in self.extensions if e.name != NVSHMEM_KERNELS]
         sources = {ext.name: [s for s in ext.sources if nvshmem_include is not None or not is_nvshmem_source(s)]
                    for ext in self.extensions}
         cu_flags = [f"-gencode=arch=compute_{arch},code=sm_{arch}", "-lineinfo", "--expt-relaxed-constexpr"]
         build_tmp = Path(self.build_temp) / "deepcomm"
         build_tmp.mkdir(parents=True, exist_ok=True)
 
-        def compile_one(rel):
+        def compile_one(job):
+            rel, device_puts = job
             src = str(ROOT / rel)
-            obj = build_tmp / (rel.replace("/", "_") + ".o")
+            obj = build_tmp / (("nvshmem_device_" if device_puts else "") + rel.replace("/", "_") + ".o")
             dep, stamp = obj.with_suffix(".d"), obj.with_suffix(".cmd")
             flags = common + (cu_flags if src.endswith(".cu") else ["-x", "c++"])
             if nvshmem_include is not None and "nvshmem" in Path(rel).name:  # incl. the NVSHMEM bindings
                 flags = flags + [f"-I{nvshmem_include}", "-DDEEPCOMM_WITH_NVSHMEM=1"]
+            if device_puts:  # deepcomm._nvshmem_kernels: relocatable device code calling NVSHMEM's device API
+                flags = flags + [f"-I{nvshmem_include}", "-DDEEPCOMM_NVSHMEM_DEVICE=1"] + (
+                    ["-rdc=true"] if src.endswith(".cu") else [])
             cmd = [nvcc, *flags, "-c", src, "-o", str(obj)]
             if up_to_date(obj, dep, stamp, " ".join(cmd)):
                 return str(obj)
@@ -111,14 +136,20 @@ class NvccBuild(build_ext):
             return str(obj)
 
         jobs = int(os.environ.get("DEEPCOMM_BUILD_JOBS", os.cpu_count() or 2))
-        every = [rel for ext in self.extensions for rel in sources[ext.name]]
+        every = list(dict.fromkeys((rel, ext.name == NVSHMEM_KERNELS) for ext in self.extensions
+                                   for rel in sources[ext.name]))
         with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
             objects = dict(zip(every, pool.map(compile_one, every)))
         for ext in self.extensions:
             out = Path(self.get_ext_fullpath(ext.name))
             out.parent.mkdir(parents=True, exist_ok=True)
+            device_puts = ext.name == NVSHMEM_KERNELS
+            # The NVSHMEM module: nvcc device-links the -rdc objects with libnvshmem_device.a, then links the host
+            # library by soname (the one deepcomm._C dlopens), found through the rpath.
+            extra = (["-rdc=true", f"-L{nvshmem_lib}", "-lnvshmem_device", "-l:libnvshmem_host.so.3",
+                      "-Xlinker", f"-rpath={nvshmem_lib}"] if device_puts else [])
             link = [nvcc, "-shared", f"-gencode=arch=compute_{arch},code=sm_{arch}",
-                    *(objects[rel] for rel in sources[ext.name]), "-o", str(out),
+                    *(objects[(rel, device_puts)] for rel in sources[ext.name]), "-o", str(out), *extra,
                     "-cudart=static", "-lrt", "-ldl", "-lpthread"]
             print(" ".join(link), flush=True)
             subprocess.run(link, check=True)
@@ -150,17 +181,26 @@ def up_to_date(obj: Path, dep: Path, stamp: Path, cmd: str) -> bool:
 SELFTEST_DIR = ROOT / "csrc" / "selftest"
 
 
-def extension_sources(folder: Path, skip=None):
-    """The .cu and .cpp files under `folder` (none under `skip`), relative to setup.py, as setuptools requires."""
+NVSHMEM_KERNELS_DIR = ROOT / "csrc" / "nvshmem_kernels"
+# The kernels deepcomm._nvshmem_kernels compiles again, with the NVSHMEM poster (csrc/kernels/hier_nvshmem_poster.cuh).
+NVSHMEM_KERNEL_SOURCES = ["csrc/kernels/hier_dispatch.cu", "csrc/kernels/hier_combine.cu"]
+
+
+def extension_sources(folder: Path, skip=()):
+    """The .cu and .cpp files under `folder` (none under a folder of `skip`), relative to setup.py, as setuptools
+    requires."""
     srcs = sorted(folder.rglob("*.cu")) + sorted(folder.rglob("*.cpp"))
-    return [p.relative_to(ROOT).as_posix() for p in srcs if skip is None or skip not in p.parents]
+    return [p.relative_to(ROOT).as_posix() for p in srcs if not any(s in p.parents for s in skip)]
 
 
 ext_modules, cmdclass = [], {}
 if find_nvcc() is not None:
     # The self-test module compiles only its own sources: what it needs from the library is header-only.
-    ext_modules = [Extension("deepcomm._C", sources=extension_sources(ROOT / "csrc", skip=SELFTEST_DIR)),
-                   Extension("deepcomm._selftest", sources=extension_sources(SELFTEST_DIR))]
+    ext_modules = [Extension("deepcomm._C", sources=extension_sources(ROOT / "csrc",
+                                                                      skip=(SELFTEST_DIR, NVSHMEM_KERNELS_DIR))),
+                   Extension("deepcomm._selftest", sources=extension_sources(SELFTEST_DIR)),
+                   # dropped at build time when NVSHMEM's device library is not found (NvccBuild)
+                   Extension(NVSHMEM_KERNELS, sources=extension_sources(NVSHMEM_KERNELS_DIR) + NVSHMEM_KERNEL_SOURCES)]
     cmdclass = {"build_ext": NvccBuild}
 else:
     print("deepcomm: nvcc not found, installing the Python-only package (reference backend)", file=sys.stderr)

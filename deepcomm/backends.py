@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ._ext import extension_error, load_extension
-from .config import Config
+from .config import NVSHMEM_TRANSPORTS, Config
 from .hosts import hosts_of
 from .log import configure_from_env
 
@@ -94,16 +94,20 @@ def group_hosts(group, world_size: int) -> Optional[List[str]]:
     return hosts_of(group)
 
 
-def nvshmem_unavailable_reason() -> Optional[str]:
-    """``None`` when NVSHMEM's host library opens (deepcomm/cuda/nvshmem_library.py); otherwise why not."""
+def nvshmem_unavailable_reason(transport: str = "nvshmem-host") -> Optional[str]:
+    """``None`` when NVSHMEM's host library opens (deepcomm/cuda/nvshmem_library.py) and, for the "nvshmem"
+    transport (device puts), the optional module deepcomm._nvshmem_kernels loads; otherwise why not."""
     try:
         from .cuda.nvshmem_library import NvshmemUnavailableError, load_library
+        from .cuda.nvshmem_kernels import unavailable_reason
     except ImportError as exc:
         return f"NVSHMEM support cannot be imported ({exc})"
     try:
         load_library()
     except NvshmemUnavailableError as exc:
         return f"NVSHMEM is not available ({str(exc).splitlines()[0]})"
+    if transport == "nvshmem":
+        return unavailable_reason()
     return None
 
 
@@ -127,8 +131,8 @@ def choose_backend(requested: str, group, config: Config, world_size: int) -> Ba
                   "deepcomm's launchers do), DEEPCOMM_GPUS_PER_NODE or Buffer(gpus_per_node=...)")
     if reason is None and internode:
         reason = internode_unavailable_reason(group, world_size, transport, config.gpus_per_node, hosts)
-        if reason is None and transport == "nvshmem":
-            reason = nvshmem_unavailable_reason()
+        if reason is None and transport in NVSHMEM_TRANSPORTS:
+            reason = nvshmem_unavailable_reason(transport)
         if reason is not None:
             reason = f"the internode CUDA backend cannot run: {reason}"
     if reason is not None and requested == "cuda":
@@ -191,7 +195,7 @@ def internode_unavailable_reason(group, world_size: int, transport: str = "emula
         if len(on) > 1:
             return (f"the ranks of node {node} (gpus_per_node={gpus_per_node}) are on several hosts ({', '.join(on)}); "
                     "the NVLink hop inside a node needs them on one host")
-    if len(set(hosts)) > 1 and transport == "emulated":
+    if len(set(hosts)) > 1 and transport not in NVSHMEM_TRANSPORTS:
         return ("the ranks span several hosts; the internode CUDA backend's emulated NIC runs only on one host posing "
                 "as several nodes (internode_transport='nvshmem', or DEEPCOMM_INTERNODE_TRANSPORT=nvshmem, reaches "
                 "other hosts through NVSHMEM)")

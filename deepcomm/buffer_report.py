@@ -38,8 +38,9 @@ def transport_of(buf: ReportedBuffer, choice: BackendChoice) -> str:
         return f"torch.distributed collectives ({dist.get_backend(buf.group)})"
     ll = "NVSHMEM symmetric heap" if cfg.low_latency_memory == "nvshmem" else "CUDA IPC"
     if choice.internode:
-        between = ("NVSHMEM puts and signals" if cfg.internode_transport == "nvshmem"
-                   else "GPU-posted mlx5 WQEs executed by the device emulated NIC")
+        between = {"nvshmem": "NVSHMEM device puts and signals issued by the internode kernels",
+                   "nvshmem-host": "NVSHMEM puts and signals from the host API (torch routing)"}.get(
+                       cfg.internode_transport, "GPU-posted mlx5 WQEs executed by the device emulated NIC")
         return f"between nodes: {between}; inside a node: NVLink (CUDA IPC); low-latency buffer: {ll}"
     return f"NVLink peer memory (CUDA IPC); low-latency buffer: {ll}"
 

@@ -9,7 +9,8 @@ DEFAULT_HIDDEN = 7168
 DEFAULT_TIMEOUT_S = 100.0
 LL_MEMORY_KINDS = ("ipc", "nvshmem")
 LL_MEMORY_ENV = "DEEPCOMM_LL_MEMORY"
-INTERNODE_TRANSPORTS = ("emulated", "nvshmem")
+INTERNODE_TRANSPORTS = ("emulated", "nvshmem", "nvshmem-host")
+NVSHMEM_TRANSPORTS = ("nvshmem", "nvshmem-host")  # both reach other hosts through NVSHMEM
 INTERNODE_TRANSPORT_ENV = "DEEPCOMM_INTERNODE_TRANSPORT"
 
 
@@ -37,8 +38,10 @@ def resolve_low_latency_memory(value: Optional[str]) -> str:
 def resolve_internode_transport(value: Optional[str]) -> str:
     """What carries the internode exchange rounds of the CUDA backend (topologies of several nodes): ``value``
     when given, else ``$DEEPCOMM_INTERNODE_TRANSPORT``, else "emulated" (GPU-posted mlx5 WQEs executed by the
-    device emulated NIC; every rank on one host). "nvshmem": puts and signals through NVSHMEM's host API on its
-    symmetric heap. ``ValueError`` names the source."""
+    device emulated NIC; every rank on one host). "nvshmem": the internode kernels issue NVSHMEM device puts and
+    signals on its symmetric heap (needs the optional module deepcomm._nvshmem_kernels). "nvshmem-host": the
+    same rounds through NVSHMEM's host API, stream-ordered, with the torch routing (the fallback where the
+    device module is not built). ``ValueError`` names the source."""
     return _resolve_choice("internode_transport", value, INTERNODE_TRANSPORT_ENV, INTERNODE_TRANSPORTS, "emulated")
 
 

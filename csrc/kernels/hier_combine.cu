@@ -322,7 +322,7 @@ __global__ void __launch_bounds__(kHierThreads) hier_combine_kernel(HierCombineA
       const int single = a.singles[m];
       return uint64_t(single) * a.held_stride + uint64_t(a.rows_from[m] - single) * a.partial_stride;
     };
-    poster_block(a.rdma, &a.counters[1], uint32_t(a.rdma_blocks), bytes_of, ctx);
+    poster_block(a.rdma, a.topo, &a.counters[1], uint32_t(a.rdma_blocks), bytes_of, ctx);
   } else {
     nic_block(a.rdma, b - a.rdma_blocks - a.nvl_blocks - 1, keys, ctx);
   }

@@ -191,7 +191,7 @@ __global__ void __launch_bounds__(kHierThreads) hier_dispatch_kernel(HierDispatc
     forward_block(a, blk - a.rdma_blocks, ctx);
   } else if (blk == poster) {
     poster_block(
-        a.rdma, &a.counters[0], uint32_t(a.rdma_blocks),
+        a.rdma, a.topo, &a.counters[0], uint32_t(a.rdma_blocks),
         [&](int j) { return uint64_t(a.rows_to[peer_node(a.topo, j)]) * a.stride; }, ctx);
   } else {
     nic_block(a.rdma, blk - poster - 1, keys, ctx);

@@ -32,6 +32,10 @@ namespace dc {
 
 constexpr int kHierMaxNodes = kInternodeMaxNodes;  // per-node arrays below: rows_to, rows_from
 constexpr int kHierThreads = 512;
+// With NVSHMEM device puts (deepcomm._nvshmem_kernels) every rail block travels as this many put-with-signal
+// chunks (empty ones as a lone signal), each adding 1 to the receiver's signal word: a round r has landed when
+// the word reaches r * kNvshmemChunks (the host API's count round SETs exactly that value).
+constexpr int kNvshmemChunks = 8;
 
 struct HierTopo {
   int num_nodes, gpus, node, local, rank;  // rank = node * gpus + local
@@ -49,7 +53,10 @@ struct HierRdma {
   uint8_t* send;               // our send area: the section for rail rank d at send + d * slot_bytes (ours: the
                                // section at our own rank, never posted: our own node's rows)
   const uint8_t* recv;         // our receive area: the block rail rank s sent us at recv + s * slot_bytes
-  const uint64_t* signal;      // our signal[R]: signal[s] >= round when s's block of this round has landed
+  const uint64_t* signal;      // our signal[R]: signal[s] >= signal_target when s's block of this round has landed
+  uint64_t signal_target;      // round (emulated NIC: one fetch-add per round) or round * kNvshmemChunks
+  uint64_t* credit;            // our credit[R] (NVSHMEM device puts only; the emulated poster reads the peer table)
+  bool nvshmem_puts;           // the poster issues NVSHMEM device puts (only the kernels of deepcomm._nvshmem_kernels)
   uint64_t slot_bytes;
   bool emulate_nic;            // launch NIC blocks for the queue pairs
   int nic_blocks;              // NIC blocks per queue pair (emulate_nic), in [1, transport::kNicMaxBlocks]

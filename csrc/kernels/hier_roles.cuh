@@ -11,6 +11,9 @@
 #include "hier_kernels.hpp"
 #include "internode_round.hpp"
 #include "warp_copy.cuh"
+#ifdef DEEPCOMM_NVSHMEM_DEVICE
+#include "hier_nvshmem_poster.cuh"
+#endif
 
 namespace dc::hier {
 
@@ -82,7 +85,7 @@ __device__ __forceinline__ bool block_wait_signal(const HierRdma& r, int s, cons
   __shared__ bool ok;
   __syncthreads();  // every thread has read `ok` of the previous wait
   if (threadIdx.x == 0) {
-    ok = wait_flag_geq(r.signal + s, r.round, ctx, s, kStageQpSignal);
+    ok = wait_flag_geq(r.signal + s, r.signal_target, ctx, s, r.nvshmem_puts ? kStageNvshmemSignal : kStageQpSignal);
     ptx::fence_acq_rel_sys();
   }
   __syncthreads();
@@ -92,8 +95,13 @@ __device__ __forceinline__ bool block_wait_signal(const HierRdma& r, int s, cons
 // The poster block: thread j < num_peers runs the exchange round with peer j once the launch counter says every
 // one of `blocks` producer blocks is done; bytes_of(j) gives the block's size then.
 template <typename Bytes>
-__device__ void poster_block(const HierRdma& r, const uint32_t* done, uint32_t blocks, Bytes bytes_of,
-                             const WaitCtx& ctx) {
+__device__ void poster_block(const HierRdma& r, const HierTopo& t, const uint32_t* done, uint32_t blocks,
+                             Bytes bytes_of, const WaitCtx& ctx) {
+#ifdef DEEPCOMM_NVSHMEM_DEVICE
+  nvshmem_poster_block(r, t, done, blocks, bytes_of, ctx);
+  return;
+#endif
+  (void)t;
   const int j = int(threadIdx.x);
   if (j >= r.num_peers) return;
   InternodePeer p = r.peers[j];
@@ -146,6 +154,15 @@ inline int checked_grid_blocks(const HierTopo& t, const HierRdma& r, int rdma_bl
   DC_HOST_ASSERT(rdma_blocks >= 1 && nvl_blocks >= 1, what + ": rdma_blocks and nvl_blocks must be >= 1");
   DC_HOST_ASSERT(!r.emulate_nic || (r.nic_blocks >= 1 && r.nic_blocks <= kNicMaxBlocks),
                  what + ": nic_blocks must be in [1, " + std::to_string(kNicMaxBlocks) + "]");
+#ifdef DEEPCOMM_NVSHMEM_DEVICE
+  DC_HOST_ASSERT(r.nvshmem_puts && !r.emulate_nic && r.credit != nullptr &&
+                     r.signal_target == r.round * uint64_t(kNvshmemChunks),
+                 what + ": the NVSHMEM kernels need nvshmem_puts, no emulated NIC, credit words and "
+                        "signal_target = round * kNvshmemChunks");
+#else
+  DC_HOST_ASSERT(!r.nvshmem_puts && r.signal_target == r.round,
+                 what + ": NVSHMEM device puts need deepcomm._nvshmem_kernels; here signal_target must be round");
+#endif
   int device = 0, sms = 0;
   DC_CUDA_CHECK(cudaGetDevice(&device));
   DC_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));

@@ -31,7 +31,8 @@ PEER_STYLES = [{"linestyle": "--", "linewidth": 1.4, "marker": "s", "markersize"
                {"linestyle": "-.", "linewidth": 1.4, "marker": "D", "markersize": 4},
                {"linestyle": (0, (5, 1, 1, 1, 1, 1)), "linewidth": 1.4, "marker": "v", "markersize": 5}]
 MODE_NAMES = {"normal": "normal mode", "low_latency": "low-latency mode",
-              "internode-emulated": "internode (emulated NIC)", "internode-nvshmem": "internode (NVSHMEM)",
+              "internode-emulated": "internode (emulated NIC)", "internode-nvshmem": "internode (NVSHMEM device puts)",
+              "internode-nvshmem-host": "internode (NVSHMEM host API)",
               "internode-reference": "internode (reference backend)"}
 
 

@@ -9,7 +9,9 @@ the layout arithmetic from the count matrix (host lists), torch packing of the r
 unpacking after it (no sync), and one sync after the launch that reads the error record, so a timeout is a
 CommTimeoutError of this call.
 
-Only with the emulated NIC transport (GPU-posted WQEs); the NVSHMEM transport keeps hier_normal.py.
+Two transports: the emulated NIC (GPU-posted WQEs, deepcomm._C's kernels, NIC blocks in the grid) and NVSHMEM
+device puts (``device_puts``: the same kernels from deepcomm._nvshmem_kernels, whose poster issues chunked
+put-with-signal; no NIC blocks). "nvshmem-host" keeps hier_normal.py.
 """
 from __future__ import annotations
 
@@ -39,22 +41,39 @@ class NodeRoute:
 
 
 class HierKernels:
-    """Launches the hierarchical kernels over a HierComm whose transport is a NicTransport."""
+    """Launches the hierarchical kernels over a HierComm whose transport is a NicTransport, or, with
+    ``device_puts`` (the module deepcomm._nvshmem_kernels, its device state registered), an NvshmemTransport
+    made with ``signals_per_round=device_puts.NVSHMEM_CHUNKS``."""
 
-    def __init__(self, comm: HierComm, num_sms: int):
+    def __init__(self, comm: HierComm, num_sms: int, device_puts=None):
         self.comm = comm
         self.tr, self.link = comm.transport, comm.link
+        self.device_puts = device_puts
         self.counters = torch.zeros(4, dtype=torch.int32, device=comm.device)
-        # The queue pairs' table (InternodePeer rows) never changes: the section for rail rank d starts at
-        # d * slot_bytes and the kernels decide the bytes. Built once, not per launch.
-        R, tr = comm.world_size, self.tr
-        rows = tr.peer_rows([0] * R, [d * tr.slot_bytes for d in range(R)])
-        self.peer_table = torch.tensor(rows, dtype=torch.int64).to(comm.device)
+        self.peer_table = None
+        if device_puts is not None:
+            if getattr(self.tr, "signals_per_round", None) != device_puts.NVSHMEM_CHUNKS:
+                raise ValueError("comm: NVSHMEM device puts need an NvshmemTransport with signals_per_round = "
+                                 f"{device_puts.NVSHMEM_CHUNKS}")
+        else:
+            # The queue pairs' table (InternodePeer rows) never changes: the section for rail rank d starts at
+            # d * slot_bytes and the kernels decide the bytes. Built once, not per launch.
+            R, tr = comm.world_size, self.tr
+            rows = tr.peer_rows([0] * R, [d * tr.slot_bytes for d in range(R)])
+            self.peer_table = torch.tensor(rows, dtype=torch.int64).to(comm.device)
         self.set_num_sms(num_sms)
+
+    @property
+    def transport_name(self) -> str:
+        return "emulated" if self.device_puts is None else "nvshmem"
 
     def set_num_sms(self, num_sms: int) -> None:
         sms = usable_sms(self.comm.device)  # this rank's share where ranks share the GPU (gpu_share.py)
         P = len(self.tr.peers)
+        if self.device_puts is not None:  # the poster block only: NVSHMEM (or a real NIC) moves the bytes
+            self.rdma_blocks, self.nvl_blocks = split_sms(num_sms, sms, 1)
+            self.nic_blocks = 1  # unused without emulated NICs
+            return
         self.rdma_blocks, self.nvl_blocks = split_sms(num_sms, sms, 1 + P)  # room for one NIC block per queue
         # every SM the roles and the poster leave goes to the NICs (all blocks stay resident)
         self.nic_blocks = nic_blocks_for(sms - self.rdma_blocks - self.nvl_blocks - 1, P, self.tr.T.NIC_MAX_BLOCKS)
@@ -67,22 +86,30 @@ class HierKernels:
         tr.round += 1
         tr.seq.fill_(tr.round)
         self.counters.zero_()
+        puts = self.device_puts is not None
         fields = dict(
             num_nodes=comm.num_nodes, gpus=comm.gpus, node=comm.node, local=comm.local,
-            peers=self.peer_table.data_ptr(), num_peers=len(tr.peers), lkey=tr.lkey, round=tr.round,
-            chunk_bytes=CHUNK_BYTES,
+            peers=0 if puts else self.peer_table.data_ptr(), num_peers=len(tr.peers), lkey=0 if puts else tr.lkey,
+            round=tr.round, chunk_bytes=CHUNK_BYTES,
             log_wqebbs=LOG_WQEBBS, log_cqes=LOG_WQEBBS, send=tr.mem.ptr + tr.offsets["send"],
             recv=tr.mem.ptr + tr.offsets["recv"], signal=tr.mem.ptr + tr.offsets["signal"],
-            slot_bytes=tr.slot_bytes, emulate_nic=True, nic_blocks=self.nic_blocks,
+            signal_target=tr.round * (self.device_puts.NVSHMEM_CHUNKS if puts else 1),
+            credit=tr.mem.ptr + tr.offsets["credit"] if puts else 0, nvshmem_puts=puts,
+            slot_bytes=tr.slot_bytes, emulate_nic=not puts, nic_blocks=self.nic_blocks,
             area=link.area_ptrs(), free_words=link.word_ptrs("free"), arrive_words=link.word_ptrs("arrive"),
             epoch=link.next_epoch(), counters=self.counters.data_ptr(), rdma_blocks=self.rdma_blocks,
             nvl_blocks=self.nvl_blocks, err_dev=tr.err_dev, timeout_s=tr.timeout_s, seq_ptr=tr.seq.data_ptr())
         fields.update(kw)
         return fields
 
-    def _launch(self, fn, fields: dict) -> None:
+    def _launch(self, kernel: str, fields: dict) -> None:
+        """Launch ``kernel`` ("hier_dispatch" or "hier_combine") of the transport's module, then sync and read the
+        error record."""
         stream = torch.cuda.current_stream(self.comm.device)
-        fn(fields, self.tr.keys, stream.cuda_stream)
+        if self.device_puts is not None:
+            getattr(self.device_puts, kernel)(fields, stream.cuda_stream)
+        else:
+            getattr(self.tr.T, kernel)(fields, self.tr.keys, stream.cuda_stream)
         stream.synchronize()
         self.tr.check_error()
 
@@ -199,7 +226,7 @@ def dispatch(k: HierKernels, x, topk_idx: Optional[torch.Tensor], topk_weights: 
     slots = plan["rdma_slot"]
     first = torch.tensor(plan["first_row"], dtype=torch.int32).to(dev)
     with torch.cuda.device(dev):
-        k._launch(k.tr.T.hier_dispatch, k._fields(
+        k._launch("hier_dispatch", k._fields(
             rows=packed.data_ptr(), stride=stride, mask_off=mask_off, num_tokens=T,
             masks=masks.data_ptr() if masks is not None else 0, rdma_slot=slots.data_ptr(), rows_to=rows_to,
             rows_from=rows_from, first_row=first.data_ptr(), route=route.data_ptr(), singles=singles.data_ptr(),
@@ -260,7 +287,7 @@ def combine(k: HierKernels, x: torch.Tensor, handle: Handle, topk_weights: Optio
     gather_t = torch.tensor(gather, dtype=torch.int64).to(dev)
     area_t = torch.tensor(area_off, dtype=torch.int64).to(dev)
     with torch.cuda.device(dev):
-        k._launch(k.tr.T.hier_combine, k._fields(
+        k._launch("hier_combine", k._fields(
             held=rows.data_ptr(), held_stride=held_stride, w_off=w_off, hidden=H, topk=K, fp8=bool(use_fp8),
             own_x=xs.data_ptr(), own_w=w.data_ptr() if w is not None else 0, own_begin=begins[rank],
             gather=gather_t.data_ptr(), route=info.route.data_ptr(), singles=info.singles.data_ptr(),

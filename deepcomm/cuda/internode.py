@@ -37,6 +37,7 @@ from .internode_rows import max_node_row_bytes
 from .ll_calls import LowLatencyEngine
 from .nic_transport import NicTransport
 from .node_link import NodeLink
+from .nvshmem_kernels import load_device_kernels
 from .nvshmem_transport import NvshmemTransport
 
 
@@ -60,13 +61,26 @@ class InternodeBackend:
         self.config, self.rank, self.world_size, self.device = config, rank, world_size, device
         G = config.gpus_per_node
         rail = [r for r in range(world_size) if r % G == rank % G]  # RDMA peers: our local index on every node
-        if config.internode_transport == "nvshmem":  # NVSHMEM puts and signals (nvshmem_transport.py)
+        use_kernels = os.environ.get("DEEPCOMM_INTERNODE_KERNELS", "1") != "0"
+        device_puts = None  # deepcomm._nvshmem_kernels with internode_transport="nvshmem"
+        extra = {}
+        if config.internode_transport == "nvshmem":  # the kernels issue NVSHMEM device puts (nvshmem_kernels.py)
+            transport_cls = NvshmemTransport
+            device_puts = load_device_kernels()  # NvshmemUnavailableError naming the reason, before any collective
+            extra = dict(signals_per_round=device_puts.NVSHMEM_CHUNKS)
+        elif config.internode_transport == "nvshmem-host":  # NVSHMEM's host API, torch routing
             transport_cls = NvshmemTransport
         else:  # "emulated": GPU-posted WQEs, the device emulated NIC
             transport_cls = NicTransport
         with torch.cuda.device(device):
             self.transport = transport_cls(C, group, rank, world_size, device, config.max_tokens_per_rank,
-                                           config.hidden, config.timeout_s, peers=rail)
+                                           config.hidden, config.timeout_s, peers=rail, **extra)
+            if device_puts is not None:
+                try:  # NVSHMEM is initialized now (the symmetric block is allocated): register the module
+                    device_puts.init_device_state()
+                except BaseException:
+                    self.transport.close()
+                    raise
             try:
                 self.link = NodeLink(C, group, rank, world_size, G, device,
                                      world_size * config.max_tokens_per_rank * max_node_row_bytes(config.hidden),
@@ -83,11 +97,11 @@ class InternodeBackend:
             self.transport.close()
             raise
         self.comm = HierComm(self.transport, self.link, rank, world_size, G, device)
-        # The dedicated kernels (hier_kernels.py) carry the emulated transport unless DEEPCOMM_INTERNODE_KERNELS=0;
-        # the NVSHMEM transport's host-side puts keep the torch routing (hier_normal.py).
+        # The dedicated kernels (hier_kernels.py) carry the emulated NIC and the NVSHMEM device puts unless
+        # DEEPCOMM_INTERNODE_KERNELS=0; "nvshmem-host" (host-side puts) keeps the torch routing (hier_normal.py).
         self.kernels = None
-        if transport_cls is NicTransport and os.environ.get("DEEPCOMM_INTERNODE_KERNELS", "1") != "0":
-            self.kernels = HierKernels(self.comm, config.num_sms)
+        if use_kernels and (transport_cls is NicTransport or device_puts is not None):
+            self.kernels = HierKernels(self.comm, config.num_sms, device_puts=device_puts)
 
     def get_dispatch_layout(self, topk_idx, num_experts):
         from .. import layout

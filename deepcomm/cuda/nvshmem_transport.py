@@ -109,7 +109,7 @@ class NvshmemTransport(ExchangeRecord):
     row of the hierarchical path, an fp32 combine partial, per token)."""
 
     def __init__(self, C, group, rank: int, world_size: int, device: torch.device, max_tokens: int, hidden: int,
-                 timeout_s: float, peers: Optional[Sequence[int]] = None):
+                 timeout_s: float, peers: Optional[Sequence[int]] = None, signals_per_round: int = 1):
         from .nvshmem_library import load_library
         from .nvshmem_memory import NvshmemMemory
 
@@ -117,6 +117,11 @@ class NvshmemTransport(ExchangeRecord):
         limit = C.transport.INTERNODE_MAX_RANKS
         if not 2 <= world_size <= limit:
             raise ValueError(f"world_size: the NVSHMEM internode transport takes 2..{limit} ranks, got {world_size}")
+        if signals_per_round < 1:
+            raise ValueError(f"signals_per_round: expected >= 1, got {signals_per_round}")
+        # A round r has landed when signal[p] reaches r * signals_per_round: 1 here; the internode kernels' device
+        # puts add 1 per chunk (hier_kernels.hpp kNvshmemChunks), so their transport's host rounds SET that value.
+        self.signals_per_round = signals_per_round
         self.n = load_library()  # NvshmemUnavailableError, before any collective, when NVSHMEM is missing
         self.C, self.T = C, C.transport
         self.rank, self.world_size, self.device, self.timeout_s = rank, world_size, device, timeout_s
@@ -154,7 +159,8 @@ class NvshmemTransport(ExchangeRecord):
         Collective: every rank calls it the same number of times."""
         self.refuse_if_broken()
         r = self.round + 1
-        blocks = block_ops(self.base, self.offsets, self.slot_bytes, self.rank, self.world_size, r, send_bytes,
+        landed = r * self.signals_per_round
+        blocks = block_ops(self.base, self.offsets, self.slot_bytes, self.rank, self.world_size, landed, send_bytes,
                            send_begin, self.peers)
         self.round = r
         with torch.cuda.device(self.device):
@@ -167,7 +173,7 @@ class NvshmemTransport(ExchangeRecord):
             self.check_error()  # a peer that never freed its slot: raise before writing into it
             self._issue(blocks, stream.cuda_stream)
             self.n.quiet_on_stream(stream.cuda_stream)
-            self._wait("signal", r, stream.cuda_stream)
+            self._wait("signal", landed, stream.cuda_stream)
             stream.synchronize()
         self.check_error()
 

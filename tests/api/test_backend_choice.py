@@ -106,7 +106,7 @@ def _two_hosts(monkeypatch, nodes=2, gpus=8, cuda=True, nvshmem=None):
                         lambda group, requested="cuda": None if cuda else "CUDA is not available")
     monkeypatch.setattr(backends, "group_hosts", lambda group, world: [f"h{r // gpus}" for r in range(world)])
     monkeypatch.setattr(backends, "hosts_of", lambda group: pytest.fail("the host names are gathered once"))
-    monkeypatch.setattr(backends, "nvshmem_unavailable_reason", lambda: nvshmem)
+    monkeypatch.setattr(backends, "nvshmem_unavailable_reason", lambda transport="nvshmem": nvshmem)
     return nodes * gpus
 
 

@@ -12,8 +12,8 @@ CHOICES = [
      "shm", "DEEPCOMM_LL_MEMORY: expected one of ipc, nvshmem, got 'shm'",
      resolve_low_latency_memory, "cuda_ipc", "low_latency_memory"),
     ("internode_transport", "DEEPCOMM_INTERNODE_TRANSPORT", "emulated", "nvshmem",
-     "ibgda", "DEEPCOMM_INTERNODE_TRANSPORT: expected one of emulated, nvshmem, got 'ibgda'",
-     resolve_internode_transport, "NVSHMEM", "^internode_transport: expected one of 'emulated', 'nvshmem'"),
+     "ibgda", "DEEPCOMM_INTERNODE_TRANSPORT: expected one of emulated, nvshmem, nvshmem-host, got 'ibgda'",
+     resolve_internode_transport, "NVSHMEM", "^internode_transport: expected one of 'emulated', 'nvshmem', 'nvshmem-host'"),
 ]
 
 

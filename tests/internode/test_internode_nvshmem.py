@@ -1,4 +1,4 @@
-"""Internode normal mode over the NVSHMEM transport (internode_transport="nvshmem") on 2 GPUs posed as 2 nodes x 1
+"""Internode normal mode over the NVSHMEM transport (internode_transport="nvshmem-host") on 2 GPUs posed as 2 nodes x 1
 GPU (with 4 GPUs also 2 x 2): the hierarchical routing (hier_normal.py) with its RDMA hop as NVSHMEM puts-with-
 signal (or lone signals) on the symmetric heap, only between ranks of the same local index, and its NVLink hop
 inside a node; every wait a bounded deepcomm kernel. Dispatch (BF16, FP8, with weights), cached re-dispatch and
@@ -41,9 +41,9 @@ def _nvshmem_worker(rank, world, gpn):
     peers = [m * G + local for m in range(N) if m != node]  # NVSHMEM calls only to our local index elsewhere
     ref = reference(rank_device(rank), max_tokens_per_rank=M, hidden=7168, gpus_per_node=gpn, timeout_s=30)
     nv = deepcomm.Buffer(max_tokens_per_rank=M, hidden=7168, backend="cuda", gpus_per_node=gpn, timeout_s=30,
-                         internode_transport="nvshmem")
+                         internode_transport="nvshmem-host")
     assert nv.topology == Topology(world // gpn, gpn) and nv.backend_name == "cuda"
-    assert nv.config.internode_transport == "nvshmem"
+    assert nv.config.internode_transport == "nvshmem-host"
     backend = nv._backend
     tr = backend.transport
     assert type(backend).__name__ == "InternodeBackend" and isinstance(tr, NvshmemTransport), type(tr)
@@ -66,7 +66,7 @@ def _nvshmem_worker(rank, world, gpn):
 
 
 def _missing_peer_worker(rank, world):
-    os.environ["DEEPCOMM_INTERNODE_TRANSPORT"] = "nvshmem"  # selected through the environment this time
+    os.environ["DEEPCOMM_INTERNODE_TRANSPORT"] = "nvshmem-host"  # selected through the environment this time
     import torch.distributed as dist
 
     import deepcomm
