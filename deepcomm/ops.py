@@ -1,6 +1,7 @@
 """Differentiable dispatch and combine, and the low-latency calls: the same results as the Buffer's calls. Traced
 by torch.compile, they run on the operators of deepcomm/custom_ops.py (docs/api.md, "torch.compile"); in eager
-mode dispatch and combine are the Buffer calls under autograd (deepcomm/eager_ops.py), with the same backward.
+mode dispatch and combine are the Buffer calls under autograd (deepcomm/eager_ops.py), with the same backward,
+and the low-latency calls the Buffer calls themselves.
 
 dispatch and combine are adjoint linear maps along one route, so each one's backward is the other:
 - dispatch backward: combine the gradients of recv_x (and of recv_topk_weights, masked to the slots that
@@ -178,6 +179,11 @@ def low_latency_dispatch(buf, x, topk_idx, num_max_dispatch_tokens_per_rank: int
     for name, flag in (("use_fp8", use_fp8), ("use_ue8m0", use_ue8m0)):
         if not isinstance(flag, bool):
             v.fail(name, f"expected a bool, got {type(flag).__name__}")
+    if not torch.compiler.is_compiling():  # eager: the Buffer call itself (the receive half at once)
+        recv_x, recv_count, handle, _ = buf.low_latency_dispatch(x.detach(), topk_idx,
+                                                                 num_max_dispatch_tokens_per_rank, num_experts,
+                                                                 use_fp8=use_fp8, use_ue8m0=use_ue8m0)
+        return recv_x, recv_count, handle
     values, scales, recv_count, src_info, layout, recv_pos, slot = _ops.low_latency_dispatch(
         buf.buffer_id, x.detach(), topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, use_ue8m0)
     # the slot is the backend's choice at run time: a 0-d tensor inside a compiled graph, an int in eager
@@ -194,6 +200,8 @@ def low_latency_combine(buf, x, topk_idx, topk_weights, handle: LowLatencyHandle
         _tensor_arg(name, t)
     if not isinstance(use_fp8, bool):
         v.fail("use_fp8", f"expected a bool, got {type(use_fp8).__name__}")
+    if not torch.compiler.is_compiling():
+        return buf.low_latency_combine(x.detach(), topk_idx, topk_weights.detach(), handle, use_fp8=use_fp8)[0]
     slot = handle.slot if torch.is_tensor(handle.slot) else torch.tensor(handle.slot, dtype=torch.int32)
     return _ops.low_latency_combine(buf.buffer_id, x.detach(), topk_idx, topk_weights.detach(), handle.src_info,
                                     handle.layout, handle.recv_pos, slot, handle.num_experts,
