@@ -76,11 +76,13 @@ void register_low_latency(py::module_& m) {
       .def("set_error_record", [](LlContext& c, uintptr_t dev) { c.err_device = ptr<ErrorRecord>(dev); })
       .def("set_agree_record", [](LlContext& c, uintptr_t dev) { c.agree_device = ptr<AgreeRecord>(dev); })
       .def("set_timeout_ns", [](LlContext& c, uint64_t ns) { c.timeout_ns = ns; })
-      // A call this rank rejected: a send half of `kind` (0 dispatch, 1 combine) into `slot` with only its words
-      .def("agree_reject", [](const LlContext& c, const Words& fingerprint, int kind, int slot, uintptr_t stream) {
+      // A call this rank rejected: a send half of `kind` (0 dispatch, 1 combine) into `slot` with only its words;
+      // compare: also wait for the peers' words and record a difference (a call of a new shape, ll_calls.py)
+      .def("agree_reject", [](const LlContext& c, const Words& fingerprint, int kind, int slot, uintptr_t stream,
+                              bool compare) {
         launch_ll_agree_reject(fingerprint_of(fingerprint), kind, slot, c.layout, c.peers, c.wait_ctx(),
-                               stream_of(stream));
-      })
+                               stream_of(stream), compare);
+      }, py::arg("fingerprint"), py::arg("kind"), py::arg("slot"), py::arg("stream"), py::arg("compare") = false)
       .def("set_trace", [](LlContext& c, uintptr_t dev) { c.trace = ptr<uint64_t>(dev); })
       .def("set_pdl", [](LlContext& c, int mode) {
         DC_HOST_ASSERT(mode >= 0 && mode <= 2, "set_pdl: mode must be 0, 1 or 2");

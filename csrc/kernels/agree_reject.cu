@@ -24,14 +24,19 @@ __global__ void agree_reject_kernel(Fingerprint f, NvlLayout layout, Peers peers
 
 // Low-latency mode: a send half of `kind` into `slot` that only publishes the words (tagged as that send's words
 // are) and advances the call numbers as ll_finish_send does; no arrival word is raised (the peers stop on the words
-// before they wait for any).
-__global__ void ll_agree_reject_kernel(Fingerprint f, int kind, int slot, LlLayout l, Peers peers, WaitCtx ctx) {
+// before they wait for any). `compare`: then also wait for every live peer's words and compare them with ours, as
+// a receive half does (a difference is recorded: agree_report), for a call that will not run in this buffer (a
+// new low-latency shape: the host learns whether every rank changed it).
+__global__ void ll_agree_reject_kernel(Fingerprint f, int kind, int slot, LlLayout l, Peers peers, WaitCtx ctx,
+                                       bool compare) {
   uint8_t* self = peers.base[ctx.rank];
   uint32_t alive;
   const LlKind k = LlKind(kind);
   const uint64_t calls = ll_enter<true>(self, l, k, slot, ctx, &alive);
-  if (ll_agree_on(f, l)) ll_agree_publish(peers, l, alive, k, slot, ctx.rank, f, k == kLlDispatch ? calls : ctx.seq);
+  const uint64_t tag = k == kLlDispatch ? calls : ctx.seq;
+  if (ll_agree_on(f, l)) ll_agree_publish(peers, l, alive, k, slot, ctx.rank, f, tag);
   __syncthreads();
+  if (compare && ll_agree_on(f, l)) ll_agree(self, l, alive, k, slot, f, tag, ctx);
   if (threadIdx.x == 0) {
     reinterpret_cast<uint64_t*>(self + l.seq)[kind] = ctx.seq;
     reinterpret_cast<uint64_t*>(self + l.slot_seq)[kind * 2 + slot] = ctx.seq;
@@ -50,10 +55,11 @@ void launch_agree_reject(const Fingerprint& words, const NvlLayout& layout, cons
 }
 
 void launch_ll_agree_reject(const Fingerprint& words, int kind, int slot, const LlLayout& layout, const Peers& peers,
-                            const WaitCtx& ctx, cudaStream_t stream) {
+                            const WaitCtx& ctx, cudaStream_t stream, bool compare) {
   DC_HOST_ASSERT(kind == kLlDispatch || kind == kLlCombine, "ll_agree_reject: kind must be 0 or 1");
   DC_HOST_ASSERT(slot == 0 || slot == 1, "ll_agree_reject: slot must be 0 or 1");
-  ll_agree_reject_kernel<<<1, 32, 0, stream>>>(words, kind, slot, layout, peers, ctx);
+  DC_HOST_ASSERT(layout.num_ranks <= 32, "ll_agree_reject: too many ranks");
+  ll_agree_reject_kernel<<<1, 32, 0, stream>>>(words, kind, slot, layout, peers, ctx, compare);
   DC_CUDA_CHECK(cudaGetLastError());
 }
 

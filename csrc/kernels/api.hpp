@@ -150,8 +150,9 @@ void launch_ll_combine(const LlCombineArgs& args, int phases, int num_blocks, co
 // the sequence number like the call's first kernel and publishes the words into every peer's agree slot.
 void launch_agree_reject(const Fingerprint& words, const NvlLayout& layout, const Peers& peers, const WaitCtx& ctx,
                          cudaStream_t stream);
-// Low-latency mode: a send half of `kind` into `slot` that publishes only the words and advances the call numbers.
+// Low-latency mode: a send half of `kind` into `slot` that publishes only the words and advances the call numbers;
+// with `compare` it also waits for every live peer's words and records a difference, as a receive half would.
 void launch_ll_agree_reject(const Fingerprint& words, int kind, int slot, const LlLayout& layout, const Peers& peers,
-                            const WaitCtx& ctx, cudaStream_t stream);
+                            const WaitCtx& ctx, cudaStream_t stream, bool compare = false);
 
 }  // namespace dc

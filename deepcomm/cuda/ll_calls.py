@@ -78,6 +78,8 @@ class LowLatencyEngine:
         laying out their buffers differently."""
         key = (num_experts, max_tokens, hidden)
         if self.buffer is None or self.buffer.key != key:
+            if self.buffer is not None and fingerprint is not None:
+                self._agree_on_new_shape(fingerprint)
             self.close()
             if fingerprint is not None:
                 self._agree_on_host(fingerprint)
@@ -88,6 +90,33 @@ class LowLatencyEngine:
                 if self.record.masked:
                     self.buffer.write_mask(self.record.masked)
         return self.buffer
+
+    def _agree_on_new_shape(self, fingerprint) -> None:
+        """Before a call of another shape remakes the buffer: the call's words through the current buffer, as a
+        send half of its kind that moves nothing and then compares (agree_reject with ``compare``), and a wait for
+        it. Ranks that keep the old shape meet the words in their own call and stop it, raising at their next look;
+        this rank raises the same ValueError here and keeps the buffer. When every rank changed the shape the words
+        agree and the buffer is remade on every rank. A buffer with peers reached by puts compares nothing."""
+        ll = self.buffer
+        if ll.put_peers:
+            return
+        self.errors.check(low_latency=True)  # a timeout raises; an earlier input error stays pending
+        stream = torch.cuda.current_stream(self.device)
+        if fingerprint[agreement.Word.OP] == agreement.Op.LOW_LATENCY_DISPATCH:
+            kind, slot = 0, ll.calls & 1
+            ll.calls += 1
+        else:
+            kind, slot = 1, (ll.calls - 1) & 1
+        ll.ctx.agree_reject(tuple(fingerprint), kind, slot, stream.cuda_stream, compare=True)
+        stream.synchronize()
+        err = self.record.check_error(low_latency=True, defer_input=True)
+        if err is not None:
+            # the other ranks raise an earlier call's error in this call and the difference at their next one
+            earlier = self.errors.take_pending()
+            if earlier is not None:
+                self.errors.pending = err
+                raise earlier
+            raise err
 
     def _agree_on_host(self, fingerprint) -> None:
         """Every rank's words in one host exchange (only where a low-latency buffer is made); ValueError on every

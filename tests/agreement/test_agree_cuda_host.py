@@ -185,8 +185,8 @@ class _LlCtx:
     def __init__(self):
         self.rejects = []
 
-    def agree_reject(self, words, kind, slot, stream):
-        self.rejects.append((kind, slot))
+    def agree_reject(self, words, kind, slot, stream, compare=False):
+        self.rejects.append((kind, slot) if not compare else (kind, slot, "compare"))
 
 
 def _ll_backend(monkeypatch, ll):
@@ -228,3 +228,71 @@ def test_the_low_latency_buffer_is_made_only_after_every_rank_agrees(monkeypatch
     with pytest.raises(ValueError) as e:
         b._buffer_for(8, 128, 1024, mine)
     assert str(e.value) == _expected([mine, theirs]) and b.buffer is None
+
+
+# ---- a new low-latency shape once the buffer exists -------------------------------------------------------
+class _OldBuffer:
+    def __init__(self):
+        self.key, self.calls, self.put_peers, self.ctx, self.closed = (8, 128, 1024), 5, [], _LlCtx(), False
+
+    def close(self):
+        self.closed = True
+
+
+def _shape_change(monkeypatch, looks):
+    """An engine whose buffer has shape (8, 128, 1024); ``looks``: what successive check_error calls return."""
+    import contextlib
+    from deepcomm.cuda import ll_calls
+    from deepcomm.cuda.call_errors import CallErrors
+    looks = list(looks)
+    synced = []
+    record = types.SimpleNamespace(check_error=lambda **kw: looks.pop(0) if looks else None, masked=frozenset(),
+                                   err_dev=0, timeout_ns=1)
+    b = ll_calls.LowLatencyEngine(None, None, 0, 2, torch.device("cpu"), record, CallErrors(record), "ipc", 4)
+    old = b.buffer = _OldBuffer()
+    stream = types.SimpleNamespace(cuda_stream=CALLER, synchronize=lambda: synced.append(True))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda device=None: contextlib.nullcontext())
+    made = []
+    monkeypatch.setattr(ll_calls, "LlBuffer", lambda *a, **kw: made.append(a[5:8]) or types.SimpleNamespace(
+        key=tuple(a[5:8]), calls=0))
+    b._agree_on_host = lambda words: None
+    return b, old, synced, made
+
+
+def test_a_new_low_latency_shape_is_compared_through_the_old_buffer_first(monkeypatch):
+    words = agreement.low_latency_dispatch(7, 1, torch.zeros(4, 2048), torch.zeros(4, 2), 128, 8, False, False)
+    disagreement = ValueError("x: the hidden size differs across ranks in low_latency_dispatch call #7 ...")
+    b, old, synced, made = _shape_change(monkeypatch, [None, disagreement])
+    with pytest.raises(ValueError) as e:
+        b._buffer_for(8, 128, 2048, words)
+    assert e.value is disagreement
+    # a dispatch send of the words into the old buffer's slot (5 & 1), compared, waited for; the buffer is kept
+    assert old.ctx.rejects == [(0, 1, "compare")] and old.calls == 6 and synced == [True]
+    assert b.buffer is old and not old.closed and not made
+
+
+def test_a_new_low_latency_shape_every_rank_agrees_on_remakes_the_buffer(monkeypatch):
+    words = agreement.low_latency_dispatch(7, 1, torch.zeros(4, 2048), torch.zeros(4, 2), 128, 8, False, False)
+    b, old, synced, made = _shape_change(monkeypatch, [None, None])
+    ll = b._buffer_for(8, 128, 2048, words)
+    assert old.ctx.rejects == [(0, 1, "compare")] and synced == [True] and old.closed
+    assert made == [(8, 128, 2048)] and ll.key == (8, 128, 2048) and b.buffer is ll
+
+
+def test_a_new_low_latency_shape_raises_an_earlier_error_first_as_the_other_ranks_do(monkeypatch):
+    words = agreement.low_latency_dispatch(7, 1, torch.zeros(4, 2048), torch.zeros(4, 2), 128, 8, False, False)
+    earlier, disagreement = ValueError("topk_idx: an earlier call's"), ValueError("x: the hidden size differs")
+    b, old, _, _ = _shape_change(monkeypatch, [earlier, disagreement])
+    with pytest.raises(ValueError) as e:
+        b._buffer_for(8, 128, 2048, words)
+    assert e.value is earlier and b.errors.pending is disagreement and b.buffer is old
+
+
+def test_a_new_low_latency_shape_with_put_peers_compares_nothing_in_the_old_buffer(monkeypatch):
+    words = agreement.low_latency_dispatch(7, 1, torch.zeros(4, 2048), torch.zeros(4, 2), 128, 8, False, False)
+    b, old, synced, made = _shape_change(monkeypatch, [])
+    old.put_peers = [1]
+    b._buffer_for(8, 128, 2048, words)
+    assert old.ctx.rejects == [] and not synced and made == [(8, 128, 2048)]

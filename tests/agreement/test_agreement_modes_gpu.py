@@ -1,0 +1,61 @@
+"""Low-latency shape changes on the CUDA backend's kernels, at DEEPCOMM_TEST_WORLD ranks (one GPU each, or all on
+GPU 0 in shared mode): once the low-latency buffer exists, a rank that changes hidden, num_experts or
+num_max_dispatch_tokens_per_rank of a low-latency dispatch while the others keep theirs raises ValueError in the
+call, and the others by their next look (here synchronize()), with the very text the reference backend raises; the
+Buffer's next agreeing round is bit-exact against the reference backend. A change made by every rank at once
+remakes the buffer and runs as on a fresh Buffer."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.agreement.test_agreement_gpu import (E, H, M, Inputs, _agreeing_round, _buffers, _expect_disagreement,
+                                                _round, _same)
+from tests.helpers.nccl_run import needs_ranks, rank_device, ranks_for_tests, run_on_gpus, scaled
+
+pytestmark = [pytest.mark.gpu, needs_ranks(2)]
+
+WORLD = ranks_for_tests()
+
+
+def _shape_cases(rank, me, dev):
+    odd = rank == me
+    gen = torch.Generator().manual_seed(31 + rank)
+    inp = Inputs(gen, dev)
+    narrow = Inputs(gen, dev, hidden=H // 2 if odd else H)
+    return [
+        ("low-latency dispatch after the first, hidden differs",
+         lambda s: s.buf.low_latency_dispatch(narrow.x, narrow.idx, M, E, use_fp8=False)),
+        ("low-latency dispatch after the first, num_experts differs",
+         lambda s: s.buf.low_latency_dispatch(inp.x, inp.idx, M, 2 * E if odd else E, use_fp8=False)),
+        ("low-latency dispatch after the first, num_max_dispatch_tokens_per_rank differs",
+         lambda s: s.buf.low_latency_dispatch(inp.x, inp.idx, M - 4 if odd else M, E, use_fp8=False)),
+    ]
+
+
+def _shape_worker(rank, world):
+    dev = rank_device(rank)
+    torch.cuda.set_device(dev)
+    sides = _buffers(dev)
+    me = world - 1
+    gen = torch.Generator().manual_seed(3000 + rank)
+    _agreeing_round(sides, Inputs(gen, dev), rank, "the start")
+    for what, call in _shape_cases(rank, me, dev):
+        _expect_disagreement(sides, call, rank, what)
+        _agreeing_round(sides, Inputs(gen, dev), rank, what)
+    # every rank changes hidden at the same call: the buffer is remade everywhere, the results stay exact
+    narrow = Inputs(gen, dev, hidden=H // 2)
+    got = {}
+    for s in sides:
+        recv_x, count, handle, _ = s.buf.low_latency_dispatch(narrow.x, narrow.idx, M, E, use_fp8=False)
+        out, _ = s.buf.low_latency_combine(recv_x, narrow.idx, narrow.w, handle)
+        got[s.label] = (count.clone(), out.clone())
+    for a, b, name in zip(got["cuda"], got["reference"], ("recv_count", "combine")):
+        _same(a, b, f"rank {rank}, every rank changed hidden: {name}")
+    _agreeing_round(sides, Inputs(gen, dev), rank, "every rank changed hidden, and back")
+    for s in sides:
+        s.buf.destroy()
+
+
+def test_a_low_latency_shape_changed_on_one_rank_raises_on_every_rank():
+    run_on_gpus(_shape_worker, WORLD, timeout_s=scaled(600))
