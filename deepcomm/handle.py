@@ -7,6 +7,51 @@ from typing import List, Optional, Union
 import torch
 
 
+class WorkspaceView:
+    """One of a Handle's tensors not made yet: a strided view of a workspace tensor, made when first read. A
+    fresh dispatch of the CUDA backend returns its routing tensors this way (each view costs microseconds of host
+    time per call, and most handles only go back to combine or a cached dispatch, which need pointers)."""
+    __slots__ = ("base", "shape", "strides", "offset", "dtype")
+
+    def __init__(self, base: torch.Tensor, shape, strides, offset: int, dtype: Optional[torch.dtype] = None):
+        # offset and strides in elements of ``dtype`` (the base's when None)
+        self.base, self.shape, self.strides, self.offset, self.dtype = base, shape, strides, offset, dtype
+
+    def data_ptr(self) -> int:
+        size = self.base.element_size() if self.dtype is None else self.dtype.itemsize
+        return self.base.data_ptr() + self.offset * size
+
+    def make(self) -> torch.Tensor:
+        base = self.base if self.dtype is None else self.base.view(self.dtype)
+        return base.as_strided(self.shape, self.strides, self.offset)
+
+
+class _MadeOnRead:
+    """A Handle field that may hold a WorkspaceView: it becomes its tensor on first read and stays one."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name, self.slot = name, "_" + name
+
+    def __get__(self, obj, objtype=None):
+        if obj is None:  # looked up on the class: the field has no default
+            raise AttributeError(self.name)
+        value = obj.__dict__[self.slot]
+        if type(value) is WorkspaceView:
+            value = obj.__dict__[self.slot] = value.make()
+        return value
+
+    def __set__(self, obj, value) -> None:
+        obj.__dict__[self.slot] = value
+
+
+def field_ptr(handle, name: str) -> int:
+    """The device address of ``handle``'s tensor field ``name`` without making a view that is not made yet."""
+    value = handle.__dict__.get("_" + name)
+    if value is None:
+        value = getattr(handle, name)
+    return value.data_ptr()
+
+
 @dataclass
 class Handle:
     """Route of one normal-mode dispatch (see docs/api.md, "Handle").
@@ -19,10 +64,10 @@ class Handle:
     num_tokens: int                       # T: tokens this rank dispatched
     hidden: int                           # H of the dispatched x
     num_recv: int                         # N: rows this rank received (num_worst_tokens when that was given)
-    is_token_in_rank: torch.Tensor        # bool  [T, R]
-    send_pos: torch.Tensor                # int32 [T, R], -1 where not sent
-    count_matrix: torch.Tensor            # int32 [R, R], [s, d] = tokens s sends to d
-    recv_src_idx: torch.Tensor            # int32 [N], source token index of each received row
+    is_token_in_rank: torch.Tensor = _MadeOnRead()   # bool  [T, R]
+    send_pos: torch.Tensor = _MadeOnRead()           # int32 [T, R], -1 where not sent
+    count_matrix: torch.Tensor = _MadeOnRead()       # int32 [R, R], [s, d] = tokens s sends to d
+    recv_src_idx: torch.Tensor = _MadeOnRead()       # int32 [N], source token index of each received row
     # length L, aligned as requested at dispatch; an int32 device tensor for a num_worst_tokens dispatch
     num_recv_tokens_per_expert: Union[List[int], torch.Tensor]
     # int32 [R, nodes], [s, m] = tokens rank s sends to node m (a token counts once per node): set by the

@@ -21,7 +21,7 @@ from ..validation import is_capturing
 from ..errors import CommTimeoutError
 from ..gpu_share import GPU_SMS_ENV, shares_gpu, usable_sms
 from ..backend_protocol import Capabilities
-from ..handle import Handle
+from ..handle import Handle, WorkspaceView, field_ptr
 from .agree_record import dispatch_disagreement, words_or_none
 from .arena import Arena
 from .call_errors import CallErrors
@@ -328,16 +328,17 @@ class CudaBackend:
         L = num_experts // R
         n_out = R * R + L + 2
         # One int32 allocation: send_pos [T, R] | notify_out [R*R + L + 2] (count matrix, tokens per local
-        # expert, bad-id counts) | the handle's src_idx copy [rows it can receive]; views are made after the call.
+        # expert, bad-id counts) | the handle's src_idx copy [rows it can receive] | is_token_in_rank's bytes
+        # [T, R]; the handle's views of it are made when first read (deepcomm/handle.py WorkspaceView).
         notify_at, src_at = T * R, T * R + n_out
-        work = torch.empty(src_at + (num_worst_tokens or self._capacity_rows), dtype=torch.int32, device=self.device)
-        in_rank = torch.empty(T, R, dtype=torch.bool, device=self.device)
+        in_rank_at = src_at + (num_worst_tokens or self._capacity_rows)
+        work = torch.empty(in_rank_at + (T * R + 3) // 4, dtype=torch.int32, device=self.device)
         work_ptr = work.data_ptr()
         notify_ptr = work_ptr + 4 * notify_at
         invalid_ptr = notify_ptr + 4 * (R * R + L)
         src_ptr = work_ptr + 4 * src_at
         rows = num_worst_tokens if num_worst_tokens else -1  # -1: the kernel carves for the rows that arrive
-        args = (topk_idx.data_ptr(), T, num_experts, in_rank.data_ptr(), work_ptr, notify_ptr)
+        args = (topk_idx.data_ptr(), T, num_experts, work_ptr + 4 * in_rank_at, work_ptr, notify_ptr)
         reserved = self.arena.reserve(self._out_bytes(call, num_worst_tokens or self._capacity_rows))
         self._tag += 1
         if num_worst_tokens:
@@ -374,12 +375,12 @@ class CudaBackend:
                              self.nvl.layout["arena"] + block_off, rows, 1, src_ptr)
         n = res[1]
         out = self._outputs(call, reserved, res[5], n, with_idx=True)
-        recv = _Recv(out, per_expert, (work, in_rank))
-        # as_strided: a view in one step (a slice and a reshape are two, each costing microseconds)
+        recv = _Recv(out, per_expert, (work,))
         handle = Handle(buffer_id=-1, num_experts=num_experts, num_tokens=T, hidden=call.values.shape[1],
-                        num_recv=n, is_token_in_rank=in_rank, send_pos=work.as_strided((T, R), (R, 1), 0),
-                        count_matrix=work.as_strided((R, R), (R, 1), notify_at),
-                        recv_src_idx=work.as_strided((n,), (1,), src_at), num_recv_tokens_per_expert=per_expert)
+                        num_recv=n, is_token_in_rank=WorkspaceView(work, (T, R), (R, 1), 4 * in_rank_at, torch.bool),
+                        send_pos=WorkspaceView(work, (T, R), (R, 1), 0),
+                        count_matrix=WorkspaceView(work, (R, R), (R, 1), notify_at),
+                        recv_src_idx=WorkspaceView(work, (n,), (1,), src_at), num_recv_tokens_per_expert=per_expert)
         return recv, handle
 
     def _fresh_status(self, res, num_experts: int, reserved) -> None:
@@ -410,7 +411,7 @@ class CudaBackend:
         reserved = self.arena.reserve(self._out_bytes(call, n))
         block_off = reserved[0] if reserved is not None else self.bounce_offset
         res = self._call(call, BEGIN | BUMP | PAYLOAD | (FINISH if reserved else 0), 0, handle.num_tokens,
-                         handle.num_experts, 0, handle.send_pos.data_ptr(), 0, 0, handle.count_matrix.data_ptr(), 0,
+                         handle.num_experts, 0, field_ptr(handle, "send_pos"), 0, 0, field_ptr(handle, "count_matrix"), 0,
                          self.nvl.layout["arena"] + block_off, n, 1, 0)
         out = self._outputs(call, reserved, res[5], n, with_idx=False)
         per_expert = handle.num_recv_tokens_per_expert
@@ -459,8 +460,8 @@ class CudaBackend:
         out_w = torch.empty(T, K, dtype=torch.float32, device=self.device) if topk_weights is not None else None
         self.nvl.ctx.combine_call(flags, wait, run, prev, self._start_handle, end, self.config.num_sms, x.data_ptr(),
                                   topk_weights.data_ptr() if topk_weights is not None else 0,
-                                  handle.recv_src_idx.data_ptr(), handle.count_matrix.data_ptr(),
-                                  handle.send_pos.data_ptr(), out.data_ptr(),
+                                  field_ptr(handle, "recv_src_idx"), field_ptr(handle, "count_matrix"),
+                                  field_ptr(handle, "send_pos"), out.data_ptr(),
                                   out_w.data_ptr() if out_w is not None else 0, x.shape[0], T, H, K, use_fp8,
                                   words_or_none(fingerprint))
         if async_finish:
