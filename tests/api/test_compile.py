@@ -3,8 +3,9 @@
 Compiled results (forward and backward) must equal eager bit for bit: dispatch + combine (aot_eager and inductor:
 the arithmetic around them is exact), the MoE layer (aot_eager: the same aten ops as eager, after dynamo, AOT
 autograd and functionalization traced them), the num_worst_tokens form and the low-latency calls (static: traced
-without the data-dependent settings). dynamo.explain must count one graph and no breaks. Checks that need the data
-(alignment, expert-id values) raise ValueError at run time from inside the compiled graph.
+without the data-dependent settings). dynamo.explain must count one graph and no breaks (dispatch + combine, and
+the MoE layer's forward). Checks that need the data (alignment, expert-id values) raise ValueError at run time
+from inside the compiled graph. Worst-case per-expert counts, eager and compiled, equal the host's count.
 """
 import pytest
 import torch
@@ -85,13 +86,18 @@ def _explain_worker(rank, world):
     x, idx, w = _inputs(rank)
     explained = torch._dynamo.explain(_dispatch_combine(buf))(x, idx, w)
     ops = [str(n.target).split(".")[:2] for g in explained.graphs for n in g.graph.nodes if n.op == "call_function"]
+    # and the MoE layer's forward (router, fused dispatch, grouped experts, combine)
+    from deepcomm.moe import MoELayer
+    torch.manual_seed(3)
+    layer = MoELayer(buf, HIDDEN, 24, PER_RANK * world, 2, expert_alignment=4, dtype=torch.float32)
+    moe = torch._dynamo.explain(layer)(x.clone().requires_grad_())
     buf.destroy()
     return explained.graph_count, explained.graph_break_count, ops.count(["deepcomm", "dispatch"]), \
-        ops.count(["deepcomm", "combine"])
+        ops.count(["deepcomm", "combine"]), moe.graph_count, moe.graph_break_count
 
 
 def test_explain_counts_no_graph_breaks():
-    assert run_ranks(_explain_worker, WORLD) == [(1, 0, 1, 1)] * WORLD
+    assert run_ranks(_explain_worker, WORLD) == [(1, 0, 1, 1, 1, 0)] * WORLD
 
 
 def _moe_worker(rank, world, alignment):
