@@ -216,13 +216,15 @@ def test_data_checks_raise_inside_compiled_graph():
 def _worst_counts_worker(rank, world):
     import deepcomm
     from tests.helpers import worst_counts
-    _data_dependent_settings(False)
     buf = deepcomm.Buffer(max_tokens_per_rank=16, hidden=HIDDEN)
     gen = torch.Generator().manual_seed(31 + rank)
     T = 5 + 3 * rank
     idx = bf.make_topk(gen, T, SLOTS, PER_RANK * world, p_empty=0.3)
     x, w = torch.randn(T, HIDDEN, generator=gen), torch.rand(T, SLOTS, generator=gen)
+    _data_dependent_settings(True)  # the worst-case form traces either way; the fresh calls need them
     rows = worst_counts.run_steps(rank, world, buf, x, idx, w, PER_RANK * world, world * 16)
+    worst_counts.normal_calls(buf, x, idx, w, PER_RANK * world)
+    rows += worst_counts.run_steps(rank, world, buf, x, idx, w, PER_RANK * world, world * 16, "after fresh calls: ")
     buf.destroy()
     return rows
 
@@ -232,5 +234,5 @@ def test_worst_case_counts_match_host_counts(world):
     """Every worst-case dispatch's per-expert counts, eager and compiled, in any order, equal the host's count."""
     from tests.helpers import worst_counts
     rows = [r for per_rank in run_ranks(_worst_counts_worker, world, timeout=600) for r in per_rank]
-    assert len(rows) == world * len(worst_counts.STEPS)
+    assert len(rows) == 2 * world * len(worst_counts.STEPS)
     assert not worst_counts.failures(rows), "\n".join(worst_counts.failures(rows))

@@ -49,8 +49,9 @@ def _where(t: torch.Tensor, count_matrix: torch.Tensor, buf) -> str:
     return "own storage"
 
 
-def run_steps(rank: int, world: int, buf, x, idx, w, num_experts: int, worst: int) -> List[dict]:
-    """Every step of STEPS on one Buffer, same inputs; a dict per step (see the module's docstring)."""
+def run_steps(rank: int, world: int, buf, x, idx, w, num_experts: int, worst: int, phase: str = "") -> List[dict]:
+    """Every step of STEPS on one Buffer, same inputs; a dict per step (see the module's docstring), its step
+    name prefixed with ``phase``."""
     import deepcomm
     truth = expected_counts(idx, rank, world, num_experts)
     sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
@@ -83,10 +84,24 @@ def run_steps(rank: int, world: int, buf, x, idx, w, num_experts: int, worst: in
         if backward:
             (out.float().square().sum() + combined_w.sum()).backward()
             sync()
-        rows.append(dict(step=name, rank=rank, truth=truth.tolist(), after_forward=after_forward.tolist(),
+        rows.append(dict(step=phase + name, rank=rank, truth=truth.tolist(), after_forward=after_forward.tolist(),
                          after_backward=counts.detach().cpu().tolist(),
                          column=column, dtype=str(counts.dtype), device=str(counts.device), where=where))
     return rows
+
+
+def normal_calls(buf, x, idx, w, num_experts: int) -> None:
+    """Fresh (data-dependent) dispatch + combine, eager and compiled, forward and backward: what ran before the
+    worst-case form in the test where its compiled counts were first seen to differ."""
+    import deepcomm
+
+    def step(x, idx, w):
+        recv_x, _, recv_w, _, handle = deepcomm.ops.dispatch(buf, x, idx, w, num_experts=num_experts)
+        return deepcomm.ops.combine(buf, recv_x * 2.0, handle, topk_weights=recv_w)
+
+    for fn in (step, torch.compile(step, fullgraph=True, backend="aot_eager")):
+        out, combined_w = fn(x.clone().requires_grad_(), idx, w.clone().requires_grad_())
+        (out.float().square().sum() + combined_w.sum()).backward()
 
 
 def failures(rows: List[dict]) -> List[str]:
