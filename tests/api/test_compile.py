@@ -3,8 +3,9 @@
 Compiled results (forward and backward) must equal eager bit for bit: dispatch + combine (aot_eager and inductor:
 the arithmetic around them is exact), the MoE layer (aot_eager: the same aten ops as eager, after dynamo, AOT
 autograd and functionalization traced them), the num_worst_tokens form and the low-latency calls (static: traced
-without the data-dependent settings). dynamo.explain must count one graph and no breaks. Checks that need the data
-(alignment, expert-id values) raise ValueError at run time from inside the compiled graph.
+without the data-dependent settings). dynamo.explain must count one graph and no breaks (dispatch + combine, and
+the MoE layer's forward). Checks that need the data (alignment, expert-id values) raise ValueError at run time
+from inside the compiled graph. Worst-case per-expert counts, eager and compiled, equal the host's count.
 """
 import pytest
 import torch
@@ -85,13 +86,18 @@ def _explain_worker(rank, world):
     x, idx, w = _inputs(rank)
     explained = torch._dynamo.explain(_dispatch_combine(buf))(x, idx, w)
     ops = [str(n.target).split(".")[:2] for g in explained.graphs for n in g.graph.nodes if n.op == "call_function"]
+    # and the MoE layer's forward (router, fused dispatch, grouped experts, combine)
+    from deepcomm.moe import MoELayer
+    torch.manual_seed(3)
+    layer = MoELayer(buf, HIDDEN, 24, PER_RANK * world, 2, expert_alignment=4, dtype=torch.float32)
+    moe = torch._dynamo.explain(layer)(x.clone().requires_grad_())
     buf.destroy()
     return explained.graph_count, explained.graph_break_count, ops.count(["deepcomm", "dispatch"]), \
-        ops.count(["deepcomm", "combine"])
+        ops.count(["deepcomm", "combine"]), moe.graph_count, moe.graph_break_count
 
 
 def test_explain_counts_no_graph_breaks():
-    assert run_ranks(_explain_worker, WORLD) == [(1, 0, 1, 1)] * WORLD
+    assert run_ranks(_explain_worker, WORLD) == [(1, 0, 1, 1, 1, 0)] * WORLD
 
 
 def _moe_worker(rank, world, alignment):
@@ -205,3 +211,28 @@ def _validation_worker(rank, world):
 def test_data_checks_raise_inside_compiled_graph():
     results = run_ranks(_validation_worker, WORLD, timeout=300)
     assert all(len(r) == 2 for r in results)
+
+
+def _worst_counts_worker(rank, world):
+    import deepcomm
+    from tests.helpers import worst_counts
+    buf = deepcomm.Buffer(max_tokens_per_rank=16, hidden=HIDDEN)
+    gen = torch.Generator().manual_seed(31 + rank)
+    T = 5 + 3 * rank
+    idx = bf.make_topk(gen, T, SLOTS, PER_RANK * world, p_empty=0.3)
+    x, w = torch.randn(T, HIDDEN, generator=gen), torch.rand(T, SLOTS, generator=gen)
+    _data_dependent_settings(True)  # the worst-case form traces either way; the fresh calls need them
+    rows = worst_counts.run_steps(rank, world, buf, x, idx, w, PER_RANK * world, world * 16)
+    worst_counts.normal_calls(buf, x, idx, w, PER_RANK * world)
+    rows += worst_counts.run_steps(rank, world, buf, x, idx, w, PER_RANK * world, world * 16, "after fresh calls: ")
+    buf.destroy()
+    return rows
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_worst_case_counts_match_host_counts(world):
+    """Every worst-case dispatch's per-expert counts, eager and compiled, in any order, equal the host's count."""
+    from tests.helpers import worst_counts
+    rows = [r for per_rank in run_ranks(_worst_counts_worker, world, timeout=600) for r in per_rank]
+    assert len(rows) == 2 * world * len(worst_counts.STEPS)
+    assert not worst_counts.failures(rows), "\n".join(worst_counts.failures(rows))

@@ -84,6 +84,32 @@ def test_compiled_dispatch_combine_cuda():
     run_on_gpus(_normal_worker, WORLD, timeout_s=scaled(900))
 
 
+def _worst_counts_worker(rank, world):
+    import torch.distributed as dist
+
+    import deepcomm
+    from tests.helpers import worst_counts
+    _settings(True)  # as _normal_worker, where the compiled worst-case counts were seen to differ
+    dev = rank_device(rank)
+    buf = deepcomm.Buffer(max_tokens_per_rank=512, hidden=HIDDEN, backend="cuda", timeout_s=30)
+    x, idx, w = _inputs(rank, dev)
+    rows = worst_counts.run_steps(rank, world, buf, x, idx, w, EXPERTS, world * 512)
+    # the same again after fresh data-dependent calls, eager and compiled (the order of _normal_worker)
+    worst_counts.normal_calls(buf, x, idx, w, EXPERTS)
+    rows += worst_counts.run_steps(rank, world, buf, x, idx, w, EXPERTS, world * 512, "after fresh calls: ")
+    buf.destroy()
+    every = [None] * world
+    dist.all_gather_object(every, rows)  # every rank's table in the one message the runner shows
+    bad = worst_counts.failures([r for per_rank in every for r in per_rank])
+    assert not bad, "worst-case per-expert counts differ from the host's:\n" + "\n".join(bad)
+
+
+def test_worst_case_counts_match_host_counts_cuda():
+    """Each worst-case dispatch's per-expert counts (eager, compiled, compiled without grad, in one sequence; then
+    again after fresh dispatches) equal the counts worked out on the host (tests/helpers/worst_counts.py)."""
+    run_on_gpus(_worst_counts_worker, WORLD, timeout_s=scaled(600))
+
+
 def _moe_worker(rank, world):
     import deepcomm
     from deepcomm.moe import MoELayer
