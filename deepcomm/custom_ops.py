@@ -124,9 +124,21 @@ def _dispatch(buffer_id, x, x_scales, topk_idx, topk_weights, num_experts, exper
     # they are (no host sync)
     counts = per_expert if torch.is_tensor(per_expert) else torch.tensor(per_expert, dtype=torch.int32)
     node_counts = handle.node_count_matrix if _has_node_counts(buf) else None
+    # The CUDA backend's routing tensors are views of one workspace; an operator's outputs must not share
+    # storage (traced code may assume they do not), so each gets its own copy. Only traced code pays for it:
+    # eager deepcomm.ops calls the Buffer directly (deepcomm/eager_ops.py).
+    routing = [handle.is_token_in_rank, handle.send_pos, handle.count_matrix, handle.recv_src_idx]
+    seen = set()
+    for i, t in enumerate(routing):
+        key = t.untyped_storage().data_ptr()
+        if key in seen or t._base is not None:
+            routing[i] = t.clone()
+        seen.add(key)
+    if routing[3] is not handle.recv_src_idx and handle.node_count_matrix is not None:
+        _node_routes[routing[3]] = handle.node_route  # the internode forwarding record, under the copy too
     return (values, _absent(dev) if scales is None else scales, recv_idx,
-            _absent(dev) if recv_w is None else recv_w, counts, handle.is_token_in_rank, handle.send_pos,
-            handle.count_matrix, handle.recv_src_idx, _absent(dev) if node_counts is None else node_counts)
+            _absent(dev) if recv_w is None else recv_w, counts, *routing,
+            _absent(dev) if node_counts is None else node_counts)
 
 
 def _dispatch_fake(buffer_id, x, x_scales, topk_idx, topk_weights, num_experts, expert_alignment,

@@ -348,11 +348,7 @@ class CudaBackend:
             res = self._call(call, BEGIN | NOTIFY | PAYLOAD | REPORT_INVALID | (FINISH if reserved else 0),
                              *args, 0, notify_ptr, invalid_ptr, self.nvl.layout["arena"] + block_off, rows, 1,
                              src_ptr)
-            run = torch.cuda.ExternalStream(call.order[1], device=self.device)
-            with torch.cuda.stream(run):
-                counts = work[notify_at + R * R:notify_at + R * R + L]
-                per_expert = (counts + (expert_alignment - 1)) // expert_alignment * expert_alignment
-            per_expert.record_stream(torch.cuda.current_stream(self.device))
+            per_expert = self._device_counts(call, work[notify_at + R * R:notify_at + R * R + L], expert_alignment)
         elif reserved is not None:
             # The payload is launched right behind notify, into a block reserved for the worst case; the wait for
             # the counts overlaps it, and the block's unused tail goes back to the arena.
@@ -382,6 +378,17 @@ class CudaBackend:
                         count_matrix=WorkspaceView(work, (R, R), (R, 1), notify_at),
                         recv_src_idx=WorkspaceView(work, (n,), (1,), src_at), num_recv_tokens_per_expert=per_expert)
         return recv, handle
+
+    def _device_counts(self, call: "_Call", counts: torch.Tensor, alignment: int) -> torch.Tensor:
+        """The aligned per-expert counts of a worst-case dispatch, computed in stream order after its kernels: on
+        the caller's stream itself for a plain call (no stream switch), else on the communication stream."""
+        run = call.order[1]
+        if run == _current_stream(self._device_index):
+            return (counts + (alignment - 1)) // alignment * alignment
+        with torch.cuda.stream(torch.cuda.ExternalStream(run, device=self.device)):
+            per_expert = (counts + (alignment - 1)) // alignment * alignment
+        per_expert.record_stream(torch.cuda.current_stream(self.device))
+        return per_expert
 
     def _fresh_status(self, res, num_experts: int, reserved) -> None:
         """A fresh dispatch's wait came back without counts (timeout) or with bad expert ids (a ValueError on every
