@@ -15,9 +15,11 @@ import torch
 import torch.distributed as dist
 
 from ... import fp8 as _fp8
+from ...backends import cuda_unavailable_reason
 from ...buffer import Buffer as _DeepcommBuffer
 from ...config import DEFAULT_HIDDEN
 from . import handles as _h
+from . import payload as _payload
 from ._cpp import Config, EventHandle
 from ._cpp import get_low_latency_rdma_size_hint as _ll_size_hint
 from ._cpp import is_sm90_compiled as _is_sm90_compiled
@@ -89,7 +91,8 @@ class Buffer:
         group = self._group_from(group, comm)
         check_nvlink_connections(group)
         self.runtime = _DeepcommBuffer(group, max_tokens_per_rank=max_tokens_per_rank,
-                                       hidden=DEFAULT_HIDDEN if hidden is None else hidden, backend=backend,
+                                       hidden=DEFAULT_HIDDEN if hidden is None else hidden,
+                                       backend=_deep_ep_backend(backend),
                                        num_max_low_latency_tokens=num_max_low_latency_tokens, timeout_s=timeout_s,
                                        gpus_per_node=gpus_per_node)
         self.group = self.runtime.group
@@ -327,13 +330,15 @@ class Buffer:
                   allocate_on_comm_stream):
         prev = self._before(previous_event, config, async_finish, allocate_on_comm_stream)
         stream_args = dict(previous_event=prev, async_finish=async_finish)
+        x, recv_as_given = _payload.adapt(x)  # FP8 scales of any layout DeepEP takes
         if handle is not None:
             if topk_idx is not None or topk_weights is not None:
                 _fail("topk_idx" if topk_idx is not None else "topk_weights",
                       "must be None when a handle is given (cached dispatch), as in DeepEP")
             dc = _h.resolve(handle, kind, self._handles)
             recv_x = self.runtime.dispatch(x, handle=dc, expert_alignment=expert_alignment, **stream_args)[0]
-            return recv_x, None, None, None, None, self._event(async_finish, stream=self._comm_stream_if(async_finish))
+            event = self._event(async_finish, stream=self._comm_stream_if(async_finish))
+            return recv_as_given(recv_x), None, None, None, None, event
         for name, value in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
                             ("num_tokens_per_expert", num_tokens_per_expert)):
             if value is None:
@@ -369,7 +374,7 @@ class Buffer:
                     t.record_stream(caller)
         deep_handle = _h.DeepEPHandle(items, dc)
         self._handles.add(items[_h.KEY_ITEM[kind]], dc)
-        return recv_x, recv_idx, recv_w, counts, deep_handle, self._event(async_finish, stream=stream)
+        return recv_as_given(recv_x), recv_idx, recv_w, counts, deep_handle, self._event(async_finish, stream=stream)
 
     def _combine(self, kind, x, handle, topk_weights, bias, config, previous_event, async_finish,
                  allocate_on_comm_stream):
@@ -460,13 +465,18 @@ class Buffer:
                             combine_wait_recv_cost_stats: Optional[torch.Tensor] = None) -> \
             Tuple[torch.Tensor, EventOverlap, Callable]:
         """``(combined_x bf16 [T, H], event, hook)``: each token's expert outputs summed with its weights.
-        ``zero_copy``: ``x`` may be the tensor of ``get_next_low_latency_combine_buffer`` (read either way)."""
+        ``zero_copy``: the expert outputs are read from the tensor ``get_next_low_latency_combine_buffer(handle)``
+        returned (written there by the caller), as DeepEP reads its send buffer; ``x`` is not read then."""
+        if not isinstance(zero_copy, bool):
+            _fail("zero_copy", f"expected a bool, got {type(zero_copy).__name__}")
         if use_logfmt:
             _fail("use_logfmt", "deepcomm has no LogFMT combine (its optional FP8 wire format is "
                                 "deepcomm.Buffer.low_latency_combine(use_fp8=True))")
         if combine_wait_recv_cost_stats is not None:
             _fail("combine_wait_recv_cost_stats", "deepcomm does not time the waits per source rank; pass None")
         dc = _h.resolve(handle, "low_latency", self._handles)
+        if zero_copy:
+            x = self._written_combine_buffer(x, dc)
         combined, hook = self.runtime.low_latency_combine(x, topk_idx, topk_weights, dc,
                                                           return_recv_hook=return_recv_hook)
         if out is not None and (not isinstance(out, torch.Tensor) or out.shape != combined.shape
@@ -479,12 +489,26 @@ class Buffer:
         extra = (x, topk_idx, topk_weights, dc.src_info, result) if async_finish else None
         return result, self._event(async_finish, extra), (recv_hook if return_recv_hook else None)
 
+    def _combine_buffer_shape(self, dc) -> tuple:
+        return (dc.num_experts // self.group_size, self.group_size * dc.num_max_dispatch_tokens_per_rank, dc.hidden)
+
+    def _written_combine_buffer(self, x, dc) -> torch.Tensor:
+        """The combine buffer of ``dc``'s shape, for a zero-copy combine (``x`` is checked for its shape only)."""
+        shape = self._combine_buffer_shape(dc)
+        if not isinstance(x, torch.Tensor) or tuple(x.shape) != shape:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            _fail("x", f"expected shape {shape} (the handle's [local experts, ranks * M, hidden]), got {got}")
+        buffer = self._combine_buffers.get(shape)
+        if buffer is None:
+            _fail("zero_copy", "the expert outputs are read from get_next_low_latency_combine_buffer(handle), "
+                               "which was not called on this Buffer: call it and write them there first")
+        return buffer
+
     def get_next_low_latency_combine_buffer(self, handle: object):
-        """A bf16 ``[L, R*M, H]`` tensor to write expert outputs into and pass as ``x`` of ``low_latency_combine``
-        (one per shape, reused by later calls)."""
+        """A bf16 ``[L, R*M, H]`` tensor to write expert outputs into; ``low_latency_combine(..., zero_copy=True)``
+        then reads them from it (one per shape, reused by later calls; passing it as ``x`` works too)."""
         dc = _h.resolve(handle, "low_latency", self._handles)
-        L = dc.num_experts // self.group_size
-        shape = (L, self.group_size * dc.num_max_dispatch_tokens_per_rank, dc.hidden)
+        shape = self._combine_buffer_shape(dc)
         if shape not in self._combine_buffers:
             self._combine_buffers[shape] = torch.empty(shape, dtype=torch.bfloat16, device=self.runtime.device)
         return self._combine_buffers[shape]
@@ -525,6 +549,15 @@ class Buffer:
 
     def __repr__(self) -> str:
         return f"deep_ep.Buffer(compat over {self.runtime!r})"
+
+
+def _deep_ep_backend(backend: str) -> str:
+    """DeepEP runs on the current CUDA device whatever the group's backend (it only bootstraps over the group:
+    inference engines hand it their gloo group). deepcomm's "auto" keeps a gloo group's Buffer on the CPU, so
+    "auto" here means the CUDA backend wherever it can run; the reference backend where it cannot."""
+    if backend == "auto" and cuda_unavailable_reason(None, "cuda") is None:
+        return "cuda"
+    return backend
 
 
 def _once(hook: Callable[[], None], then: Optional[Callable[[], None]]) -> Callable[[], None]:
