@@ -81,9 +81,10 @@ def all_gathered(t: torch.Tensor, group):
 
 # ---- DeepEP's intranode flow ------------------------------------------------------------------------------------
 def intranode_flow(deep_ep, buffer, group, device, num_tokens=40, hidden=256, num_topk=4, num_experts=None,
-                   num_sms=24):
+                   num_sms=24, gpus_per_node=None):
     """DeepEP's normal-mode sequence: layout, then for previous-event x async x payload x top-k every dispatch
-    form (fresh, worst-case padded, cached) and combine, then a tuning sweep over configs."""
+    form (fresh, worst-case padded, cached) and combine, then a tuning sweep over configs. ``gpus_per_node`` below
+    the world size: DeepEP's internode test instead (per-node counts, the internode handle's prefix sums)."""
     rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
     num_experts = num_experts or 8 * num_ranks
     torch.manual_seed(rank)
@@ -103,17 +104,26 @@ def intranode_flow(deep_ep, buffer, group, device, num_tokens=40, hidden=256, nu
     assert torch.equal(ref_per_rank, per_rank) and ref_per_rank.dtype == torch.int32
     assert torch.equal(ref_per_expert, per_expert) and ref_per_expert.dtype == torch.int32
     assert torch.equal(ref_in_rank, in_rank) and ref_in_rank.dtype == torch.bool
-    assert ref_per_rdma_rank is None
+    internode = gpus_per_node is not None and gpus_per_node < num_ranks
+    if internode:
+        num_nodes = num_ranks // gpus_per_node
+        per_node = in_rank.view(num_tokens, num_nodes, gpus_per_node).any(dim=2).sum(dim=0).to(torch.int32)
+        assert torch.equal(ref_per_rdma_rank, per_node)
+        config = deep_ep.Config(num_sms, 8, 512, 16, 128)
+    else:
+        assert ref_per_rdma_rank is None
+        config = deep_ep.Config(num_sms, 8, 256)
     group.barrier()
 
-    config = deep_ep.Config(num_sms, 8, 256)
+    def source_ends(handle):
+        # intranode: the rank prefix matrix (item 0, [R, R]); internode: recv_gbl_rank_prefix_sum (item -4, [R])
+        return handle[-4].tolist() if internode else [int(handle[0][s][rank].item()) for s in range(num_ranks)]
 
-    def check_rows(rows, rank_prefix_matrix):
-        # every row is constant; rows [prefix[s-1][rank], prefix[s][rank]) came from rank s
+    def check_rows(rows, handle):
+        # every row is constant; rows [end of s-1, end of s) came from rank s
         assert torch.equal(rows.amin(dim=1), rows.amax(dim=1))
         start = 0
-        for s in range(num_ranks):
-            end = int(rank_prefix_matrix[s][rank].item())
+        for s, end in enumerate(source_ends(handle)):
             assert (rows[start:end].int() - s).abs().sum().item() == 0, (s, start, end)
             start = end
 
@@ -126,6 +136,8 @@ def intranode_flow(deep_ep, buffer, group, device, num_tokens=40, hidden=256, nu
                     is_rand = current_x is x_rand
                     args = {"x": current_x, "num_tokens_per_rank": per_rank, "is_token_in_rank": in_rank,
                             "num_tokens_per_expert": per_expert, "config": config, "async_finish": async_mode}
+                    if internode:
+                        args["num_tokens_per_rdma_rank"] = ref_per_rdma_rank
                     if with_topk:
                         args.update({"topk_idx": topk_idx,
                                      "topk_weights": topk_weights_rand if is_rand else topk_weights})
@@ -136,12 +148,12 @@ def intranode_flow(deep_ep, buffer, group, device, num_tokens=40, hidden=256, nu
                         event.current_stream_wait()
                     recv_x = cast_back(*recv_x) if isinstance(recv_x, tuple) else recv_x
 
-                    rank_prefix_matrix = handle[0]
+                    assert len(handle) == (10 if internode else 6)
                     assert recv_x.size(0) == int(global_per_rank[rank].item())
                     assert isinstance(counts, list)
                     assert global_per_expert.view(num_ranks, -1)[rank].tolist() == counts
                     if not is_rand:
-                        check_rows(recv_x, rank_prefix_matrix)
+                        check_rows(recv_x, handle)
                     weights_before_fill = None
                     if with_topk:
                         local = num_experts // num_ranks
@@ -153,7 +165,7 @@ def intranode_flow(deep_ep, buffer, group, device, num_tokens=40, hidden=256, nu
                             # slots of other ranks' experts: fill with the row's value, then each row is constant
                             filler = recv_topk_weights.amax(dim=1, keepdim=True).expand_as(recv_topk_weights)
                             recv_topk_weights[recv_topk_idx.eq(-1)] = filler[recv_topk_idx.eq(-1)]
-                            check_rows(recv_topk_weights, rank_prefix_matrix)
+                            check_rows(recv_topk_weights, handle)
                         else:
                             assert (weights_before_fill[recv_topk_idx.eq(-1)] == 0).all()
 
@@ -180,7 +192,7 @@ def intranode_flow(deep_ep, buffer, group, device, num_tokens=40, hidden=256, nu
                             c_event.current_stream_wait()
                         again = cast_back(*again) if isinstance(again, tuple) else again
                         if not is_rand:
-                            check_rows(again, rank_prefix_matrix)
+                            check_rows(again, handle)
                         assert torch.equal(again, recv_x)
 
                     combine_args = {"x": recv_x, "handle": handle, "config": config, "async_finish": async_mode}
@@ -213,17 +225,19 @@ def intranode_flow(deep_ep, buffer, group, device, num_tokens=40, hidden=256, nu
     # the tuning sweep: explicit chunk sizes, and the default config after Buffer.set_num_sms
     for payload in (x_fp8, x):
         for chunk in (4, 8, 0):
-            if chunk:
+            if chunk and internode:
+                cfg = deep_ep.Config(num_sms, chunk, 512, chunk, 128)
+            elif chunk:
                 cfg = deep_ep.Config(num_sms, chunk, 256)
             else:
                 deep_ep.Buffer.set_num_sms(num_sms)
                 cfg = deep_ep.Buffer.get_dispatch_config(num_ranks)
             out = buffer.dispatch(x=payload, handle=handle, config=cfg)[0]
             out = cast_back(*out) if isinstance(out, tuple) else out
-            check_rows(out, handle[0])
+            check_rows(out, handle)
     for chunk in (1, 4, 0):
         if chunk:
-            cfg = deep_ep.Config(num_sms, chunk, 256)
+            cfg = deep_ep.Config(num_sms, chunk, 512, chunk, 128) if internode else deep_ep.Config(num_sms, chunk, 256)
         else:
             deep_ep.Buffer.set_num_sms(num_sms)
             cfg = deep_ep.Buffer.get_combine_config(num_ranks)

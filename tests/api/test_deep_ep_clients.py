@@ -26,6 +26,38 @@ def _intranode(rank, world):
     return tried
 
 
+def _internode(rank, world):
+    # DeepEP's internode test on one host posing as nodes: one GPU per node
+    deep_ep = _deep_ep()
+    group = dist.new_group(list(range(world)))
+    buffer = deep_ep.Buffer(group, int(2e9), int(1e9), low_latency_mode=False, num_qps_per_rank=12,
+                            explicitly_destroy=True, gpus_per_node=1, **CPU)
+    assert buffer.num_rdma_ranks == world
+    tried = clients.intranode_flow(deep_ep, buffer, group, "cpu", num_tokens=24, gpus_per_node=1)
+    buffer.destroy()
+    return tried
+
+
+def _over_the_maximum(rank, world):
+    # one rank dispatches more tokens than the Buffer holds: every rank hears of it, that rank is told the keyword
+    deep_ep = _deep_ep()
+    buffer = deep_ep.Buffer(dist.group.WORLD, int(1e9), 0, max_tokens_per_rank=16, **CPU)
+    num_tokens = 20 if rank == 0 else 4
+    x = clients.torch.zeros(num_tokens, 256, dtype=clients.torch.bfloat16)
+    idx = clients.torch.zeros(num_tokens, 2, dtype=clients.torch.int64)
+    idx[:, 1] = 4 * world - 1
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, 4 * world)
+    with pytest.raises(ValueError, match="^x: ") as err:
+        buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                        topk_idx=idx)
+    if rank == 0:
+        assert "deep_ep.Buffer(..., max_tokens_per_rank=N)" in str(err.value)
+    with pytest.raises(ValueError, match="^num_max_dispatch_tokens_per_rank.*num_max_low_latency_tokens=N"):
+        buffer.low_latency_dispatch(x[:4], idx[:4], 1024, 4 * world)
+    buffer.destroy()
+    return True
+
+
 def _normal_then_low_latency(rank, world):
     # DeepEP's intranode test, low-latency compatibility on: one buffer for both modes, cleaned in between
     deep_ep = _deep_ep()
@@ -69,6 +101,14 @@ def _inference(rank, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_deep_ep_intranode_flow(world):
     assert run_ranks(_intranode, world, timeout=300) == [24] * world
+
+
+def test_deep_ep_internode_flow_posed_nodes():
+    assert run_ranks(_internode, 2, timeout=300) == [24, 24]
+
+
+def test_size_limits_name_the_constructor_keyword():
+    assert run_ranks(_over_the_maximum, 2, timeout=120) == [True, True]
 
 
 def test_deep_ep_normal_buffer_reused_for_low_latency():

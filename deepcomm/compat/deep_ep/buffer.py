@@ -8,6 +8,7 @@ argument. The differences are listed in docs/api.md, "DeepEP V1 drop-in".
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from typing import Callable, List, Optional, Tuple, Union
 
@@ -41,6 +42,29 @@ _DEFAULT_CHUNKS = (6, 256, 6, 128)
 
 def _fail(name: str, message: str):
     raise ValueError(f"{name}: {message}")
+
+
+# deepcomm's limits (start of its ValueError text) -> the keyword of deep_ep.Buffer that sets them
+_LIMITS = (("tokens exceed max_tokens_per_rank=", "max_tokens_per_rank"),
+           ("num_max_dispatch_tokens_per_rank: expected <=", "num_max_low_latency_tokens"))
+
+
+def _name_size_keyword(method):
+    """DeepEP streams any token count through its ring buffers; deepcomm's buffers hold a maximum set by a
+    keyword-only extra of this constructor. A call that meets one says which (deepcomm has already told every rank
+    that the call was refused, so the error is only reworded here)."""
+    @functools.wraps(method)
+    def call(*args, **kwargs):
+        try:
+            return method(*args, **kwargs)
+        except ValueError as exc:
+            text = str(exc)
+            for limit, keyword in _LIMITS:
+                if limit in text:
+                    raise ValueError(f"{text} (set by deep_ep.Buffer(..., {keyword}=N); deepcomm sizes its buffers "
+                                     f"for that maximum)") from exc
+            raise
+    return call
 
 
 def _check_count(name: str, value) -> None:
@@ -325,6 +349,7 @@ class Buffer:
         if t.device != self.runtime.device:
             _fail(name, f"expected a tensor on {self.runtime.device}, got one on {t.device}")
 
+    @_name_size_keyword
     def _dispatch(self, kind, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                   topk_weights, expert_alignment, num_worst_tokens, config, previous_event, async_finish,
                   allocate_on_comm_stream):
@@ -405,6 +430,7 @@ class Buffer:
                             ("hidden", hidden), ("num_experts", num_experts)):
             _check_count(name, value)
 
+    @_name_size_keyword
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
                              num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
                              dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
