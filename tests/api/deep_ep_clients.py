@@ -68,15 +68,17 @@ def own_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
 
 
 def all_reduced(t: torch.Tensor, group) -> torch.Tensor:
-    t = t.clone()
-    dist.all_reduce(t, group=group)
-    return t
+    # through the CPU: the group may be gloo (shared-GPU runs) with the tensors on a GPU
+    host = t.cpu().clone()
+    dist.all_reduce(host, group=group)
+    return host.to(t.device)
 
 
 def all_gathered(t: torch.Tensor, group):
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, t.contiguous(), group=group)
-    return parts
+    host = t.cpu().contiguous()
+    parts = [torch.empty_like(host) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, host, group=group)
+    return [p.to(t.device) for p in parts]
 
 
 # ---- DeepEP's intranode flow ------------------------------------------------------------------------------------
