@@ -107,6 +107,13 @@ def intranode_flow(deep_ep, buffer, group, device, num_tokens=40, hidden=256, nu
     assert torch.equal(ref_per_expert, per_expert) and ref_per_expert.dtype == torch.int32
     assert torch.equal(ref_in_rank, in_rank) and ref_in_rank.dtype == torch.bool
     internode = gpus_per_node is not None and gpus_per_node < num_ranks
+    # what the Buffer spans, asked the way frameworks ask DeepEP's runtime
+    assert buffer.runtime.is_available()
+    assert buffer.runtime.get_num_rdma_ranks() == (num_ranks // gpus_per_node if internode else 1)
+    assert buffer.runtime.get_rdma_rank() == (rank // gpus_per_node if internode else 0)
+    dev = torch.device(device)
+    want_device = -1 if dev.type != "cuda" else (torch.cuda.current_device() if dev.index is None else dev.index)
+    assert buffer.runtime.get_local_device_id() == want_device
     if internode:
         num_nodes = num_ranks // gpus_per_node
         per_node = in_rank.view(num_tokens, num_nodes, gpus_per_node).any(dim=2).sum(dim=0).to(torch.int32)

@@ -22,6 +22,7 @@ def _intranode(rank, world):
     buffer = clients.deep_ep_test_buffer(deep_ep, group, "normal", **CPU)
     tried = clients.intranode_flow(deep_ep, buffer, group, "cpu")
     buffer.destroy()
+    assert not buffer.runtime.is_available()
     dist.barrier()
     return tried
 
