@@ -1,8 +1,8 @@
 """``deep_ep.Buffer``: DeepEP V1's Buffer (normal, internode and low-latency mode) over a ``deepcomm.Buffer``.
 
 Same names, arguments (order and defaults), return tuples and handle tuples as DeepEP V1 at 567632d; every call
-is one or two calls of ``deepcomm.Buffer`` (``.buffer``; ``.runtime`` answers DeepEP's runtime queries), so every deepcomm backend runs it, the CPU reference
-backend included. Where deepcomm cannot do what an argument value asks, the call raises ``ValueError`` naming the
+is one or two calls of ``deepcomm.Buffer`` (``.buffer``; ``.runtime`` answers DeepEP's runtime queries), so every
+deepcomm backend runs it, the CPU reference backend included. Where deepcomm cannot do what an argument value asks, the call raises ``ValueError`` naming the
 argument. The differences are listed in docs/api.md, "DeepEP V1 drop-in".
 """
 from __future__ import annotations
