@@ -242,7 +242,8 @@ def _normal_worker(rank, world):
     from deepcomm.compat import deep_ep
     from deepcomm.fp8 import per_token_cast_to_fp8
     E = PER_RANK * world
-    buf = deep_ep.Buffer(dist.group.WORLD, int(1e9), 0, max_tokens_per_rank=32, hidden=HIDDEN)
+    buf = deep_ep.Buffer(dist.group.WORLD, int(1e9), 0, max_tokens_per_rank=32, hidden=HIDDEN,
+                         backend="reference")
     assert (buf.rank, buf.group_size, buf.num_nvl_bytes, buf.enable_shrink) == (rank, world, int(1e9), False)
     dc = buf.runtime
     all_inputs = [_inputs(r, world, _tokens(world)[r]) for r in range(world)]
@@ -356,7 +357,8 @@ def _low_latency_worker(rank, world):
     from deepcomm.fp8 import pack_ue8m0
     E, M = PER_RANK * world, 16
     buf = deep_ep.Buffer(dist.group.WORLD, 0, deep_ep.Buffer.get_low_latency_rdma_size_hint(M, HIDDEN, world, E),
-                         low_latency_mode=True, num_qps_per_rank=PER_RANK, enable_shrink=world > 2, hidden=HIDDEN)
+                         low_latency_mode=True, num_qps_per_rank=PER_RANK, enable_shrink=world > 2, hidden=HIDDEN,
+                         backend="reference")
     dc = buf.runtime
     all_inputs = [_inputs(r, world, [5, 9, 12][r]) for r in range(world)]
     x, idx, w = all_inputs[rank]
@@ -447,7 +449,8 @@ def test_low_latency_mode(world):
 def _internode_worker(rank, world):
     from deepcomm.compat import deep_ep
     E = PER_RANK * world
-    buf = deep_ep.Buffer(dist.group.WORLD, int(1e9), int(1e9), max_tokens_per_rank=32, hidden=HIDDEN, gpus_per_node=1)
+    buf = deep_ep.Buffer(dist.group.WORLD, int(1e9), int(1e9), max_tokens_per_rank=32, hidden=HIDDEN, gpus_per_node=1,
+                         backend="reference")
     assert buf.num_rdma_ranks == world
     all_inputs = [_inputs(r, world, _tokens(world)[r]) for r in range(world)]
     x, idx, w = all_inputs[rank]

@@ -1,13 +1,14 @@
 """``deep_ep.Buffer``: DeepEP V1's Buffer (normal, internode and low-latency mode) over a ``deepcomm.Buffer``.
 
 Same names, arguments (order and defaults), return tuples and handle tuples as DeepEP V1 at 567632d; every call
-is one or two calls of ``deepcomm.Buffer`` (``.runtime``), so every deepcomm backend runs it, the CPU reference
-backend included. Where deepcomm cannot do what an argument value asks, the call raises ``ValueError`` naming the
+is one or two calls of ``deepcomm.Buffer`` (``.buffer``; ``.runtime`` answers DeepEP's runtime queries), so every
+deepcomm backend runs it, the CPU reference backend included. Where deepcomm cannot do what an argument value asks, the call raises ``ValueError`` naming the
 argument. The differences are listed in docs/api.md, "DeepEP V1 drop-in".
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from typing import Callable, List, Optional, Tuple, Union
 
@@ -15,12 +16,15 @@ import torch
 import torch.distributed as dist
 
 from ... import fp8 as _fp8
+from ...backends import cuda_unavailable_reason
 from ...buffer import Buffer as _DeepcommBuffer
 from ...config import DEFAULT_HIDDEN
 from . import handles as _h
+from . import payload as _payload
 from ._cpp import Config, EventHandle
 from ._cpp import get_low_latency_rdma_size_hint as _ll_size_hint
 from ._cpp import is_sm90_compiled as _is_sm90_compiled
+from .runtime import Runtime
 from .utils import EventOverlap, check_nvlink_connections
 
 Payload = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
@@ -41,13 +45,36 @@ def _fail(name: str, message: str):
     raise ValueError(f"{name}: {message}")
 
 
+# deepcomm's limits (start of its ValueError text) -> the keyword of deep_ep.Buffer that sets them
+_LIMITS = (("tokens exceed max_tokens_per_rank=", "max_tokens_per_rank"),
+           ("num_max_dispatch_tokens_per_rank: expected <=", "num_max_low_latency_tokens"))
+
+
+def _name_size_keyword(method):
+    """DeepEP streams any token count through its ring buffers; deepcomm's buffers hold a maximum set by a
+    keyword-only extra of this constructor. A call that meets one says which (deepcomm has already told every rank
+    that the call was refused, so the error is only reworded here)."""
+    @functools.wraps(method)
+    def call(*args, **kwargs):
+        try:
+            return method(*args, **kwargs)
+        except ValueError as exc:
+            text = str(exc)
+            for limit, keyword in _LIMITS:
+                if limit in text:
+                    raise ValueError(f"{text} (set by deep_ep.Buffer(..., {keyword}=N); deepcomm sizes its buffers "
+                                     f"for that maximum)") from exc
+            raise
+    return call
+
+
 def _check_count(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         _fail(name, f"expected a positive int, got {value!r}")
 
 
 class Buffer:
-    """DeepEP V1's ``deep_ep.Buffer`` over a ``deepcomm.Buffer`` (``.runtime``).
+    """DeepEP V1's ``deep_ep.Buffer`` over a ``deepcomm.Buffer`` (``.buffer``; ``.runtime``: runtime.py).
 
     Keyword-only extras size deepcomm's buffers (DeepEP sizes from ``num_nvl_bytes`` / ``num_rdma_bytes``, which
     are recorded here): ``max_tokens_per_rank`` and ``hidden`` for normal mode, ``num_max_low_latency_tokens``
@@ -88,13 +115,15 @@ class Buffer:
                                                       "NVLink; it cannot be told not to")
         group = self._group_from(group, comm)
         check_nvlink_connections(group)
-        self.runtime = _DeepcommBuffer(group, max_tokens_per_rank=max_tokens_per_rank,
-                                       hidden=DEFAULT_HIDDEN if hidden is None else hidden, backend=backend,
+        self._dc = _DeepcommBuffer(group, max_tokens_per_rank=max_tokens_per_rank,
+                                       hidden=DEFAULT_HIDDEN if hidden is None else hidden,
+                                       backend=_deep_ep_backend(backend),
                                        num_max_low_latency_tokens=num_max_low_latency_tokens, timeout_s=timeout_s,
                                        gpus_per_node=gpus_per_node)
-        self.group = self.runtime.group
-        self.rank = self.runtime.rank
-        self.group_size = self.runtime.world_size
+        self.runtime = Runtime(self._dc, self.get_comm_stream)  # DeepEP's runtime queries, else deepcomm's Buffer
+        self.group = self._dc.group
+        self.rank = self._dc.rank
+        self.group_size = self._dc.world_size
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         self.low_latency_mode = low_latency_mode
         self.num_qps_per_rank = num_qps_per_rank
@@ -102,7 +131,7 @@ class Buffer:
         self.explicitly_destroy = explicitly_destroy
         self.enable_shrink = enable_shrink
         self.nvshmem_qp_depth = int(os.environ.get('NVSHMEM_QP_DEPTH', '1024'))
-        topo = self.runtime.topology
+        topo = self._dc.topology
         self.num_rdma_ranks = topo.num_nodes  # DeepEP's RDMA ranks: the nodes
         self._gpus_per_node = topo.gpus_per_node
         self._handles = _h.HandleRegistry()
@@ -127,11 +156,11 @@ class Buffer:
     @property
     def buffer(self) -> _DeepcommBuffer:
         """The underlying ``deepcomm.Buffer``."""
-        return self.runtime
+        return self._dc
 
     def destroy(self):
         """Release the resources (also allowed without ``explicitly_destroy``; the destructor does it otherwise)."""
-        self.runtime.destroy()
+        self._dc.destroy()
 
     # ---- static helpers ----
     @staticmethod
@@ -178,10 +207,10 @@ class Buffer:
     # ---- plumbing ----
     def get_comm_stream(self) -> torch.Stream:
         """The CUDA backend's communication stream; the current stream otherwise (``None`` on the CPU)."""
-        stream = getattr(getattr(self.runtime, "_backend", None), "comm_stream", None)
+        stream = getattr(getattr(self._dc, "_backend", None), "comm_stream", None)
         if stream is not None:
             return stream
-        return torch.cuda.current_stream() if self.runtime.device.type == "cuda" else None
+        return torch.cuda.current_stream() if self._dc.device.type == "cuda" else None
 
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0,
                                 use_rdma_buffer: bool = False) -> torch.Tensor:
@@ -200,8 +229,8 @@ class Buffer:
             _fail("async_finish", f"expected a bool, got {type(async_finish).__name__}")
         if allocate_on_comm_stream and (previous_event is None or not async_finish):
             _fail("allocate_on_comm_stream", "needs previous_event and async_finish=True (as in DeepEP)")
-        if config.num_sms != self.runtime.num_sms:
-            self.runtime.set_num_sms(config.num_sms)
+        if config.num_sms != self._dc.num_sms:
+            self._dc.set_num_sms(config.num_sms)
         if previous_event is None:
             return None
         if not isinstance(previous_event, EventOverlap):
@@ -211,9 +240,9 @@ class Buffer:
     def _comm_stream_if(self, async_finish: bool):
         """The stream on which results of a normal-mode call are ready: the communication stream when the caller
         does not wait for it (``async_finish``), else the current stream; None on the CPU."""
-        if self.runtime.device.type != "cuda":
+        if self._dc.device.type != "cuda":
             return None
-        comm = getattr(getattr(self.runtime, "_backend", None), "comm_stream", None)
+        comm = getattr(getattr(self._dc, "_backend", None), "comm_stream", None)
         return comm if async_finish and comm is not None else None
 
     def _event(self, async_finish: bool, extra=None, stream=None) -> EventOverlap:
@@ -221,10 +250,10 @@ class Buffer:
         if not async_finish:
             return EventOverlap(None)
         if stream is None:
-            return EventOverlap(EventHandle(self.runtime.device), extra)
+            return EventOverlap(EventHandle(self._dc.device), extra)
         ev = torch.cuda.Event()
         ev.record(stream)
-        return EventOverlap(EventHandle(self.runtime.device, ev), extra)
+        return EventOverlap(EventHandle(self._dc.device, ev), extra)
 
     def _derived(self, stream):
         """Where the handle's derived tensors are computed: after the call, on the stream its results are on."""
@@ -244,7 +273,7 @@ class Buffer:
                 _fail("previous_event", f"expected an EventOverlap, got {type(previous_event).__name__}")
             if previous_event.event is not None:
                 previous_event.event.current_stream_wait()
-        per_rank, per_expert, in_rank = self.runtime.get_dispatch_layout(topk_idx, num_experts)
+        per_rank, per_expert, in_rank = self._dc.get_dispatch_layout(topk_idx, num_experts)
         per_rdma_rank = None
         if self.num_rdma_ranks > 1:
             per_rdma_rank = _h._node_mask(in_rank, self._gpus_per_node).sum(dim=0, dtype=torch.int32)
@@ -319,21 +348,24 @@ class Buffer:
         if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or tuple(t.shape) != tuple(shape):
             got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
             _fail(name, f"expected an int32 tensor of shape {tuple(shape)}, got {got}")
-        if t.device != self.runtime.device:
-            _fail(name, f"expected a tensor on {self.runtime.device}, got one on {t.device}")
+        if t.device != self._dc.device:
+            _fail(name, f"expected a tensor on {self._dc.device}, got one on {t.device}")
 
+    @_name_size_keyword
     def _dispatch(self, kind, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                   topk_weights, expert_alignment, num_worst_tokens, config, previous_event, async_finish,
                   allocate_on_comm_stream):
         prev = self._before(previous_event, config, async_finish, allocate_on_comm_stream)
         stream_args = dict(previous_event=prev, async_finish=async_finish)
+        x, recv_as_given = _payload.adapt(x)  # FP8 scales of any layout DeepEP takes
         if handle is not None:
             if topk_idx is not None or topk_weights is not None:
                 _fail("topk_idx" if topk_idx is not None else "topk_weights",
                       "must be None when a handle is given (cached dispatch), as in DeepEP")
             dc = _h.resolve(handle, kind, self._handles)
-            recv_x = self.runtime.dispatch(x, handle=dc, expert_alignment=expert_alignment, **stream_args)[0]
-            return recv_x, None, None, None, None, self._event(async_finish, stream=self._comm_stream_if(async_finish))
+            recv_x = self._dc.dispatch(x, handle=dc, expert_alignment=expert_alignment, **stream_args)[0]
+            event = self._event(async_finish, stream=self._comm_stream_if(async_finish))
+            return recv_as_given(recv_x), None, None, None, None, event
         for name, value in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
                             ("num_tokens_per_expert", num_tokens_per_expert)):
             if value is None:
@@ -345,11 +377,11 @@ class Buffer:
         if topk_idx is not None:
             # The route of topk_idx: the same as is_token_in_rank's when that is get_dispatch_layout's.
             self._check_int_tensor("num_tokens_per_expert", num_tokens_per_expert, (num_experts,))
-            out = self.runtime.dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts,
+            out = self._dc.dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts,
                                         expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
                                         **stream_args)
         else:
-            out = self.runtime.dispatch(x, topk_weights=topk_weights, num_experts=num_experts,
+            out = self._dc.dispatch(x, topk_weights=topk_weights, num_experts=num_experts,
                                         is_token_in_rank=is_token_in_rank,
                                         num_tokens_per_expert=num_tokens_per_expert,
                                         expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
@@ -363,13 +395,13 @@ class Buffer:
             else:
                 items = _h.internode(dc, config.num_sms // 2, self.rank, self._gpus_per_node)
         if stream is not None:
-            caller = torch.cuda.current_stream(self.runtime.device)
+            caller = torch.cuda.current_stream(self._dc.device)
             for t in items:
                 if isinstance(t, torch.Tensor):
                     t.record_stream(caller)
         deep_handle = _h.DeepEPHandle(items, dc)
         self._handles.add(items[_h.KEY_ITEM[kind]], dc)
-        return recv_x, recv_idx, recv_w, counts, deep_handle, self._event(async_finish, stream=stream)
+        return recv_as_given(recv_x), recv_idx, recv_w, counts, deep_handle, self._event(async_finish, stream=stream)
 
     def _combine(self, kind, x, handle, topk_weights, bias, config, previous_event, async_finish,
                  allocate_on_comm_stream):
@@ -377,7 +409,7 @@ class Buffer:
         dc = _h.resolve(handle, kind, self._handles)
         bias_0, bias_1 = Buffer._unpack_bias(bias)
         with_bias = bias_0 is not None or bias_1 is not None
-        combined_x, combined_w = self.runtime.combine(x, dc, topk_weights=topk_weights, previous_event=prev,
+        combined_x, combined_w = self._dc.combine(x, dc, topk_weights=topk_weights, previous_event=prev,
                                                       async_finish=async_finish and not with_bias)
         if with_bias:
             acc = combined_x.float()
@@ -400,6 +432,7 @@ class Buffer:
                             ("hidden", hidden), ("num_experts", num_experts)):
             _check_count(name, value)
 
+    @_name_size_keyword
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
                              num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
                              dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
@@ -419,7 +452,7 @@ class Buffer:
         stats = cumulative_local_expert_recv_stats
         if stats is not None:
             self._check_int_tensor("cumulative_local_expert_recv_stats", stats, (L,))
-        recv_x, recv_count, dc, hook = self.runtime.low_latency_dispatch(
+        recv_x, recv_count, dc, hook = self._dc.low_latency_dispatch(
             x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8=use_fp8,
             use_ue8m0=bool(use_fp8 and round_scale), return_recv_hook=return_recv_hook)
         if use_fp8:
@@ -460,14 +493,19 @@ class Buffer:
                             combine_wait_recv_cost_stats: Optional[torch.Tensor] = None) -> \
             Tuple[torch.Tensor, EventOverlap, Callable]:
         """``(combined_x bf16 [T, H], event, hook)``: each token's expert outputs summed with its weights.
-        ``zero_copy``: ``x`` may be the tensor of ``get_next_low_latency_combine_buffer`` (read either way)."""
+        ``zero_copy``: the expert outputs are read from the tensor ``get_next_low_latency_combine_buffer(handle)``
+        returned (written there by the caller), as DeepEP reads its send buffer; ``x`` is not read then."""
+        if not isinstance(zero_copy, bool):
+            _fail("zero_copy", f"expected a bool, got {type(zero_copy).__name__}")
         if use_logfmt:
             _fail("use_logfmt", "deepcomm has no LogFMT combine (its optional FP8 wire format is "
                                 "deepcomm.Buffer.low_latency_combine(use_fp8=True))")
         if combine_wait_recv_cost_stats is not None:
             _fail("combine_wait_recv_cost_stats", "deepcomm does not time the waits per source rank; pass None")
         dc = _h.resolve(handle, "low_latency", self._handles)
-        combined, hook = self.runtime.low_latency_combine(x, topk_idx, topk_weights, dc,
+        if zero_copy:
+            x = self._written_combine_buffer(x, dc)
+        combined, hook = self._dc.low_latency_combine(x, topk_idx, topk_weights, dc,
                                                           return_recv_hook=return_recv_hook)
         if out is not None and (not isinstance(out, torch.Tensor) or out.shape != combined.shape
                                 or out.dtype != combined.dtype or out.device != combined.device):
@@ -479,14 +517,28 @@ class Buffer:
         extra = (x, topk_idx, topk_weights, dc.src_info, result) if async_finish else None
         return result, self._event(async_finish, extra), (recv_hook if return_recv_hook else None)
 
+    def _combine_buffer_shape(self, dc) -> tuple:
+        return (dc.num_experts // self.group_size, self.group_size * dc.num_max_dispatch_tokens_per_rank, dc.hidden)
+
+    def _written_combine_buffer(self, x, dc) -> torch.Tensor:
+        """The combine buffer of ``dc``'s shape, for a zero-copy combine (``x`` is checked for its shape only)."""
+        shape = self._combine_buffer_shape(dc)
+        if not isinstance(x, torch.Tensor) or tuple(x.shape) != shape:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            _fail("x", f"expected shape {shape} (the handle's [local experts, ranks * M, hidden]), got {got}")
+        buffer = self._combine_buffers.get(shape)
+        if buffer is None:
+            _fail("zero_copy", "the expert outputs are read from get_next_low_latency_combine_buffer(handle), "
+                               "which was not called on this Buffer: call it and write them there first")
+        return buffer
+
     def get_next_low_latency_combine_buffer(self, handle: object):
-        """A bf16 ``[L, R*M, H]`` tensor to write expert outputs into and pass as ``x`` of ``low_latency_combine``
-        (one per shape, reused by later calls)."""
+        """A bf16 ``[L, R*M, H]`` tensor to write expert outputs into; ``low_latency_combine(..., zero_copy=True)``
+        then reads them from it (one per shape, reused by later calls; passing it as ``x`` works too)."""
         dc = _h.resolve(handle, "low_latency", self._handles)
-        L = dc.num_experts // self.group_size
-        shape = (L, self.group_size * dc.num_max_dispatch_tokens_per_rank, dc.hidden)
+        shape = self._combine_buffer_shape(dc)
         if shape not in self._combine_buffers:
-            self._combine_buffers[shape] = torch.empty(shape, dtype=torch.bfloat16, device=self.runtime.device)
+            self._combine_buffers[shape] = torch.empty(shape, dtype=torch.bfloat16, device=self._dc.device)
         return self._combine_buffers[shape]
 
     # ---- shrink mode: deepcomm's Buffer.mask_ranks / unmask_ranks ----
@@ -505,8 +557,8 @@ class Buffer:
         if rank_to_mask == self.rank:
             _fail("rank_to_mask", f"cannot mask this rank ({self.rank}) itself")
         if mask:
-            self.runtime.mask_ranks([rank_to_mask])
-        elif rank_to_mask in self.runtime.masked_ranks:
+            self._dc.mask_ranks([rank_to_mask])
+        elif rank_to_mask in self._dc.masked_ranks:
             _fail("mask", "deepcomm cannot unmask one rank; low_latency_clean_mask_buffer() unmasks every rank "
                           "(collective)")
 
@@ -515,16 +567,25 @@ class Buffer:
         self._check_shrink()
         self._check_int_tensor("mask_status", mask_status, (self.group_size,))
         status = torch.zeros(self.group_size, dtype=torch.int32)
-        status[self.runtime.masked_ranks] = 1
+        status[self._dc.masked_ranks] = 1
         mask_status.copy_(status)
 
     def low_latency_clean_mask_buffer(self):
         """Unmask every rank (``Buffer.unmask_ranks``): collective, every rank of the group calls it."""
         self._check_shrink()
-        self.runtime.unmask_ranks()
+        self._dc.unmask_ranks()
 
     def __repr__(self) -> str:
-        return f"deep_ep.Buffer(compat over {self.runtime!r})"
+        return f"deep_ep.Buffer(compat over {self._dc!r})"
+
+
+def _deep_ep_backend(backend: str) -> str:
+    """DeepEP runs on the current CUDA device whatever the group's backend (it only bootstraps over the group:
+    inference engines hand it their gloo group). deepcomm's "auto" keeps a gloo group's Buffer on the CPU, so
+    "auto" here means the CUDA backend wherever it can run; the reference backend where it cannot."""
+    if backend == "auto" and cuda_unavailable_reason(None, "cuda") is None:
+        return "cuda"
+    return backend
 
 
 def _once(hook: Callable[[], None], then: Optional[Callable[[], None]]) -> Callable[[], None]:
