@@ -136,7 +136,7 @@ def _breakdown(be, cases):
     out = {}
     try:
         for name, (fn, _) in cases.items():
-            if name == "get_dispatch_layout" or name.startswith("ops."):
+            if name == "get_dispatch_layout" or name.startswith(("ops.", "operator")):
                 continue
             be.nvl.ctx = rec
             rec.real = real
@@ -173,6 +173,11 @@ def worker(rank, world, tokens_list, hidden, num_sms, json_path, cprofile_path="
             # the differentiable calls (torch custom operators and autograd), what an MoE layer calls
             "ops.dispatch (autograd)": (lambda: ops.dispatch(buf, xg, idx, wg, 256), be),
             "ops.combine (autograd)": (lambda: ops.combine(buf, y, h), None),
+            # the same calls through their torch operators, as traced code runs them (eager ops skip them)
+            "operator dispatch (autograd)": (lambda: torch.ops.deepcomm.dispatch(buf.buffer_id, xg, None, idx, wg, 256,
+                                                                                1, 0), be),
+            "operator combine (autograd)": (lambda: torch.ops.deepcomm.combine(buf.buffer_id, y, None,
+                                                                               *ops.handle_args(h), False), None),
         }
         if cprofile_path and rank == 0 and tokens == min(tokens_list):
             _cprofile(cases, cprofile_path, tokens)
