@@ -276,15 +276,16 @@ class CudaBackend:
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
         """Local (no collective), on the caller's stream, no host sync: the kernel range-checks the expert ids
         itself; bad ones count nowhere and raise at this rank's next call on the Buffer or synchronize()
-        (csrc/kernels/layout.cu). An input error an earlier call left on the device raises here first."""
+        (csrc/kernels/layout.cu). An input error an earlier call left on the device is raised after the launch,
+        as every call does."""
         self.errors.check(low_latency=True)  # local: masked ranks do not matter
-        self.errors.raise_pending()
         T, R = topk_idx.shape[0], self.world_size
         per_rank = torch.empty(R, dtype=torch.int32, device=self.device)
         per_expert = torch.empty(num_experts, dtype=torch.int32, device=self.device)
         in_rank = torch.empty(T, R, dtype=torch.bool, device=self.device)
         self.nvl.ctx.dispatch_layout(topk_idx.data_ptr(), T, topk_idx.shape[1], num_experts, per_rank.data_ptr(),
                                      per_expert.data_ptr(), in_rank.data_ptr(), _current_stream(self._device_index))
+        self.errors.raise_pending()
         return per_rank, per_expert, in_rank
 
     # ---- normal dispatch ----

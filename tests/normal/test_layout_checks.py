@@ -62,21 +62,42 @@ def test_buffer_checks_values_on_the_host_unless_the_backend_checks_them():
     assert seen["num_experts"].startswith("num_experts:"), seen["num_experts"]
 
 
-def _cuda_backend_over(record):
-    """A CudaBackend with only its error state (no device): what get_dispatch_layout looks at before launching."""
+class _Ctx:
+    """NvlContext's layout crossing, recorded instead of launched."""
+
+    def __init__(self):
+        self.launches = []
+
+    def dispatch_layout(self, *args):
+        self.launches.append(args)
+
+
+def _cuda_backend_over(record, monkeypatch):
+    """A CudaBackend with only its error state and a recording context (no device)."""
+    import deepcomm.cuda.backend as cuda_backend
+    monkeypatch.setattr(cuda_backend, "_current_stream", lambda index: 0)
     b = CudaBackend.__new__(CudaBackend)
-    b.errors = CallErrors(_nvl(record))
+    b.nvl = _nvl(record)
+    b.nvl.ctx = _Ctx()
+    b.errors = CallErrors(b.nvl)
+    b.world_size, b.device, b._device_index = 2, torch.device("cpu"), 0
     return b
 
 
-def test_recorded_layout_error_raises_at_the_next_layout_with_its_count():
+def test_recorded_layout_error_raises_at_the_next_call_after_it_ran(monkeypatch):
     rec = FakeRecord()
     rec.record = (1, 3, 3, S["layout_invalid_ids"], 0, 7)  # rank 3's kernel found 7 bad ids
-    b = _cuda_backend_over(rec)
+    b = _cuda_backend_over(rec, monkeypatch)
     with pytest.raises(ValueError, match=r"^topk_idx: an earlier get_dispatch_layout on rank 3 had 7 expert ids "
                                          r"outside \[-1, num_experts\); they counted nowhere"):
-        b.get_dispatch_layout(torch.zeros(2, 2, dtype=torch.int64), 4)
+        b.get_dispatch_layout(torch.zeros(5, 2, dtype=torch.int64), 4)
+    assert len(b.nvl.ctx.launches) == 1  # the call itself ran first, as every call does
+    _, T, K, E = b.nvl.ctx.launches[0][:4]
+    assert (T, K, E) == (5, 2, 4)
     assert rec.record[0] == 0  # cleared: raised once
+    per_rank, per_expert, in_rank = b.get_dispatch_layout(torch.zeros(5, 2, dtype=torch.int64), 4)
+    assert per_rank.shape == (2,) and per_expert.shape == (4,) and in_rank.shape == (5, 2)
+    assert (per_rank.dtype, per_expert.dtype, in_rank.dtype) == (torch.int32, torch.int32, torch.bool)
 
 
 def test_recorded_layout_error_is_held_through_a_collective_call():
