@@ -17,6 +17,9 @@ class Capabilities:
     takes_fingerprints: bool  # collective calls take ``fingerprint=`` and the backend has ``reject`` (agreement.py)
     checks_expert_ids_on_device: bool  # a fresh dispatch's expert ids are range-checked by its kernels (no sync)
     checks_low_latency_ids_on_device: bool  # likewise for low-latency dispatch (range and duplicates)
+    # get_dispatch_layout's expert ids are range-checked by its kernel, without a host sync: a bad id raises
+    # ValueError at the rank's next call on the Buffer or synchronize(), not at once
+    checks_layout_ids_on_device: bool = False
 
 
 @runtime_checkable

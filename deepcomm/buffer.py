@@ -159,7 +159,8 @@ class Buffer:
         if topk_idx is None:
             v.fail("topk_idx", "required")
         v.check_num_experts(num_experts, self._world_size)
-        v.check_topk_idx(topk_idx, None, num_experts, self._device)
+        v.check_topk_idx(topk_idx, None, num_experts, self._device,
+                         check_values=not backend.capabilities.checks_layout_ids_on_device)
         return backend.get_dispatch_layout(topk_idx, num_experts)
 
     @_collective("dispatch")

@@ -123,6 +123,10 @@ class _Recorder:
         if self.real is not None:
             self.real.combine_call(*args)
 
+    def dispatch_layout(self, *args):
+        if self.real is not None:
+            self.real.dispatch_layout(*args)
+
     def __getattr__(self, name):
         return getattr(self.real, name)
 
@@ -136,7 +140,7 @@ def _breakdown(be, cases):
     out = {}
     try:
         for name, (fn, _) in cases.items():
-            if name == "get_dispatch_layout" or name.startswith(("ops.", "operator")):
+            if name.startswith(("ops.", "operator")):
                 continue
             be.nvl.ctx = rec
             rec.real = real

@@ -39,6 +39,7 @@ void register_constants(py::module_& m) {
     s["invalid_ids"] = int(kStageInvalidIds); s["overflow"] = int(kStageOverflow);
     s["ll_invalid_ids"] = int(kStageLlInvalidIds); s["ll_duplicate_ids"] = int(kStageLlDuplicateIds);
     s["agree"] = int(kStageAgree); s["disagree"] = int(kStageDisagree);
+    s["layout_invalid_ids"] = int(kStageLayoutInvalidIds);
     m.attr("WAIT_STAGES") = s;
   }
   {  // enum LlPhases (kernels/ll_phases.hpp): which halves a low-latency launch runs

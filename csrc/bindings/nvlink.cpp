@@ -1,4 +1,4 @@
-// deepcomm._C normal mode over NVLink: the layout kernel and NvlContext (notify, dispatch, combine in one crossing
+// deepcomm._C normal mode over NVLink: NvlContext (the layout kernel; notify, dispatch, combine in one crossing
 // each; csrc/runtime/nvl_calls.hpp). Argument order is positional: deepcomm/cuda/nvl_calls.py is the caller.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -36,13 +36,6 @@ StreamOrder stream_order(uintptr_t caller, uintptr_t comm, uintptr_t previous, u
 }  // namespace
 
 void register_nvlink(py::module_& m) {
-  // ---- kernels without communication ----
-  m.def("get_dispatch_layout", [](uintptr_t topk_idx, int T, int K, int E, int R, uintptr_t per_rank,
-                                  uintptr_t per_expert, uintptr_t in_rank, uintptr_t send_pos, uintptr_t stream) {
-    launch_dispatch_layout(ptr<const int64_t>(topk_idx), T, K, E, R, ptr<int>(per_rank), ptr<int>(per_expert),
-                           ptr<bool>(in_rank), ptr<int>(send_pos), stream_of(stream));
-  });
-
   // ---- NVLink context and collective kernels ----
   py::class_<NvlContext>(m, "NvlContext")
       .def(py::init<int, int, int, int, int64_t, int64_t, int64_t>(), py::arg("rank"), py::arg("num_ranks"),
@@ -64,6 +57,13 @@ void register_nvlink(py::module_& m) {
         const StreamOrder order = stream_order(caller, comm, previous, start, 0, flags);
         order.begin();
         launch_agree_reject(fingerprint_of(fingerprint), c.layout, c.peers, c.wait_ctx(), order.comm);
+      })
+      // get_dispatch_layout: local, on `stream`; bad expert ids go into this rank's error record (kernels/layout.cu)
+      .def("dispatch_layout", [](const NvlContext& c, uintptr_t topk_idx, int T, int K, int E, uintptr_t per_rank,
+                                 uintptr_t per_expert, uintptr_t in_rank, uintptr_t stream) {
+        LayoutArgs a{ptr<const int64_t>(topk_idx), T, K, E, c.layout.num_ranks, ptr<int>(per_rank),
+                     ptr<int>(per_expert), ptr<bool>(in_rank)};
+        launch_dispatch_layout(a, c.wait_ctx(), stream_of(stream));
       })
       .def("set_dispatch_counts", [](NvlContext& c, uintptr_t host, uintptr_t dev) {
         c.counts_host = ptr<const DispatchCounts>(host);

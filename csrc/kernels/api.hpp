@@ -18,13 +18,19 @@ struct Peers {
   uint8_t* base[kMaxRanks];
 };
 
-// Layout of one routing (no communication).
-//   topk_idx int64 [T, K] in [-1, E);  out: tokens_per_rank int32 [R], tokens_per_expert int32 [E],
-//   is_token_in_rank bool [T, R], send_pos int32 [T, R] (nullable): index of t among tokens sent to r, else -1.
-// A token counts once per rank and once per expert, however many of its slots name them. R <= 64.
-void launch_dispatch_layout(const int64_t* topk_idx, int num_tokens, int topk, int num_experts, int num_ranks,
-                            int* tokens_per_rank, int* tokens_per_expert, bool* is_token_in_rank, int* send_pos,
-                            cudaStream_t stream);
+// Layout of one routing (no communication, no host sync; kernels/layout.cu).
+//   topk_idx int64 [T, K], K <= 32;  out: tokens_per_rank int32 [R], tokens_per_expert int32 [E],
+//   is_token_in_rank bool [T, R]. A token counts once per rank and once per expert, however many of its slots
+// name them. R <= 64. Ids outside [-1, E) count nowhere; their number goes into the error record (ctx.err, stage
+// kStageLayoutInvalidIds, peer = ctx.rank, the count in waited_ns) unless it already holds an error.
+struct LayoutArgs {
+  const int64_t* topk_idx;  // [T][K]
+  int num_tokens, topk, num_experts, num_ranks;
+  int* tokens_per_rank;     // [R]
+  int* tokens_per_expert;   // [E]
+  bool* is_token_in_rank;   // [T][R]
+};
+void launch_dispatch_layout(const LayoutArgs& args, const WaitCtx& ctx, cudaStream_t stream);
 
 // Layout plus the count exchange over NVLink; the first kernel of a fresh dispatch, which also advances the
 // call's sequence number (no bump kernel before it). After it, notify_out holds

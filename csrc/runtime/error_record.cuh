@@ -47,6 +47,9 @@ enum WaitStage : int {
   // The ranks' call fingerprints differ (or a rank rejected its call): no row moved; the words are in the
   // AgreeRecord (csrc/runtime/agree_record.hpp).
   kStageDisagree = 104,
+  // Found by get_dispatch_layout (local, no host sync): ids outside [-1, E) counted nowhere; the record's
+  // waited_ns holds how many. Raised at the host's next look, like the low-latency ones.
+  kStageLayoutInvalidIds = 105,
 };
 
 struct ErrorRecord {
@@ -55,7 +58,7 @@ struct ErrorRecord {
   int peer;
   int stage;
   uint64_t seq;  // the collective's sequence number
-  uint64_t waited_ns;
+  uint64_t waited_ns;  // a timeout: how long it waited; an input error: a count its text names, else 0
 };
 
 // What every waiting kernel needs to bound its waits. The collective's sequence number lives on the device

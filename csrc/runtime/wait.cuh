@@ -57,6 +57,12 @@ __device__ __forceinline__ void report_input_error(const WaitCtx& ctx, int peer,
   report_timeout(ctx, peer, stage, 0);
 }
 
+// Claim an empty record for an input error whose details are still being gathered (flag 2 = being written, which
+// the host leaves for its next look); write_record completes it. False when the record already holds one.
+__device__ __forceinline__ bool claim_error_record(const WaitCtx& ctx) {
+  return ptx::atom_cas_acquire_gpu_u32(reinterpret_cast<uint32_t*>(&ctx.err->flag), 0u, 2u) == 0u;
+}
+
 // Wait until *flag (a u64 written by a peer with release semantics) reaches `target`.
 __device__ __forceinline__ bool wait_flag_geq(const uint64_t* flag, uint64_t target, const WaitCtx& ctx, int peer,
                                               int stage) {

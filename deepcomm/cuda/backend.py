@@ -127,11 +127,11 @@ class CudaBackend:
     (deepcomm/backend_protocol.py)."""
     name = "cuda"
     # BF16 x in normal mode; expert ids range-checked on the device, without a host sync, inside the notify kernel
-    # of a fresh dispatch and the low-latency send kernels; every collective call's fingerprint travels in its
-    # first exchange and is compared on the device (deepcomm/agreement.py, csrc/runtime/agree_record.hpp), and
-    # reject() joins that exchange for a rejected call.
+    # of a fresh dispatch, the layout kernel and the low-latency send kernels; every collective call's fingerprint
+    # travels in its first exchange and is compared on the device (deepcomm/agreement.py,
+    # csrc/runtime/agree_record.hpp), and reject() joins that exchange for a rejected call.
     capabilities = Capabilities(x_dtypes=(torch.bfloat16,), takes_fingerprints=True,
-                                checks_expert_ids_on_device=True,
+                                checks_expert_ids_on_device=True, checks_layout_ids_on_device=True,
                                 checks_low_latency_ids_on_device=LowLatencyEngine.checks_ids_on_device)
 
     def __init__(self, group, config, rank: int, world_size: int, device: torch.device):
@@ -274,14 +274,18 @@ class CudaBackend:
 
     # ---- layout ----
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
-        T = topk_idx.shape[0]
-        R = self.world_size
+        """Local (no collective), on the caller's stream, no host sync: the kernel range-checks the expert ids
+        itself; bad ones count nowhere and raise at this rank's next call on the Buffer or synchronize()
+        (csrc/kernels/layout.cu). An input error an earlier call left on the device is raised after the launch,
+        as every call does."""
+        self.errors.check(low_latency=True)  # local: masked ranks do not matter
+        T, R = topk_idx.shape[0], self.world_size
         per_rank = torch.empty(R, dtype=torch.int32, device=self.device)
         per_expert = torch.empty(num_experts, dtype=torch.int32, device=self.device)
         in_rank = torch.empty(T, R, dtype=torch.bool, device=self.device)
-        stream = torch.cuda.current_stream(self.device)
-        self.C.get_dispatch_layout(topk_idx.data_ptr(), T, topk_idx.shape[1], num_experts, R, per_rank.data_ptr(),
-                                   per_expert.data_ptr(), in_rank.data_ptr(), 0, stream.cuda_stream)
+        self.nvl.ctx.dispatch_layout(topk_idx.data_ptr(), T, topk_idx.shape[1], num_experts, per_rank.data_ptr(),
+                                     per_expert.data_ptr(), in_rank.data_ptr(), _current_stream(self._device_index))
+        self.errors.raise_pending()
         return per_rank, per_expert, in_rank
 
     # ---- normal dispatch ----
@@ -405,6 +409,10 @@ class CudaBackend:
             self.arena.release(*reserved)
         if status == 3:  # the ranks' fingerprints differ: nothing was dispatched on any rank (agree_record.py)
             raise dispatch_disagreement(self.C, self.nvl.counts_host, self.world_size)
+        if res[3]:
+            # The same ids have usually gone through get_dispatch_layout just before, whose kernel ran ahead of the
+            # counts waited for: its record joins this error instead of raising again at the next call.
+            self.errors.check()
         earlier = self.errors.take_pending()
         also = f" (also, from an earlier call: {earlier})" if earlier is not None else ""
         if res[3]:

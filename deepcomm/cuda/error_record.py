@@ -56,7 +56,8 @@ class DeviceErrorRecord:
             if stage == self.C.WAIT_STAGES.get("disagree"):  # the fingerprints differed: every rank's words are kept
                 err = recorded_disagreement(self.C, self.agree_host, getattr(self, "rank", None), self.masked)
             else:
-                err = ValueError(input_error.format(peer=peer, peer_or_some="some rank" if peer < 0 else peer))
+                err = ValueError(input_error.format(peer=peer, peer_or_some="some rank" if peer < 0 else peer,
+                                                    count=waited_ns))
             self.C.clear_error(self.err_host)  # the Buffer stays usable
             if defer_input:
                 return err

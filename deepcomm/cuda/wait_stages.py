@@ -34,7 +34,8 @@ STAGE_TEXT = {
     "hier_local": "hier:local (this call's own blocks did not finish packing or reducing)",
 }
 # Input problems found on the device (not timeouts): every rank stopped the call consistently. Formatted with
-# ``peer`` and ``peer_or_some`` ("some rank" when the record names none).
+# ``peer``, ``peer_or_some`` ("some rank" when the record names none) and ``count`` (the record's waited_ns field,
+# which holds a count for the stages whose text names one).
 INPUT_ERROR_TEXT = {
     "invalid_ids": "topk_idx: expert ids outside [-1, num_experts) on rank {peer_or_some}; nothing was dispatched",
     "overflow": "num_worst_tokens: rank {peer} receives more rows than num_worst_tokens; rows past it were dropped",
@@ -43,6 +44,10 @@ INPUT_ERROR_TEXT = {
                       "[-1, num_experts); those slots were dropped (sent nowhere)",
     "ll_duplicate_ids": "topk_idx: an earlier low_latency_dispatch on rank {peer} had a token naming the same "
                         "expert twice",
+    # get_dispatch_layout checks on the device (local, no host sync) and raises at the next call or synchronize()
+    "layout_invalid_ids": "topk_idx: an earlier get_dispatch_layout on rank {peer} had {count} expert ids outside "
+                          "[-1, num_experts); they counted nowhere (its num_tokens_per_rank, num_tokens_per_expert "
+                          "and is_token_in_rank leave those slots out)",
     # the ranks' call fingerprints differed: the text comes from the AgreeRecord (deepcomm/cuda/agree_record.py);
     # this one only when that record is missing
     "disagree": "fingerprint: an earlier call disagreed with rank {peer_or_some}'s; no rank ran it",

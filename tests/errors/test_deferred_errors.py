@@ -19,7 +19,7 @@ from deepcomm.errors import CommTimeoutError
 # these tests record, as csrc/runtime/error_record.cuh numbers them.
 WAIT_STAGES = getattr(load_extension(), "WAIT_STAGES", None) or {
     "ll_dispatch_data": 8, "ll_combine_data": 9, "invalid_ids": 100, "overflow": 101, "ll_invalid_ids": 102,
-    "ll_duplicate_ids": 103}
+    "ll_duplicate_ids": 103, "layout_invalid_ids": 105}
 S = WAIT_STAGES
 
 
