@@ -134,7 +134,8 @@ def _moe_worker(rank, world):
     a, b = want[1].float(), got[1].float()
     err = (a - b).abs()
     assert bool((err <= a.abs() * 2 ** -7 + a.abs().max() * 2 ** -14).all()), (
-        f"MoE aot_eager, rank {rank}: x.grad off by more than one bf16 unit (max error {err.max().item()})")
+        f"MoE aot_eager, rank {rank}: x.grad off by more than one bf16 unit (max error {err.max().item()} where "
+        f"|x.grad| is {a.reshape(-1)[err.argmax()].abs().item()}; largest |x.grad| {a.abs().max().item()})")
     _same(want[:1] + want[2:], got[:1] + got[2:], f"MoE aot_eager (all but x.grad), rank {rank}")
     for i, (a, b) in enumerate(zip(want, run(torch.compile(layer, fullgraph=True)))):
         err, scale = (a.float() - b.float()).abs().max().item(), a.float().abs().max().item()
