@@ -47,7 +47,8 @@ __device__ __forceinline__ void pack_block(const HierDispatchArgs& a, int b) {
       const int m = __ffs(need) - 1;
       const int32_t s = __shfl_sync(kFull, slot, m);
       const int32_t mk = __shfl_sync(kFull, mask, m);
-      uint8_t* dst = a.rdma.send + int64_t(rail_rank(t, m)) * a.rdma.slot_bytes + int64_t(s) * a.stride;
+      uint8_t* dst = a.rdma.send + int64_t(rail_rank(t, m)) * a.rdma.slot_bytes + a.rdma.header_bytes +
+                     int64_t(s) * a.stride;
       warp_copy_v4<4>(src, reinterpret_cast<int4*>(dst), n16, lane);  // rows: never written during the launch
       if (t.gpus > 1) {
         __syncwarp();  // the lane that copied the vector holding the mask word stored it before this overwrite
@@ -80,10 +81,10 @@ __device__ __forceinline__ bool forward_source(const HierDispatchArgs& a, int m,
   const uint8_t* src;
   bool ok;
   if (m == t.node) {
-    src = a.rdma.send + int64_t(t.rank) * a.rdma.slot_bytes;
+    src = a.rdma.send + int64_t(t.rank) * a.rdma.slot_bytes + a.rdma.header_bytes;
     ok = block_wait_count(&a.counters[0], uint32_t(a.rdma_blocks), ctx);
   } else {
-    src = a.rdma.recv + int64_t(rail_rank(t, m)) * a.rdma.slot_bytes;
+    src = a.rdma.recv + int64_t(rail_rank(t, m)) * a.rdma.slot_bytes + a.rdma.header_bytes;
     ok = block_wait_signal(a.rdma, rail_rank(t, m), ctx);
   }
   if (!ok) return false;
@@ -217,8 +218,8 @@ void launch_hier_dispatch(const HierDispatchArgs& args, const transport::KeyTabl
   for (int m = 0; m < N; ++m) {
     DC_HOST_ASSERT(args.rows_from[m] >= 0 && args.rows_from[m] <= args.max_rows && args.rows_to[m] >= 0,
                    "hier_dispatch: rows of node " + std::to_string(m) + " outside [0, max_rows]");
-    DC_HOST_ASSERT(uint64_t(args.rows_from[m]) * args.stride <= args.rdma.slot_bytes &&
-                       uint64_t(args.rows_to[m]) * args.stride <= args.rdma.slot_bytes,
+    DC_HOST_ASSERT(uint64_t(args.rows_from[m]) * args.stride + args.rdma.header_bytes <= args.rdma.slot_bytes &&
+                       uint64_t(args.rows_to[m]) * args.stride + args.rdma.header_bytes <= args.rdma.slot_bytes,
                    "hier_dispatch: rows of node " + std::to_string(m) + " do not fit slot_bytes");
   }
   hier_dispatch_kernel<<<blocks, kHierThreads, 0, stream>>>(args, keys, ctx);

@@ -58,6 +58,9 @@ struct HierRdma {
   uint64_t* credit;            // our credit[R] (NVSHMEM device puts only; the emulated poster reads the peer table)
   bool nvshmem_puts;           // the poster issues NVSHMEM device puts (only the kernels of deepcomm._nvshmem_kernels)
   uint64_t slot_bytes;
+  uint32_t header_bytes;       // % 16 == 0: bytes at the front of every section and slot, before the rows: the
+                               // call's fingerprint words (deepcomm/agreement.py), written by the host into our
+                               // sections before the launch, sent with the rows, read by the host after it
   bool emulate_nic;            // launch NIC blocks for the queue pairs
   int nic_blocks;              // NIC blocks per queue pair (emulate_nic), in [1, transport::kNicMaxBlocks]
 };
