@@ -3,7 +3,8 @@
 //                   section), with the node's GPU mask at mask_off when G > 1; then counters[0] += 1.
 //   forward blocks: free our area, then per rail source (our own node first) forward each row to the node GPUs
 //                   its mask names, at the row the reference order gives it; route / singles for the combine;
-//                   the last one raises arrive at every node GPU; block 0 waits for every node GPU's arrive.
+//                   the last one raises arrive at every node GPU; block 0 waits for every node GPU's arrive and
+//                   for every rail peer's block (its header is read by the host).
 //   poster block:   the exchange round with every rail peer once every pack block is done.
 //   NIC blocks:     nic_blocks per queue pair (emulated NIC only), the first of each its leader.
 #include <cuda_runtime.h>
@@ -178,6 +179,10 @@ __device__ __forceinline__ void forward_block(const HierDispatchArgs& a, int b, 
   if (b == 0) {  // after our own block_done: never waits on itself
     for (int g = 0; g < t.gpus; ++g)
       if (!block_wait_node_word(a.nvl.arrive_words[t.local], g, epoch, t, ctx, kStageHierArrive)) return;
+    // Every rail peer's block has landed before the kernel ends, rows for us or not (a source without rows is
+    // never waited for above): the host reads the header at its front, the call's fingerprint, after the launch.
+    for (int m = 0; m < t.num_nodes; ++m)
+      if (m != t.node && !block_wait_signal(a.rdma, rail_rank(t, m), ctx)) return;
   }
 }
 

@@ -84,8 +84,9 @@ struct HierNode {
 //   route[m][i][g] = that rank or -1, and route[m][i][G] = the row's place in the combine's RDMA block
 //   (exactly one node GPU holds it: k >= 0, its rank among such rows; several: -(rank among those) - 1);
 //   singles[m] = how many rows of source m one node GPU holds. Then arrive (the last nvl block, after a
-//   system fence, at every node GPU) and wait for every node GPU's arrive: the kernel ends with our area
-//   holding every row for us, source rank then token order.
+//   system fence, at every node GPU) and wait for every node GPU's arrive and every rail peer's signal: the kernel
+//   ends with our area holding every row for us, source rank then token order, and every rail peer's block
+//   (its header included) landed in recv.
 struct HierDispatchArgs {
   HierTopo topo;
   HierRdma rdma;
