@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
 import os
 import sys
@@ -40,12 +41,20 @@ def _collective(op: str):
             except Exception as e:
                 if self._pending_op is not None:
                     self._pending_op = None
-                    self._reject(op, e)
+                    self._reject(op, e, _handle_argument(method, self, args, kwargs))
                 raise
             finally:
                 self._pending_op = None
         return call
     return wrap
+
+
+def _handle_argument(method, self, args, kwargs):
+    """The ``handle`` a call of ``method`` was given (None if none, or if the arguments do not bind)."""
+    try:
+        return inspect.signature(method).bind_partial(self, *args, **kwargs).arguments.get("handle")
+    except TypeError:
+        return None
 
 
 class Buffer:
@@ -268,13 +277,14 @@ class Buffer:
             self._call_checker.agree(op, fields() if callable(fields) else fields)
         return {} if words is None else {"fingerprint": words}
 
-    def _reject(self, op: str, error: Exception) -> None:
+    def _reject(self, op: str, error: Exception, handle=None) -> None:
         """This rank's call ``op`` raised ``error`` before its exchange: tell the other ranks, which are in that
-        exchange (or soon will be), so they raise naming this rank; the caller then raises ``error``."""
+        exchange (or soon will be), so they raise naming this rank; the caller then raises ``error``. ``handle``:
+        the call's handle argument, which picks the exchange a low-latency combine joins (its slot)."""
         if self._call_checker is not None:
             self._call_checker.agree(op, {}, error=str(error))
         elif self._takes_fingerprints and self._backend is not None:
-            self._backend.reject(agreement.rejected(op, self._calls, self._buffer_word, error))
+            self._backend.reject(agreement.rejected(op, self._calls, self._buffer_word, error), handle=handle)
 
     @staticmethod
     def _dispatch_fields(x, topk_idx, topk_weights, num_experts, handle) -> dict:

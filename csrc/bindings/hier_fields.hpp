@@ -64,6 +64,7 @@ inline HierRdma rdma_of(const py::dict& d) {
   r.credit = ptr<uint64_t>(d, "credit");
   r.nvshmem_puts = get<bool>(d, "nvshmem_puts");
   r.slot_bytes = get<uint64_t>(d, "slot_bytes");
+  r.header_bytes = get<uint32_t>(d, "header_bytes");
   r.emulate_nic = get<bool>(d, "emulate_nic");
   r.nic_blocks = get<int>(d, "nic_blocks");
   if (r.nic_blocks < 1 || r.nic_blocks > kNicMaxBlocks)

@@ -200,7 +200,7 @@ __device__ __forceinline__ void reduce_rows(const HierCombineArgs& a, Sources& s
   int64_t before = 0;
   for (int m = 0; m < t.num_nodes; ++m) {
     const int rows = a.rows_from[m];
-    uint8_t* section = a.rdma.send + int64_t(rail_rank(t, m)) * a.rdma.slot_bytes;
+    uint8_t* section = a.rdma.send + int64_t(rail_rank(t, m)) * a.rdma.slot_bytes + a.rdma.header_bytes;
     if (rows <= 0) continue;
     // Another node's block: one-holder rows as held first, then the fp32 partials.
     uint8_t* partials = m == t.node ? section : section + int64_t(a.singles[m]) * a.held_stride;
@@ -247,8 +247,9 @@ __device__ __forceinline__ void sum_tokens(const HierCombineArgs& a, Sources& sr
   const int held_fmt = a.fp8 ? kFp8 : kBf16;
   const uint8_t* base = nullptr;  // lane m: node m's block (ours: our own section)
   if (lane < N)
-    base = lane == t.node ? a.rdma.send + int64_t(t.rank) * a.rdma.slot_bytes
-                          : a.rdma.recv + int64_t(rail_rank(t, lane)) * a.rdma.slot_bytes;
+    base = (lane == t.node ? a.rdma.send + int64_t(t.rank) * a.rdma.slot_bytes
+                           : a.rdma.recv + int64_t(rail_rank(t, lane)) * a.rdma.slot_bytes) +
+           a.rdma.header_bytes;
   for (int64_t tok = gw; tok < a.num_tokens; tok += nw) {
     const int64_t o = lane < N ? a.recv_off[tok * N + lane] : -1;
     const bool valid = o != -1;

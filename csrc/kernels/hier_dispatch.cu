@@ -3,7 +3,8 @@
 //                   section), with the node's GPU mask at mask_off when G > 1; then counters[0] += 1.
 //   forward blocks: free our area, then per rail source (our own node first) forward each row to the node GPUs
 //                   its mask names, at the row the reference order gives it; route / singles for the combine;
-//                   the last one raises arrive at every node GPU; block 0 waits for every node GPU's arrive.
+//                   the last one raises arrive at every node GPU; block 0 waits for every node GPU's arrive and
+//                   for every rail peer's block (its header is read by the host).
 //   poster block:   the exchange round with every rail peer once every pack block is done.
 //   NIC blocks:     nic_blocks per queue pair (emulated NIC only), the first of each its leader.
 #include <cuda_runtime.h>
@@ -47,7 +48,8 @@ __device__ __forceinline__ void pack_block(const HierDispatchArgs& a, int b) {
       const int m = __ffs(need) - 1;
       const int32_t s = __shfl_sync(kFull, slot, m);
       const int32_t mk = __shfl_sync(kFull, mask, m);
-      uint8_t* dst = a.rdma.send + int64_t(rail_rank(t, m)) * a.rdma.slot_bytes + int64_t(s) * a.stride;
+      uint8_t* dst = a.rdma.send + int64_t(rail_rank(t, m)) * a.rdma.slot_bytes + a.rdma.header_bytes +
+                     int64_t(s) * a.stride;
       warp_copy_v4<4>(src, reinterpret_cast<int4*>(dst), n16, lane);  // rows: never written during the launch
       if (t.gpus > 1) {
         __syncwarp();  // the lane that copied the vector holding the mask word stored it before this overwrite
@@ -80,10 +82,10 @@ __device__ __forceinline__ bool forward_source(const HierDispatchArgs& a, int m,
   const uint8_t* src;
   bool ok;
   if (m == t.node) {
-    src = a.rdma.send + int64_t(t.rank) * a.rdma.slot_bytes;
+    src = a.rdma.send + int64_t(t.rank) * a.rdma.slot_bytes + a.rdma.header_bytes;
     ok = block_wait_count(&a.counters[0], uint32_t(a.rdma_blocks), ctx);
   } else {
-    src = a.rdma.recv + int64_t(rail_rank(t, m)) * a.rdma.slot_bytes;
+    src = a.rdma.recv + int64_t(rail_rank(t, m)) * a.rdma.slot_bytes + a.rdma.header_bytes;
     ok = block_wait_signal(a.rdma, rail_rank(t, m), ctx);
   }
   if (!ok) return false;
@@ -177,6 +179,10 @@ __device__ __forceinline__ void forward_block(const HierDispatchArgs& a, int b, 
   if (b == 0) {  // after our own block_done: never waits on itself
     for (int g = 0; g < t.gpus; ++g)
       if (!block_wait_node_word(a.nvl.arrive_words[t.local], g, epoch, t, ctx, kStageHierArrive)) return;
+    // Every rail peer's block has landed before the kernel ends, rows for us or not (a source without rows is
+    // never waited for above): the host reads the header at its front, the call's fingerprint, after the launch.
+    for (int m = 0; m < t.num_nodes; ++m)
+      if (m != t.node && !block_wait_signal(a.rdma, rail_rank(t, m), ctx)) return;
   }
 }
 
@@ -217,8 +223,8 @@ void launch_hier_dispatch(const HierDispatchArgs& args, const transport::KeyTabl
   for (int m = 0; m < N; ++m) {
     DC_HOST_ASSERT(args.rows_from[m] >= 0 && args.rows_from[m] <= args.max_rows && args.rows_to[m] >= 0,
                    "hier_dispatch: rows of node " + std::to_string(m) + " outside [0, max_rows]");
-    DC_HOST_ASSERT(uint64_t(args.rows_from[m]) * args.stride <= args.rdma.slot_bytes &&
-                       uint64_t(args.rows_to[m]) * args.stride <= args.rdma.slot_bytes,
+    DC_HOST_ASSERT(uint64_t(args.rows_from[m]) * args.stride + args.rdma.header_bytes <= args.rdma.slot_bytes &&
+                       uint64_t(args.rows_to[m]) * args.stride + args.rdma.header_bytes <= args.rdma.slot_bytes,
                    "hier_dispatch: rows of node " + std::to_string(m) + " do not fit slot_bytes");
   }
   hier_dispatch_kernel<<<blocks, kHierThreads, 0, stream>>>(args, keys, ctx);

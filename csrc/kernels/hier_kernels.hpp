@@ -58,6 +58,9 @@ struct HierRdma {
   uint64_t* credit;            // our credit[R] (NVSHMEM device puts only; the emulated poster reads the peer table)
   bool nvshmem_puts;           // the poster issues NVSHMEM device puts (only the kernels of deepcomm._nvshmem_kernels)
   uint64_t slot_bytes;
+  uint32_t header_bytes;       // % 16 == 0: bytes at the front of every section and slot, before the rows: the
+                               // call's fingerprint words (deepcomm/agreement.py), written by the host into our
+                               // sections before the launch, sent with the rows, read by the host after it
   bool emulate_nic;            // launch NIC blocks for the queue pairs
   int nic_blocks;              // NIC blocks per queue pair (emulate_nic), in [1, transport::kNicMaxBlocks]
 };
@@ -81,8 +84,9 @@ struct HierNode {
 //   route[m][i][g] = that rank or -1, and route[m][i][G] = the row's place in the combine's RDMA block
 //   (exactly one node GPU holds it: k >= 0, its rank among such rows; several: -(rank among those) - 1);
 //   singles[m] = how many rows of source m one node GPU holds. Then arrive (the last nvl block, after a
-//   system fence, at every node GPU) and wait for every node GPU's arrive: the kernel ends with our area
-//   holding every row for us, source rank then token order.
+//   system fence, at every node GPU) and wait for every node GPU's arrive and every rail peer's signal: the kernel
+//   ends with our area holding every row for us, source rank then token order, and every rail peer's block
+//   (its header included) landed in recv.
 struct HierDispatchArgs {
   HierTopo topo;
   HierRdma rdma;

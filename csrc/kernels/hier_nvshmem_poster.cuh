@@ -57,7 +57,7 @@ __device__ void nvshmem_poster_block(const HierRdma& r, const HierTopo& t, const
     if (lane == 0) ok = wait_flag_geq(r.credit + pe, r.round, ctx, pe, kStageNvshmemCredit);
     ok = __shfl_sync(0xffffffffu, ok, 0);
     if (!ok) continue;  // the peer never freed its slot: it gets nothing and will time out on our signal
-    const uint64_t n = bytes_of(j);
+    const uint64_t n = bytes_of(j) + r.header_bytes;  // the section's header (its start) travels too
     uint8_t* dst = const_cast<uint8_t*>(r.recv) + int64_t(t.rank) * r.slot_bytes;  // symmetric: p's slot for us
     const uint8_t* src = r.send + int64_t(pe) * r.slot_bytes;
     uint64_t* sig = const_cast<uint64_t*>(r.signal) + t.rank;

@@ -93,7 +93,8 @@ __device__ __forceinline__ bool block_wait_signal(const HierRdma& r, int s, cons
 }
 
 // The poster block: thread j < num_peers runs the exchange round with peer j once the launch counter says every
-// one of `blocks` producer blocks is done; bytes_of(j) gives the block's size then.
+// one of `blocks` producer blocks is done; bytes_of(j) gives the size of the block's rows then (the section's
+// header_bytes come on top, at its start).
 template <typename Bytes>
 __device__ void poster_block(const HierRdma& r, const HierTopo& t, const uint32_t* done, uint32_t blocks,
                              Bytes bytes_of, const WaitCtx& ctx) {
@@ -112,7 +113,7 @@ __device__ void poster_block(const HierRdma& r, const HierTopo& t, const uint32_
                                 kStageHierLocal);
   if (ready) {
     ptx::fence_acq_rel_sys();
-    p.send_bytes = bytes_of(j);
+    p.send_bytes = bytes_of(j) + r.header_bytes;  // the section's header (its start) travels too
     InternodeExchangeArgs a{};
     a.lkey = r.lkey;
     a.round = r.round;
@@ -152,6 +153,8 @@ inline int checked_grid_blocks(const HierTopo& t, const HierRdma& r, int rdma_bl
   DC_HOST_ASSERT(r.num_peers == t.num_nodes - 1 && r.num_peers <= kHierThreads,
                  what + ": num_peers must be num_nodes - 1");
   DC_HOST_ASSERT(rdma_blocks >= 1 && nvl_blocks >= 1, what + ": rdma_blocks and nvl_blocks must be >= 1");
+  DC_HOST_ASSERT(r.header_bytes % 16 == 0 && r.header_bytes <= r.slot_bytes,
+                 what + ": header_bytes must be a multiple of 16 and fit the slot");
   DC_HOST_ASSERT(!r.emulate_nic || (r.nic_blocks >= 1 && r.nic_blocks <= kNicMaxBlocks),
                  what + ": nic_blocks must be in [1, " + std::to_string(kNicMaxBlocks) + "]");
 #ifdef DEEPCOMM_NVSHMEM_DEVICE

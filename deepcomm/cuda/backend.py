@@ -506,12 +506,13 @@ class CudaBackend:
         self.ll.unmask_ranks()
 
     # ---- a call this rank rejected ----
-    def reject(self, fingerprint) -> None:
+    def reject(self, fingerprint, handle=None) -> None:
         """This rank's own validation rejected its call: take part in the call's first exchange with
         ``fingerprint`` (its REJECTED word set), so every peer stops that call naming this rank; nothing moves. No
-        host wait. A Buffer that can run no call (a timeout, masked ranks) sends nothing: its next call says why."""
+        host wait. A Buffer that can run no call (a timeout, masked ranks) sends nothing: its next call says why.
+        ``handle``: the rejected call's handle argument (a low-latency combine joins its slot)."""
         if fingerprint[agreement.Word.OP] in (agreement.Op.LOW_LATENCY_DISPATCH, agreement.Op.LOW_LATENCY_COMBINE):
-            self.ll.reject(fingerprint)
+            self.ll.reject(fingerprint, handle=handle)
             return
         try:
             wait, run, flags, prev, _ = self._order(None, False)

@@ -72,10 +72,17 @@ class HierComm:
 
     # ---- RDMA hop ----
     def rail_exchange(self, blocks: Dict[int, Sequence[torch.Tensor]], recv_bytes: Dict[int, int],
-                      stage: str) -> Dict[int, torch.Tensor]:
+                      stage: str, header: Optional[torch.Tensor] = None) -> Dict[int, torch.Tensor]:
         """Send to the rail rank of each other node ``m`` the uint8 tensors ``blocks[m]`` (each contiguous, with
         16-byte rows), back to back; return, per other node ``m``, the ``recv_bytes[m]`` bytes its rail rank
-        sent us (a view of the transport's receive slot: valid until the next exchange). Collective."""
+        sent us (a view of the transport's receive slot: valid until the next exchange). Collective.
+        ``header`` (uint8 ``[RAIL_HEADER_BYTES]``, a call's first exchange: hier_agree.py) goes in front of every
+        block, and every rail rank's header is in front of what it sent us (``hier_agree.rail_rows``)."""
+        if header is not None:
+            blocks = {m: [header] + list(blocks.get(m, ())) for m in self.other_nodes}
+            recv_bytes = {m: header.numel() + recv_bytes[m] for m in self.other_nodes}
+            got = self.rail_exchange(blocks, recv_bytes, stage)
+            return {m: got[m][header.numel():] for m in self.other_nodes}
         tr, R = self.transport, self.world_size
         send_bytes, send_begin = [0] * R, [0] * R
         at = 0

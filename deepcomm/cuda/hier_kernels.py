@@ -24,9 +24,11 @@ from ..fp8 import per_token_cast_to_fp8
 from ..gpu_share import usable_sms
 from ..handle import Handle
 from ..dispatch_rows import as_byte_rows, dispatch_outputs, part_row_bytes, unpack_rows
+from . import hier_agree
 from .align import round_up
 from .hier_comm import HierComm
 from .hier_normal import combine_area_row, fresh_route, node_masks, pack_rows, payload_parts
+from .internode_rows import RAIL_HEADER_BYTES
 from .nic_transport import CHUNK_BYTES, LOG_WQEBBS
 from .sm_split import nic_blocks_for, split_sms
 
@@ -95,23 +97,29 @@ class HierKernels:
             recv=tr.mem.ptr + tr.offsets["recv"], signal=tr.mem.ptr + tr.offsets["signal"],
             signal_target=tr.round * (self.device_puts.NVSHMEM_CHUNKS if puts else 1),
             credit=tr.mem.ptr + tr.offsets["credit"] if puts else 0, nvshmem_puts=puts,
-            slot_bytes=tr.slot_bytes, emulate_nic=not puts, nic_blocks=self.nic_blocks,
+            slot_bytes=tr.slot_bytes, header_bytes=RAIL_HEADER_BYTES, emulate_nic=not puts, nic_blocks=self.nic_blocks,
             area=link.area_ptrs(), free_words=link.word_ptrs("free"), arrive_words=link.word_ptrs("arrive"),
             epoch=link.next_epoch(), counters=self.counters.data_ptr(), rdma_blocks=self.rdma_blocks,
             nvl_blocks=self.nvl_blocks, err_dev=tr.err_dev, timeout_s=tr.timeout_s, seq_ptr=tr.seq.data_ptr())
         fields.update(kw)
         return fields
 
-    def _launch(self, kernel: str, fields: dict) -> None:
+    def _launch(self, kernel: str, fields: dict, fingerprint=None) -> None:
         """Launch ``kernel`` ("hier_dispatch" or "hier_combine") of the transport's module, then sync and read the
-        error record."""
-        stream = torch.cuda.current_stream(self.comm.device)
+        error record. ``fingerprint``: the call's words, when this launch is the call's first exchange: they go
+        in the header of every section, and after the sync every rail rank's are compared (hier_agree.py)."""
+        comm = self.comm
+        stream = torch.cuda.current_stream(comm.device)
+        if fingerprint is not None:
+            hier_agree.write_sections(self.tr, comm.rail(), comm.rank, fingerprint, comm.device)
         if self.device_puts is not None:
             getattr(self.device_puts, kernel)(fields, stream.cuda_stream)
         else:
             getattr(self.tr.T, kernel)(fields, self.tr.keys, stream.cuda_stream)
         stream.synchronize()
         self.tr.check_error()
+        if fingerprint is not None:
+            hier_agree.check(hier_agree.rail_rows(self.tr, comm.rail(), comm.rank, fingerprint), fingerprint)
 
     def _check_area(self, rows_into: List[int], stride: int) -> None:
         most = max(rows_into) * stride if rows_into else 0
@@ -120,9 +128,9 @@ class HierKernels:
                              "bytes); raise max_tokens_per_rank or hidden of the Buffer")
 
     def _check_slot(self, nbytes: int) -> None:
-        if nbytes > self.tr.slot_bytes:
+        if nbytes + RAIL_HEADER_BYTES > self.tr.slot_bytes:
             raise ValueError(f"x: a block of {nbytes} bytes between rail ranks exceeds the receive slot "
-                             f"({self.tr.slot_bytes} bytes); raise max_tokens_per_rank or hidden")
+                             f"({self.tr.slot_bytes - RAIL_HEADER_BYTES} bytes); raise max_tokens_per_rank or hidden")
 
 
 def _rdma_slots(in_node: torch.Tensor) -> torch.Tensor:
@@ -189,8 +197,10 @@ def combine_plan(comm: HierComm, counts: List[List[int]], is_token_in_rank: torc
 
 # ---------------------------------------------------------------------------------------------------------- dispatch
 def dispatch(k: HierKernels, x, topk_idx: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor],
-             num_experts: int, handle: Optional[Handle], expert_alignment: int):
-    """Returns ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert, handle)``."""
+             num_experts: int, handle: Optional[Handle], expert_alignment: int, fingerprint=None):
+    """Returns ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert, handle)``.
+    ``fingerprint``: the call's words, compared in its first exchange (the count round of a fresh dispatch, the
+    launch of a cached one: hier_agree.py)."""
     comm = k.comm
     rank, R, N, G = comm.rank, comm.world_size, comm.num_nodes, comm.gpus
     is_pair = isinstance(x, (tuple, list))
@@ -199,7 +209,7 @@ def dispatch(k: HierKernels, x, topk_idx: Optional[torch.Tensor], topk_weights: 
     dev = rows[0].device
 
     if handle is None:
-        in_rank, send_pos, _, count_matrix, node_counts = fresh_route(comm, topk_idx, num_experts, T)
+        in_rank, send_pos, _, count_matrix, node_counts = fresh_route(comm, topk_idx, num_experts, T, fingerprint)
         counts, ncounts = count_matrix.tolist(), node_counts.tolist()  # the host sync of the count round
     else:
         in_rank, send_pos, count_matrix = handle.is_token_in_rank, handle.send_pos, handle.count_matrix
@@ -230,7 +240,7 @@ def dispatch(k: HierKernels, x, topk_idx: Optional[torch.Tensor], topk_weights: 
             rows=packed.data_ptr(), stride=stride, mask_off=mask_off, num_tokens=T,
             masks=masks.data_ptr() if masks is not None else 0, rdma_slot=slots.data_ptr(), rows_to=rows_to,
             rows_from=rows_from, first_row=first.data_ptr(), route=route.data_ptr(), singles=singles.data_ptr(),
-            max_rows=max_rows))
+            max_rows=max_rows), fingerprint if handle is not None else None)
 
     n_recv = sum(counts[s][rank] for s in range(R))
     area = k.link.area()[:n_recv * stride].view(n_recv, stride).clone()
@@ -261,8 +271,9 @@ def _held_rows(xs: torch.Tensor, w: Optional[torch.Tensor], use_fp8: bool):
 
 
 def combine(k: HierKernels, x: torch.Tensor, handle: Handle, topk_weights: Optional[torch.Tensor],
-            use_fp8: bool = False):
-    """Returns ``(combined_x, combined_topk_weights)``."""
+            use_fp8: bool = False, fingerprint=None):
+    """Returns ``(combined_x, combined_topk_weights)``. ``fingerprint``: the call's words, compared in its launch
+    (hier_agree.py)."""
     comm = k.comm
     rank, R = comm.rank, comm.world_size
     info = handle.node_route
@@ -293,5 +304,5 @@ def combine(k: HierKernels, x: torch.Tensor, handle: Handle, topk_weights: Optio
             gather=gather_t.data_ptr(), route=info.route.data_ptr(), singles=info.singles.data_ptr(),
             max_rows=info.route.shape[1], rows_from=info.rows_from, area_off=area_t.data_ptr(),
             partial_stride=partial_stride, recv_off=recv_off.data_ptr(), num_tokens=T, out_x=out_x.data_ptr(),
-            out_w=out_w.data_ptr() if out_w is not None else 0))
+            out_w=out_w.data_ptr() if out_w is not None else 0), fingerprint)
     return out_x, out_w

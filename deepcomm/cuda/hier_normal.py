@@ -30,11 +30,12 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from .. import layout
+from .. import agreement, layout
 from ..fp8 import per_token_cast_back, per_token_cast_to_fp8
 from ..handle import Handle
 from ..dispatch_rows import as_byte_rows, dispatch_outputs, part_row_bytes, unpack_rows
 from .align import round_up
+from . import hier_agree
 from .hier_comm import HierComm
 
 
@@ -68,10 +69,12 @@ def _mask_bits(mask_bytes: torch.Tensor, gpus: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------------- dispatch
-def fresh_route(comm: HierComm, topk_idx: torch.Tensor, num_experts: int, T: int):
+def fresh_route(comm: HierComm, topk_idx: torch.Tensor, num_experts: int, T: int, fingerprint=None):
     """``(is_token_in_rank, send_pos, in_node, count_matrix, node_counts)`` of a fresh dispatch: the route from the
     ids, then the count round over both hops. ``count_matrix`` ``[R, R]``: tokens s sends to rank d;
-    ``node_counts`` ``[R, N]``: to node m (the count matrix itself with one GPU per node)."""
+    ``node_counts`` ``[R, N]``: to node m (the count matrix itself with one GPU per node). ``fingerprint``: the
+    call's words (deepcomm/agreement.py), in front of the counts; every rank's are compared after the round
+    (ValueError on every rank, hier_agree.check)."""
     R, N, G = comm.world_size, comm.num_nodes, comm.gpus
     in_rank = layout.token_in_rank(topk_idx, num_experts, R)
     send_pos = layout.send_positions(in_rank)
@@ -79,7 +82,12 @@ def fresh_route(comm: HierComm, topk_idx: torch.Tensor, num_experts: int, T: int
     row = in_rank.sum(dim=0, dtype=torch.int32)
     if G > 1:
         row = torch.cat([row, in_node.sum(dim=0, dtype=torch.int32)])
+    if fingerprint is not None:
+        row = torch.cat([torch.tensor(list(fingerprint), dtype=torch.int32, device=row.device), row])
     gathered = comm.all_gather(row, "dispatch:counts")
+    if fingerprint is not None:
+        hier_agree.check(gathered[:, :agreement.WORDS].tolist(), fingerprint)
+        gathered = gathered[:, agreement.WORDS:]
     count_matrix = gathered[:, :R].contiguous()
     node_counts = gathered[:, R:].contiguous() if G > 1 else count_matrix
     return in_rank, send_pos, in_node, count_matrix, node_counts
@@ -98,8 +106,9 @@ def payload_parts(rows: List[torch.Tensor], topk_idx: Optional[torch.Tensor], to
 
 
 def dispatch(comm: HierComm, x, topk_idx: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor],
-             num_experts: int, handle: Optional[Handle], expert_alignment: int):
-    """Returns ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert, handle)``."""
+             num_experts: int, handle: Optional[Handle], expert_alignment: int, fingerprint=None):
+    """Returns ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert, handle)``.
+    ``fingerprint``: the call's words, compared in its first exchange (hier_agree.py)."""
     rank, R, N, G = comm.rank, comm.world_size, comm.num_nodes, comm.gpus
     is_pair = isinstance(x, (tuple, list))
     rows = list(x) if is_pair else [x]
@@ -107,7 +116,8 @@ def dispatch(comm: HierComm, x, topk_idx: Optional[torch.Tensor], topk_weights: 
     dev = rows[0].device
 
     if handle is None:
-        in_rank, send_pos, in_node, count_matrix, node_counts = fresh_route(comm, topk_idx, num_experts, T)
+        in_rank, send_pos, in_node, count_matrix, node_counts = fresh_route(comm, topk_idx, num_experts, T,
+                                                                            fingerprint)
     else:
         in_rank, send_pos, count_matrix = handle.is_token_in_rank, handle.send_pos, handle.count_matrix
         node_counts = handle.node_count_matrix
@@ -133,7 +143,11 @@ def dispatch(comm: HierComm, x, topk_idx: Optional[torch.Tensor], topk_weights: 
             block[:, mask_at:mask_at + 4] = masks.index_select(0, sel)[:, m:m + 1].contiguous().view(torch.uint8)
         blocks[m] = [block]
     from_node = {m: ncounts[comm.rank_of(m, comm.local)][comm.node] for m in comm.other_nodes}
-    got = comm.rail_exchange(blocks, {m: n * stride for m, n in from_node.items()}, "dispatch:rdma")
+    first = handle is not None and fingerprint is not None  # a cached dispatch's first exchange: the words too
+    got = comm.rail_exchange(blocks, {m: n * stride for m, n in from_node.items()}, "dispatch:rdma",
+                             header=hier_agree.header(fingerprint, dev) if first else None)
+    if first:
+        hier_agree.check(hier_agree.rail_rows(comm.transport, comm.rail(), rank, fingerprint), fingerprint)
 
     # NVLink hop: forward the rows of every source of our rail to the GPUs of our node that hold them.
     with comm.node_hop("dispatch:forward") as hop:
@@ -179,8 +193,10 @@ def combine_area_row(comm: HierComm, counts: List[List[int]], s: int, d: int) ->
 
 
 def combine(comm: HierComm, x: torch.Tensor, handle: Handle, topk_weights: Optional[torch.Tensor],
-            use_fp8: bool = False):
-    """Returns ``(combined_x, combined_topk_weights)`` (see the module docstring for the route)."""
+            use_fp8: bool = False, fingerprint=None):
+    """Returns ``(combined_x, combined_topk_weights)`` (see the module docstring for the route). ``fingerprint``:
+    the call's words, compared in its rail exchange (hier_agree.py; the backend passes them only with one GPU per
+    node, where that exchange is the call's first)."""
     rank, R, N, G = comm.rank, comm.world_size, comm.num_nodes, comm.gpus
     dev, H, T = x.device, x.shape[1], handle.num_tokens
     counts = handle.count_matrix.tolist()
@@ -269,7 +285,10 @@ def combine(comm: HierComm, x: torch.Tensor, handle: Handle, topk_weights: Optio
         c = holders_per_node[:, m]
         expect[m] = ((c == 1).nonzero()[:, 0], (c > 1).nonzero()[:, 0])
         recv_bytes[m] = expect[m][0].numel() * held_stride + expect[m][1].numel() * partial_stride
-    got = comm.rail_exchange(blocks, recv_bytes, "combine:rdma")
+    got = comm.rail_exchange(blocks, recv_bytes, "combine:rdma",
+                             header=hier_agree.header(fingerprint, dev) if fingerprint is not None else None)
+    if fingerprint is not None:
+        hier_agree.check(hier_agree.rail_rows(comm.transport, comm.rail(), rank, fingerprint), fingerprint)
 
     # Sum the node partials, nodes ascending, fp32 from +0; one rounding.
     acc = torch.zeros(T, H, dtype=torch.float32, device=dev)

@@ -20,16 +20,18 @@ NVSHMEM puts to the peers NVLink cannot map.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
 
+from .. import agreement
 from ..backend_protocol import Capabilities
 from ..config import Config
 from ..dispatch_rows import pad_to_worst
 from ..hosts import hosts_of
 from ..validation import MAX_TOPK
-from . import hier_kernels, hier_normal
+from . import hier_agree, hier_kernels, hier_normal
 from .hier_comm import HierComm
 from .hier_kernels import HierKernels
 from .internode_ll import InternodeLowLatency, low_latency_memory_for
@@ -46,16 +48,40 @@ class InternodeBackend:
     hierarchical (this file), low-latency mode over the whole group (internode_ll.py)."""
 
     name = "cuda"
-    # BF16 x in normal mode; expert ids checked by Buffer (normal mode) and by the low-latency kernels; no call
-    # agreement yet (Buffer(check_calls=True) compares calls through the store)
+    # BF16 x in normal mode; expert ids checked by Buffer (normal mode) and by the low-latency kernels. Call
+    # agreement (fingerprints, hier_agree.py) with one GPU per node only: there every call's first exchange
+    # reaches every rank; with several GPUs per node a cached dispatch or a combine starts with the kernels' NVLink
+    # hop, which carries no words (this instance's ``capabilities`` then say so; Buffer(check_calls=True) compares
+    # calls through the store everywhere)
     capabilities = Capabilities(x_dtypes=(torch.bfloat16,), takes_fingerprints=False,
                                 checks_expert_ids_on_device=False,
                                 checks_low_latency_ids_on_device=LowLatencyEngine.checks_ids_on_device)
     event = None  # every normal-mode exchange has finished when the call returns
 
-    def reject(self, fingerprint) -> None:
-        """Never called: this backend takes no fingerprints (``capabilities``)."""
-        raise RuntimeError("the internode backend takes no part in call agreement")
+    def reject(self, fingerprint, handle=None) -> None:
+        """This rank's own validation rejected its call: take part in the call's first exchange with
+        ``fingerprint`` (its REJECTED word set), so every peer raises naming this rank; nothing moves. Normal mode:
+        one rail exchange carrying nothing but the words (hier_agree.py), the same round a fresh dispatch's count
+        exchange or a cached dispatch's or combine's launch makes. Low-latency mode: the engine's (``handle``: the
+        rejected combine's, for its slot). A Buffer a timeout broke sends nothing: its next call says why."""
+        if fingerprint[agreement.Word.OP] in (agreement.Op.LOW_LATENCY_DISPATCH, agreement.Op.LOW_LATENCY_COMBINE):
+            self.ll.engine.reject(fingerprint, handle=handle)
+            return
+        if self.transport.broken or self.link.broken:
+            return
+        try:
+            self.ll.record.check_error(low_latency=False, leave_input=True)
+        except (RuntimeError, ValueError):
+            return
+        with torch.cuda.device(self.device):
+            hier_agree.join_rejected(self.comm, fingerprint)
+
+    def _refused_before_exchange(self, fingerprint, error: BaseException, round_before: int) -> None:
+        """A ValueError of this backend's own (``error``: a limit such as the top-k or a slot's size, a handle of
+        another path) in a call that made no exchange round yet (the transport is still at ``round_before``):
+        join the call's first exchange as a rejected call, so the peers raise instead of waiting for it."""
+        if fingerprint is not None and self.transport.round == round_before:
+            self.reject(hier_agree.rejected_words(fingerprint, error))
 
     def __init__(self, group, config: Config, rank: int, world_size: int, device: torch.device, C):
         self.config, self.rank, self.world_size, self.device = config, rank, world_size, device
@@ -102,6 +128,8 @@ class InternodeBackend:
         self.kernels = None
         if use_kernels and (transport_cls is NicTransport or device_puts is not None):
             self.kernels = HierKernels(self.comm, config.num_sms, device_puts=device_puts)
+        if G == 1:  # every call's first exchange reaches every rank (hier_agree.py)
+            self.capabilities = dataclasses.replace(type(self).capabilities, takes_fingerprints=True)
 
     def get_dispatch_layout(self, topk_idx, num_experts):
         from .. import layout
@@ -119,30 +147,41 @@ class InternodeBackend:
     # previous_event / async_finish: every exchange synchronizes before it returns, so there is
     # nothing to overlap; accepted so code runs unchanged on every backend.
     def dispatch(self, x, topk_idx, topk_weights, num_experts, handle, expert_alignment, num_worst_tokens=0,
-                 previous_event=None, async_finish=False):
+                 previous_event=None, async_finish=False, fingerprint=None):
         self._normal_mode_check()
-        for t in (topk_idx, topk_weights):
-            if t is not None:
-                self._check_topk(t.shape[1])
-        if handle is not None and torch.is_tensor(handle.num_recv_tokens_per_expert):
-            num_worst_tokens = handle.num_recv
-        with torch.cuda.device(self.device):
-            if self.kernels is not None:
-                out = hier_kernels.dispatch(self.kernels, x, topk_idx, topk_weights, num_experts, handle,
-                                            expert_alignment)
-            else:
-                out = hier_normal.dispatch(self.comm, x, topk_idx, topk_weights, num_experts, handle,
-                                           expert_alignment)
+        round_before = self.transport.round
+        try:
+            for t in (topk_idx, topk_weights):
+                if t is not None:
+                    self._check_topk(t.shape[1])
+            if handle is not None and torch.is_tensor(handle.num_recv_tokens_per_expert):
+                num_worst_tokens = handle.num_recv
+            with torch.cuda.device(self.device):
+                if self.kernels is not None:
+                    out = hier_kernels.dispatch(self.kernels, x, topk_idx, topk_weights, num_experts, handle,
+                                                expert_alignment, fingerprint)
+                else:
+                    out = hier_normal.dispatch(self.comm, x, topk_idx, topk_weights, num_experts, handle,
+                                               expert_alignment, fingerprint)
+        except ValueError as e:
+            self._refused_before_exchange(fingerprint, e, round_before)
+            raise
         return pad_to_worst(out, num_worst_tokens, handle is not None) if num_worst_tokens else out
 
-    def combine(self, x, handle, topk_weights, previous_event=None, async_finish=False, use_fp8=False):
+    def combine(self, x, handle, topk_weights, previous_event=None, async_finish=False, use_fp8=False,
+                fingerprint=None):
         self._normal_mode_check()
-        if topk_weights is not None:
-            self._check_topk(topk_weights.shape[1])
-        with torch.cuda.device(self.device):
-            if self.kernels is not None:
-                return hier_kernels.combine(self.kernels, x, handle, topk_weights, use_fp8)
-            return hier_normal.combine(self.comm, x, handle, topk_weights, use_fp8)
+        round_before = self.transport.round
+        try:
+            if topk_weights is not None:
+                self._check_topk(topk_weights.shape[1])
+            with torch.cuda.device(self.device):
+                if self.kernels is not None:
+                    return hier_kernels.combine(self.kernels, x, handle, topk_weights, use_fp8, fingerprint)
+                return hier_normal.combine(self.comm, x, handle, topk_weights, use_fp8, fingerprint)
+        except ValueError as e:
+            self._refused_before_exchange(fingerprint, e, round_before)
+            raise
 
     # low-latency mode (internode_ll.py)
     def low_latency_dispatch(self, *args, **kwargs):

@@ -5,6 +5,10 @@ from __future__ import annotations
 from ..validation import MAX_TOPK  # top-k slots a row has room for
 from .align import round_up
 
+# Bytes at the front of every rail block of a call's first RDMA exchange, and of every section the kernels send:
+# the call's fingerprint, agreement.WORDS int32 words (hier_agree.py; zeros where nothing is compared).
+RAIL_HEADER_BYTES = 64
+
 
 def max_node_row_bytes(hidden: int) -> int:
     """Widest row the NVLink hop carries: a dispatch row of bf16 x (FP8 values + scales are narrower), int64
@@ -22,5 +26,6 @@ def max_row_bytes(hidden: int) -> int:
 def rail_slot_bytes(max_tokens: int, hidden: int) -> int:
     """Bytes of one receive slot of the RDMA hop, for either transport: a rail rank sends us at most one row per
     token of its own (dispatch: each token once per node; combine: one partial per (token, node)), each at most
-    ``max_row_bytes`` (the fp32 partial is the widest), 64-byte aligned."""
-    return round_up(max_tokens * max_row_bytes(hidden), 64)
+    ``max_row_bytes`` (the fp32 partial is the widest), after the block's header (``RAIL_HEADER_BYTES``), 64-byte
+    aligned."""
+    return round_up(RAIL_HEADER_BYTES + max_tokens * max_row_bytes(hidden), 64)

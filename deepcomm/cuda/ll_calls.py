@@ -46,6 +46,12 @@ def low_latency_blocks(C, device: torch.device) -> int:
     return n
 
 
+def _slot_of(handle, latest: int) -> int:
+    """The buffer slot a low-latency combine of ``handle`` uses (LowLatencyHandle.slot), else ``latest``."""
+    slot = getattr(handle, "slot", None)
+    return slot if isinstance(handle, LowLatencyHandle) and slot in (0, 1) else latest
+
+
 class LowLatencyEngine:
     # the low-latency send kernels check expert ids on the device (no host sync: calls stay graph-capturable), so
     # the Buffer skips its own value checks
@@ -125,11 +131,12 @@ class LowLatencyEngine:
         dist.all_gather_object(rows, list(fingerprint), group=self.group)
         agreement.check(rows)
 
-    def reject(self, fingerprint) -> None:
+    def reject(self, fingerprint, handle=None) -> None:
         """A low-latency call this rank rejected: the send half of its kind, with only ``fingerprint`` (REJECTED
         set), so every peer's call stops on the words, naming this rank (no host wait). Before the first
         low-latency call the peers are making the buffer: this rank joins that exchange instead. A rejected
-        combine is paired with the latest dispatch's slot."""
+        combine joins the slot of ``handle`` (the call's handle argument: the peers' combines of it use that
+        slot), or the latest dispatch's where the handle is not a low-latency handle with a slot."""
         if self.buffer is None:
             try:
                 self._agree_on_host(fingerprint)
@@ -146,7 +153,7 @@ class LowLatencyEngine:
             kind, slot = 0, ll.calls & 1
             ll.calls += 1
         else:
-            kind, slot = 1, (ll.calls - 1) & 1
+            kind, slot = 1, _slot_of(handle, (ll.calls - 1) & 1)
         ll.ctx.agree_reject(tuple(fingerprint), kind, slot, stream)
 
     def _launch(self, launch, return_recv_hook: bool, stream: int, keep=(), after_send=None):

@@ -41,10 +41,11 @@ class ReferenceBackend:
         self.comm = Comm(group, rank, world_size, device, config.timeout_s, make_own_group=make_own)
         self.masked: frozenset = frozenset()
 
-    def reject(self, fingerprint) -> None:
+    def reject(self, fingerprint, handle=None) -> None:
         """This rank's own validation rejected its call (``fingerprint``'s REJECTED word says why): take part in the
         call's first exchange all the same, so the other ranks raise naming this rank; the caller raises its own
-        error after. Nothing to exchange with once a timeout broke the Buffer (its next call says so)."""
+        error after. Nothing to exchange with once a timeout broke the Buffer (its next call says so). ``handle``
+        (the call's handle argument) changes nothing here: every call's first exchange is the same all_gather."""
         if self.comm is None or self.comm.broken:
             return
         op = agreement.OP_NAMES[fingerprint[agreement.Word.OP]]

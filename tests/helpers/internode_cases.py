@@ -2,7 +2,9 @@
 test_internode_nvshmem.py: NVSHMEM puts): on 2 GPUs as 2 nodes x 1 GPU (4 GPUs: also 2 x 2), dispatch (BF16, FP8,
 with weights, ugly routings), cached re-dispatch, combine and FP8 combine against the reference backend bit for bit,
 and after every call what the transport carried to each rail peer against what the hierarchical route had to send
-(each token once per remote node, one partial per (token, node) back), in the transport's own units."""
+(each token once per remote node, one partial per (token, node) back), in the transport's own units. A block
+that carries the call's fingerprint (deepcomm/cuda/hier_agree.py) has its 64 bytes in front: every block of the
+dedicated kernels, and with call agreement on (one GPU per node) every call's first exchange."""
 from __future__ import annotations
 
 import torch
@@ -10,6 +12,7 @@ import torch
 from tests.helpers.same_bits import assert_same as _same
 
 E, K, M = 16, 4, 128
+HEADER = 64  # deepcomm.cuda.internode_rows.RAIL_HEADER_BYTES, restated: the test computes the bytes independently
 
 
 def _routing(gen, T, mode, device):
@@ -49,6 +52,12 @@ def check_cases(rank, world, gpn, buf, ref, totals, expected, label):
 
     dev = buf.device
     G, N = gpn, world // gpn
+    # header bytes: in every kernel launch's blocks (the kernels' sections always start with one), and in the
+    # first exchange of every call where the backend compares fingerprints
+    agrees = buf._backend.capabilities.takes_fingerprints
+    kernel_head = HEADER if buf._backend.kernels is not None else 0
+    first_head = HEADER if agrees or kernel_head else 0  # the launch of a cached dispatch or a combine
+    count_head = HEADER if agrees else 0
     node, local = divmod(rank, G)
     peers = [m * G + local for m in range(N) if m != node]  # RDMA only to our local index on the other nodes
     mask = 4 if G > 1 else 0  # with several GPUs per node a payload row carries the node's GPU mask (int32)
@@ -80,8 +89,8 @@ def check_cases(rank, world, gpn, buf, ref, totals, expected, label):
         assert sorted(after) == peers, f"{what}: {label} to {sorted(after)}, expected the rail {peers}"
         for peer in peers:
             got = _delta(after[peer], before[peer])
-            want = expected([_row(4 * world + (4 * N if G > 1 else 0)),
-                              to_node[peer // G] * _row(x_bytes, 8 * K, 4, 4 * K, mask)])
+            want = expected([count_head + _row(4 * world + (4 * N if G > 1 else 0)),
+                              kernel_head + to_node[peer // G] * _row(x_bytes, 8 * K, 4, 4 * K, mask)])
             assert got == want, f"{what}: {label} to {peer}: {got}, expected {want}"
 
         # cached re-dispatch (no ids: weights travel as given)
@@ -96,7 +105,7 @@ def check_cases(rank, world, gpn, buf, ref, totals, expected, label):
         after = totals()
         for peer in peers:
             got = _delta(after[peer], before[peer])
-            want = expected([to_node[peer // G] * _row(x_bytes, 4 * K, mask)])
+            want = expected([first_head + to_node[peer // G] * _row(x_bytes, 4 * K, mask)])
             assert got == want, f"{what}: cached, {label} to {peer}: {got}, expected {want}"
 
         # combine (expert outputs and weights), then the FP8 combine where H allows it
@@ -115,7 +124,7 @@ def check_cases(rank, world, gpn, buf, ref, totals, expected, label):
         after = totals()
         for peer in peers:  # node partials go back to their source
             got = _delta(after[peer], before[peer])
-            want = expected([combine_bytes(peer, 2 * H, 4 * K)])
+            want = expected([first_head + combine_bytes(peer, 2 * H, 4 * K)])
             assert got == want, f"{what}: combine, {label} to {peer}: {got}, expected {want}"
         if H % 128 == 0:  # the FP8 combine needs whole 128-value blocks
             before = totals()
@@ -124,6 +133,6 @@ def check_cases(rank, world, gpn, buf, ref, totals, expected, label):
             after = totals()
             for peer in peers:
                 got = _delta(after[peer], before[peer])
-                want = expected([combine_bytes(peer, H + H // 128 * 4, 0)])
+                want = expected([first_head + combine_bytes(peer, H + H // 128 * 4, 0)])
                 assert got == want, f"{what}: fp8 combine, {label} to {peer}: {got}, expected {want}"
 

@@ -93,10 +93,13 @@ class ThreadComm(Comm):
 
 
 class RailTransport:
-    """The RDMA hop between the threads: one receive slot per peer, ``peers`` only (the rail)."""
+    """The RDMA hop between the threads: one receive slot per peer, ``peers`` only (the rail). Reading past what a
+    peer sent fails, unless ``whole_slots``: then a slot holds the block followed by poison up to ``slot_bytes``,
+    as a GPU slot holds stale bytes (for ranks whose calls disagree, which read the words first)."""
 
-    def __init__(self, world: World, rank: int, slot_bytes: int, peers):
+    def __init__(self, world: World, rank: int, slot_bytes: int, peers, whole_slots: bool = False):
         self.world, self.rank, self.slot_bytes, self.peers = world, rank, slot_bytes, set(peers) - {rank}
+        self.whole_slots = whole_slots
         self.send = torch.zeros(slot_bytes * max(1, len(self.peers)), dtype=torch.uint8)
         self.recv: Dict[int, torch.Tensor] = {}
         self.rounds = 0
@@ -122,6 +125,9 @@ class RailTransport:
                 self.sent[d] = self.sent.get(d, 0) + send_bytes[d]
         every = self.world.all_gather(self.rank, blocks)
         self.recv = {s: every[s][self.rank] for s in self.peers}
+        if self.whole_slots:
+            pad = lambda b: torch.cat([b, torch.full((self.slot_bytes - b.numel(),), POISON, dtype=torch.uint8)])  # noqa: E731
+            self.recv = {s: pad(b) for s, b in self.recv.items()}
 
 
 class NodeArea:
