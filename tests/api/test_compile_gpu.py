@@ -1,8 +1,8 @@
 """torch.compile(fullgraph=True) through deepcomm's operators on the CUDA backend (bf16), against eager.
 
 dispatch + combine (forward and backward; aot_eager and inductor), the num_worst_tokens form and the low-latency
-calls: bit for bit. The MoE layer: bit for bit with aot_eager but for x.grad (one bf16 unit: the sum of its two
-paths is rounded at different points), within bf16 rounding with inductor (its fused kernels round differently).
+calls: bit for bit. The MoE layer: bit for bit with aot_eager but for x.grad (one bf16 unit of its largest value:
+the sum of its paths is rounded at different points), within bf16 rounding with inductor (its fused kernels round differently).
 """
 from __future__ import annotations
 
@@ -129,11 +129,13 @@ def _moe_worker(rank, world):
 
     want = run(layer)
     got = run(torch.compile(layer, fullgraph=True, backend="aot_eager"))
-    # x feeds the router and the dispatch: its gradient is the sum of both paths' bf16 gradients, which eager
-    # autograd and the compiled backward add at different points (one bf16 unit apart at most); all else bit-exact
+    # x feeds the router and the dispatch: its gradient is a sum of bf16 gradients of several paths, which eager
+    # autograd and the compiled backward add in other orders, so a partial sum is rounded at another magnitude:
+    # one bf16 unit of the largest gradient at most (measured: 2^-10 where x.grad is 0.075 and the largest is
+    # 0.258); all else bit-exact
     a, b = want[1].float(), got[1].float()
     err = (a - b).abs()
-    assert bool((err <= a.abs() * 2 ** -7 + a.abs().max() * 2 ** -14).all()), (
+    assert bool((err <= a.abs() * 2 ** -7 + a.abs().max() * 2 ** -8).all()), (
         f"MoE aot_eager, rank {rank}: x.grad off by more than one bf16 unit (max error {err.max().item()} where "
         f"|x.grad| is {a.reshape(-1)[err.argmax()].abs().item()}; largest |x.grad| {a.abs().max().item()})")
     _same(want[:1] + want[2:], got[:1] + got[2:], f"MoE aot_eager (all but x.grad), rank {rank}")
