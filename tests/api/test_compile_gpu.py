@@ -2,7 +2,8 @@
 
 dispatch + combine (forward and backward; aot_eager and inductor), the num_worst_tokens form and the low-latency
 calls: bit for bit. The MoE layer: bit for bit with aot_eager but for x.grad (one bf16 unit of its largest value:
-the sum of its paths is rounded at different points), within bf16 rounding with inductor (its fused kernels round differently).
+the sum of its paths is rounded at different points), within bf16 rounding with inductor (its fused kernels
+round differently).
 """
 from __future__ import annotations
 
