@@ -1,5 +1,5 @@
 """The contract between Buffer and a backend: what every backend provides (deepcomm/reference: ReferenceBackend;
-deepcomm/cuda/backend.py: CudaBackend, NVLink within a node; deepcomm/cuda/internode.py: InternodeBackend, several
+deepcomm/nvlink/backend.py: CudaBackend, NVLink within a node; deepcomm/internode/backend.py: InternodeBackend, several
 nodes). Buffer validates the arguments and numbers the calls, then calls these methods directly, never probing
 for them; docs/api.md is the semantics each meets bit for bit."""
 from __future__ import annotations

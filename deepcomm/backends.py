@@ -50,9 +50,9 @@ def cuda_unavailable_reason(group=None, requested: str = "cuda") -> Optional[str
         return (f"the process group uses {dist.get_backend(group)!r}: backend='auto' picks the CUDA backend only for "
                 "NCCL groups (backend='cuda' runs it over this group, on the current CUDA device)")
     try:
-        from .cuda.backend import CudaBackend  # noqa: F401
+        from .nvlink.backend import CudaBackend  # noqa: F401
     except ImportError as exc:
-        return f"deepcomm.cuda.backend cannot be imported ({exc})"
+        return f"deepcomm.nvlink.backend cannot be imported ({exc})"
     return None
 
 
@@ -99,7 +99,7 @@ def nvshmem_unavailable_reason(transport: str = "nvshmem-host") -> Optional[str]
     transport (device puts), the optional module deepcomm._nvshmem_kernels loads; otherwise why not."""
     try:
         from .cuda.nvshmem_library import NvshmemUnavailableError, load_library
-        from .cuda.nvshmem_kernels import unavailable_reason
+        from .internode.nvshmem_kernels import unavailable_reason
     except ImportError as exc:
         return f"NVSHMEM support cannot be imported ({exc})"
     try:
@@ -161,11 +161,11 @@ def make_backend(requested: str, group, config: Config, rank: int, world_size: i
     choice = choose_backend(requested, group, config, world_size)
     warn_if_fallback(choice, rank)
     if choice.name == "cuda" and choice.internode:
-        from .cuda.internode import InternodeBackend
+        from .internode.backend import InternodeBackend
         config.internode_transport = choice.transport  # the Buffer's config says what carries the RDMA hop
         return InternodeBackend(group, config, rank, world_size, device, load_extension()), choice
     if choice.name == "cuda":
-        from .cuda.backend import CudaBackend
+        from .nvlink.backend import CudaBackend
         return CudaBackend(group, config, rank, world_size, device), choice
     from .reference import ReferenceBackend
     return ReferenceBackend(group, config, rank, world_size, device, buffer_number), choice
@@ -181,7 +181,7 @@ def internode_unavailable_reason(group, world_size: int, transport: str = "emula
     "nvshmem" transport leaves the reaching to NVSHMEM, so ranks may span hosts (docs/internode.md), but the NVLink
     hop inside a node maps its peers' memory with CUDA IPC, so the ranks of one node (``gpus_per_node``
     consecutive ranks) share a host."""
-    from .cuda.internode_size import internode_size_problem
+    from .internode.internode_size import internode_size_problem
     C = load_extension()
     if C is None:
         return f"the extension deepcomm._C is not available ({extension_error()})"

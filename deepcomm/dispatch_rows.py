@@ -1,6 +1,6 @@
 """A dispatch's rows as bytes and back, and the dispatch result built from the rows received: shared by the
 backends that move rows with torch collectives or torch routing (the reference backend, deepcomm/reference, and
-the internode routing, deepcomm/cuda/hier_normal.py and hier_kernels.py). Rows travel as uint8 rows, the parts
+the internode routing, deepcomm/internode/hier_normal.py and hier_kernels.py). Rows travel as uint8 rows, the parts
 side by side (x, or the FP8 values and scales, then top-k ids, source index and weights as a call has them)."""
 from __future__ import annotations
 

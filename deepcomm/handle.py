@@ -73,7 +73,7 @@ class Handle:
     # int32 [R, nodes], [s, m] = tokens rank s sends to node m (a token counts once per node): set by the
     # hierarchical internode backend, whose cached dispatch needs it (docs/internode.md); None elsewhere
     node_count_matrix: Optional[torch.Tensor] = None
-    # what the internode kernels' forwarding decided (deepcomm/cuda/hier_kernels.py NodeRoute), for their
+    # what the internode kernels' forwarding decided (deepcomm/internode/hier_kernels.py NodeRoute), for their
     # combine; None elsewhere
     node_route: Optional[object] = None
     # which call on its Buffer made it (the dispatch's number; deepcomm/agreement.py, word HANDLE): 0 until set

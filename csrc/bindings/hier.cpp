@@ -1,5 +1,5 @@
 // deepcomm._C.transport, hierarchical kernels (csrc/kernels/hier_kernels.hpp): the launch of one internode
-// dispatch or combine. The Python side (deepcomm/cuda/hier_kernels.py) passes the launch's fields as a dict of
+// dispatch or combine. The Python side (deepcomm/internode/hier_kernels.py) passes the launch's fields as a dict of
 // ints (pointers, sizes) and lists of ints; a missing key raises KeyError, a bad value ValueError.
 #include <pybind11/stl.h>
 

@@ -1,4 +1,5 @@
-// The fields of one hierarchical launch (csrc/kernels/hier_kernels.hpp) from the dict deepcomm/cuda/hier_kernels.py
+// The fields of one hierarchical launch (csrc/kernels/hier_kernels.hpp) from the dict
+// deepcomm/internode/hier_kernels.py
 // passes: ints (pointers, sizes) and lists of ints; a missing key raises KeyError, a bad value ValueError. Shared
 // by deepcomm._C (hier.cpp) and deepcomm._nvshmem_kernels (csrc/nvshmem_kernels/module.cpp).
 #pragma once

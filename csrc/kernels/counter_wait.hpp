@@ -1,6 +1,6 @@
 // A bounded wait on the GPU, in stream order: until every peer's 64-bit counter in a local array reaches a target
 // (the peers: the ranks set in a bit mask; the hierarchical internode path exchanges only with its rail ranks).
-// The NVSHMEM transport of the internode exchange (deepcomm/cuda/nvshmem_transport.py) launches it instead of
+// The NVSHMEM transport of the internode exchange (deepcomm/internode/nvshmem_transport.py) launches it instead of
 // nvshmemx_signal_wait_until_on_stream, which would wait forever for a missing peer: this one gives up after
 // ctx.timeout_ns and records (rank, peer, stage) in the ErrorRecord, like every deepcomm wait.
 #pragma once

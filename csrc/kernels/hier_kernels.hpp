@@ -10,7 +10,7 @@
 // blocks (only with emulate_nic; queue j's at j * nic_blocks.., its leader first). Every block must be resident
 // at once (they wait on each other, bounded by WaitCtx).
 //
-// The NVLink hop's words (NodeLink, deepcomm/cuda/node_link.py), per node GPU g, u64 [G] each:
+// The NVLink hop's words (NodeLink, deepcomm/internode/node_link.py), per node GPU g, u64 [G] each:
 //   free[i]:   the last epoch node GPU i declared its area readable-and-done (it raises it at the start of a
 //              launch: everything its stream read from its area before is finished); a writer into GPU i's
 //              area waits for our free[i] >= epoch.

@@ -1,6 +1,6 @@
 // The internode exchange: every rank sends one block of bytes to every other rank through GPU-posted mlx5 WQEs
 // (one queue pair per peer), executed by the device emulated NIC over NVLink peer pointers, or by a ConnectX on
-// a cluster. deepcomm/cuda/internode.py builds normal dispatch and combine on it.
+// a cluster. deepcomm/internode/backend.py builds normal dispatch and combine on it.
 //
 // One round, per peer p (one poster thread per peer, nic_blocks NIC blocks per queue pair; one grid):
 //   1. credit: a signaled fetch-add of 1 on p's credit[me]: "my receive slot for you is free" (this round's

@@ -1,5 +1,5 @@
 // A barrier among the GPUs of one node, over NVLink peer pointers: the synchronization of the internode path's
-// NVLink hop (deepcomm/cuda/node_link.py). Torch copies write rows into node peers' memory before it and read
+// NVLink hop (deepcomm/internode/node_link.py). Torch copies write rows into node peers' memory before it and read
 // their own memory after it, on the same stream.
 //
 // Each GPU g of the node owns flags u64 [gpus] in its peer-mapped memory; flags[i] = the last epoch GPU i

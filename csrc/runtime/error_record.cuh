@@ -28,7 +28,7 @@ enum WaitStage : int {
   kStageQpErrorCqe = 24,       // not a wait: an error CQE (queue in error); the syndrome is in the poster state
   kStageQpSignal = 25,         // waiting for a signal (fetch-add) a peer's NIC delivers
   kStageInternodeCredit = 26,  // internode exchange: waiting for a peer to free its receive slot for us
-  // The NVSHMEM transport of the internode exchange (deepcomm/cuda/nvshmem_transport.py, counter_wait.hpp).
+  // The NVSHMEM transport of the internode exchange (deepcomm/internode/nvshmem_transport.py, counter_wait.hpp).
   kStageNvshmemCredit = 27,    // waiting for a peer to free its receive slot for us (its credit signal)
   kStageNvshmemSignal = 28,    // waiting for a peer's put-with-signal: its block for us has landed
   kStageNodeBarrier = 29,      // internode NVLink hop: waiting for a GPU of our node at the node barrier

@@ -1,5 +1,5 @@
 // Setting up a device queue pair (device_qp_layout.hpp) before its first use: the NIC transport does it once per
-// queue pair (deepcomm/cuda/nic_transport.py), the device-QP tests before each check.
+// queue pair (deepcomm/internode/nic_transport.py), the device-QP tests before each check.
 #pragma once
 #include <cuda_runtime.h>
 

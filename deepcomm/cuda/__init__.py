@@ -1,1 +1,2 @@
-"""CUDA backend: NVLink kernels from the extension ``deepcomm._C`` behind the same contract as the reference."""
+"""The CUDA runtime both CUDA backends (``deepcomm.nvlink``, ``deepcomm.internode``) build on: device error and
+agreement records, wait stages, peer memory, the arena, the low-latency engine and NVSHMEM loading."""

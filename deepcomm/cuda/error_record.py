@@ -1,7 +1,8 @@
 """A rank's error record: a small mapped-host block the kernels write when a device wait times out or they find bad
 input, read by the host after each call (csrc/runtime/error_record.cuh); plus the state that follows from it: a
-Buffer broken by a timeout, and the ranks low-latency mode leaves out. The NVLink buffer (nvl_buffer.py) owns one;
-so does the low-latency mode of the internode backend (internode_ll.py)."""
+Buffer broken by a timeout, and the ranks low-latency mode leaves out. The NVLink buffer
+(deepcomm/nvlink/nvl_buffer.py) owns one; so does the low-latency mode of the internode backend
+(deepcomm/internode/internode_ll.py)."""
 from __future__ import annotations
 
 from typing import Optional

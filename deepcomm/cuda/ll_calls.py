@@ -1,5 +1,5 @@
-"""Low-latency mode of the CUDA backends: the engine a backend owns (CudaBackend, deepcomm/cuda/backend.py, and the
-internode backend, deepcomm/cuda/internode.py) over the double-buffered low-latency buffer
+"""Low-latency mode of the CUDA backends: the engine a backend owns (CudaBackend, deepcomm/nvlink/backend.py, and the
+internode backend, deepcomm/internode/backend.py) over the double-buffered low-latency buffer
 (deepcomm/cuda/ll_buffer.py): the kernel launches with and without a receive hook, agreement for calls a rank
 rejected, and masking lost ranks. Everything runs on the caller's stream with no host sync, so calls can be
 captured in CUDA graphs; everything a dispatch returns is a view of the buffer, valid until the same slot is used

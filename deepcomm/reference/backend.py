@@ -20,7 +20,7 @@ from .collectives import Comm, own_gloo_group_maker
 
 
 class ReferenceBackend:
-    """Backend interface shared with ``deepcomm.cuda.backend.CudaBackend``."""
+    """Backend interface shared with ``deepcomm.nvlink.backend.CudaBackend``."""
 
     name = "reference"
     # any floating x in normal mode; the collective calls take ``fingerprint=`` and the backend has ``reject``;

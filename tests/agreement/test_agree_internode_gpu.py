@@ -1,4 +1,4 @@
-"""Call agreement on the internode backend (deepcomm/cuda/hier_agree.py) at 2 nodes x 1 GPU (two GPUs, or both
+"""Call agreement on the internode backend (deepcomm/internode/hier_agree.py) at 2 nodes x 1 GPU (two GPUs, or both
 ranks on GPU 0 in shared mode), over each transport of its RDMA hop: the emulated NIC, NVSHMEM device puts and
 NVSHMEM's host API (the NVSHMEM ones where the wheel and, for device puts, deepcomm._nvshmem_kernels are there).
 Every disagreement of tests/agreement/test_agreement_gpu.py (fresh and cached dispatch, combine, low-latency

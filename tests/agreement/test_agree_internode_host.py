@@ -1,4 +1,4 @@
-"""Call agreement of the internode backend's normal mode on the CPU (deepcomm/cuda/hier_agree.py): the routing of
+"""Call agreement of the internode backend's normal mode on the CPU (deepcomm/internode/hier_agree.py): the routing of
 hier_normal.py over HierComm, every rank a thread (tests/helpers/threaded_world.py), 3 nodes x 1 GPU, with the
 fingerprints Buffer would pass. Where rank 1 disagrees about a call (fresh dispatch, cached dispatch, combine,
 another kind of call, a call it rejected) every other rank raises the ValueError of agreement.check over every
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from deepcomm import agreement
-from deepcomm.cuda import hier_agree
-from deepcomm.cuda.hier_comm import HierComm
-from deepcomm.cuda.hier_normal import combine, dispatch
-from deepcomm.cuda.internode_rows import max_node_row_bytes, rail_slot_bytes
+from deepcomm.internode import hier_agree
+from deepcomm.internode.hier_comm import HierComm
+from deepcomm.internode.hier_normal import combine, dispatch
+from deepcomm.internode.internode_rows import max_node_row_bytes, rail_slot_bytes
 from deepcomm.reference import normal
 from tests.helpers.same_bits import assert_same
 from tests.helpers.threaded_world import NodeArea, RailTransport, ThreadComm, World, run

@@ -134,7 +134,7 @@ def test_several_hosts_take_the_internode_backend_over_nvshmem(monkeypatch):
 
 @pytest.mark.skipif(backends.load_extension() is None, reason="deepcomm._C is not built")
 def test_make_backend_builds_the_transport_it_chose(monkeypatch):
-    import deepcomm.cuda.internode as internode
+    import deepcomm.internode.backend as internode
     world = _two_hosts(monkeypatch)
     built = []
     monkeypatch.setattr(internode, "InternodeBackend", lambda group, config, *rest: built.append(config) or "ib")

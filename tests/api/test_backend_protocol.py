@@ -13,8 +13,8 @@ MEMBERS = [name for name in dir(Backend) if not name.startswith("_")] + ["name",
 def _classes():
     classes = [ReferenceBackend]
     try:
-        from deepcomm.cuda.backend import CudaBackend
-        from deepcomm.cuda.internode import InternodeBackend
+        from deepcomm.nvlink.backend import CudaBackend
+        from deepcomm.internode.backend import InternodeBackend
     except ImportError:  # the CUDA backends need nothing at import time but torch; kept optional all the same
         return classes
     return classes + [CudaBackend, InternodeBackend]

@@ -9,9 +9,9 @@ import torch
 from deepcomm._ext import load_extension
 from deepcomm.cuda.call_errors import CallErrors
 from deepcomm.cuda.error_record import DeviceErrorRecord
-from deepcomm.cuda.internode import InternodeBackend
-from deepcomm.cuda.internode_ll import InternodeLowLatency, low_latency_memory_for
-from deepcomm.cuda.nvl_buffer import NvlBuffer
+from deepcomm.internode.backend import InternodeBackend
+from deepcomm.internode.internode_ll import InternodeLowLatency, low_latency_memory_for
+from deepcomm.nvlink.nvl_buffer import NvlBuffer
 from deepcomm.errors import CommTimeoutError
 
 

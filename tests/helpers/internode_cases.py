@@ -3,7 +3,7 @@ test_internode_nvshmem.py: NVSHMEM puts): on 2 GPUs as 2 nodes x 1 GPU (4 GPUs: 
 with weights, ugly routings), cached re-dispatch, combine and FP8 combine against the reference backend bit for bit,
 and after every call what the transport carried to each rail peer against what the hierarchical route had to send
 (each token once per remote node, one partial per (token, node) back), in the transport's own units. A block
-that carries the call's fingerprint (deepcomm/cuda/hier_agree.py) has its 64 bytes in front: every block of the
+that carries the call's fingerprint (deepcomm/internode/hier_agree.py) has its 64 bytes in front: every block of the
 dedicated kernels, and with call agreement on (one GPU per node) every call's first exchange."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from tests.helpers.same_bits import assert_same as _same
 
 E, K, M = 16, 4, 128
-HEADER = 64  # deepcomm.cuda.internode_rows.RAIL_HEADER_BYTES, restated: the test computes the bytes independently
+HEADER = 64  # deepcomm.internode.internode_rows.RAIL_HEADER_BYTES, restated: the test computes the bytes independently
 
 
 def _routing(gen, T, mode, device):

@@ -1,12 +1,12 @@
-"""Host-side pieces of the internode kernels' launcher (deepcomm/cuda/hier_kernels.py) that need no GPU: how
+"""Host-side pieces of the internode kernels' launcher (deepcomm/internode/hier_kernels.py) that need no GPU: how
 num_sms is split between the RDMA and NVLink roles, and the per-(token, node) rows of the send sections. The
 kernels themselves run in tests/internode/test_internode.py."""
 from __future__ import annotations
 
 import torch
 
-from deepcomm.cuda.hier_kernels import _rdma_slots
-from deepcomm.cuda.sm_split import nic_blocks_for, split_sms
+from deepcomm.internode.hier_kernels import _rdma_slots
+from deepcomm.internode.sm_split import nic_blocks_for, split_sms
 
 
 def test_split_sms_halves_and_leaves_room_for_poster_and_nics():

@@ -15,10 +15,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepcomm.cuda import hier_kernels
-from deepcomm.cuda.hier_comm import HierComm
-from deepcomm.cuda.hier_normal import combine, dispatch
-from deepcomm.cuda.internode_rows import max_node_row_bytes, max_row_bytes
+from deepcomm.internode import hier_kernels
+from deepcomm.internode.hier_comm import HierComm
+from deepcomm.internode.hier_normal import combine, dispatch
+from deepcomm.internode.internode_rows import max_node_row_bytes, max_row_bytes
 from deepcomm.fp8 import per_token_cast_to_fp8
 from deepcomm.reference import normal
 from tests.helpers.threaded_world import NodeArea, RailTransport, ThreadComm, World, run

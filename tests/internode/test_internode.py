@@ -15,7 +15,7 @@ from tests.helpers.nccl_run import needs_ranks, rank_device, reference, run_on_g
 
 pytestmark = [pytest.mark.gpu, needs_ranks(2)]
 
-CHUNK = 1 << 20  # deepcomm.cuda.nic_transport.CHUNK_BYTES, restated: the test computes the WQEs independently
+CHUNK = 1 << 20  # deepcomm.internode.nic_transport.CHUNK_BYTES, restated: the test computes the WQEs independently
 
 
 def _expected(round_bytes):
@@ -78,7 +78,7 @@ def _node_link_worker(rank, world):
     import torch.distributed as dist
 
     from deepcomm._ext import load_extension
-    from deepcomm.cuda.node_link import NodeLink
+    from deepcomm.internode.node_link import NodeLink
     from deepcomm.errors import CommTimeoutError
 
     dev = rank_device(rank)

@@ -1,4 +1,4 @@
-"""CPU check of the internode backend's hierarchical routing (deepcomm/cuda/hier_normal.py over HierComm): the
+"""CPU check of the internode backend's hierarchical routing (deepcomm/internode/hier_normal.py over HierComm): the
 real routing code runs on gloo with a stand-in transport for the RDMA hop (moves each rank's send blocks into
 the peers' receive slots as the NIC round does, and refuses bytes for a rank that is not a rail peer) and a
 stand-in NVLink hop (every rank's area is a file mapped shared by the processes of its node; the node barrier is
@@ -94,9 +94,9 @@ def _traffic(comm, stage, hop):
 
 
 def _worker(rank, world, G, folder):
-    from deepcomm.cuda.hier_comm import HierComm
-    from deepcomm.cuda.hier_normal import dispatch, combine
-    from deepcomm.cuda.internode_rows import max_node_row_bytes, max_row_bytes
+    from deepcomm.internode.hier_comm import HierComm
+    from deepcomm.internode.hier_normal import dispatch, combine
+    from deepcomm.internode.internode_rows import max_node_row_bytes, max_row_bytes
     from deepcomm.fp8 import per_token_cast_to_fp8
     from deepcomm.reference import normal
     from deepcomm.reference.collectives import Comm

@@ -1,5 +1,5 @@
 """Low-latency mode on the internode backend (2 GPUs posing as 2 nodes x 1 GPU): the low-latency kernels over both
-ranks (deepcomm/cuda/internode_ll.py), bit for bit against the reference: the peer through CUDA IPC (one host),
+ranks (deepcomm/internode/internode_ll.py), bit for bit against the reference: the peer through CUDA IPC (one host),
 then through NVSHMEM puts (DEEPCOMM_LL_FORCE_PUTS=1, the path of a peer on another node); a replayed CUDA graph;
 normal mode on the same Buffer afterwards; a peer that never joins gives CommTimeoutError naming the stage."""
 import os

@@ -33,7 +33,7 @@ def _expected(round_bytes):
 def _nvshmem_worker(rank, world, gpn):
     import deepcomm
     from deepcomm.cuda import nvshmem_session as ns
-    from deepcomm.cuda.nvshmem_transport import NvshmemTransport
+    from deepcomm.internode.nvshmem_transport import NvshmemTransport
     from deepcomm.topology import Topology
 
     G, N = gpn, world // gpn
@@ -71,7 +71,7 @@ def _missing_peer_worker(rank, world):
 
     import deepcomm
     from deepcomm.cuda import nvshmem_session as ns
-    from deepcomm.cuda.nvshmem_transport import NvshmemTransport, credit_ops
+    from deepcomm.internode.nvshmem_transport import NvshmemTransport, credit_ops
     from deepcomm.errors import CommTimeoutError
 
     dev = rank_device(rank)

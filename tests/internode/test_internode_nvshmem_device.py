@@ -33,7 +33,7 @@ def _rounds(round_bytes):
 def _device_worker(rank, world, gpn):
     import deepcomm
     from deepcomm.cuda import nvshmem_session as ns
-    from deepcomm.cuda.nvshmem_transport import NvshmemTransport
+    from deepcomm.internode.nvshmem_transport import NvshmemTransport
 
     G, N = gpn, world // gpn
     node, local = divmod(rank, G)

@@ -5,12 +5,12 @@ import sys
 
 import pytest
 
-from deepcomm.cuda import nvshmem_kernels
+from deepcomm.internode import nvshmem_kernels
 from deepcomm.cuda.nvshmem_library import NvshmemUnavailableError
 
 
 def test_import_deepcomm_never_loads_the_device_module():
-    code = "import sys, deepcomm, deepcomm.cuda.internode; print('deepcomm._nvshmem_kernels' in sys.modules)"
+    code = "import sys, deepcomm, deepcomm.internode.backend; print('deepcomm._nvshmem_kernels' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 

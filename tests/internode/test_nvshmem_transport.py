@@ -1,4 +1,4 @@
-"""The internode NVSHMEM transport off the GPU (deepcomm/cuda/nvshmem_transport.py): the symmetric block's layout,
+"""The internode NVSHMEM transport off the GPU (deepcomm/internode/nvshmem_transport.py): the symmetric block's layout,
 the NVSHMEM calls a round issues (addresses, signal values, zero-byte blocks, bad sizes, rail peers only), a whole
 round protocol carried out between CPU processes by a stand-in that applies those calls with NVSHMEM's
 symmetric-address rule (under the hierarchical routing, hier_normal.py over HierComm with the NVLink hop of
@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from deepcomm.cuda.nvshmem_transport import (NvshmemTransport, Op, TOTAL_FIELDS, block_ops, credit_ops,
+from deepcomm.internode.nvshmem_transport import (NvshmemTransport, Op, TOTAL_FIELDS, block_ops, credit_ops,
                                              region_layout)
 from tests.helpers.multiproc import run_ranks
 from tests.helpers.paths import ROOT
@@ -86,7 +86,7 @@ def test_round_calls_rail_peers_only():
 def test_slot_fits_the_hierarchical_rows():
     """One receive slot holds what a rail rank can send us in one round: a row per token of its own, the widest
     being the fp32 combine partial (fp32 x + fp32 weights) or the dispatch row; both transports size it alike."""
-    from deepcomm.cuda.internode_rows import MAX_TOPK, max_node_row_bytes, max_row_bytes, rail_slot_bytes
+    from deepcomm.internode.internode_rows import MAX_TOPK, max_node_row_bytes, max_row_bytes, rail_slot_bytes
     for H in (256, 2880, 7168):
         partial = (4 * H + 4 * MAX_TOPK + 15) // 16 * 16
         assert max_row_bytes(H) == max(partial, max_node_row_bytes(H)) == partial
@@ -152,9 +152,9 @@ class _SymmetricStandIn(NvshmemTransport):
 
 
 def _worker(rank, world, G, folder):
-    from deepcomm.cuda.hier_comm import HierComm
-    from deepcomm.cuda.hier_normal import combine, dispatch
-    from deepcomm.cuda.internode_rows import max_node_row_bytes, rail_slot_bytes
+    from deepcomm.internode.hier_comm import HierComm
+    from deepcomm.internode.hier_normal import combine, dispatch
+    from deepcomm.internode.internode_rows import max_node_row_bytes, rail_slot_bytes
     from deepcomm.fp8 import per_token_cast_to_fp8
     from deepcomm.reference import normal
     from deepcomm.reference.collectives import Comm

@@ -1,4 +1,4 @@
-"""The host side of the CUDA backend's normal mode (deepcomm/cuda/backend.py), on the CPU with a stand-in for the
+"""The host side of the CUDA backend's normal mode (deepcomm/nvlink/backend.py), on the CPU with a stand-in for the
 NVLink context: which steps each kind of dispatch asks of its one crossing into C++ (csrc/runtime/nvl_calls.hpp),
 the stream order it passes (plain calls on the caller's stream, previous_event / async_finish on the communication
 stream, CUDA-graph capture), how the output block is reserved, trimmed and released, and what comes back. The
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(C is None, reason="needs the extension deepcomm.
 
 if C is not None:
     from deepcomm.config import Config
-    from deepcomm.cuda import backend as B
+    from deepcomm.nvlink import backend as B
     from deepcomm.cuda.arena import Arena, _Block
     from deepcomm.cuda.call_errors import CallErrors
     from deepcomm.handle import Handle

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from deepcomm.backend_protocol import Capabilities
-from deepcomm.cuda.backend import CudaBackend
+from deepcomm.nvlink.backend import CudaBackend
 from deepcomm.cuda.call_errors import CallErrors
-from deepcomm.cuda.internode import InternodeBackend
+from deepcomm.internode.backend import InternodeBackend
 from deepcomm.reference.backend import ReferenceBackend
 from tests.errors.test_deferred_errors import FakeRecord, S, _nvl
 from tests.helpers.multiproc import run_ranks
@@ -74,7 +74,7 @@ class _Ctx:
 
 def _cuda_backend_over(record, monkeypatch):
     """A CudaBackend with only its error state and a recording context (no device)."""
-    import deepcomm.cuda.backend as cuda_backend
+    import deepcomm.nvlink.backend as cuda_backend
     monkeypatch.setattr(cuda_backend, "_current_stream", lambda index: 0)
     b = CudaBackend.__new__(CudaBackend)
     b.nvl = _nvl(record)

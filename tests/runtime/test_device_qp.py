@@ -54,7 +54,7 @@ def _slots(ring, index, n, log_wqebbs):
 def test_gpu_posted_wqes_equal_host_encoder():
     """120 GPU threads post at once, starting 100 WQEBBs before the 16-bit index wrap and across the ring's end;
     every WQE's WQEBBs, the doorbell record and the doorbell register equal the host encoders' bytes."""
-    from deepcomm.cuda.device_qp import DeviceQueuePair
+    from deepcomm.internode.device_qp import DeviceQueuePair
     C = _ext()
     T = C.transport
     dev = torch.device("cuda", 0)
@@ -117,7 +117,7 @@ def test_gpu_posted_wqes_equal_host_encoder():
 
 def test_full_send_queue_without_completions_times_out():
     """Nothing drains a 4-WQEBB ring: the fifth post waits for room and gives CommTimeoutError (qp:room)."""
-    from deepcomm.cuda.device_qp import DeviceQueuePair
+    from deepcomm.internode.device_qp import DeviceQueuePair
     from deepcomm.errors import CommTimeoutError
     C = _ext()
     T = C.transport
@@ -152,7 +152,7 @@ def _traffic_worker(rank, world, channels, messages, slot, inline_every, log_wqe
     import torch.distributed as dist
 
     from deepcomm.cuda.arena import as_device_bytes
-    from deepcomm.cuda.device_qp import DeviceQueuePair
+    from deepcomm.internode.device_qp import DeviceQueuePair
     from deepcomm.cuda.peer_memory import PeerMemory
     from deepcomm.errors import CommTimeoutError
     C = _ext()

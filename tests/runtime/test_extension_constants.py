@@ -84,7 +84,7 @@ def test_internode_limits_are_the_header_s():
         keys.add(i, 4096 * i, 4096, 4096 * i)
     with pytest.raises(ValueError, match=f"at most {nodes} regions"):
         keys.add(99, 0, 16, 0)
-    from deepcomm.cuda.internode_size import internode_size_problem
+    from deepcomm.internode.internode_size import internode_size_problem
     assert internode_size_problem(T, 256, 8) is None and internode_size_problem(T, 32, 1) is None
     assert "at most 256 ranks" in internode_size_problem(T, 264, 8)
     assert "at most 32 nodes" in internode_size_problem(T, 64, 1)

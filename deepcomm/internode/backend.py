@@ -36,7 +36,7 @@ from .hier_comm import HierComm
 from .hier_kernels import HierKernels
 from .internode_ll import InternodeLowLatency, low_latency_memory_for
 from .internode_rows import max_node_row_bytes
-from .ll_calls import LowLatencyEngine
+from ..cuda.ll_calls import LowLatencyEngine
 from .nic_transport import NicTransport
 from .node_link import NodeLink
 from .nvshmem_kernels import load_device_kernels

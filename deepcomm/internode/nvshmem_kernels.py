@@ -8,7 +8,7 @@ from __future__ import annotations
 from types import ModuleType
 
 from .._ext import _load
-from .nvshmem_library import NvshmemUnavailableError, load_library
+from ..cuda.nvshmem_library import NvshmemUnavailableError, load_library
 
 MODULE = "deepcomm._nvshmem_kernels"
 BUILD_HINT = ("install the NVSHMEM wheel (pip install nvidia-nvshmem-cu13) before building deepcomm, so that "

@@ -1,21 +1,21 @@
-"""Low-latency mode on topologies of several nodes: the same kernels and buffer as on one node (ll_calls.py,
-ll_buffer.py), over every rank of the job. A peer NVLink can map (``nvshmem_ptr``, or CUDA IPC on one host) is
-written directly; any other is a put peer, reached by NVSHMEM puts from our outbox (ll_buffer.py), which on a
-cluster travel over RDMA. Normal mode's hierarchical path (internode.py) is not involved: decoding sends each token
+"""Low-latency mode on topologies of several nodes: the same kernels and buffer as on one node
+(deepcomm/cuda/ll_calls.py, deepcomm/cuda/ll_buffer.py), over every rank of the job. A peer NVLink can map
+(``nvshmem_ptr``, or CUDA IPC on one host) is written directly; any other is a put peer, reached by NVSHMEM puts from
+our outbox (deepcomm/cuda/ll_buffer.py), which on a cluster travel over RDMA. Normal mode's hierarchical path (backend.py) is not involved: decoding sends each token
 once per rank that holds one of its experts, with no forwarding inside the node.
 
 The low-latency buffer lives in NVSHMEM memory when the ranks span several hosts (CUDA IPC cannot map across
 hosts), else where ``low_latency_memory`` says. Its own error record carries the kernels' timeouts and input
-errors (error_record.py); normal mode's transport and NVLink hop keep theirs."""
+errors (deepcomm/cuda/error_record.py); normal mode's transport and NVLink hop keep theirs."""
 from __future__ import annotations
 
 from typing import List
 
 import torch
 
-from .error_record import DeviceErrorRecord
-from .call_errors import CallErrors
-from .ll_calls import LowLatencyEngine, low_latency_blocks
+from ..cuda.error_record import DeviceErrorRecord
+from ..cuda.call_errors import CallErrors
+from ..cuda.ll_calls import LowLatencyEngine, low_latency_blocks
 
 
 def low_latency_memory_for(hosts: List[str], configured: str) -> str:

@@ -1,5 +1,5 @@
 """A rank's NVLink buffer: allocation, IPC handle exchange, peer mapping, teardown; and its error record
-(error_record.py)."""
+(deepcomm/cuda/error_record.py)."""
 from __future__ import annotations
 
 import socket
@@ -8,8 +8,8 @@ from typing import List
 import torch
 import torch.distributed as dist
 
-from .error_record import DeviceErrorRecord
-from .peer_memory import PeerMemory
+from ..cuda.error_record import DeviceErrorRecord
+from ..cuda.peer_memory import PeerMemory
 
 
 class NvlBuffer(DeviceErrorRecord):

@@ -22,10 +22,10 @@ from ..errors import CommTimeoutError
 from ..gpu_share import GPU_SMS_ENV, shares_gpu, usable_sms
 from ..backend_protocol import Capabilities
 from ..handle import Handle, WorkspaceView, field_ptr
-from .agree_record import dispatch_disagreement, words_or_none
-from .arena import Arena
-from .call_errors import CallErrors
-from .ll_calls import LowLatencyEngine, low_latency_blocks
+from ..cuda.agree_record import dispatch_disagreement, words_or_none
+from ..cuda.arena import Arena
+from ..cuda.call_errors import CallErrors
+from ..cuda.ll_calls import LowLatencyEngine, low_latency_blocks
 from .nvl_buffer import NvlBuffer
 
 Payload = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
@@ -143,7 +143,7 @@ class CudaBackend:
         self.rank, self.world_size, self.device = rank, world_size, device
         self.set_num_sms(config.num_sms)  # before anything is allocated
         if config.low_latency_memory == "nvshmem":  # fail at construction, before any collective, if it is missing
-            from .nvshmem_library import load_library
+            from ..cuda.nvshmem_library import load_library
             load_library()
         arena, worst = arena_sizes(C, world_size, config.max_tokens_per_rank, config.hidden)
         with torch.cuda.device(device):

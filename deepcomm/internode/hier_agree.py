@@ -11,7 +11,7 @@ makes first, with no round trip of its own:
 Every first exchange is one round of the same transport, with the words at byte 0 of each rail block, so any
 two calls that meet pair up and read each other's words. The rail exchange reaches only the ranks of our local
 index; the header carries every rank's words only with one GPU per node, where the rail is every rank (the
-backend compares only there, internode.py). ``check`` raises the reference backend's ValueError (agreement.check),
+backend compares only there, backend.py). ``check`` raises the reference backend's ValueError (agreement.check),
 the same text on every rank, before any output is made."""
 from __future__ import annotations
 

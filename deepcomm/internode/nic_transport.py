@@ -10,11 +10,11 @@ import torch
 import torch.distributed as dist
 
 from ..gpu_share import usable_sms
-from .align import round_up
-from .arena import as_device_bytes
+from ..cuda.align import round_up
+from ..cuda.arena import as_device_bytes
 from .exchange_record import ExchangeRecord, check_round, peer_list
 from .internode_rows import rail_slot_bytes
-from .peer_memory import PeerMemory
+from ..cuda.peer_memory import PeerMemory
 from .sm_split import nic_blocks_for
 
 LOG_WQEBBS = 8         # 256 WQEBBs per send queue; every WQE is signaled, so posters never wait on a later one

@@ -3,7 +3,7 @@ the receive slot of one rail rank."""
 from __future__ import annotations
 
 from ..validation import MAX_TOPK  # top-k slots a row has room for
-from .align import round_up
+from ..cuda.align import round_up
 
 # Bytes at the front of every rail block of a call's first RDMA exchange, and of every section the kernels send:
 # the call's fingerprint, agreement.WORDS int32 words (hier_agree.py; zeros where nothing is compared).

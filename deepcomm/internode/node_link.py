@@ -20,10 +20,10 @@ from typing import List
 
 import torch
 
-from .align import round_up
-from .arena import as_device_bytes
+from ..cuda.align import round_up
+from ..cuda.arena import as_device_bytes
 from .exchange_record import RecordedWaits
-from .peer_memory import PeerMemory
+from ..cuda.peer_memory import PeerMemory
 
 
 

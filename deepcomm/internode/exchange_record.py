@@ -9,7 +9,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from ..errors import CommTimeoutError
-from .wait_stages import stage_text
+from ..cuda.wait_stages import stage_text
 
 
 def peer_list(rank: int, world_size: int, peers: Optional[Sequence[int]]) -> List[int]:

@@ -20,7 +20,7 @@ from typing import Dict, Iterator, List, Optional, Sequence
 
 import torch
 
-from .align import round_up
+from ..cuda.align import round_up
 
 
 class NodeHop:

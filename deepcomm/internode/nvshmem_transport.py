@@ -1,5 +1,5 @@
 """The internode exchange round through NVSHMEM's host API (``internode_transport="nvshmem"``): the same round as
-NicTransport (deepcomm/cuda/internode.py), with NVSHMEM's stream-ordered put-with-signal in place of GPU-posted
+NicTransport (deepcomm/internode/backend.py), with NVSHMEM's stream-ordered put-with-signal in place of GPU-posted
 WQEs, so the hierarchical communicator (hier_comm.py) and the dispatch/combine built on it run unchanged
 (docs/internode.md, "Transports"). Like NicTransport it exchanges only with its ``peers`` (the internode path:
 the ranks of our local index on the other nodes, "rail" peers); a round sends nothing to, and waits on nothing
@@ -27,8 +27,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .align import round_up
-from .arena import as_device_bytes
+from ..cuda.align import round_up
+from ..cuda.arena import as_device_bytes
 from .exchange_record import ExchangeRecord, check_round, peer_list
 from .internode_rows import rail_slot_bytes
 
@@ -110,8 +110,8 @@ class NvshmemTransport(ExchangeRecord):
 
     def __init__(self, C, group, rank: int, world_size: int, device: torch.device, max_tokens: int, hidden: int,
                  timeout_s: float, peers: Optional[Sequence[int]] = None, signals_per_round: int = 1):
-        from .nvshmem_library import load_library
-        from .nvshmem_memory import NvshmemMemory
+        from ..cuda.nvshmem_library import load_library
+        from ..cuda.nvshmem_memory import NvshmemMemory
 
         self.peers = peer_list(rank, world_size, peers)  # ValueError before any collective
         limit = C.transport.INTERNODE_MAX_RANKS

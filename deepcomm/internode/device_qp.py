@@ -8,7 +8,7 @@ from typing import Dict
 import torch
 
 from ..errors import CommTimeoutError
-from .wait_stages import stage_text
+from ..cuda.wait_stages import stage_text
 
 
 class DeviceQueuePair:

@@ -25,7 +25,7 @@ from ..gpu_share import usable_sms
 from ..handle import Handle
 from ..dispatch_rows import as_byte_rows, dispatch_outputs, part_row_bytes, unpack_rows
 from . import hier_agree
-from .align import round_up
+from ..cuda.align import round_up
 from .hier_comm import HierComm
 from .hier_normal import combine_area_row, fresh_route, node_masks, pack_rows, payload_parts
 from .internode_rows import RAIL_HEADER_BYTES

@@ -34,7 +34,7 @@ from .. import agreement, layout
 from ..fp8 import per_token_cast_back, per_token_cast_to_fp8
 from ..handle import Handle
 from ..dispatch_rows import as_byte_rows, dispatch_outputs, part_row_bytes, unpack_rows
-from .align import round_up
+from ..cuda.align import round_up
 from . import hier_agree
 from .hier_comm import HierComm
 
