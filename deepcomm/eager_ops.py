@@ -13,6 +13,33 @@ from typing import Optional
 import torch
 
 
+def dispatch_backward_inputs(grad_recv_x, grad_recv_weights, local_slots, rows: int, hidden: int, dtype, device):
+    """What a dispatch's backward combines: the gradient of recv_x (zeros when it has none) and, with weights
+    (``local_slots`` given), their gradients masked to the slots that were local at the receiver (the only ones
+    dispatch forwarded). Shared by this module and the operators' autograd (deepcomm/ops.py)."""
+    if grad_recv_x is None:
+        grad_recv_x = torch.zeros(rows, hidden, dtype=dtype, device=device)
+    weights = None
+    if local_slots is not None:
+        if grad_recv_weights is None:
+            grad_recv_weights = torch.zeros(local_slots.shape, dtype=torch.float32, device=device)
+        weights = torch.where(local_slots, grad_recv_weights, torch.zeros_like(grad_recv_weights))
+    return grad_recv_x.contiguous(), weights
+
+
+def combine_backward_inputs(grad_combined_x, grad_combined_weights, shape, weights_k: Optional[int], dtype,
+                            device):
+    """What a combine's backward dispatches along the handle: the gradient of the combined x (zeros when it has
+    none, ``shape`` = (tokens, hidden)) and, with ``weights_k`` columns of weights, theirs (zeros when none)."""
+    if grad_combined_x is None:
+        grad_combined_x = torch.zeros(shape, dtype=dtype, device=device)
+    weights = None
+    if weights_k is not None:
+        weights = (torch.zeros(shape[0], weights_k, dtype=torch.float32, device=device)
+                   if grad_combined_weights is None else grad_combined_weights.contiguous())
+    return grad_combined_x.contiguous(), weights
+
+
 class _Dispatch(torch.autograd.Function):
     """Forward: ``buf.dispatch``; backward: ``buf.combine`` of the gradients along the same handle (the weights'
     gradients masked to the slots that were local at the receiver, the only ones dispatch forwarded). The
@@ -35,16 +62,11 @@ class _Dispatch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_recv_x, _g_scales, _g_idx, grad_recv_weights):
-        handle, local_slots = ctx.handle, ctx.local_slots
-        if grad_recv_x is None:
-            grad_recv_x = torch.zeros(handle.num_recv, handle.hidden, dtype=ctx.x_dtype,
-                                      device=handle.recv_src_idx.device)
-        weights = None
-        if local_slots is not None:
-            if grad_recv_weights is None:
-                grad_recv_weights = torch.zeros(local_slots.shape, dtype=torch.float32, device=local_slots.device)
-            weights = torch.where(local_slots, grad_recv_weights, torch.zeros_like(grad_recv_weights))
-        grad_x, grad_weights = ctx.buf.combine(grad_recv_x.contiguous(), handle, topk_weights=weights)
+        handle = ctx.handle
+        grad_recv_x, weights = dispatch_backward_inputs(grad_recv_x, grad_recv_weights, ctx.local_slots,
+                                                        handle.num_recv, handle.hidden, ctx.x_dtype,
+                                                        handle.recv_src_idx.device)
+        grad_x, grad_weights = ctx.buf.combine(grad_recv_x, handle, topk_weights=weights)
         return None, None, grad_x, None, None, grad_weights, None, None, None
 
 
@@ -62,16 +84,10 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_combined_x, grad_combined_weights):
         handle = ctx.handle
-        shape = (handle.num_tokens, handle.hidden)
-        device = handle.recv_src_idx.device
-        if grad_combined_x is None:
-            grad_combined_x = torch.zeros(shape, dtype=ctx.x_dtype, device=device)
-        weights = None
-        if ctx.weights_k is not None:
-            weights = (torch.zeros(shape[0], ctx.weights_k, dtype=torch.float32, device=device)
-                       if grad_combined_weights is None else grad_combined_weights.contiguous())
-        grad_x, _, grad_weights, _, _ = ctx.buf.dispatch(grad_combined_x.contiguous(), topk_weights=weights,
-                                                         handle=handle)
+        grad_combined_x, weights = combine_backward_inputs(grad_combined_x, grad_combined_weights,
+                                                           (handle.num_tokens, handle.hidden), ctx.weights_k,
+                                                           ctx.x_dtype, handle.recv_src_idx.device)
+        grad_x, _, grad_weights, _, _ = ctx.buf.dispatch(grad_combined_x, topk_weights=weights, handle=handle)
         return None, grad_x, None, grad_weights if ctx.weights_k is not None else None, None
 
 

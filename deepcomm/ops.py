@@ -105,14 +105,10 @@ def _dispatch_setup(ctx, inputs, output):
 
 def _dispatch_backward(ctx, grad_recv_x, _g_scales, _g_idx, grad_recv_weights, *_g_handle):
     in_rank, send_pos, count_matrix, recv_src_idx, counts, node_counts, local_slots = ctx.saved_tensors
-    if grad_recv_x is None:
-        grad_recv_x = torch.zeros(recv_src_idx.shape[0], ctx.hidden, dtype=ctx.x_dtype, device=in_rank.device)
-    weights = None
-    if ctx.has_weights:
-        if grad_recv_weights is None:
-            grad_recv_weights = torch.zeros(local_slots.shape, dtype=torch.float32, device=in_rank.device)
-        weights = torch.where(local_slots, grad_recv_weights, torch.zeros_like(grad_recv_weights))
-    grad_x, grad_weights = _ops.combine(ctx.buffer_id, grad_recv_x.contiguous(), weights, in_rank, send_pos,
+    grad_recv_x, weights = eager_ops.dispatch_backward_inputs(
+        grad_recv_x, grad_recv_weights, local_slots if ctx.has_weights else None, recv_src_idx.shape[0],
+        ctx.hidden, ctx.x_dtype, in_rank.device)
+    grad_x, grad_weights = _ops.combine(ctx.buffer_id, grad_recv_x, weights, in_rank, send_pos,
                                         count_matrix, recv_src_idx, counts, c.present(node_counts),
                                         ctx.num_experts, ctx.hidden, ctx.worst_case, False)
     return None, grad_x, None, None, grad_weights if ctx.has_weights else None, None, None, None
@@ -151,13 +147,10 @@ def _combine_setup(ctx, inputs, output):
 
 def _combine_backward(ctx, grad_combined_x, grad_combined_weights):
     in_rank, send_pos, count_matrix, recv_src_idx, counts, node_counts = ctx.saved_tensors
-    if grad_combined_x is None:
-        grad_combined_x = torch.zeros(ctx.x_shape, dtype=ctx.x_dtype, device=in_rank.device)
-    weights = None
-    if ctx.weights_k is not None:
-        weights = (torch.zeros(ctx.x_shape[0], ctx.weights_k, dtype=torch.float32, device=in_rank.device)
-                   if grad_combined_weights is None else grad_combined_weights.contiguous())
-    grad_x, _, grad_weights = _ops.cached_dispatch(ctx.buffer_id, grad_combined_x.contiguous(), None, weights,
+    grad_combined_x, weights = eager_ops.combine_backward_inputs(grad_combined_x, grad_combined_weights,
+                                                                 ctx.x_shape, ctx.weights_k, ctx.x_dtype,
+                                                                 in_rank.device)
+    grad_x, _, grad_weights = _ops.cached_dispatch(ctx.buffer_id, grad_combined_x, None, weights,
                                                    in_rank, send_pos, count_matrix, recv_src_idx, counts,
                                                    node_counts if ctx.has_node_counts else None, ctx.num_experts,
                                                    ctx.hidden, ctx.worst_case)
