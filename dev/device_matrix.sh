@@ -4,6 +4,8 @@
 #   bash dev/device_matrix.sh STEP...
 #   STEP = profile            the host-time profile at world size 1 (dev/profile_host.py, 128 and 4096 tokens),
 #                             with each call's cProfile in $OUT/cprofile.txt
+#        | kernels            each call's kernels' GPU time at world size 1 (dev/profile_kernels.py) into
+#                             $OUT/kernel_time.json
 #        | 1:FILE,FILE        tests/*/FILE.py at world size 1 (one rank on the GPU)
 #        | N:FILE,FILE[:EXPR] the files with N ranks sharing GPU 0 under MPS (docs/testing.md), pytest -k EXPR
 #        | deepep             build DeepEP V1 from $DEEPEP_SRC (a copy carried into the tree) so that the benchmark
@@ -54,18 +56,24 @@ for step in "$@"; do
     tail -13 "$OUT/host_time.log"
     continue
   fi
+  if [[ "$step" == kernels ]]; then
+    timeout "$budget" python3 dev/profile_kernels.py --json "$OUT/kernel_time.json" > "$OUT/kernel_time.log" 2>&1
+    echo "kernels: rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$summary"
+    tail -30 "$OUT/kernel_time.log"
+    continue
+  fi
   world="${step%%:*}"; rest="${step#*:}"; files="${rest%%:*}"; expr=""
   [[ "$rest" == *:* ]] && expr="${rest#*:}"
   paths=()
   for f in ${files//,/ }; do paths+=(tests/*/"$f".py); done  # test file names are unique across subjects
   log="$OUT/tests_w$world.log"
   if [[ "$world" == 1 ]]; then
-    env -u DEEPCOMM_TEST_SHARED_GPU -u DEEPCOMM_TEST_WORLD timeout "$budget" python3 -m pytest -v -ra -m gpu \
+    env -u DEEPCOMM_TEST_SHARED_GPU -u DEEPCOMM_TEST_WORLD timeout "$budget" python3 -m pytest -v -ra -m gpu --durations=8 \
       -p no:cacheprovider ${expr:+-k "$expr"} "${paths[@]}" >> "$log" 2>&1
   else
     DEEPCOMM_TEST_SHARED_GPU=1 DEEPCOMM_TEST_WORLD="$world" timeout "$budget" bash launch/with_mps.sh \
-      python3 -m pytest -v -ra -m gpu -p no:cacheprovider ${expr:+-k "$expr"} "${paths[@]}" >> "$log" 2>&1
+      python3 -m pytest -v -ra -m gpu --durations=8 -p no:cacheprovider ${expr:+-k "$expr"} "${paths[@]}" >> "$log" 2>&1
   fi
   echo "$step: rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$summary"
-  grep -E "(PASSED|FAILED|SKIPPED|ERROR)( |$)|passed|failed" "$log" | grep -v "^E " | tail -25
+  grep -E "(PASSED|FAILED|SKIPPED|ERROR)( |$)|passed|failed|s call " "$log" | grep -v "^E " | tail -30
 done

@@ -162,6 +162,26 @@ __global__ void __launch_bounds__(kDispatchThreads, 1)
     }
   }
 
+  // A fixed-size output (num_worst_tokens, or a cached dispatch of such a handle): the rows past the ones that
+  // arrive are padding, marked as the reference backend marks them (expert -1, weight 0, source -1). Only this
+  // rank writes them: no peer's row lands past the arriving count.
+  if (a.out_rows >= 0) {
+    int64_t arriving = 0;
+    for (int s = 0; s < R; ++s) arriving += a.count_matrix[s * R + rank];
+    const int64_t pad_rows = sh.capacity[rank] - arriving;
+    for (int64_t i = int64_t(blockIdx.x) * blockDim.x + tid; i < pad_rows * (K + 1);
+         i += int64_t(gridDim.x) * blockDim.x) {
+      const int64_t row = arriving + i / (K + 1);
+      const int k = int(i % (K + 1));
+      if (k == K) {
+        reinterpret_cast<int*>(sh.dst[rank][4])[row] = -1;
+        continue;
+      }
+      if (a.topk_idx != nullptr) reinterpret_cast<int64_t*>(sh.dst[rank][2])[row * K + k] = -1;
+      if (a.topk_weights != nullptr) reinterpret_cast<float*>(sh.dst[rank][3])[row * K + k] = 0.0f;
+    }
+  }
+
   __syncthreads();
   signal_block_done(peers, layout.dispatch_done, R, ctx);
   if (tid < R) {

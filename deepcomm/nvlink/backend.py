@@ -95,6 +95,11 @@ def _carve(arena: Arena, reserved, lay, n: int, call: _Call, with_idx: bool, bou
     return out
 
 
+def _align4(n: int) -> int:
+    """``n`` int32 elements rounded up to a multiple of four (16 bytes)."""
+    return (n + 3) & ~3
+
+
 def _current_stream(device_index: int) -> int:
     """The caller's current CUDA stream as a raw pointer (a torch Stream object costs microseconds to make)."""
     return torch._C._cuda_getCurrentRawStream(device_index)
@@ -334,8 +339,10 @@ class CudaBackend:
         # One int32 allocation: send_pos [T, R] | notify_out [R*R + L + 2] (count matrix, tokens per local
         # expert, bad-id counts) | the handle's src_idx copy [rows it can receive] | is_token_in_rank's bytes
         # [T, R]; the handle's views of it are made when first read (deepcomm/handle.py WorkspaceView).
-        notify_at, src_at = T * R, T * R + n_out
-        in_rank_at = src_at + (num_worst_tokens or self._capacity_rows)
+        # every part starts at a multiple of 16 bytes: compiled graphs (inductor) assume aligned operator outputs
+        notify_at = _align4(T * R)
+        src_at = _align4(notify_at + n_out)
+        in_rank_at = _align4(src_at + (num_worst_tokens or self._capacity_rows))
         work = torch.empty(in_rank_at + (T * R + 3) // 4, dtype=torch.int32, device=self.device)
         work_ptr = work.data_ptr()
         notify_ptr = work_ptr + 4 * notify_at

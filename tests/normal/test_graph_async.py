@@ -30,6 +30,15 @@ def _reference_step(ref, x, idx, w):
     return recv_x, recv_idx, counts, comb, comb_w
 
 
+def _assert_padding(recv_idx, recv_w, src_idx, n: int, what: str) -> None:
+    """Rows past the ``n`` received ones are padding, as the reference backend pads them (dispatch_rows.py)."""
+    assert bool((recv_idx[n:] == -1).all()), f"{what}: padding rows' expert ids are not -1"
+    if recv_w is not None:
+        assert bool((recv_w[n:] == 0).all()), f"{what}: padding rows' weights are not 0"
+    if src_idx is not None:
+        assert bool((src_idx[n:] == -1).all()), f"{what}: padding rows' source index is not -1"
+
+
 def _worker(rank, world):
     dev = rank_device(rank)
     gen = torch.Generator().manual_seed(100 + rank)
@@ -45,6 +54,7 @@ def _worker(rank, world):
     n = want[0].shape[0]
     assert recv_x.shape == (W, H) and h.num_recv == W
     assert torch.equal(recv_x[:n], want[0]) and torch.equal(recv_idx[:n], want[1])
+    _assert_padding(recv_idx, recv_w, h.recv_src_idx, n, "eager")
     assert counts.tolist() == want[2]
     comb, comb_w = cuda.combine(_expert(recv_x), h, topk_weights=recv_w)
     assert torch.equal(comb, want[3]) and torch.equal(comb_w, want[4])
@@ -69,6 +79,7 @@ def _worker(rank, world):
         rx, ri, cnt, c, cw = static_out
         assert torch.equal(rx[:n], want[0]), f"replay {replay}: recv_x"
         assert torch.equal(ri[:n], want[1]), f"replay {replay}: recv_topk_idx"
+        _assert_padding(ri, None, None, n, f"replay {replay}")
         assert cnt.tolist() == want[2], f"replay {replay}: counts"
         assert torch.equal(c, want[3]) and torch.equal(cw, want[4]), f"replay {replay}: combine"
     cuda.synchronize()
