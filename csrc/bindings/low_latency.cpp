@@ -27,6 +27,7 @@ void register_low_latency(py::module_& m) {
         py::dict d;
         d["total"] = l.total;
         d["mask"] = l.mask;
+        d["agree"] = l.agree;  // our agree slots [2 kinds][2 slots][R] (set_cross_slots of the NVLink context)
         d["signal_bytes"] = l.signal_bytes();
         d["inbox"] = l.inbox;
         d["outbox"] = l.outbox;
@@ -75,6 +76,13 @@ void register_low_latency(py::module_& m) {
       })
       .def("set_error_record", [](LlContext& c, uintptr_t dev) { c.err_device = ptr<ErrorRecord>(dev); })
       .def("set_agree_record", [](LlContext& c, uintptr_t dev) { c.agree_device = ptr<AgreeRecord>(dev); })
+      // where normal-mode calls leave their words in our memory (the NVLink buffer's agree slots, 2 sets of [R];
+      // 0: none): low-latency waits look there too (WaitCtx::cross)
+      .def("set_cross_slots", [](LlContext& c, uintptr_t at, int sets) {
+        DC_HOST_ASSERT(sets >= 0 && sets <= 4, "set_cross_slots: sets must be 0..4");
+        c.cross = at != 0 ? ptr<const uint8_t>(at) : nullptr;
+        c.cross_sets = at != 0 ? sets : 0;
+      })
       .def("set_timeout_ns", [](LlContext& c, uint64_t ns) { c.timeout_ns = ns; })
       // A call this rank rejected: a send half of `kind` (0 dispatch, 1 combine) into `slot` with only its words;
       // compare: also wait for the peers' words and record a difference (a call of a new shape, ll_calls.py)

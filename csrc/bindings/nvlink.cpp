@@ -50,6 +50,13 @@ void register_nvlink(py::module_& m) {
       .def("set_timeout_ns", [](NvlContext& c, uint64_t ns) { c.timeout_ns = ns; })
       .def("set_error_host", [](NvlContext& c, uintptr_t host) { c.err_host = ptr<const ErrorRecord>(host); })
       .def("set_agree_record", [](NvlContext& c, uintptr_t dev) { c.agree_device = ptr<AgreeRecord>(dev); })
+      // where low-latency calls leave their words in our memory (the low-latency buffer's agree slots, 4 sets of
+      // [R]; 0: none): normal-mode waits look there too (WaitCtx::cross)
+      .def("set_cross_slots", [](NvlContext& c, uintptr_t at, int sets) {
+        DC_HOST_ASSERT(sets >= 0 && sets <= 4, "set_cross_slots: sets must be 0..4");
+        c.cross = at != 0 ? ptr<const uint8_t>(at) : nullptr;
+        c.cross_sets = at != 0 ? sets : 0;
+      })
       // A call this rank rejected: take part in its first exchange with `fingerprint` (REJECTED set), in the
       // stream order of dispatch_call's flags (kCallWaitCaller), and move nothing (kernels/agree_reject.cu).
       .def("agree_reject", [](const NvlContext& c, const Words& fingerprint, int flags, uintptr_t caller,

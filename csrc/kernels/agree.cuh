@@ -21,36 +21,64 @@ __device__ __forceinline__ void agree_publish(uint8_t* slot, const Fingerprint& 
   ptx::st_release_sys_u64(&s->tag, tag);
 }
 
-// One thread: wait (bounded) until a peer's slot carries call `tag` or a later one.
-__device__ __forceinline__ bool agree_wait(const uint8_t* slot, uint64_t tag, const WaitCtx& ctx, int peer,
-                                           int stage) {
-  const auto* t = &reinterpret_cast<const AgreeSlot*>(slot)->tag;
-  return wait_flag_geq(t, tag, ctx, peer, stage);
+// The other mode's slot (WaitCtx::cross) in which peer s left its words of call f.w[CALL] on this Buffer, or null:
+// the peer is then in a call of the other mode (normal against low-latency) with our call's number.
+__device__ __forceinline__ const uint8_t* agree_cross_find(const WaitCtx& ctx, const Fingerprint& f, int R, int s) {
+  for (int j = 0; j < ctx.cross_sets; ++j) {
+    const uint8_t* at = ctx.cross + (int64_t(j) * R + s) * kAgreeSlotBytes;
+    const auto* slot = reinterpret_cast<const AgreeSlot*>(at);
+    if (ptx::ld_acquire_sys_u64(&slot->tag) == 0) continue;  // never written (the words follow their tag)
+    const int32_t op = ptx::ld_volatile_s32(&slot->words[kWordOp]);
+    if (ptx::ld_volatile_s32(&slot->words[kWordMagic]) == f.w[kWordMagic] &&
+        ptx::ld_volatile_s32(&slot->words[kWordCall]) == f.w[kWordCall] &&
+        ptx::ld_volatile_s32(&slot->words[kWordBuffer]) == f.w[kWordBuffer] &&
+        (op >= kOpFirstLowLatency) != (f.w[kWordOp] >= kOpFirstLowLatency))
+      return at;
+  }
+  return nullptr;
 }
 
-// One thread, once every peer's slot is in: copy every rank's words (slots[s] at slots + s * kAgreeSlotBytes; ranks
-// outside `alive` read as zeros) into `rows`.
-__device__ __forceinline__ void agree_copy_rows(int32_t (*rows)[kFingerprintWords], const uint8_t* slots, int R,
-                                                uint32_t alive) {
+// One thread: wait (bounded) until a peer's slot carries call `tag` or a later one, or until the peer shows up in
+// the other mode's slots with our call number (looked at every 16th poll: only a waiting thread pays for it).
+// *found: where the peer's words are, its slot or the other mode's.
+__device__ __forceinline__ bool agree_wait(const uint8_t* slot, uint64_t tag, const WaitCtx& ctx, int peer,
+                                           int stage, const Fingerprint& f, int R, const uint8_t** found) {
+  const auto* t = &reinterpret_cast<const AgreeSlot*>(slot)->tag;
+  *found = slot;
+  if (ctx.cross == nullptr) return wait_flag_geq(t, tag, ctx, peer, stage);
+  uint32_t polls = 0;
+  return wait_until([&] {
+    if (ptx::ld_acquire_sys_u64(t) >= tag) return true;
+    if ((++polls & 15u) != 0u) return false;
+    const uint8_t* other = agree_cross_find(ctx, f, R, peer);
+    if (other == nullptr) return false;
+    *found = other;
+    return true;
+  }, ctx, peer, stage);
+}
+
+// One thread, once every peer's words are in: copy every rank's words (rank s's at found[s]; ranks outside `alive`
+// read as zeros) into `rows`.
+__device__ __forceinline__ void agree_copy_rows(int32_t (*rows)[kFingerprintWords], const uint8_t* const* found,
+                                                int R, uint32_t alive) {
   for (int s = 0; s < R && s < kAgreeRecordRanks; ++s)
     for (int i = 0; i < kFingerprintWords; ++i)
       rows[s][i] = ((alive >> s) & 1u)
-                       ? ptx::ld_volatile_s32(&reinterpret_cast<const AgreeSlot*>(slots + int64_t(s) * kAgreeSlotBytes)
-                                                  ->words[i])
+                       ? ptx::ld_volatile_s32(&reinterpret_cast<const AgreeSlot*>(found[s])->words[i])
                        : 0;
 }
 
 // One thread: the first disagreement of this rank's kernels wins the record; then the error record names it as
 // an input error (kStageDisagree), which the host raises as a ValueError at its next look (no host wait here).
-__device__ __forceinline__ void agree_report(AgreeRecord* rec, const uint8_t* slots, int R, uint32_t alive, int peer,
-                                             int word, const WaitCtx& ctx) {
+__device__ __forceinline__ void agree_report(AgreeRecord* rec, const uint8_t* const* found, int R, uint32_t alive,
+                                             int peer, int word, const WaitCtx& ctx) {
   if (rec == nullptr) return;
   if (ptx::atom_cas_acquire_gpu_u32(reinterpret_cast<uint32_t*>(&rec->flag), 0u, 2u) != 0u) return;
   rec->num_ranks = R;
   rec->peer = peer;
   rec->word = word;
   rec->seq = ctx.seq;
-  agree_copy_rows(rec->rows, slots, R, alive);
+  agree_copy_rows(rec->rows, found, R, alive);
   ptx::fence_acq_rel_sys();
   ptx::st_release_sys_u32(reinterpret_cast<uint32_t*>(&rec->flag), 1u);
   report_input_error(ctx, peer, kStageDisagree);
@@ -62,29 +90,37 @@ struct AgreeResult {
 };
 
 // The whole block (threads 0..R-1 wait for one peer each): wait for every peer in `alive` to publish call `tag` into
-// `slots` (ours, [R] consecutive), compare with `f`. On a difference thread 0 of a block with `report` leaves the
-// record (agree_report). The same result for every thread; ends with __syncthreads.
+// `slots` (ours, [R] consecutive), or to show up in a call of the other mode with our call number (agree_wait), and
+// compare with `f`. On a difference thread 0 of a block with `report` leaves the record (agree_report); with `rows`,
+// thread 0 also copies every rank's words there. The same result for every thread; ends with __syncthreads.
 __device__ __forceinline__ AgreeResult agree_block(const uint8_t* slots, const Fingerprint& f, uint64_t tag, int R,
-                                                   uint32_t alive, const WaitCtx& ctx, int stage, bool report) {
+                                                   uint32_t alive, const WaitCtx& ctx, int stage, bool report,
+                                                   int32_t (*rows)[kFingerprintWords] = nullptr) {
   __shared__ int diff_peer, diff_word, timed_out;
   __shared__ uint32_t differs[32];  // per peer, bit i: word i differs from ours (R <= 32: `alive` is one word)
+  __shared__ const uint8_t* found[32];  // per peer: where its words are (its slot, or the other mode's)
   if (threadIdx.x == 0) {
     diff_peer = -1;
     diff_word = -1;
     timed_out = 0;
   }
-  if (threadIdx.x < 32) differs[threadIdx.x] = 0u;
+  if (threadIdx.x < 32) {
+    differs[threadIdx.x] = 0u;
+    found[threadIdx.x] = slots + int64_t(threadIdx.x) * kAgreeSlotBytes;
+  }
   __syncthreads();
   const int s = threadIdx.x;
   if (s < R && ((alive >> s) & 1u)) {
-    if (!agree_wait(slots + int64_t(s) * kAgreeSlotBytes, tag, ctx, s, stage)) timed_out = 1;
+    const uint8_t* at = nullptr;
+    if (!agree_wait(slots + int64_t(s) * kAgreeSlotBytes, tag, ctx, s, stage, f, R, &at)) timed_out = 1;
+    found[s] = at;
   }
   __syncthreads();
   // every (peer, word) compared by its own thread: one load each instead of R * 16 in one thread
   if (!timed_out) {
     for (int i = threadIdx.x; i < R * kFingerprintWords; i += blockDim.x) {
       const int p = i / kFingerprintWords, w = i % kFingerprintWords;
-      const auto* slot = reinterpret_cast<const AgreeSlot*>(slots + int64_t(p) * kAgreeSlotBytes);
+      const auto* slot = reinterpret_cast<const AgreeSlot*>(found[p]);
       if (((alive >> p) & 1u) && ptx::ld_volatile_s32(&slot->words[w]) != f.w[w]) atomicOr(&differs[p], 1u << w);
     }
   }
@@ -98,7 +134,8 @@ __device__ __forceinline__ AgreeResult agree_block(const uint8_t* slots, const F
         break;
       }
     }
-    if (diff_peer >= 0 && report) agree_report(ctx.agree, slots, R, alive, diff_peer, diff_word, ctx);
+    if (diff_peer >= 0 && report) agree_report(ctx.agree, found, R, alive, diff_peer, diff_word, ctx);
+    if (diff_peer >= 0 && rows != nullptr) agree_copy_rows(rows, found, R, alive);
   }
   __syncthreads();
   const AgreeResult r{timed_out ? -1 : diff_peer < 0 ? 1 : 0, diff_peer, diff_word};

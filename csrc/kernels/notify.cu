@@ -171,7 +171,8 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
   // rank: the payload sees a non-zero invalid count, and the host learns why (the counts, or the AgreeRecord).
   if (agree) {
     const uint8_t* slots = self + layout.agree_at(ctx.seq);
-    const AgreeResult ar = agree_block(slots, a.agree, ctx.seq, R, 0xffffffffu, ctx, kStageAgree, host == nullptr);
+    const AgreeResult ar = agree_block(slots, a.agree, ctx.seq, R, 0xffffffffu, ctx, kStageAgree, host == nullptr,
+                                       host != nullptr ? host->agree_rows : nullptr);
     if (ar.status < 0) return;
     if (ar.status == 0) {
       if (tid == 0) {
@@ -184,7 +185,6 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
           host->num_local_experts = L;
           host->disagree = ar.peer + 1;
           host->disagree_word = ar.word;
-          agree_copy_rows(host->agree_rows, slots, R, 0xffffffffu);
           ptx::fence_acq_rel_sys();
           ptx::st_release_sys_u64(&host->tag, a.host_tag);
         }

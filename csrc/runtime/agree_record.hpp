@@ -6,6 +6,9 @@
 // call's own first signal (notify_flag, mailbox, combine_ready; the tagged counts / weights of low-latency mode),
 // so the words cost no extra round trip. Each rank waits for every peer's slot and compares the words with its
 // own before any row moves; a rank that rejected its own input stores its REJECTED words the same way.
+// Normal mode and low-latency mode keep their slots in their own buffers; while a rank waits for a peer's words it
+// also looks at the other mode's slots in its own memory (WaitCtx::cross), so a peer that makes a call of the
+// other mode with the same call number is met there, and the call stops on the difference instead of timing out.
 // On a difference every rank stops the call and writes one AgreeRecord: every rank's words, as it saw them
 // (the same on every rank), for the host to word the ValueError (deepcomm/cuda/agree_record.py).
 #pragma once
@@ -18,6 +21,10 @@ namespace dc {
 constexpr int kFingerprintWords = 16;  // agreement.WORDS
 constexpr int kAgreeSlotBytes = 128;   // tag u64 | pad | words int32 [16]
 constexpr int kAgreeRecordRanks = 8;  // ranks whose words a record carries (one NVLink domain)
+// Words the kernels read themselves (agreement.Word), and the first low-latency op (agreement.Op: 1, 2 normal mode,
+// 3, 4 low-latency mode)
+constexpr int kWordMagic = 0, kWordOp = 1, kWordCall = 2, kWordBuffer = 3;
+constexpr int kOpFirstLowLatency = 3;
 
 // A call's words as a kernel argument. w[0] == 0 (no MAGIC): the caller takes no part in agreement (the
 // internode backends), and the kernels skip it.

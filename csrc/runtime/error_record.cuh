@@ -71,6 +71,12 @@ struct WaitCtx {
   uint64_t seq;              // filled by resolved()
   const uint64_t* seq_ptr;   // this rank's device counter
   struct AgreeRecord* agree = nullptr;  // mapped host memory: where a call-fingerprint difference is recorded
+  // Where the other mode's calls leave their words in our own memory (normal mode's waits look in the low-latency
+  // buffer's agree slots, low-latency waits in the NVLink buffer's): `cross_sets` sets of [R] AgreeSlots from
+  // `cross`, set j's slot of rank s at cross + (j * R + s) * kAgreeSlotBytes; null where there is none
+  // (csrc/kernels/agree.cuh, agree_block).
+  const uint8_t* cross = nullptr;
+  int cross_sets = 0;
 
 #if defined(__CUDACC__)
   __device__ __forceinline__ WaitCtx resolved() const {

@@ -16,6 +16,8 @@ struct LlContext {
   ErrorRecord* err_device = nullptr;
   uint64_t timeout_ns = 100ull * 1000 * 1000 * 1000;
   AgreeRecord* agree_device = nullptr;  // shared with the NVLink buffer (agree_record.hpp)
+  const uint8_t* cross = nullptr;  // our NVLink buffer's agree slots (WaitCtx::cross), null where there is none
+  int cross_sets = 0;
   uint64_t* trace = nullptr;  // diagnostics: [kMaxBlocks][kLlTracePoints] timer stamps, or null (ll_trace_points.hpp)
   int pdl = 0;                // programmatic dependent launch: 0 off, 1 on with an early trigger, 2 on (ll_gate)
 
@@ -25,7 +27,9 @@ struct LlContext {
       : layout(num_ranks, num_experts, max_tokens, hidden, topk_max, outbox), rank(rank_) {}
 
   // The low-latency kernels keep their own call numbers in the buffer (csrc/kernels/ll_common.cuh).
-  WaitCtx wait_ctx() const { return WaitCtx{err_device, timeout_ns, rank, 0, nullptr, agree_device}; }
+  WaitCtx wait_ctx() const {
+    return WaitCtx{err_device, timeout_ns, rank, 0, nullptr, agree_device, cross, cross_sets};
+  }
 };
 
 }  // namespace dc

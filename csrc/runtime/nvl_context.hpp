@@ -20,6 +20,8 @@ struct NvlContext {
   const DispatchCounts* counts_host = nullptr;  // ... host view
   uint64_t timeout_ns = 100ull * 1000 * 1000 * 1000;
   AgreeRecord* agree_device = nullptr;  // mapped host memory: a call-fingerprint difference (agree_record.hpp)
+  const uint8_t* cross = nullptr;  // our low-latency buffer's agree slots (WaitCtx::cross), null before it exists
+  int cross_sets = 0;
 
   NvlContext(int rank_, int num_ranks, int local_experts_cap, int max_tokens, int64_t hidden_max, int64_t topk_max,
              int64_t arena_bytes)
@@ -27,7 +29,8 @@ struct NvlContext {
 
   WaitCtx wait_ctx() const {
     return WaitCtx{err_device, timeout_ns, rank, 0,
-                   reinterpret_cast<const uint64_t*>(peers.base[rank] + layout.seq_counter), agree_device};
+                   reinterpret_cast<const uint64_t*>(peers.base[rank] + layout.seq_counter), agree_device, cross,
+                   cross_sets};
   }
   uint64_t* seq_counter() const { return reinterpret_cast<uint64_t*>(peers.base[rank] + layout.seq_counter); }
 };

@@ -39,17 +39,52 @@ def disagreement_error(rows: Sequence[Sequence[int]], peer: int, word: int, rank
                       "no rank ran the call")
 
 
-def dispatch_disagreement(C, counts_host: int, world_size: int) -> ValueError:
-    """A fresh dispatch whose counts came back with a difference (its wait returned status 3)."""
+def is_low_latency(words: Sequence[int]) -> bool:
+    """Whether ``words`` are those of a low-latency call (else a normal-mode one)."""
+    return words[agreement.Word.OP] in (agreement.Op.LOW_LATENCY_DISPATCH, agreement.Op.LOW_LATENCY_COMBINE)
+
+
+def other_mode_words(rows: Sequence[Sequence[int]], rank: Optional[int]) -> Optional[tuple]:
+    """When some peer was in a call of the other mode than this rank's (normal mode against low-latency mode): the
+    first such peer's words. Such a call stopped without advancing this rank's call numbers of that mode, which
+    the peer's did; this rank owes the Buffer that call (deepcomm/cuda/mode_meet.py pays it)."""
+    if rank is None or not 0 <= rank < len(rows):
+        return None
+    own = rows[rank]
+    if len(own) != agreement.WORDS or own[agreement.Word.MAGIC] != agreement.MAGIC:
+        return None
+    for r, row in enumerate(rows):
+        if (r != rank and len(row) == agreement.WORDS and row[agreement.Word.MAGIC] == agreement.MAGIC
+                and row[agreement.Word.CALL] == own[agreement.Word.CALL]
+                and is_low_latency(row) != is_low_latency(own)):
+            return tuple(int(v) for v in row)
+    return None
+
+
+def _note_owed(rows, rank, owed: Optional[list]) -> None:
+    if owed is not None:
+        words = other_mode_words(rows, rank)
+        if words is not None:
+            owed.append(words)
+
+
+def dispatch_disagreement(C, counts_host: int, world_size: int, rank: Optional[int] = None,
+                          owed: Optional[list] = None) -> ValueError:
+    """A fresh dispatch whose counts came back with a difference (its wait returned status 3). A peer met in a
+    low-latency call adds its words to ``owed`` (other_mode_words)."""
     disagree, word, rows = C.read_dispatch_disagreement(counts_host, world_size)
+    _note_owed(rows, rank, owed)
     return disagreement_error(rows, disagree - 1, word)
 
 
-def recorded_disagreement(C, agree_host: int, rank: int, masked: Iterable[int] = ()) -> ValueError:
-    """The AgreeRecord's difference (the error record named stage ``disagree``); clears the AgreeRecord."""
+def recorded_disagreement(C, agree_host: int, rank: int, masked: Iterable[int] = (),
+                          owed: Optional[list] = None) -> ValueError:
+    """The AgreeRecord's difference (the error record named stage ``disagree``); clears the AgreeRecord. A peer met
+    in a call of the other mode adds its words to ``owed`` (other_mode_words)."""
     flag, peer, word, _, rows = C.read_agree(agree_host)
     C.clear_agree(agree_host)
     if flag != 1 or not rows:
         return ValueError("fingerprint: the ranks disagreed about a call (the record of it was not complete); every "
                           "rank must make the same calls with the same arguments; no rank ran the call")
+    _note_owed(rows, rank, owed)
     return disagreement_error(rows, peer, word, rank, masked)

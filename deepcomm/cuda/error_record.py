@@ -31,6 +31,8 @@ class DeviceErrorRecord:
         self.broken = False
         self.broken_peer = None
         self.masked: frozenset = frozenset()  # ranks low-latency mode leaves out (Buffer.mask_ranks)
+        # words of calls of the other mode that peers made while this rank's call met them (mode_meet.py)
+        self.owed: list = []
 
     def check_error(self, low_latency: bool = False, defer_input: bool = False,
                     leave_input: bool = False) -> Optional[ValueError]:
@@ -55,7 +57,8 @@ class DeviceErrorRecord:
             if leave_input:
                 return None
             if stage == self.C.WAIT_STAGES.get("disagree"):  # the fingerprints differed: every rank's words are kept
-                err = recorded_disagreement(self.C, self.agree_host, getattr(self, "rank", None), self.masked)
+                err = recorded_disagreement(self.C, self.agree_host, getattr(self, "rank", None), self.masked,
+                                            self.owed)
             else:
                 err = ValueError(input_error.format(peer=peer, peer_or_some="some rank" if peer < 0 else peer,
                                                     count=waited_ns))

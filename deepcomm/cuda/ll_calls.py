@@ -58,9 +58,12 @@ class LowLatencyEngine:
     checks_ids_on_device = True
 
     def __init__(self, C, group, rank: int, world_size: int, device: torch.device, record, errors, memory: str,
-                 blocks: int):
+                 blocks: int, meet=None):
         self.C, self.group, self.rank, self.world_size, self.device = C, group, rank, world_size, device
         self.record, self.errors = record, errors
+        # CudaBackend's ModeMeet (mode_meet.py): a low-latency call meeting a normal-mode one on another rank
+        self.meet = meet
+        self._slot_of_call = {}  # the buffer slot of each recent low-latency dispatch, by its call number
         self.memory = memory  # "ipc" or "nvshmem" (deepcomm.config.LL_MEMORY_KINDS)
         self.blocks = blocks  # blocks of every low-latency kernel (low_latency_blocks)
         self.buffer: Optional[LlBuffer] = None  # made at the first call (_buffer_for)
@@ -74,6 +77,8 @@ class LowLatencyEngine:
         if self.buffer is not None:
             ll, self.buffer = self.buffer, None
             torch.cuda.synchronize(self.device)
+            if self.meet is not None:
+                self.meet.unlink(ll)
             ll.close()
 
     def _buffer_for(self, num_experts: int, max_tokens: int, hidden: int, fingerprint=None) -> LlBuffer:
@@ -95,7 +100,33 @@ class LowLatencyEngine:
                                        getattr(self.record, "agree_dev", 0))
                 if self.record.masked:
                     self.buffer.write_mask(self.record.masked)
+                if self.meet is not None:
+                    self.meet.link(self.buffer)
         return self.buffer
+
+    def _enter(self, ll: LlBuffer, stream: int) -> None:
+        """Before a low-latency call: the low-latency calls this rank owes after meeting a peer's normal-mode call
+        (mode_meet.py), each a send half of the peer's kind that only publishes words (agree_reject), in the slot
+        the peer used: the next dispatch's, or the slot of the combine's handle (the dispatch it names)."""
+        if self.meet is None:
+            return
+        for words in self.meet.enter(True, self.errors):
+            if ll.put_peers:
+                continue
+            if words[agreement.Word.OP] == agreement.Op.LOW_LATENCY_DISPATCH:
+                kind, slot = 0, ll.calls & 1
+                ll.calls += 1
+                self._note_slot(words, slot)
+            else:
+                kind = 1
+                slot = self._slot_of_call.get(words[agreement.Word.HANDLE], (ll.calls - 1) & 1)
+            ll.ctx.agree_reject(tuple(words), kind, slot, stream)
+
+    def _note_slot(self, fingerprint, slot: int) -> None:
+        if fingerprint is not None:
+            if len(self._slot_of_call) >= 8:
+                self._slot_of_call.pop(next(iter(self._slot_of_call)))
+            self._slot_of_call[fingerprint[agreement.Word.CALL]] = slot
 
     def _agree_on_new_shape(self, fingerprint) -> None:
         """Before a call of another shape remakes the buffer: the call's words through the current buffer, as a
@@ -149,9 +180,11 @@ class LowLatencyEngine:
             return  # a timeout: nothing runs on this Buffer any more (the next call says so)
         ll = self.buffer
         stream = torch.cuda.current_stream(self.device).cuda_stream
+        self._enter(ll, stream)
         if fingerprint[agreement.Word.OP] == agreement.Op.LOW_LATENCY_DISPATCH:
             kind, slot = 0, ll.calls & 1
             ll.calls += 1
+            self._note_slot(fingerprint, slot)
         else:
             kind, slot = 1, _slot_of(handle, (ll.calls - 1) & 1)
         ll.ctx.agree_reject(tuple(fingerprint), kind, slot, stream)
@@ -210,11 +243,14 @@ class LowLatencyEngine:
         T, H = x.shape
         K, M = topk_idx.shape[1], num_max_dispatch_tokens_per_rank
         ll = self._buffer_for(num_experts, M, H, fingerprint)
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        self._enter(ll, stream)
         self.errors.check(low_latency=True)
         words = words_or_none(fingerprint)
         slot = ll.calls & 1
         ll.calls += 1
-        blocks, stream = self.blocks, torch.cuda.current_stream(self.device).cuda_stream
+        self._note_slot(fingerprint, slot)
+        blocks = self.blocks
         x_ptr, idx_ptr = x.data_ptr(), topk_idx.data_ptr()
         hook = self._launch(lambda phases, s: ll.ctx.dispatch(phases, blocks, x_ptr, idx_ptr, T, K, slot, use_fp8,
                                                                  use_ue8m0, s, words), return_recv_hook, stream,
@@ -230,10 +266,12 @@ class LowLatencyEngine:
         H = x.shape[2]
         ll = self._buffer_for(handle.num_experts, handle.num_max_dispatch_tokens_per_rank, handle.hidden,
                               fingerprint)
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        self._enter(ll, stream)
         self.errors.check(low_latency=True)
         words = words_or_none(fingerprint)
         out = torch.empty(T, H, dtype=torch.bfloat16, device=self.device)
-        blocks, slot, stream = self.blocks, handle.slot, torch.cuda.current_stream(self.device).cuda_stream
+        blocks, slot = self.blocks, handle.slot
         ptrs = (x.data_ptr(), topk_weights.data_ptr(), topk_idx.data_ptr(), out.data_ptr())
         if ll.put_peers:
             # the send half waits for every source's weights: put peers get ours first (a weights-only launch)

@@ -26,6 +26,7 @@ from ..cuda.agree_record import dispatch_disagreement, words_or_none
 from ..cuda.arena import Arena
 from ..cuda.call_errors import CallErrors
 from ..cuda.ll_calls import LowLatencyEngine, low_latency_blocks
+from ..cuda.mode_meet import ModeMeet
 from .nvl_buffer import NvlBuffer
 
 Payload = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
@@ -187,8 +188,10 @@ class CudaBackend:
         # an input error found on the device by an earlier call: raised once the current call has been launched
         # the parts it owns: the error state of its record, shared with the low-latency engine (ll_calls.py)
         self.errors = CallErrors(self.nvl)
+        # a normal-mode call meeting a low-latency one on another rank (deepcomm/cuda/mode_meet.py)
+        self.meet = ModeMeet(self.nvl, device)
         self.ll = LowLatencyEngine(C, group, rank, world_size, device, self.nvl, self.errors,
-                                   config.low_latency_memory, low_latency_blocks(C, device))
+                                   config.low_latency_memory, low_latency_blocks(C, device), meet=self.meet)
 
     # ---- plumbing ----
     def _order(self, previous_event: Optional[torch.cuda.Event], async_finish: bool):
@@ -303,6 +306,7 @@ class CudaBackend:
             values, scales = x, None
         T, H = values.shape
         K = topk_idx.shape[1] if topk_idx is not None else (topk_weights.shape[1] if topk_weights is not None else 0)
+        self._enter_normal()
         call = _Call(values, scales, topk_weights, K)
         call.words = words_or_none(fingerprint)
         call.order = self._order(previous_event, async_finish)
@@ -415,7 +419,7 @@ class CudaBackend:
         if reserved is not None:
             self.arena.release(*reserved)
         if status == 3:  # the ranks' fingerprints differ: nothing was dispatched on any rank (agree_record.py)
-            raise dispatch_disagreement(self.C, self.nvl.counts_host, self.world_size)
+            raise dispatch_disagreement(self.C, self.nvl.counts_host, self.world_size, self.rank, self.nvl.owed)
         if res[3]:
             # The same ids have usually gone through get_dispatch_layout just before, whose kernel ran ahead of the
             # counts waited for: its record joins this error instead of raising again at the next call.
@@ -477,6 +481,7 @@ class CudaBackend:
                 previous_event=None, async_finish: bool = False, use_fp8: bool = False, fingerprint=None):
         T, H = handle.num_tokens, x.shape[1]
         K = topk_weights.shape[1] if topk_weights is not None else 0
+        self._enter_normal()
         wait, run, flags, prev, end = self._order(previous_event, async_finish)
         out = torch.empty(T, H, dtype=x.dtype, device=self.device)
         out_w = torch.empty(T, K, dtype=torch.float32, device=self.device) if topk_weights is not None else None
@@ -522,10 +527,18 @@ class CudaBackend:
             self.ll.reject(fingerprint, handle=handle)
             return
         try:
+            self._enter_normal()
             wait, run, flags, prev, _ = self._order(None, False)
         except (CommTimeoutError, RuntimeError):
             return
         self.nvl.ctx.agree_reject(tuple(fingerprint), flags, wait, run, prev, self._start_handle)
+
+    def _enter_normal(self) -> None:
+        """Before a normal-mode call: the normal-mode calls this rank owes after meeting a peer's low-latency call
+        (deepcomm/cuda/mode_meet.py), each a call that takes part in the first exchange and moves nothing."""
+        for words in self.meet.enter(False, self.errors):
+            wait, run, flags, prev, _ = self._order(None, False)
+            self.nvl.ctx.agree_reject(tuple(words), flags, wait, run, prev, self._start_handle)
 
     # ---- lifetime ----
     def synchronize(self) -> None:

@@ -94,7 +94,7 @@ class FakeRecords:
 def _record(C_):
     r = DeviceErrorRecord.__new__(DeviceErrorRecord)
     r.C, r.err_host, r.agree_host, r.device, r.rank = C_, 0, 0, torch.device("cpu"), 0
-    r.broken, r.broken_peer, r.masked = False, None, frozenset()
+    r.broken, r.broken_peer, r.masked, r.owed = False, None, frozenset(), []
     return r
 
 

@@ -3,7 +3,8 @@ GPU 0 in shared mode): once the low-latency buffer exists, a rank that changes h
 num_max_dispatch_tokens_per_rank of a low-latency dispatch while the others keep theirs raises ValueError in the
 call, and the others by their next look (here synchronize()), with the very text the reference backend raises; the
 Buffer's next agreeing round is bit-exact against the reference backend. A change made by every rank at once
-remakes the buffer and runs as on a fresh Buffer."""
+remakes the buffer and runs as on a fresh Buffer. A normal-mode call on some ranks met by a low-latency call on the
+others raises the reference text on every rank too, and the Buffer goes on with agreeing calls of both modes."""
 from __future__ import annotations
 
 import pytest
@@ -59,3 +60,45 @@ def _shape_worker(rank, world):
 
 def test_a_low_latency_shape_changed_on_one_rank_raises_on_every_rank():
     run_on_gpus(_shape_worker, WORLD, timeout_s=scaled(600))
+
+
+def _mode_cases(rank, me, dev):
+    """A normal-mode call on the other ranks met by a low-latency call on rank ``me``, or the other way round: the
+    kinds meet in each other's agree slots (deepcomm/cuda/mode_meet.py). (what, call(side))."""
+    odd = rank == me
+    inp = Inputs(torch.Generator().manual_seed(41 + rank), dev)
+    ll_dispatch = lambda s: s.buf.low_latency_dispatch(inp.x, inp.idx, M, E, use_fp8=False)  # noqa: E731
+    return [
+        ("fresh dispatch vs low-latency dispatch",
+         lambda s: ll_dispatch(s) if odd else s.buf.dispatch(inp.x, inp.idx, inp.w, num_experts=E)),
+        ("cached dispatch vs low-latency dispatch",
+         lambda s: ll_dispatch(s) if odd else s.buf.dispatch(inp.x, handle=s.handle, topk_weights=inp.w)),
+        ("combine vs low-latency combine",
+         lambda s: s.buf.low_latency_combine(s.ll_x, s.ll_idx, s.ll_w, s.ll_handle) if odd
+         else s.buf.combine(s.recv_x, s.handle, s.recv_w)),
+        ("low-latency dispatch vs fresh dispatch",
+         lambda s: s.buf.dispatch(inp.x, inp.idx, inp.w, num_experts=E) if odd else ll_dispatch(s)),
+        ("low-latency combine vs combine",
+         lambda s: s.buf.combine(s.recv_x, s.handle, s.recv_w) if odd
+         else s.buf.low_latency_combine(s.ll_x, s.ll_idx, s.ll_w, s.ll_handle)),
+    ]
+
+
+def _mode_worker(rank, world):
+    dev = rank_device(rank)
+    torch.cuda.set_device(dev)
+    sides = _buffers(dev)
+    me = world - 1
+    gen = torch.Generator().manual_seed(4000 + rank)
+    _agreeing_round(sides, Inputs(gen, dev), rank, "the start")
+    for what, call in _mode_cases(rank, me, dev):
+        _expect_disagreement(sides, call, rank, what)
+        # every kind of call on the same Buffer, bit-exact: both modes' call numbers are in step again
+        _agreeing_round(sides, Inputs(gen, dev), rank, what)
+        _agreeing_round(sides, Inputs(gen, dev), rank, f"{what}, a second round")
+    for s in sides:
+        s.buf.destroy()
+
+
+def test_a_normal_call_meeting_a_low_latency_call_raises_on_every_rank():
+    run_on_gpus(_mode_worker, WORLD, timeout_s=scaled(600))

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from deepcomm._ext import load_extension
+from deepcomm.cuda.mode_meet import ModeMeet
 
 C = load_extension()
 pytestmark = pytest.mark.skipif(C is None, reason="needs the extension deepcomm._C (its layouts and flags)")
@@ -95,7 +96,7 @@ def env(monkeypatch):
     arena_bytes, worst = B.arena_sizes(C, 1, 256, 1024)
     b.arena = Arena(0, arena_bytes, None)
     b.nvl = types.SimpleNamespace(ctx=FakeCtx(), layout={"arena": 4096}, broken=False,
-                                  check_error=lambda **kw: None)
+                                  check_error=lambda **kw: None, owed=[])
     b.bounce_offset = arena_bytes
     b.comm_stream = types.SimpleNamespace(cuda_stream=COMM, wait_stream=state.waited_streams.append)
     b._events = [FakeEvent(100 + i) for i in range(B.EVENT_RING)]
@@ -104,6 +105,7 @@ def env(monkeypatch):
     b._event_i, b._event, b._last_stream, b._last_end, b._last_captured = 0, None, None, 0, False
     b._releases_seen, b._bounce_pending, b._tag = 0, False, 0
     b.errors = CallErrors(b.nvl)
+    b.meet = ModeMeet(b.nvl, b.device)
     b._capacity_rows, b._out_bytes_cache, b.last_wait_us, b.bounced_calls = 256, {}, 0.0, 0
     b._wait_timeout_s = 8.5
     state.b, state.ctx = b, b.nvl.ctx

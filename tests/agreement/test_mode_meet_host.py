@@ -1,0 +1,132 @@
+"""The host side of a normal-mode call meeting a low-latency call on the CUDA backend (deepcomm/cuda/mode_meet.py),
+on the CPU: the error text is the reference backend's, each rank notes the call it owes to the other mode, reads
+its record after a switch of mode, and pays that call before its next call of that mode, in the slot its peers
+used. The kernels' side is tested on GPUs (tests/agreement/test_agreement_modes_gpu.py)."""
+import types
+
+import pytest
+import torch
+
+from deepcomm import agreement
+from deepcomm.cuda import agree_record
+from deepcomm.cuda.call_errors import CallErrors
+from deepcomm.cuda.ll_calls import LowLatencyEngine
+from deepcomm.cuda.mode_meet import ModeMeet
+
+from tests.normal.test_cuda_host_path import CALLER, _inputs, env  # noqa: F401  (env is a fixture)
+
+W = agreement.Word
+x, idx = torch.zeros(4, 256, dtype=torch.bfloat16), torch.zeros(4, 2, dtype=torch.int64)
+NORMAL = agreement.dispatch(4, 1, x, idx, None, 8, None)
+LOW = agreement.low_latency_dispatch(4, 1, x, idx, 16, 8, False, False)
+LOW_COMBINE = agreement.make(agreement.Op.LOW_LATENCY_COMBINE, 4, 1, hidden=256, x_dtype=1, topk=2, weights=True,
+                             handle=3)
+
+
+def test_the_owed_call_is_the_other_modes_peer_words():
+    rows = [list(NORMAL), list(LOW), list(NORMAL)]
+    assert agree_record.other_mode_words(rows, 0) == LOW
+    assert agree_record.other_mode_words(rows, 1) == NORMAL
+    assert agree_record.other_mode_words([list(NORMAL), list(NORMAL)], 0) is None  # same mode: nothing owed
+    later = list(LOW)
+    later[W.CALL] = 5
+    assert agree_record.other_mode_words([list(NORMAL), later], 0) is None  # another call: not a meeting
+    assert agree_record.other_mode_words([[0] * agreement.WORDS, list(LOW)], 0) is None
+    assert agree_record.other_mode_words(rows, None) is None
+
+
+class FakeRecords:
+    def __init__(self, rows):
+        self.rows = rows
+
+    def read_agree(self, _host):
+        return 1, 1, int(W.OP), 9, self.rows
+
+    def clear_agree(self, _host):
+        pass
+
+    def read_dispatch_disagreement(self, _host, _n):
+        return 2, int(W.OP), self.rows
+
+
+def test_the_message_is_the_reference_backends_and_the_owed_call_is_noted():
+    rows = [list(NORMAL), list(LOW)]
+    owed = []
+    err = agree_record.recorded_disagreement(FakeRecords(rows), 0, 0, owed=owed)
+    with pytest.raises(ValueError) as ref:
+        agreement.check(rows)
+    assert str(err) == str(ref.value)
+    assert str(err).startswith("call order: the ranks are in different calls on this Buffer (dispatch #4 on rank 0 "
+                               "vs low_latency_dispatch #4 on rank 1)")
+    assert owed == [LOW]
+    owed = []
+    err = agree_record.dispatch_disagreement(FakeRecords(rows), 0, 2, 1, owed)
+    assert str(err) == str(ref.value) and owed == [NORMAL]
+
+
+def _meet(monkeypatch, owed):
+    nvl = types.SimpleNamespace(owed=list(owed), ctx=types.SimpleNamespace(set_cross_slots=lambda *a: None))
+    syncs = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: syncs.append(device))
+    return ModeMeet(nvl, torch.device("cpu")), nvl, syncs
+
+
+class Looks:
+    def __init__(self):
+        self.looks = 0
+
+    def check(self, low_latency=False):
+        self.looks += 1
+
+
+def test_a_switch_of_mode_reads_the_record_and_hands_over_the_calls_owed_to_that_mode(monkeypatch):
+    meet, nvl, syncs = _meet(monkeypatch, [LOW, NORMAL])
+    errors = Looks()
+    assert meet.enter(False, errors) == [NORMAL]  # the first call: no switch, no wait
+    assert syncs == [] and errors.looks == 0 and nvl.owed == [LOW]
+    assert meet.enter(False, errors) == [] and syncs == []  # the same mode again: no wait
+    assert meet.enter(True, errors) == [LOW]  # a switch: wait for the device, then read the record
+    assert len(syncs) == 1 and errors.looks == 1 and nvl.owed == []
+    assert meet.enter(True, errors) == [] and len(syncs) == 1
+
+
+def test_a_new_low_latency_buffer_voids_the_low_latency_calls_owed(monkeypatch):
+    meet, nvl, _ = _meet(monkeypatch, [LOW, NORMAL])
+    meet.unlink()
+    assert nvl.owed == [NORMAL]
+
+
+class _LlCtx:
+    def __init__(self):
+        self.rejects = []
+
+    def agree_reject(self, words, kind, slot, stream, compare=False):
+        self.rejects.append((tuple(words), kind, slot))
+
+
+def test_the_low_latency_engine_pays_an_owed_call_in_the_slot_its_peers_used(monkeypatch):
+    meet, nvl, _ = _meet(monkeypatch, [LOW])
+    record = types.SimpleNamespace(check_error=lambda **kw: None, masked=frozenset())
+    b = LowLatencyEngine(None, None, 0, 2, torch.device("cpu"), record, CallErrors(record), "ipc", 4, meet=meet)
+    ll = types.SimpleNamespace(calls=3, ctx=_LlCtx(), put_peers=[])
+    b._enter(ll, 7)
+    assert ll.ctx.rejects == [(LOW, 0, 1)] and ll.calls == 4  # the dispatch slot 3 & 1; the next takes the other
+    b._note_slot(agreement.low_latency_dispatch(3, 1, x, idx, 16, 8, False, False), 0)
+    nvl.owed = [LOW_COMBINE]  # a combine of the handle of call #3 (slot 0 here)
+    b._enter(ll, 7)
+    assert ll.ctx.rejects[-1] == (LOW_COMBINE, 1, 0) and ll.calls == 4
+    nvl.owed = [NORMAL]
+    b._enter(ll, 7)
+    assert len(ll.ctx.rejects) == 2 and nvl.owed == [NORMAL]  # owed to normal mode: left for it
+
+
+def test_a_normal_call_first_pays_the_normal_call_owed_in_stream_order(env):  # noqa: F811
+    b, ctx = env.b, env.ctx
+    sent = []
+    ctx.agree_reject = lambda words, flags, wait, run, prev, start: sent.append((words, flags, wait, run, prev))
+    b.nvl.owed = [NORMAL, LOW]
+    b.dispatch(*_inputs()[:2], None, 8, None, 1)
+    assert sent == [(NORMAL, 0, CALLER, CALLER, 0)]  # before the dispatch, on its stream
+    assert b.nvl.owed == [LOW] and len(ctx.calls) == 1, "the dispatch itself still ran"
+    b.dispatch(*_inputs()[:2], None, 8, None, 1)
+    assert len(sent) == 1  # paid once
