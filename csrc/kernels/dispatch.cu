@@ -8,12 +8,17 @@
 //      so when the kernel ends all rows addressed to us have landed.
 #include <cuda_runtime.h>
 
+#include <cstdlib>
+#include <cstring>
+
 #include "../runtime/call_entry.cuh"
+#include "../runtime/smem_opt_in.hpp"
 #include "../runtime/cuda_check.hpp"
 #include "../runtime/wait.cuh"
 #include "agree.cuh"
 #include "api.hpp"
 #include "block_flags.cuh"
+#include "bulk_rows.cuh"
 
 namespace dc {
 
@@ -49,6 +54,9 @@ __device__ __forceinline__ void copy_row_to_dests(const int4* src, int64_t n16, 
   }
 }
 
+// kBulk: x rows go through shared memory by bulk copies (bulk_rows.cuh), each warp's lane 0 issuing them, with
+// kBulkStages chunks per warp in dynamic shared memory; else every lane copies 16-byte vectors (copy_row_to_dests).
+template <bool kBulk>
 __global__ void __launch_bounds__(kDispatchThreads, 1)
     dispatch_kernel(DispatchArgs a, NvlLayout layout, Peers peers, WaitCtx ctx_in) {
   uint8_t* self = peers.base[ctx_in.rank];
@@ -119,7 +127,16 @@ __global__ void __launch_bounds__(kDispatchThreads, 1)
   const int64_t n16 = a.x_row_bytes / 16, nscale = a.scale_row_bytes / 4;
   const int warps_per_block = kDispatchThreads / 32;
   const int total_warps = gridDim.x * warps_per_block;
-  for (int t = blockIdx.x * warps_per_block + (tid >> 5); t < a.num_tokens; t += total_warps) {
+  const int first_token = blockIdx.x * warps_per_block + (tid >> 5);
+  extern __shared__ __align__(128) uint8_t bulk_smem[];
+  __shared__ uint64_t bulk_bars[kBulk ? kDispatchThreads / 32 : 1][kBulkStages];
+  BulkRowPipe pipe;  // lane 0's
+  if constexpr (kBulk) {
+    if (lane == 0)
+      pipe.start(bulk_smem + (tid >> 5) * BulkChunking(a.x_row_bytes).warp_smem(), bulk_bars[tid >> 5], a.x,
+                 a.x_row_bytes, first_token, total_warps, a.num_tokens);
+  }
+  for (int t = first_token; t < a.num_tokens; t += total_warps) {
     const int my_pos = lane < R ? a.send_pos[int64_t(t) * R + lane] : -1;
     int pos[kMaxRanks];
     uint8_t* rows[kMaxRanks];
@@ -136,8 +153,17 @@ __global__ void __launch_bounds__(kDispatchThreads, 1)
       const int row = d < R ? sh.row_base[d] + pos[d] : 0;
       rows[d] = d < R ? sh.dst[d][0] + int64_t(row) * a.x_row_bytes : nullptr;
     }
-    copy_row_to_dests(reinterpret_cast<const int4*>(static_cast<const uint8_t*>(a.x) + int64_t(t) * a.x_row_bytes),
-                      n16, rows, pos, R, lane);
+    if constexpr (kBulk) {
+      if (lane == 0) {
+        uint8_t* dst[kMaxRanks];
+#pragma unroll
+        for (int d = 0; d < kMaxRanks; ++d) dst[d] = d < R && pos[d] >= 0 ? rows[d] : nullptr;
+        pipe.store_row<kMaxRanks>(dst, R);
+      }
+    } else {
+      copy_row_to_dests(reinterpret_cast<const int4*>(static_cast<const uint8_t*>(a.x) + int64_t(t) * a.x_row_bytes),
+                        n16, rows, pos, R, lane);
+    }
 #pragma unroll
     for (int d = 0; d < kMaxRanks; ++d) {
       if (d >= R || pos[d] < 0) continue;
@@ -160,6 +186,10 @@ __global__ void __launch_bounds__(kDispatchThreads, 1)
       }
       if (lane == 0) reinterpret_cast<int*>(sh.dst[d][4])[row] = t;
     }
+  }
+
+  if constexpr (kBulk) {
+    if (lane == 0) pipe.finish();  // our rows' stores performed before the block raises its done flag below
   }
 
   // A fixed-size output (num_worst_tokens, or a cached dispatch of such a handle): the rows past the ones that
@@ -209,13 +239,29 @@ __global__ void __launch_bounds__(kDispatchThreads, 1)
   for (int64_t i = tid; i < sh.capacity[rank]; i += blockDim.x) a.src_idx_copy[i] = __ldcg(src + i);
 }
 
+// Bulk copies need 16-byte aligned rows (x_row_bytes is a multiple of 16: asserted below). DEEPCOMM_DISPATCH_COPY=stores
+// keeps the vector-store copy (a diagnostic, to compare the two on a machine).
+bool dispatch_uses_bulk_copies(const DispatchArgs& args) {
+  static const bool allowed = [] {
+    const char* env = std::getenv("DEEPCOMM_DISPATCH_COPY");
+    return env == nullptr || std::strcmp(env, "stores") != 0;
+  }();
+  return allowed && reinterpret_cast<uintptr_t>(args.x) % 16 == 0;
+}
+
 void launch_dispatch(const DispatchArgs& args, int num_blocks, const NvlLayout& layout, const Peers& peers,
                      const WaitCtx& ctx, cudaStream_t stream) {
   DC_HOST_ASSERT(num_blocks >= 1 && num_blocks <= kMaxBlocks, "dispatch: num_sms out of range");
   DC_HOST_ASSERT(layout.num_ranks <= kMaxRanks, "dispatch: too many ranks for the NVLink transport");
   DC_HOST_ASSERT(args.x_row_bytes % 16 == 0 && args.scale_row_bytes % 4 == 0, "dispatch: row bytes misaligned");
   DC_HOST_ASSERT(args.topk <= 32, "dispatch: topk must be <= 32");
-  dispatch_kernel<<<num_blocks, kDispatchThreads, 0, stream>>>(args, layout, peers, ctx);
+  if (dispatch_uses_bulk_copies(args)) {
+    const int smem = kDispatchThreads / 32 * BulkChunking(args.x_row_bytes).warp_smem();
+    opt_in_dynamic_smem<dispatch_kernel<true>>(smem);
+    dispatch_kernel<true><<<num_blocks, kDispatchThreads, smem, stream>>>(args, layout, peers, ctx);
+  } else {
+    dispatch_kernel<false><<<num_blocks, kDispatchThreads, 0, stream>>>(args, layout, peers, ctx);
+  }
   DC_CUDA_CHECK(cudaGetLastError());
 }
 

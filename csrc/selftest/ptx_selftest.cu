@@ -60,6 +60,27 @@ __global__ void ptx_selftest_kernel(const uint64_t* in, PtxSelftest* out, uint64
     if (tid == 63) out->named_barrier_seen = scratch[8];
   }
   __syncthreads();
+  // a bulk copy through shared memory: src -> shared (on a barrier) -> dst's third part, in two chunks
+  __shared__ __align__(128) int4 bulk_buf[kSelftestVectors];
+  __shared__ uint64_t bulk_bar;
+  if (tid == 0) {
+    constexpr uint32_t half = kSelftestVectors / 2 * sizeof(int4);
+    ptx::mbar_init(&bulk_bar, 1);
+    ptx::fence_mbar_init();
+    for (uint32_t phase = 0; phase < 2; ++phase) {
+      ptx::mbar_expect_bytes(&bulk_bar, half);
+      ptx::bulk_load(bulk_buf + phase * kSelftestVectors / 2, src + phase * kSelftestVectors / 2, half, &bulk_bar);
+      while (!ptx::mbar_try_wait(&bulk_bar, phase)) {
+      }
+      ptx::bulk_store(dst + 2 * kSelftestVectors + phase * kSelftestVectors / 2, bulk_buf + phase * kSelftestVectors / 2,
+                      half);
+      ptx::bulk_commit();
+    }
+    ptx::bulk_wait_read<0>();
+    ptx::bulk_wait_all();
+    ptx::mbar_inval(&bulk_bar);
+  }
+  __syncthreads();
   if (tid == 0) {
     auto* cas = reinterpret_cast<uint32_t*>(scratch + 9);
     out->cas_old_first = ptx::atom_cas_acquire_sys_u32(cas, 0u, 5u);   // succeeds: 0 -> 5
@@ -86,7 +107,7 @@ PtxSelftest run_ptx_selftest(const uint64_t* values) {
   DC_CUDA_CHECK(cudaMalloc(&scratch, 16 * sizeof(uint64_t)));
   DC_CUDA_CHECK(cudaMalloc(&out, sizeof(PtxSelftest)));
   DC_CUDA_CHECK(cudaMalloc(&src, kSelftestVectors * sizeof(int4)));
-  DC_CUDA_CHECK(cudaMalloc(&dst, 2 * kSelftestVectors * sizeof(int4)));
+  DC_CUDA_CHECK(cudaMalloc(&dst, 3 * kSelftestVectors * sizeof(int4)));
   DC_CUDA_CHECK(cudaMemcpy(in, values, kSelftestValues * sizeof(uint64_t), cudaMemcpyHostToDevice));
   DC_CUDA_CHECK(cudaMemset(scratch, 0, 16 * sizeof(uint64_t)));
   DC_CUDA_CHECK(cudaMemset(out, 0, sizeof(PtxSelftest)));
@@ -100,10 +121,11 @@ PtxSelftest run_ptx_selftest(const uint64_t* values) {
   DC_CUDA_CHECK(cudaDeviceSynchronize());
   PtxSelftest result;
   DC_CUDA_CHECK(cudaMemcpy(&result, out, sizeof(result), cudaMemcpyDeviceToHost));
-  int4 host_dst[2 * kSelftestVectors];
+  int4 host_dst[3 * kSelftestVectors];
   DC_CUDA_CHECK(cudaMemcpy(host_dst, dst, sizeof(host_dst), cudaMemcpyDeviceToHost));
   result.copy_match += std::memcmp(host_dst, host_src, sizeof(host_src)) == 0 ? 0 : 1000;
   result.copy_match += std::memcmp(host_dst + kSelftestVectors, host_src, sizeof(host_src)) == 0 ? 0 : 1000;
+  result.copy_match += std::memcmp(host_dst + 2 * kSelftestVectors, host_src, sizeof(host_src)) == 0 ? 0 : 100000;
   cudaFree(in); cudaFree(scratch); cudaFree(out); cudaFree(src); cudaFree(dst);
   return result;
 }

@@ -19,7 +19,7 @@ struct PtxSelftest {
   uint32_t cas_old_first, cas_old_second, cas_final;
   uint32_t lanemask_lt[32];
   uint64_t named_barrier_seen;
-  int copy_match;  // 0 when every 16-byte copy flavour moved the bytes unchanged
+  int copy_match;  // 0 when every 16-byte copy flavour and the bulk copy moved the bytes unchanged
   int timer_advanced;
 };
 
