@@ -68,8 +68,11 @@ def test_package_layout_after_install():
         # names the shim does not have fail loudly, naming them
         with pytest.raises(ImportError, match="NoSuchThing"):
             from deep_ep import NoSuchThing  # noqa: F401
-        with pytest.raises(AttributeError, match="Buffer"):
-            deep_ep_cpp.Buffer
+        # DeepEP's runtime class is there (deep_ep.Buffer.runtime is one); deepcomm makes it inside deep_ep.Buffer
+        with pytest.raises(RuntimeError, match="deep_ep.Buffer"):
+            deep_ep_cpp.Buffer(0, 1, 0, 0, False, False, False, False)
+        with pytest.raises(AttributeError, match="nothing_there"):
+            deep_ep_cpp.nothing_there
         with pytest.raises(AttributeError, match="nothing_here"):
             deep_ep.nothing_here
     finally:
