@@ -68,8 +68,11 @@ def test_package_layout_after_install():
         # names the shim does not have fail loudly, naming them
         with pytest.raises(ImportError, match="NoSuchThing"):
             from deep_ep import NoSuchThing  # noqa: F401
-        with pytest.raises(AttributeError, match="Buffer"):
-            deep_ep_cpp.Buffer
+        # DeepEP's runtime class is there (deep_ep.Buffer.runtime is one); deepcomm makes it inside deep_ep.Buffer
+        with pytest.raises(RuntimeError, match="deep_ep.Buffer"):
+            deep_ep_cpp.Buffer(0, 1, 0, 0, False, False, False, False)
+        with pytest.raises(AttributeError, match="nothing_there"):
+            deep_ep_cpp.nothing_there
         with pytest.raises(AttributeError, match="nothing_here"):
             deep_ep.nothing_here
     finally:
@@ -482,3 +485,223 @@ def test_worst_case_padding_rows_name_no_expert():
     ids = torch.arange(12, dtype=torch.int64).view(6, 2)
     _pad_worst_ids(ids, torch.tensor(4, dtype=torch.int32))
     assert ids.tolist() == [[0, 1], [2, 3], [4, 5], [6, 7], [-1, -1], [-1, -1]]
+
+
+# ---- get_local_buffer_tensor and the runtime ---------------------------------------------------------------------
+def _local_buffer_worker(rank, world):
+    from deepcomm.compat import deep_ep
+    E, M, H = PER_RANK * world, 8, HIDDEN
+    nvl = deep_ep.Buffer.get_dispatch_config(world).get_nvl_buffer_size_hint(H * 2, world)
+    rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(M, H, world, E)
+    buf = deep_ep.Buffer(dist.group.WORLD, nvl, rdma, low_latency_mode=True, backend="reference")
+    whole = buf.get_local_buffer_tensor(torch.uint8)
+    assert whole.shape == (nvl,) and whole.dtype == torch.uint8 and whole.device == buf.buffer.device
+    floats = buf.get_local_buffer_tensor(torch.float32, offset=16)
+    assert floats.shape == ((nvl - 16) // 4,)
+    shaped = buf.get_local_buffer_tensor(torch.float32, torch.Size([3, 5]), offset=16)
+    assert shaped.shape == (3, 5)
+    shaped.copy_(torch.arange(15, dtype=torch.float32).view(3, 5) + rank)
+    # the same memory on every call: what one view wrote, a later one reads
+    again = buf.get_local_buffer_tensor(torch.float32, (15,), 16)
+    assert again.tolist() == [float(i + rank) for i in range(15)]
+    assert whole[16:20].view(torch.float32).item() == float(rank)
+    assert buf.runtime.get_local_buffer_tensor(torch.float32, 16)[:15].tolist() == again.tolist()
+    # the RDMA region is another one, num_rdma_bytes long
+    raw = buf.get_local_buffer_tensor(torch.int32, None, 0, True)
+    assert raw.numel() == rdma // 4
+    raw.fill_(1)
+    assert again.tolist() == [float(i + rank) for i in range(15)]
+    # deepcomm's kernels do not use it: a dispatch and combine leave it as it was
+    x, idx, w = _inputs(rank, world, 6)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+    recv_x, _, _, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                              num_tokens_per_expert=per_expert)
+    buf.combine(recv_x, handle)
+    assert bool((raw == 1).all()) and again.tolist() == [float(i + rank) for i in range(15)]
+    # clean_low_latency_buffer zeroes DeepEP's signalling words (num_experts ints at the start of each half)
+    buf.clean_low_latency_buffer(M, H, E)
+    assert int((raw == 0).sum()) == 2 * E and bool((raw[:E] == 0).all())
+    # offset and size are checked against the region
+    for kwargs, name in (({"offset": -4}, "offset"), ({"offset": nvl + 4}, "offset"), ({"offset": 2}, "offset"),
+                         ({"size": torch.Size([nvl])}, "size"), ({"size": 7}, "size")):
+        with pytest.raises(ValueError, match=f"^{name}"):
+            buf.get_local_buffer_tensor(torch.float32, **kwargs)
+    with pytest.raises(ValueError, match="^dtype"):
+        buf.get_local_buffer_tensor("float32")
+    with pytest.raises(ValueError, match="^size"):
+        buf.get_local_buffer_tensor(torch.int32, torch.Size([rdma // 4 + 1]), use_rdma_buffer=True)
+    assert buf.get_local_buffer_tensor(torch.int64, offset=nvl).numel() == 0
+    buf.destroy()
+    return True
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_get_local_buffer_tensor(world):
+    assert run_ranks(_local_buffer_worker, world) == [True] * world
+
+
+def _runtime_names():
+    src = open(os.path.join(PEER, "csrc", "deep_ep.cpp")).read()
+    block = src[src.index("class_<deep_ep::Buffer>"):src.index('m.def("is_sm90_compiled"')]
+    hpp = open(os.path.join(PEER, "csrc", "deep_ep.hpp")).read()
+    names = set(re.findall(r'\.def\("(\w+)"', block))
+    return sorted(names | ({"is_internode_available"} if "is_internode_available" in hpp else set()))
+
+
+def _runtime_worker(rank, world, names):
+    from deepcomm.compat import deep_ep
+    from deepcomm.compat.deep_ep import _cpp
+    E, M = PER_RANK * world, 8
+    rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(M, HIDDEN, world, E)
+    buf = deep_ep.Buffer(dist.group.WORLD, 2 ** 20, rdma, low_latency_mode=True, enable_shrink=True,
+                         backend="reference")
+    rt = buf.runtime
+    assert isinstance(rt, _cpp.Buffer)
+    answered, refused = [], []
+    for name in names:  # every name of DeepEP's runtime is there: a call, or a RuntimeError saying why not
+        try:
+            assert callable(getattr(rt, name)), name
+            answered.append(name)
+        except RuntimeError as exc:
+            assert name in str(exc) and "deep_ep.Buffer" in str(exc), exc
+            refused.append(name)
+    assert sorted(refused) == ["internode_combine", "internode_dispatch", "intranode_combine", "intranode_dispatch"]
+    assert rt.is_available() and not rt.is_internode_available()
+    assert (rt.get_num_rdma_ranks(), rt.get_rdma_rank(), rt.get_local_device_id()) == (1, 0, -1)
+    assert rt.get_root_rdma_rank(True) == rank and rt.get_root_rdma_rank(False) == 0
+    assert rt.get_comm_stream() is None  # CPU: no stream
+    # DeepEP's second construction step: already done, its arguments checked
+    assert rt.sync([rt.get_local_device_id()] * world, [None] * world, None) is None
+    with pytest.raises(ValueError, match="^device_ids"):
+        rt.sync([0] * (world + 1), [None] * world, None)
+    for name in ("get_local_ipc_handle", "get_local_nvshmem_unique_id"):
+        with pytest.raises(RuntimeError, match=f"^{name}"):
+            getattr(rt, name)()
+    # the calls with deep_ep.Buffer's arguments
+    rt.clean_low_latency_buffer(M, HIDDEN, E)
+    x, idx, w = _inputs(rank, world, 5)
+    recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+    nxt = rt.get_next_low_latency_combine_buffer(M, HIDDEN, E)
+    assert nxt is buf.get_next_low_latency_combine_buffer(handle) and nxt.shape == recv.shape
+    with pytest.raises(ValueError, match="^num_experts"):
+        rt.get_next_low_latency_combine_buffer(M, HIDDEN, E + 1)
+    status = torch.zeros(world, dtype=torch.int32)
+    rt.low_latency_query_mask_buffer(status)
+    assert status.tolist() == [0] * world
+    rt.low_latency_clean_mask_buffer()
+    # deepcomm's own API stays reachable through the runtime
+    assert rt.backend_name == "reference" and rt.world_size == world
+    with pytest.raises(AttributeError, match="no_such_call"):
+        rt.no_such_call
+    rt.destroy()
+    assert not rt.is_available()
+    with pytest.raises(RuntimeError, match="^sync"):
+        rt.sync([], [], None)
+    return True
+
+
+@pytest.mark.skipif(not os.path.isdir(PEER), reason="DeepEP V1's source is not here")
+def test_runtime_has_every_deep_ep_runtime_call():
+    names = _runtime_names()
+    assert "get_local_buffer_tensor" in names and "sync" in names
+    assert run_ranks(_runtime_worker, 2, names) == [True, True]
+
+
+# ---- automatic sizing: DeepEP's byte budget, deepcomm's buffers grown to the calls -------------------------------
+def _auto_size_worker(rank, world):
+    import deepcomm
+    from deepcomm.compat import deep_ep
+    from deepcomm.compat.deep_ep.sizes import START_HIDDEN, START_TOKENS
+    E, H = PER_RANK * world, START_HIDDEN + 512
+    cfg = deep_ep.Buffer.get_dispatch_config(world)
+    nvl = max(cfg.get_nvl_buffer_size_hint(H * 2, world),
+              deep_ep.Buffer.get_combine_config(world).get_nvl_buffer_size_hint(H * 2, world))
+    buf = deep_ep.Buffer(dist.group.WORLD, nvl, 0, backend="reference")   # what a DeepEP user passes
+    assert buf.buffer.config.max_tokens_per_rank == START_TOKENS
+    ref = deepcomm.Buffer(dist.group.WORLD, max_tokens_per_rank=1024, hidden=H, backend="reference")
+
+    def inputs(tokens, seed):
+        gen = torch.Generator().manual_seed(seed + rank)
+        idx = bf.make_topk(gen, tokens, SLOTS, E, p_empty=0.25)
+        return torch.randn(tokens, H, generator=gen).to(torch.bfloat16), idx, torch.rand(tokens, SLOTS, generator=gen)
+
+    def dispatch(x, idx, w, **kw):
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+        return buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                            num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w, **kw)
+
+    # first call: hidden over the start, token counts under it
+    x1, idx1, w1 = inputs([20, 3, 9][rank], 1)
+    first = dispatch(x1, idx1, w1)
+    assert buf.buffer.config.hidden == H
+    want1 = ref.dispatch(x1, topk_idx=idx1, topk_weights=w1, num_experts=E)
+    for got, want, name in zip(first[:3], want1[:3], ("x", "idx", "w")):
+        _equal(got, want, name)
+    # one rank alone over the tokens: every rank grows to it, the call runs
+    big = START_TOKENS * 2 + 44
+    x2, idx2, w2 = inputs([7, big, 1][rank] if world > 1 else big, 2)
+    second = dispatch(x2, idx2, w2)
+    assert buf.buffer.config.max_tokens_per_rank >= big
+    want2 = ref.dispatch(x2, topk_idx=idx2, topk_weights=w2, num_experts=E)
+    _equal(second[0], want2[0], "grown recv_x")
+    # the handle from before the growth still combines and re-dispatches (through the outgrown Buffer)
+    _equal(buf.combine(first[0], first[4])[0], ref.combine(want1[0], want1[4])[0], "old handle combine")
+    _equal(buf.dispatch(x1, handle=first[4])[0], first[0], "old handle cached dispatch")
+    _equal(buf.combine(second[0], second[4])[0], ref.combine(want2[0], want2[4])[0], "new handle combine")
+    # worst-case form (graph-capturable): sized from num_worst_tokens, the same on every rank
+    worst = world * 1024
+    padded = dispatch(x1, idx1, w1, num_worst_tokens=worst)
+    assert padded[0].shape[0] == worst and buf.buffer.config.max_tokens_per_rank >= 1024
+    n = first[0].shape[0]
+    _equal(padded[0][:n], first[0], "worst recv_x")
+    assert bool((padded[1][n:] == -1).all())
+    # a call DeepEP's buffer of num_nvl_bytes could not carry: ValueError naming it, on every rank
+    with pytest.raises(ValueError, match="^num_nvl_bytes"):
+        dispatch(x1, idx1, w1, config=deep_ep.Config(cfg.num_sms * 2, 6, 256))
+    with pytest.raises(ValueError, match="^num_nvl_bytes"):
+        buf.combine(first[0], first[4], config=deep_ep.Config(cfg.num_sms, 6, 512))
+    buf.destroy()
+
+    # low-latency only (num_nvl_bytes=0): normal mode does not fit; low-latency grows hidden, M is DeepEP's to bound
+    M = 8
+    rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(M, H, world, E)
+    ll = deep_ep.Buffer(dist.group.WORLD, 0, rdma, low_latency_mode=True, backend="reference")
+    x, idx, w = inputs(5, 3)
+    per_rank, _, per_expert, in_rank, _ = ll.get_dispatch_layout(idx, E)
+    with pytest.raises(ValueError, match="^num_nvl_bytes"):
+        ll.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+    ll.clean_low_latency_buffer(M, H, E)
+    recv, count, handle, _, _ = ll.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+    want = ref.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+    _equal(recv, want[0], "ll recv")
+    _equal(ll.low_latency_combine(recv, idx, w, handle)[0], ref.low_latency_combine(want[0], idx, w, want[2])[0],
+           "ll combine")
+    with pytest.raises(ValueError, match="^num_rdma_bytes"):
+        ll.low_latency_dispatch(x, idx, 2 * M, E, use_fp8=False)
+    with pytest.raises(ValueError, match="^num_rdma_bytes"):
+        ll.clean_low_latency_buffer(M, 2 * H, E)
+    ll.destroy()
+    ref.destroy()
+    return True
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_automatic_sizing(world):
+    assert run_ranks(_auto_size_worker, world, timeout=300) == [True] * world
+
+
+def test_byte_counts_are_aligned_as_in_deep_ep():
+    from deepcomm.compat import deep_ep
+    for kwargs, name in (({"num_nvl_bytes": 1000}, "num_nvl_bytes"), ({"num_rdma_bytes": 64}, "num_rdma_bytes")):
+        with pytest.raises(ValueError, match=f"^{name}"):
+            deep_ep.Buffer(None, **kwargs)
+
+
+def test_low_latency_token_bound_follows_the_byte_budget():
+    from deepcomm.compat.deep_ep import fit
+    from deepcomm.compat.deep_ep._cpp import low_latency_layout_bytes
+    for world, budget in ((2, 10 ** 6), (8, 10 ** 8), (3, 128)):
+        m = fit.max_low_latency_tokens(budget, world)
+        # no shape fits more tokens per rank than the smallest one (hidden 128, one expert per rank) does
+        assert low_latency_layout_bytes(m + 1, 128, world)["total"] > budget
+        assert m == 1 or low_latency_layout_bytes(m, 128, world)["total"] <= budget

@@ -42,7 +42,10 @@ def _internode(rank, world):
 def _over_the_maximum(rank, world):
     # one rank dispatches more tokens than the Buffer holds: every rank hears of it, that rank is told the keyword
     deep_ep = _deep_ep()
-    buffer = deep_ep.Buffer(dist.group.WORLD, int(1e9), 0, max_tokens_per_rank=16, **CPU)
+    # DeepEP's buffers hold both calls; deepcomm's are fixed by the keywords
+    rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(1024, 256, world, 4 * world)
+    buffer = deep_ep.Buffer(dist.group.WORLD, int(1e9), rdma, low_latency_mode=True, max_tokens_per_rank=16,
+                            num_max_low_latency_tokens=512, **CPU)
     num_tokens = 20 if rank == 0 else 4
     x = clients.torch.zeros(num_tokens, 256, dtype=clients.torch.bfloat16)
     idx = clients.torch.zeros(num_tokens, 2, dtype=clients.torch.int64)

@@ -27,7 +27,10 @@ def _compat_worker(rank, world):
     idx = torch.rand(T, E, generator=gen).topk(K, dim=1).indices.to(device)
     w = torch.rand(T, K, generator=gen).to(device)
     x = torch.randn(T, H, generator=gen).to(device=device, dtype=torch.bfloat16)
-    buf = deep_ep.Buffer(dist.group.WORLD, int(1e9), 0, max_tokens_per_rank=2048, hidden=H, backend="cuda")
+    # low-latency calls need DeepEP's low-latency buffer too (low_latency_mode and its RDMA bytes), as in DeepEP
+    rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(128, H, world, E)
+    buf = deep_ep.Buffer(dist.group.WORLD, int(1e9), rdma, low_latency_mode=True, max_tokens_per_rank=2048, hidden=H,
+                         backend="cuda")
     dc = buf.runtime
     assert dc.backend_name == "cuda"
     per_rank, _, per_expert, in_rank, event = buf.get_dispatch_layout(idx, E, async_finish=True)

@@ -1,6 +1,7 @@
-"""What DeepEP V1's compiled module ``deep_ep_cpp`` gives Python: ``Config``, ``EventHandle``, ``topk_idx_t``,
+"""What DeepEP V1's compiled module ``deep_ep_cpp`` gives Python: ``Buffer`` (the runtime class of
+``deep_ep.Buffer.runtime``, runtime.py), ``Config``, ``EventHandle``, ``topk_idx_t``,
 ``get_low_latency_rdma_size_hint`` and ``is_sm90_compiled``. ``install_deep_ep()`` registers this module as
-``deep_ep_cpp``; its ``Buffer`` (DeepEP's C++ runtime) has no counterpart here, and asking for it fails loudly."""
+``deep_ep_cpp``."""
 from __future__ import annotations
 
 from typing import Optional
@@ -8,6 +9,7 @@ from typing import Optional
 import torch
 
 from ..._ext import load_extension
+from .runtime import Runtime as Buffer
 
 topk_idx_t = torch.int64  # dtype of top-k expert ids (DeepEP's default build)
 
@@ -95,6 +97,13 @@ def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden
                         ("num_ranks", num_ranks), ("num_experts", num_experts)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             _fail(name, f"expected a positive int, got {value!r}")
+    total = low_latency_layout_bytes(num_max_dispatch_tokens_per_rank, hidden, num_experts)["total"]
+    return (total + NUM_BUFFER_ALIGNMENT_BYTES) // NUM_BUFFER_ALIGNMENT_BYTES * NUM_BUFFER_ALIGNMENT_BYTES
+
+
+def low_latency_layout_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> dict:
+    """DeepEP's LowLatencyLayout (csrc/config.hpp): ``total`` bytes of its two (odd/even) sets of send, receive and
+    signalling buffers, and ``signaling`` bytes of one signalling buffer (128-aligned; the two come first)."""
     m, e = num_max_dispatch_tokens_per_rank, num_experts
     num_scales = hidden // 128
     dispatch_msg = 16 + max(hidden * 2, hidden + num_scales * 4)
@@ -102,8 +111,7 @@ def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden
     send = max(m * dispatch_msg, e * m * combine_msg)
     recv = max(e * m * dispatch_msg, e * m * combine_msg)
     signaling = _align_up(e * 4, 128)
-    total = 2 * (send + recv + signaling)
-    return (total + NUM_BUFFER_ALIGNMENT_BYTES) // NUM_BUFFER_ALIGNMENT_BYTES * NUM_BUFFER_ALIGNMENT_BYTES
+    return {"total": 2 * (send + recv + signaling), "signaling": signaling}
 
 
 def is_sm90_compiled() -> bool:
@@ -131,8 +139,8 @@ class EventHandle:
 
 
 def __getattr__(name: str):
-    raise AttributeError(f"deep_ep_cpp (deepcomm's DeepEP shim) has no {name!r}: deepcomm provides Config, "
+    raise AttributeError(f"deep_ep_cpp (deepcomm's DeepEP shim) has no {name!r}: deepcomm provides Buffer, Config, "
                          f"EventHandle, topk_idx_t, get_low_latency_rdma_size_hint and is_sm90_compiled")
 
 
-__all__ = ["Config", "EventHandle", "get_low_latency_rdma_size_hint", "is_sm90_compiled", "topk_idx_t"]
+__all__ = ["Buffer", "Config", "EventHandle", "get_low_latency_rdma_size_hint", "is_sm90_compiled", "topk_idx_t"]

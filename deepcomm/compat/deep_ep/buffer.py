@@ -18,13 +18,14 @@ import torch.distributed as dist
 from ... import fp8 as _fp8
 from ...backends import cuda_unavailable_reason
 from ...buffer import Buffer as _DeepcommBuffer
-from ...config import DEFAULT_HIDDEN
+from . import fit as _fit
 from . import handles as _h
 from . import payload as _payload
-from ._cpp import Config, EventHandle
+from ._cpp import NUM_BUFFER_ALIGNMENT_BYTES, Config, EventHandle
 from ._cpp import get_low_latency_rdma_size_hint as _ll_size_hint
 from ._cpp import is_sm90_compiled as _is_sm90_compiled
 from .runtime import Runtime
+from .sizes import GrowingBuffer
 from .utils import EventOverlap, check_nvlink_connections
 
 Payload = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
@@ -51,17 +52,22 @@ _LIMITS = (("tokens exceed max_tokens_per_rank=", "max_tokens_per_rank"),
 
 
 def _name_size_keyword(method):
-    """DeepEP streams any token count through its ring buffers; deepcomm's buffers hold a maximum set by a
-    keyword-only extra of this constructor. A call that meets one says which (deepcomm has already told every rank
-    that the call was refused, so the error is only reworded here)."""
+    """DeepEP streams any token count through its ring buffers; deepcomm's buffers hold a maximum, set by a
+    keyword-only extra of this constructor or grown to what calls need (sizes.py). A call that meets a fixed one
+    says which keyword set it (deepcomm has already told every rank that the call was refused, so the error is
+    only reworded here)."""
     @functools.wraps(method)
-    def call(*args, **kwargs):
+    def call(self, *args, **kwargs):
         try:
-            return method(*args, **kwargs)
+            return method(self, *args, **kwargs)
         except ValueError as exc:
             text = str(exc)
             for limit, keyword in _LIMITS:
                 if limit in text:
+                    if keyword == "max_tokens_per_rank" and not self._sizes.fixed_tokens:
+                        raise ValueError(f"{text} (a dispatch with num_worst_tokens holds num_worst_tokens / "
+                                         f"num_ranks tokens per rank; make a dispatch without it first, or pass "
+                                         f"deep_ep.Buffer(..., max_tokens_per_rank=N))") from exc
                     raise ValueError(f"{text} (set by deep_ep.Buffer(..., {keyword}=N); deepcomm sizes its buffers "
                                      f"for that maximum)") from exc
             raise
@@ -84,9 +90,11 @@ def _pad_worst_ids(recv_topk_idx: torch.Tensor, num_real) -> None:
 class Buffer:
     """DeepEP V1's ``deep_ep.Buffer`` over a ``deepcomm.Buffer`` (``.buffer``; ``.runtime``: runtime.py).
 
-    Keyword-only extras size deepcomm's buffers (DeepEP sizes from ``num_nvl_bytes`` / ``num_rdma_bytes``, which
-    are recorded here): ``max_tokens_per_rank`` and ``hidden`` for normal mode, ``num_max_low_latency_tokens``
-    for low-latency mode; ``backend``, ``timeout_s`` and ``gpus_per_node`` go to ``deepcomm.Buffer``."""
+    A call runs when it fits DeepEP's buffers of ``num_nvl_bytes`` / ``num_rdma_bytes`` (else ValueError naming
+    them, fit.py); deepcomm's buffers are sized apart, growing to what calls need (sizes.py). Keyword-only extras
+    fix deepcomm's sizes instead: ``max_tokens_per_rank`` and ``hidden`` (normal mode, and hidden in low-latency
+    mode), ``num_max_low_latency_tokens`` (default: the most that ``num_rdma_bytes`` can hold); ``backend``,
+    ``timeout_s`` and ``gpus_per_node`` go to ``deepcomm.Buffer``."""
 
     num_sms: int = 20
 
@@ -102,13 +110,16 @@ class Buffer:
                  explicitly_destroy: bool = False,
                  enable_shrink: bool = False,
                  comm: Optional["mpi4py.MPI.Comm"] = None,  # noqa: F821
-                 *, max_tokens_per_rank: int = 4096, hidden: Optional[int] = None,
-                 num_max_low_latency_tokens: int = 512, backend: str = "auto", timeout_s: Optional[float] = None,
-                 gpus_per_node: Optional[int] = None) -> None:
+                 *, max_tokens_per_rank: Optional[int] = None, hidden: Optional[int] = None,
+                 num_max_low_latency_tokens: Optional[int] = None, backend: str = "auto",
+                 timeout_s: Optional[float] = None, gpus_per_node: Optional[int] = None) -> None:
         for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes),
                             ("num_qps_per_rank", num_qps_per_rank)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 _fail(name, f"expected a non-negative int, got {value!r}")
+        for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
+            if value % NUM_BUFFER_ALIGNMENT_BYTES:
+                _fail(name, f"expected a multiple of {NUM_BUFFER_ALIGNMENT_BYTES} (as DeepEP), got {value}")
         for name, value in (("low_latency_mode", low_latency_mode),
                             ("allow_nvlink_for_low_latency_mode", allow_nvlink_for_low_latency_mode),
                             ("allow_mnnvl", allow_mnnvl), ("use_fabric", use_fabric),
@@ -123,12 +134,18 @@ class Buffer:
                                                       "NVLink; it cannot be told not to")
         group = self._group_from(group, comm)
         check_nvlink_connections(group)
-        self._dc = _DeepcommBuffer(group, max_tokens_per_rank=max_tokens_per_rank,
-                                       hidden=DEFAULT_HIDDEN if hidden is None else hidden,
-                                       backend=_deep_ep_backend(backend),
-                                       num_max_low_latency_tokens=num_max_low_latency_tokens, timeout_s=timeout_s,
-                                       gpus_per_node=gpus_per_node)
-        self.runtime = Runtime(self._dc, self.get_comm_stream)  # DeepEP's runtime queries, else deepcomm's Buffer
+        if num_max_low_latency_tokens is None:
+            # deepcomm sizes each low-latency buffer by its call's shape: the only limit left is DeepEP's own
+            num_max_low_latency_tokens = _fit.max_low_latency_tokens(num_rdma_bytes, dist.get_world_size(group))
+
+        def make(tokens: int, hidden_size: int, num_sms: Optional[int]) -> _DeepcommBuffer:
+            return _DeepcommBuffer(group, max_tokens_per_rank=tokens, hidden=hidden_size, num_sms=num_sms,
+                                   backend=_deep_ep_backend(backend),
+                                   num_max_low_latency_tokens=num_max_low_latency_tokens, timeout_s=timeout_s,
+                                   gpus_per_node=gpus_per_node)
+        self._sizes = GrowingBuffer(make, max_tokens_per_rank, hidden)
+        self._scratch = {}  # get_local_buffer_tensor's regions: use_rdma_buffer -> uint8 tensor
+        self.runtime = Runtime._over(self)  # DeepEP's runtime queries, else deepcomm's Buffer
         self.group = self._dc.group
         self.rank = self._dc.rank
         self.group_size = self._dc.world_size
@@ -163,12 +180,21 @@ class Buffer:
 
     @property
     def buffer(self) -> _DeepcommBuffer:
-        """The underlying ``deepcomm.Buffer``."""
-        return self._dc
+        """The ``deepcomm.Buffer`` new calls run on (a larger one replaces it when a call needs more: sizes.py)."""
+        return self._sizes.current
+
+    @property
+    def _dc(self) -> _DeepcommBuffer:
+        return self._sizes.current
+
+    def _owner(self, dc_handle) -> _DeepcommBuffer:
+        """The deepcomm.Buffer whose dispatch made ``dc_handle`` (its combine and cached dispatch run there)."""
+        return self._sizes.owner(getattr(dc_handle, "buffer_id", None))
 
     def destroy(self):
         """Release the resources (also allowed without ``explicitly_destroy``; the destructor does it otherwise)."""
-        self._dc.destroy()
+        self._sizes.destroy()
+        self._scratch.clear()
 
     # ---- static helpers ----
     @staticmethod
@@ -222,13 +248,48 @@ class Buffer:
 
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0,
                                 use_rdma_buffer: bool = False) -> torch.Tensor:
-        raise NotImplementedError("deep_ep.Buffer.get_local_buffer_tensor: deepcomm does not expose its raw "
-                                  "communication buffers")
+        """A ``dtype`` view of this rank's ``num_nvl_bytes`` region (``num_rdma_bytes`` with ``use_rdma_buffer``),
+        from byte ``offset``: all of the rest, or the first ``size`` elements shaped ``size``. The region is this
+        Buffer's own memory, allocated at the first call and the same on every call (what is written is read back
+        later; ``clean_low_latency_buffer`` zeroes DeepEP's signalling words in it, as DeepEP does), but it is not
+        the memory deepcomm's kernels communicate through: dispatch and combine neither read nor overwrite it."""
+        if not isinstance(use_rdma_buffer, bool):
+            _fail("use_rdma_buffer", f"expected a bool, got {type(use_rdma_buffer).__name__}")
+        region = self._local_region(use_rdma_buffer)
+        if not isinstance(dtype, torch.dtype):
+            _fail("dtype", f"expected a torch.dtype, got {type(dtype).__name__}")
+        element = torch.empty((), dtype=dtype).element_size()
+        name = "num_rdma_bytes" if use_rdma_buffer else "num_nvl_bytes"
+        if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset <= region.numel():
+            _fail("offset", f"expected a byte offset in [0, {name}={region.numel()}], got {offset!r}")
+        if offset % element:
+            _fail("offset", f"expected a multiple of the {dtype} element size ({element} bytes), got {offset}")
+        count = (region.numel() - offset) // element
+        tensor = region[offset:offset + count * element].view(dtype)
+        if size is None:
+            return tensor
+        if isinstance(size, int) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                            for d in size):
+            _fail("size", f"expected a torch.Size (or a sequence of non-negative ints), got {size!r}")
+        size = torch.Size(size)
+        if size.numel() > count:
+            _fail("size", f"{tuple(size)} is {size.numel()} elements of {dtype}; {name}={region.numel()} holds "
+                          f"{count} from offset {offset}")
+        return tensor[:size.numel()].view(size)
 
-    def _before(self, previous_event: Optional[EventOverlap], config: Optional[Config], async_finish: bool,
-                allocate_on_comm_stream: bool):
-        """Checks the stream arguments, applies the config's num_sms; returns the ``torch.cuda.Event`` of
-        ``previous_event`` (or None)."""
+    def _local_region(self, use_rdma_buffer: bool) -> torch.Tensor:
+        """The uint8 tensor behind get_local_buffer_tensor (``num_rdma_bytes`` or ``num_nvl_bytes`` long)."""
+        region = self._scratch.get(use_rdma_buffer)
+        if region is None:
+            num_bytes = self.num_rdma_bytes if use_rdma_buffer else self.num_nvl_bytes
+            region = torch.empty(num_bytes, dtype=torch.uint8, device=self._dc.device)
+            self._scratch[use_rdma_buffer] = region
+        return region
+
+    def _before(self, dc: _DeepcommBuffer, previous_event: Optional[EventOverlap], config: Optional[Config],
+                async_finish: bool, allocate_on_comm_stream: bool):
+        """Checks the stream arguments, applies the config's num_sms to ``dc``; returns the ``torch.cuda.Event``
+        of ``previous_event`` (or None)."""
         if not isinstance(config, Config):
             _fail("config", f"expected a deep_ep Config, got {type(config).__name__}")
         if config.num_sms < 2 or config.num_sms % 2:
@@ -237,20 +298,21 @@ class Buffer:
             _fail("async_finish", f"expected a bool, got {type(async_finish).__name__}")
         if allocate_on_comm_stream and (previous_event is None or not async_finish):
             _fail("allocate_on_comm_stream", "needs previous_event and async_finish=True (as in DeepEP)")
-        if config.num_sms != self._dc.num_sms:
-            self._dc.set_num_sms(config.num_sms)
+        if config.num_sms != dc.num_sms:
+            dc.set_num_sms(config.num_sms)
         if previous_event is None:
             return None
         if not isinstance(previous_event, EventOverlap):
             _fail("previous_event", f"expected an EventOverlap, got {type(previous_event).__name__}")
         return None if previous_event.event is None else previous_event.event.cuda_event
 
-    def _comm_stream_if(self, async_finish: bool):
-        """The stream on which results of a normal-mode call are ready: the communication stream when the caller
-        does not wait for it (``async_finish``), else the current stream; None on the CPU."""
-        if self._dc.device.type != "cuda":
+    @staticmethod
+    def _comm_stream_if(dc: _DeepcommBuffer, async_finish: bool):
+        """The stream on which results of a normal-mode call on ``dc`` are ready: its communication stream when
+        the caller does not wait for it (``async_finish``), else the current stream; None on the CPU."""
+        if dc.device.type != "cuda":
             return None
-        comm = getattr(getattr(self._dc, "_backend", None), "comm_stream", None)
+        comm = getattr(getattr(dc, "_backend", None), "comm_stream", None)
         return comm if async_finish and comm is not None else None
 
     def _event(self, async_finish: bool, extra=None, stream=None) -> EventOverlap:
@@ -359,21 +421,39 @@ class Buffer:
         if t.device != self._dc.device:
             _fail(name, f"expected a tensor on {self._dc.device}, got one on {t.device}")
 
+    def _fits(self, config, x, num_experts: int, num_topk: int, combine: bool = False) -> None:
+        """ValueError naming num_nvl_bytes / num_rdma_bytes when DeepEP's buffers could not carry this call (fit.py);
+        a malformed ``x`` is left for deepcomm to name."""
+        values = x[0] if isinstance(x, tuple) and len(x) == 2 else x
+        if not isinstance(values, torch.Tensor) or values.dim() != 2:
+            return
+        scales = x[1] if isinstance(x, tuple) and isinstance(x[1], torch.Tensor) and x[1].dim() == 2 else None
+        if combine:
+            _fit.check_combine(config, self.group_size, values.shape[1], values.element_size(), num_topk,
+                               self.num_nvl_bytes, self.num_rdma_bytes)
+        else:
+            _fit.check_dispatch(config, self.group_size, num_experts, values.shape[1], values.element_size(),
+                                num_topk, 0 if scales is None else scales.shape[1], self.num_nvl_bytes,
+                                self.num_rdma_bytes)
+
     @_name_size_keyword
     def _dispatch(self, kind, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                   topk_weights, expert_alignment, num_worst_tokens, config, previous_event, async_finish,
                   allocate_on_comm_stream):
-        prev = self._before(previous_event, config, async_finish, allocate_on_comm_stream)
-        stream_args = dict(previous_event=prev, async_finish=async_finish)
-        x, recv_as_given = _payload.adapt(x)  # FP8 scales of any layout DeepEP takes
         if handle is not None:
             if topk_idx is not None or topk_weights is not None:
                 _fail("topk_idx" if topk_idx is not None else "topk_weights",
                       "must be None when a handle is given (cached dispatch), as in DeepEP")
             dc = _h.resolve(handle, kind, self._handles)
-            recv_x = self._dc.dispatch(x, handle=dc, expert_alignment=expert_alignment, **stream_args)[0]
-            event = self._event(async_finish, stream=self._comm_stream_if(async_finish))
+            owner = self._owner(dc)
+            prev = self._before(owner, previous_event, config, async_finish, allocate_on_comm_stream)
+            self._fits(config, x, 0, 0)
+            x, recv_as_given = _payload.adapt(x)  # FP8 scales of any layout DeepEP takes
+            recv_x = owner.dispatch(x, handle=dc, expert_alignment=expert_alignment, previous_event=prev,
+                                    async_finish=async_finish)[0]
+            event = self._event(async_finish, stream=self._comm_stream_if(owner, async_finish))
             return recv_as_given(recv_x), None, None, None, None, event
+        prev = self._before(self._dc, previous_event, config, async_finish, allocate_on_comm_stream)
         for name, value in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
                             ("num_tokens_per_expert", num_tokens_per_expert)):
             if value is None:
@@ -382,21 +462,37 @@ class Buffer:
         if not isinstance(num_tokens_per_expert, torch.Tensor) or num_tokens_per_expert.dim() != 1:
             _fail("num_tokens_per_expert", "expected a 1-D int32 tensor [num_experts]")
         num_experts = num_tokens_per_expert.numel()
+        num_topk = topk_idx.shape[1] if isinstance(topk_idx, torch.Tensor) and topk_idx.dim() == 2 else 0
+        self._fits(config, x, num_experts, num_topk)
+        x, recv_as_given = _payload.adapt(x)
+        values = x[0] if isinstance(x, tuple) else x
+        tokens, hidden = (values.shape[0], values.shape[1]) if isinstance(values, torch.Tensor) \
+            and values.dim() == 2 else (0, 0)
+        if num_worst_tokens and isinstance(num_worst_tokens, int):
+            # graph-capturable form: sized from num_worst_tokens, the same on every rank (sizes.py)
+            self._sizes.grow_for(-(-num_worst_tokens // self.group_size), hidden, "num_worst_tokens")
         if topk_idx is not None:
             # The route of topk_idx: the same as is_token_in_rank's when that is get_dispatch_layout's.
             self._check_int_tensor("num_tokens_per_expert", num_tokens_per_expert, (num_experts,))
-            out = self._dc.dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts,
-                                        expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
-                                        **stream_args)
+            route = dict(topk_idx=topk_idx)
         else:
-            out = self._dc.dispatch(x, topk_weights=topk_weights, num_experts=num_experts,
-                                        is_token_in_rank=is_token_in_rank,
-                                        num_tokens_per_expert=num_tokens_per_expert,
-                                        expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
-                                        **stream_args)
+            route = dict(is_token_in_rank=is_token_in_rank, num_tokens_per_expert=num_tokens_per_expert)
+        while True:
+            dc_buffer = self._dc
+            try:
+                out = dc_buffer.dispatch(x, topk_weights=topk_weights, num_experts=num_experts,
+                                         expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
+                                         previous_event=prev, async_finish=async_finish, **route)
+            except ValueError:
+                # refused on every rank (deepcomm's contract); grown, every rank runs it again (sizes.py)
+                if num_worst_tokens or (self._sizes.fixed_tokens and self._sizes.fixed_hidden) \
+                        or not self._sizes.regrow_after_refusal(tokens, hidden):
+                    raise
+                continue
+            break
         recv_x, recv_idx, recv_w, counts, dc = out
         counts = [] if num_worst_tokens else [int(c) for c in counts]  # DeepEP: no list in the worst-case form
-        stream = self._comm_stream_if(async_finish)
+        stream = self._comm_stream_if(dc_buffer, async_finish)
         with self._derived(stream):
             if num_worst_tokens and recv_idx is not None:
                 _pad_worst_ids(recv_idx, dc.count_matrix[:, self.rank].sum())
@@ -405,7 +501,7 @@ class Buffer:
             else:
                 items = _h.internode(dc, config.num_sms // 2, self.rank, self._gpus_per_node)
         if stream is not None:
-            caller = torch.cuda.current_stream(self._dc.device)
+            caller = torch.cuda.current_stream(dc_buffer.device)
             for t in items:
                 if isinstance(t, torch.Tensor):
                     t.record_stream(caller)
@@ -415,12 +511,15 @@ class Buffer:
 
     def _combine(self, kind, x, handle, topk_weights, bias, config, previous_event, async_finish,
                  allocate_on_comm_stream):
-        prev = self._before(previous_event, config, async_finish, allocate_on_comm_stream)
         dc = _h.resolve(handle, kind, self._handles)
+        owner = self._owner(dc)
+        prev = self._before(owner, previous_event, config, async_finish, allocate_on_comm_stream)
+        num_topk = topk_weights.shape[1] if isinstance(topk_weights, torch.Tensor) and topk_weights.dim() == 2 else 0
+        self._fits(config, x, 0, num_topk, combine=True)
         bias_0, bias_1 = Buffer._unpack_bias(bias)
         with_bias = bias_0 is not None or bias_1 is not None
-        combined_x, combined_w = self._dc.combine(x, dc, topk_weights=topk_weights, previous_event=prev,
-                                                      async_finish=async_finish and not with_bias)
+        combined_x, combined_w = owner.combine(x, dc, topk_weights=topk_weights, previous_event=prev,
+                                               async_finish=async_finish and not with_bias)
         if with_bias:
             acc = combined_x.float()
             for name, b in (("bias[0]" if isinstance(bias, tuple) else "bias", bias_0), ("bias[1]", bias_1)):
@@ -433,14 +532,31 @@ class Buffer:
                 acc = acc + b.float()
             combined_x = acc.to(combined_x.dtype)  # on the current stream, after the combine
             return combined_x, combined_w, self._event(async_finish)
-        return combined_x, combined_w, self._event(async_finish, stream=self._comm_stream_if(async_finish))
+        return combined_x, combined_w, self._event(async_finish, stream=self._comm_stream_if(owner, async_finish))
 
     # ---- low-latency mode ----
+    def _low_latency_shape(self, num_max_dispatch_tokens_per_rank, hidden, num_experts) -> None:
+        """What every low-latency call checks: the mode, DeepEP's layout within num_rdma_bytes, and deepcomm's
+        hidden (grown if it was not fixed: the same on every rank, sizes.py)."""
+        if not self.low_latency_mode:
+            _fail("low_latency_mode", "low-latency calls need Buffer(..., low_latency_mode=True), as in DeepEP")
+        if isinstance(num_max_dispatch_tokens_per_rank, int) and isinstance(hidden, int) \
+                and isinstance(num_experts, int) and min(num_max_dispatch_tokens_per_rank, hidden, num_experts) > 0:
+            _fit.check_low_latency(num_max_dispatch_tokens_per_rank, hidden, num_experts, self.num_rdma_bytes)
+            self._sizes.grow_for(1, hidden, "x")
+
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        """Nothing to clean: deepcomm's low-latency buffer needs no zeroing between normal and low-latency calls."""
+        """deepcomm's low-latency buffers need no zeroing between normal and low-latency calls; this checks the
+        shape as DeepEP does and zeroes DeepEP's signalling words in get_local_buffer_tensor's RDMA region."""
         for name, value in (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
                             ("hidden", hidden), ("num_experts", num_experts)):
             _check_count(name, value)
+        self._low_latency_shape(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        region = self._scratch.get(True)
+        if region is not None:  # DeepEP zeroes both signalling buffers: num_experts ints at the start of each
+            signaling = _fit.low_latency_layout_bytes(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+            for start in (0, signaling["signaling"]):
+                region[start:start + num_experts * 4].zero_()
 
     @_name_size_keyword
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
@@ -462,6 +578,8 @@ class Buffer:
         stats = cumulative_local_expert_recv_stats
         if stats is not None:
             self._check_int_tensor("cumulative_local_expert_recv_stats", stats, (L,))
+        if isinstance(x, torch.Tensor) and x.dim() == 2:
+            self._low_latency_shape(num_max_dispatch_tokens_per_rank, x.shape[1], num_experts)
         recv_x, recv_count, dc, hook = self._dc.low_latency_dispatch(
             x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8=use_fp8,
             use_ue8m0=bool(use_fp8 and round_scale), return_recv_hook=return_recv_hook)
@@ -515,8 +633,8 @@ class Buffer:
         dc = _h.resolve(handle, "low_latency", self._handles)
         if zero_copy:
             x = self._written_combine_buffer(x, dc)
-        combined, hook = self._dc.low_latency_combine(x, topk_idx, topk_weights, dc,
-                                                          return_recv_hook=return_recv_hook)
+        combined, hook = self._owner(dc).low_latency_combine(x, topk_idx, topk_weights, dc,
+                                                             return_recv_hook=return_recv_hook)
         if out is not None and (not isinstance(out, torch.Tensor) or out.shape != combined.shape
                                 or out.dtype != combined.dtype or out.device != combined.device):
             _fail("out", f"expected a {combined.dtype} tensor of shape {tuple(combined.shape)} on {combined.device}")
@@ -529,6 +647,12 @@ class Buffer:
 
     def _combine_buffer_shape(self, dc) -> tuple:
         return (dc.num_experts // self.group_size, self.group_size * dc.num_max_dispatch_tokens_per_rank, dc.hidden)
+
+    def _combine_buffer(self, shape: tuple) -> torch.Tensor:
+        """The bf16 tensor of get_next_low_latency_combine_buffer for ``shape`` (one per shape, reused)."""
+        if shape not in self._combine_buffers:
+            self._combine_buffers[shape] = torch.empty(shape, dtype=torch.bfloat16, device=self._dc.device)
+        return self._combine_buffers[shape]
 
     def _written_combine_buffer(self, x, dc) -> torch.Tensor:
         """The combine buffer of ``dc``'s shape, for a zero-copy combine (``x`` is checked for its shape only)."""
@@ -545,11 +669,7 @@ class Buffer:
     def get_next_low_latency_combine_buffer(self, handle: object):
         """A bf16 ``[L, R*M, H]`` tensor to write expert outputs into; ``low_latency_combine(..., zero_copy=True)``
         then reads them from it (one per shape, reused by later calls; passing it as ``x`` works too)."""
-        dc = _h.resolve(handle, "low_latency", self._handles)
-        shape = self._combine_buffer_shape(dc)
-        if shape not in self._combine_buffers:
-            self._combine_buffers[shape] = torch.empty(shape, dtype=torch.bfloat16, device=self._dc.device)
-        return self._combine_buffers[shape]
+        return self._combine_buffer(self._combine_buffer_shape(_h.resolve(handle, "low_latency", self._handles)))
 
     # ---- shrink mode: deepcomm's Buffer.mask_ranks / unmask_ranks ----
     def _check_shrink(self) -> None:
@@ -567,7 +687,8 @@ class Buffer:
         if rank_to_mask == self.rank:
             _fail("rank_to_mask", f"cannot mask this rank ({self.rank}) itself")
         if mask:
-            self._dc.mask_ranks([rank_to_mask])
+            for dc in self._sizes.all():
+                dc.mask_ranks([rank_to_mask])
         elif rank_to_mask in self._dc.masked_ranks:
             _fail("mask", "deepcomm cannot unmask one rank; low_latency_clean_mask_buffer() unmasks every rank "
                           "(collective)")
@@ -583,7 +704,8 @@ class Buffer:
     def low_latency_clean_mask_buffer(self):
         """Unmask every rank (``Buffer.unmask_ranks``): collective, every rank of the group calls it."""
         self._check_shrink()
-        self._dc.unmask_ranks()
+        for dc in self._sizes.all():
+            dc.unmask_ranks()
 
     def __repr__(self) -> str:
         return f"deep_ep.Buffer(compat over {self._dc!r})"
