@@ -79,14 +79,6 @@ def _check_count(name: str, value) -> None:
         _fail(name, f"expected a positive int, got {value!r}")
 
 
-
-def _pad_worst_ids(recv_topk_idx: torch.Tensor, num_real) -> None:
-    """DeepEP's worst-case dispatch marks the padding rows' experts -1; deepcomm leaves rows past the ``num_real``
-    received ones undefined. Set them on the device (no host sync: ``num_real`` is a device scalar)."""
-    rows = torch.arange(recv_topk_idx.shape[0], device=recv_topk_idx.device)
-    recv_topk_idx.masked_fill_((rows >= num_real).unsqueeze(1), -1)
-
-
 class Buffer:
     """DeepEP V1's ``deep_ep.Buffer`` over a ``deepcomm.Buffer`` (``.buffer``; ``.runtime``: runtime.py).
 
@@ -494,8 +486,6 @@ class Buffer:
         counts = [] if num_worst_tokens else [int(c) for c in counts]  # DeepEP: no list in the worst-case form
         stream = self._comm_stream_if(dc_buffer, async_finish)
         with self._derived(stream):
-            if num_worst_tokens and recv_idx is not None:
-                _pad_worst_ids(recv_idx, dc.count_matrix[:, self.rank].sum())
             if kind == "intranode":
                 items = _h.intranode(dc, config.num_sms // 2)
             else:
