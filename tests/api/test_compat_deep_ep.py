@@ -478,15 +478,6 @@ def test_internode_handle_posed_nodes():
     assert run_ranks(_internode_worker, 2) == [True, True]
 
 
-def test_worst_case_padding_rows_name_no_expert():
-    """DeepEP's worst-case dispatch gives the padding rows expert -1 (the CUDA backend leaves them undefined, so
-    the drop-in sets them from the device count, without a host sync)."""
-    from deepcomm.compat.deep_ep.buffer import _pad_worst_ids
-    ids = torch.arange(12, dtype=torch.int64).view(6, 2)
-    _pad_worst_ids(ids, torch.tensor(4, dtype=torch.int32))
-    assert ids.tolist() == [[0, 1], [2, 3], [4, 5], [6, 7], [-1, -1], [-1, -1]]
-
-
 # ---- get_local_buffer_tensor and the runtime ---------------------------------------------------------------------
 def _local_buffer_worker(rank, world):
     from deepcomm.compat import deep_ep
