@@ -43,10 +43,11 @@ def unpack_rows(out: torch.Tensor, parts: Sequence[torch.Tensor], row_bytes: Seq
 def dispatch_outputs(received: List[torch.Tensor], num_x_parts: int, is_pair: bool, has_weights: bool,
                      handle: Optional[Handle], rank: int, world: int, num_experts: int, num_tokens: int, hidden: int,
                      is_token_in_rank: torch.Tensor, send_pos: torch.Tensor, count_matrix: torch.Tensor,
-                     expert_alignment: int):
+                     expert_alignment: int, per_expert: Optional[List[int]] = None):
     """The dispatch result from the received rows (ordered by source rank, then token), one tensor per part as
     sent: x (or its FP8 values and scales), then, without a handle, the global top-k ids and the source token
-    index, then the weights if any. """
+    index, then the weights if any. ``per_expert``: the rows per local expert, aligned, when the caller already
+    knows them (from the counts it exchanged); else they are counted from the received ids (a host sync)."""
     recv_x = tuple(received[:num_x_parts]) if is_pair else received[0]
     recv_topk_weights = received[-1] if has_weights else None
     if handle is not None:
@@ -59,7 +60,8 @@ def dispatch_outputs(received: List[torch.Tensor], num_x_parts: int, is_pair: bo
     if recv_topk_weights is not None:
         recv_topk_weights = torch.where(recv_topk_idx >= 0, recv_topk_weights,
                                         torch.zeros_like(recv_topk_weights))
-    per_expert = layout.count_rows_per_local_expert(recv_topk_idx, experts_per_rank, expert_alignment)
+    if per_expert is None:
+        per_expert = layout.count_rows_per_local_expert(recv_topk_idx, experts_per_rank, expert_alignment)
     new_handle = Handle(buffer_id=-1, num_experts=num_experts, num_tokens=num_tokens, hidden=hidden,
                         num_recv=recv_src_idx.shape[0], is_token_in_rank=is_token_in_rank, send_pos=send_pos,
                         count_matrix=count_matrix, recv_src_idx=recv_src_idx,
@@ -85,7 +87,11 @@ def pad_to_worst(out, num_worst_tokens: int, cached: bool):
         return torch.cat([t, t.new_full((num_worst_tokens - n, *t.shape[1:]), value)])
 
     recv_x = tuple(pad(t, 0) for t in recv_x) if isinstance(recv_x, tuple) else pad(recv_x, 0)
-    per_expert_t = torch.tensor([int(c) for c in per_expert], dtype=torch.int32, device=handle.count_matrix.device)
+    per_expert_t = torch.tensor([int(c) for c in per_expert], dtype=torch.int32)
+    if handle.count_matrix.device.type == "cuda":  # through pinned memory: a pageable copy would sync the stream
+        per_expert_t = per_expert_t.pin_memory().to(handle.count_matrix.device, non_blocking=True)
+    else:
+        per_expert_t = per_expert_t.to(handle.count_matrix.device)
     if not cached:
         handle = dataclasses.replace(handle, num_recv=num_worst_tokens, recv_src_idx=pad(handle.recv_src_idx, -1),
                                      num_recv_tokens_per_expert=per_expert_t)

@@ -12,8 +12,10 @@ That is the "emulated" transport of the RDMA hop (NicTransport, nic_transport.py
 carries the same rounds, between the same rail ranks, as NVSHMEM puts with signals instead (nvshmem_transport.py);
 the routing and the NVLink hop are the same either way.
 
-Still simple rather than fast (docs/internode.md): each exchange is one kernel launch followed by a host sync that
-reads the error record, and rows are packed, forwarded and unpacked by torch copies.
+On the kernels (hier_kernels.py) a fresh dispatch waits on the host once, for the counts; a cached dispatch and a
+combine not at all: their bounded waits report to the error records, read at the next call and in synchronize().
+Rows are still packed before the launch and copied out after it by torch (docs/internode.md). The torch routing
+(hier_normal.py, the "nvshmem-host" transport) syncs after every exchange round and NVLink stage.
 
 Low-latency mode takes another road on these topologies (internode_ll.py): the low-latency kernels over every rank,
 NVSHMEM puts to the peers NVLink cannot map.
@@ -56,7 +58,12 @@ class InternodeBackend:
     capabilities = Capabilities(x_dtypes=(torch.bfloat16,), takes_fingerprints=False,
                                 checks_expert_ids_on_device=False,
                                 checks_low_latency_ids_on_device=LowLatencyEngine.checks_ids_on_device)
-    event = None  # every normal-mode exchange has finished when the call returns
+
+    @property
+    def event(self):
+        """The end of the last normal-mode call on the kernels (they return before it finished), else None: the
+        torch routing's calls have finished when they return."""
+        return self.kernels.event if self.kernels is not None else None
 
     def reject(self, fingerprint, handle=None) -> None:
         """This rank's own validation rejected its call: take part in the call's first exchange with
@@ -71,6 +78,8 @@ class InternodeBackend:
             return
         try:
             self.ll.record.check_error(low_latency=False, leave_input=True)
+            self.transport.check_error()  # an earlier launch's timeout, not read yet (the kernels do not wait)
+            self.link.check_error()
         except (RuntimeError, ValueError):
             return
         with torch.cuda.device(self.device):
@@ -144,8 +153,8 @@ class InternodeBackend:
         input error of a low-latency call stays recorded for that mode."""
         self.ll.record.check_error(low_latency=False, leave_input=True)
 
-    # previous_event / async_finish: every exchange synchronizes before it returns, so there is
-    # nothing to overlap; accepted so code runs unchanged on every backend.
+    # previous_event / async_finish: accepted so code runs unchanged on every backend. The kernels run on the
+    # caller's stream (no host wait but a fresh dispatch's count wait); the torch routing synchronizes.
     def dispatch(self, x, topk_idx, topk_weights, num_experts, handle, expert_alignment, num_worst_tokens=0,
                  previous_event=None, async_finish=False, fingerprint=None):
         self._normal_mode_check()
@@ -158,6 +167,7 @@ class InternodeBackend:
                 num_worst_tokens = handle.num_recv
             with torch.cuda.device(self.device):
                 if self.kernels is not None:
+                    self.kernels.check_deferred()
                     out = hier_kernels.dispatch(self.kernels, x, topk_idx, topk_weights, num_experts, handle,
                                                 expert_alignment, fingerprint)
                 else:
@@ -177,6 +187,7 @@ class InternodeBackend:
                 self._check_topk(topk_weights.shape[1])
             with torch.cuda.device(self.device):
                 if self.kernels is not None:
+                    self.kernels.check_deferred()
                     return hier_kernels.combine(self.kernels, x, handle, topk_weights, use_fp8, fingerprint)
                 return hier_normal.combine(self.comm, x, handle, topk_weights, use_fp8, fingerprint)
         except ValueError as e:
@@ -222,6 +233,8 @@ class InternodeBackend:
         self.transport.check_error()
         self.link.check_error()
         self.ll.synchronize()
+        if self.kernels is not None:  # a cached dispatch's or a combine's disagreement (deferred_agree.py)
+            self.kernels.synchronize()
 
     def destroy(self) -> None:
         try:

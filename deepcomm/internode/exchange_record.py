@@ -52,11 +52,11 @@ class RecordedWaits:
 
     def check_error(self) -> None:
         """Raise CommTimeoutError (rank, peer, stage, step) when one of our waits timed out; the owner then refuses
-        further work."""
+        further work. No host sync: a look while kernels still run sees only the timeouts recorded so far."""
         if not self.err_host:
             return
         flag, rank, peer, stage, seq, waited_ns = self.C.read_error(self.err_host)
-        if flag:
+        if flag == 1:  # 2: a waiter is still writing the record (looked at before a sync): the next look sees it
             self.broken = True
             raise CommTimeoutError(rank, None if peer < 0 else peer, stage_text(self.C, stage),
                                    f"{self._what(seq)}, waited {waited_ns / 1e9:.3f} s")

@@ -72,16 +72,18 @@ class HierComm:
 
     # ---- RDMA hop ----
     def rail_exchange(self, blocks: Dict[int, Sequence[torch.Tensor]], recv_bytes: Dict[int, int],
-                      stage: str, header: Optional[torch.Tensor] = None) -> Dict[int, torch.Tensor]:
+                      stage: str, header: Optional[torch.Tensor] = None, wait: bool = True) -> Dict[int, torch.Tensor]:
         """Send to the rail rank of each other node ``m`` the uint8 tensors ``blocks[m]`` (each contiguous, with
         16-byte rows), back to back; return, per other node ``m``, the ``recv_bytes[m]`` bytes its rail rank
         sent us (a view of the transport's receive slot: valid until the next exchange). Collective.
         ``header`` (uint8 ``[RAIL_HEADER_BYTES]``, a call's first exchange: hier_agree.py) goes in front of every
-        block, and every rail rank's header is in front of what it sent us (``hier_agree.rail_rows``)."""
+        block, and every rail rank's header is in front of what it sent us (``hier_agree.rail_rows``).
+        ``wait=False``: the round is only queued on the current stream (the views fill in stream order); the
+        caller synchronizes and reads the transport's error record."""
         if header is not None:
             blocks = {m: [header] + list(blocks.get(m, ())) for m in self.other_nodes}
             recv_bytes = {m: header.numel() + recv_bytes[m] for m in self.other_nodes}
-            got = self.rail_exchange(blocks, recv_bytes, stage)
+            got = self.rail_exchange(blocks, recv_bytes, stage, wait=wait)
             return {m: got[m][header.numel():] for m in self.other_nodes}
         tr, R = self.transport, self.world_size
         send_bytes, send_begin = [0] * R, [0] * R
@@ -103,37 +105,45 @@ class HierComm:
                     send[o:o + piece.numel()].copy_(piece.reshape(-1))
                     o += piece.numel()
                 self.traffic[(stage, "rdma", d)] += send_bytes[d]
-        tr.exchange(send_bytes, send_begin)
+        if wait:
+            tr.exchange(send_bytes, send_begin)
+        else:
+            tr.exchange(send_bytes, send_begin, wait=False)
         empty = torch.empty(0, dtype=torch.uint8, device=self.device)
         return {m: tr.recv_view(self.rank_of(m, self.local), 1, recv_bytes[m])[0] if recv_bytes[m] else empty
                 for m in self.other_nodes}
 
     # ---- NVLink hop ----
     @contextlib.contextmanager
-    def node_hop(self, stage: str) -> Iterator[NodeHop]:
+    def node_hop(self, stage: str, wait: bool = True) -> Iterator[NodeHop]:
         """``with comm.node_hop(stage) as hop: hop.put(...)``; afterwards our area holds what the node's GPUs put
-        there (read it with ``node_area()`` before the next ``node_hop``). Collective over the node."""
+        there (read it with ``node_area()`` before the next ``node_hop``). Collective over the node.
+        ``wait=False``: no host sync after the second barrier (the caller synchronizes and reads the link's
+        error record); what follows on the stream still runs after it."""
         self.link.fence(stage + ":free")  # every node GPU has read what the previous stage put in its area
         yield NodeHop(self, stage)
         self.link.fence(stage)            # every put of this stage has landed
-        self.link.synchronize()           # raises CommTimeoutError if a barrier timed out
+        if wait:
+            self.link.synchronize()       # raises CommTimeoutError if a barrier timed out
 
     def node_area(self) -> torch.Tensor:
         return self.link.area()
 
     # ---- both hops ----
-    def all_gather(self, t: torch.Tensor, stage: str) -> torch.Tensor:
+    def all_gather(self, t: torch.Tensor, stage: str, wait: bool = True) -> torch.Tensor:
         """``[R, *t.shape]``: every rank's ``t``. Our row goes by RDMA to our rail ranks; then each rank puts the
-        rows of its rail into every GPU of its node."""
+        rows of its rail into every GPU of its node. ``wait=False``: both hops only queued (the result fills in
+        stream order); the caller makes the one host sync and reads both error records."""
         R, N = self.world_size, self.num_nodes
         flat = t.contiguous().reshape(-1).view(torch.uint8)
         nbytes = flat.numel()
         stride = round_up(nbytes, 16)
         mine = torch.zeros(1, stride, dtype=torch.uint8, device=self.device)
         mine[0, :nbytes] = flat
-        got = self.rail_exchange({m: [mine] for m in self.other_nodes}, {m: stride for m in self.other_nodes}, stage)
+        got = self.rail_exchange({m: [mine] for m in self.other_nodes}, {m: stride for m in self.other_nodes}, stage,
+                                 wait=wait)
         rail_rows = [mine if m == self.node else got[m].view(1, stride) for m in range(N)]
-        with self.node_hop(stage + ":node") as hop:
+        with self.node_hop(stage + ":node", wait=wait) as hop:
             for g in range(self.gpus):
                 for m in range(N):
                     hop.put(g, self.rank_of(m, self.local) * stride, rail_rows[m])

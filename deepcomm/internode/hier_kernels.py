@@ -4,10 +4,14 @@ reduction and final sum run in one launch, with ``num_sms`` split between the RD
 summing) and the NVLink role (forwarding, gathering); the poster block and, on the emulated transport, a crew of
 NIC blocks per rail peer (up to 8, as the SMs allow: csrc/transport/nic_serve_block.cuh) come on top.
 
-Host work per call: the count exchange of a fresh dispatch (one exchange round and its host sync, as before),
-the layout arithmetic from the count matrix (host lists), torch packing of the rows before the launch and
-unpacking after it (no sync), and one sync after the launch that reads the error record, so a timeout is a
-CommTimeoutError of this call.
+Host work per call: a fresh dispatch's count round (both hops queued, then its one host wait, for the counts:
+the count matrix, the node counts and the rows per expert), the layout arithmetic from those counts (host
+lists), torch packing of the rows before the launch and copying them out after it. Nothing waits for the launch:
+its waits are bounded and report to the transport's and the link's error records, read at the next call and in
+synchronize() (a timeout is then a CommTimeoutError); a cached dispatch's or a combine's call agreement is
+compared from a copy of the rail headers once that copy has run (deferred_agree.py). Small tables travel through
+pinned memory (host_tables.py), so no copy syncs either. Calls on another stream than the last one first wait
+(on the device) for it.
 
 Two transports: the emulated NIC (GPU-posted WQEs, deepcomm._C's kernels, NIC blocks in the grid) and NVSHMEM
 device puts (``device_puts``: the same kernels from deepcomm._nvshmem_kernels, whose poster issues chunked
@@ -23,11 +27,14 @@ import torch
 from ..fp8 import per_token_cast_to_fp8
 from ..gpu_share import usable_sms
 from ..handle import Handle
-from ..dispatch_rows import as_byte_rows, dispatch_outputs, part_row_bytes, unpack_rows
+from ..dispatch_rows import dispatch_outputs, part_row_bytes
+from .. import agreement
 from . import hier_agree
 from ..cuda.align import round_up
+from .deferred_agree import DeferredAgreement, write_headers
 from .hier_comm import HierComm
-from .hier_normal import combine_area_row, fresh_route, node_masks, pack_rows, payload_parts
+from .hier_normal import combine_area_row, count_row, node_masks, pack_rows, payload_parts
+from .host_tables import device_table, host_copy
 from .internode_rows import RAIL_HEADER_BYTES
 from .nic_transport import CHUNK_BYTES, LOG_WQEBBS
 from .sm_split import nic_blocks_for, split_sms
@@ -40,6 +47,7 @@ class NodeRoute:
     singles: torch.Tensor      # int32 [N]
     rows_from: List[int]       # rows the rail rank of each node sent us
     counts: List[List[int]]    # the count matrix, on the host
+    node_counts: List[List[int]]  # the node counts [R][N], on the host (``counts`` itself with one GPU per node)
 
 
 class HierKernels:
@@ -52,6 +60,9 @@ class HierKernels:
         self.tr, self.link = comm.transport, comm.link
         self.device_puts = device_puts
         self.counters = torch.zeros(4, dtype=torch.int32, device=comm.device)
+        self.agreement = DeferredAgreement()  # cached dispatches' and combines' words, compared later
+        self.event: Optional[torch.cuda.Event] = None  # the end of the last call, on its stream
+        self._last_stream: Optional[torch.cuda.Stream] = None
         self.peer_table = None
         if device_puts is not None:
             if getattr(self.tr, "signals_per_round", None) != device_puts.NVSHMEM_CHUNKS:
@@ -80,6 +91,37 @@ class HierKernels:
         # every SM the roles and the poster leave goes to the NICs (all blocks stay resident)
         self.nic_blocks = nic_blocks_for(sms - self.rdma_blocks - self.nvl_blocks - 1, P, self.tr.T.NIC_MAX_BLOCKS)
 
+    # ---- one call ----
+    def check_deferred(self) -> None:
+        """At the start of a call: raise CommTimeoutError if an earlier launch's wait timed out (no host sync: what
+        the records hold so far); compare the words of earlier launches whose header copy has run (a disagreement
+        is raised by ``end_call``, once this call made its exchange)."""
+        for record in (self.tr, self.link):
+            if record.broken:  # a timeout raised before: the same refusal as every later call
+                raise RuntimeError("deepcomm: this Buffer timed out earlier; destroy it and build a new one on every "
+                                   "rank")
+            record.check_error()
+        self.agreement.collect()
+
+    def begin_call(self) -> torch.cuda.Stream:
+        """The call's stream (the current one), ordered after the last call when that ran on another stream."""
+        stream = torch.cuda.current_stream(self.comm.device)
+        if self._last_stream is not None and self._last_stream != stream:
+            stream.wait_stream(self._last_stream)  # the send area, the areas and the counters are shared
+        return stream
+
+    def end_call(self, stream: torch.cuda.Stream) -> None:
+        """After the call's last launch or copy: its end event; then a disagreement found so far is raised."""
+        self._last_stream = stream
+        self.event = torch.cuda.Event()
+        self.event.record(stream)
+        self.agreement.raise_pending()
+
+    def synchronize(self) -> None:
+        """After a device sync: compare every pending header copy, raise a disagreement."""
+        self.agreement.collect(wait=True)
+        self.agreement.raise_pending()
+
     # ---- one launch ----
     def _fields(self, **kw) -> dict:
         """The fields every launch shares; starts the launch's exchange round and node epoch."""
@@ -105,21 +147,20 @@ class HierKernels:
         return fields
 
     def _launch(self, kernel: str, fields: dict, fingerprint=None) -> None:
-        """Launch ``kernel`` ("hier_dispatch" or "hier_combine") of the transport's module, then sync and read the
-        error record. ``fingerprint``: the call's words, when this launch is the call's first exchange: they go
-        in the header of every section, and after the sync every rail rank's are compared (hier_agree.py)."""
+        """Launch ``kernel`` ("hier_dispatch" or "hier_combine") of the transport's module on the current stream;
+        no host sync (its waits report to the error record, read at the next call). ``fingerprint``: the call's
+        words, when this launch is the call's first exchange: they go in the header of every section, and what
+        the rail ranks sent is compared once its copy has run (deferred_agree.py)."""
         comm = self.comm
         stream = torch.cuda.current_stream(comm.device)
         if fingerprint is not None:
-            hier_agree.write_sections(self.tr, comm.rail(), comm.rank, fingerprint, comm.device)
+            write_headers(self.tr, fingerprint, comm.device)
         if self.device_puts is not None:
             getattr(self.device_puts, kernel)(fields, stream.cuda_stream)
         else:
             getattr(self.tr.T, kernel)(fields, self.tr.keys, stream.cuda_stream)
-        stream.synchronize()
-        self.tr.check_error()
         if fingerprint is not None:
-            hier_agree.check(hier_agree.rail_rows(self.tr, comm.rail(), comm.rank, fingerprint), fingerprint)
+            self.agreement.add(self.tr, comm.rail(), comm.rank, fingerprint)
 
     def _check_area(self, rows_into: List[int], stride: int) -> None:
         most = max(rows_into) * stride if rows_into else 0
@@ -196,6 +237,49 @@ def combine_plan(comm: HierComm, counts: List[List[int]], is_token_in_rank: torc
 
 
 # ---------------------------------------------------------------------------------------------------------- dispatch
+def fresh_counts(k: HierKernels, topk_idx: torch.Tensor, num_experts: int, T: int, expert_alignment: int,
+                 fingerprint=None):
+    """The count round of a fresh dispatch and its one host wait: ``(in_rank, send_pos, count_matrix, node_counts,
+    counts, ncounts, per_expert)``, the tensors on the device and ``counts`` [R][R], ``ncounts`` [R][N] (``counts``
+    with one GPU per node) and our rows per local expert (aligned) on the host. ``fingerprint``: the call's words,
+    in front of the counts, compared after the wait (ValueError on every rank, nothing launched)."""
+    comm = k.comm
+    rank, R, N, G = comm.rank, comm.world_size, comm.num_nodes, comm.gpus
+    in_rank, send_pos, _, row = count_row(comm, topk_idx, num_experts, T, fingerprint, expert_counts=True)
+    gathered = comm.all_gather(row, "dispatch:counts", wait=False)  # both hops queued, no sync yet
+    host = host_copy(gathered)
+    if comm.device.type == "cuda":
+        torch.cuda.current_stream(comm.device).synchronize()  # the call's one host wait: the counts
+    k.tr.check_error()
+    k.link.check_error()
+    k.agreement.collect(wait=True)  # every earlier launch has finished: compare its words (raised by end_call)
+    rows = host.tolist()
+    W = agreement.WORDS if fingerprint is not None else 0
+    if fingerprint is not None:
+        hier_agree.check([r[:W] for r in rows], fingerprint)
+    at_n, at_e = W + R, W + R + (N if G > 1 else 0)
+    counts = [r[W:at_n] for r in rows]
+    ncounts = [r[at_n:at_e] for r in rows] if G > 1 else counts
+    L = num_experts // R  # the receiver's rows per local expert: every source's tokens naming it
+    per_expert = [round_up(sum(r[at_e + rank * L + e] for r in rows), expert_alignment) for e in range(L)]
+    count_matrix = gathered[:, W:at_n].contiguous()
+    node_counts = gathered[:, at_n:at_e].contiguous() if G > 1 else count_matrix
+    return in_rank, send_pos, count_matrix, node_counts, counts, ncounts, per_expert
+
+
+def copy_out_rows(area: torch.Tensor, n: int, stride: int, parts, row_bytes) -> List[torch.Tensor]:
+    """The first ``n`` rows of ``area`` (uint8, ``stride`` bytes a row) as one new tensor per part (each part's
+    dtype and row shape): one copy per part, nothing left pointing into the area (the next call reuses it)."""
+    rows = area[:n * stride].view(n, stride)
+    out, at = [], 0
+    for part, nbytes in zip(parts, row_bytes):
+        dst = torch.empty(n, nbytes, dtype=torch.uint8, device=area.device)
+        dst.copy_(rows[:, at:at + nbytes])
+        out.append(dst.view(part.dtype).reshape(n, *part.shape[1:]))
+        at += nbytes
+    return out
+
+
 def dispatch(k: HierKernels, x, topk_idx: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor],
              num_experts: int, handle: Optional[Handle], expert_alignment: int, fingerprint=None):
     """Returns ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert, handle)``.
@@ -207,34 +291,35 @@ def dispatch(k: HierKernels, x, topk_idx: Optional[torch.Tensor], topk_weights: 
     rows = list(x) if is_pair else [x]
     T = rows[0].shape[0]
     dev = rows[0].device
+    stream = k.begin_call()
 
+    per_expert = None
     if handle is None:
-        in_rank, send_pos, _, count_matrix, node_counts = fresh_route(comm, topk_idx, num_experts, T, fingerprint)
-        counts, ncounts = count_matrix.tolist(), node_counts.tolist()  # the host sync of the count round
+        in_rank, send_pos, count_matrix, node_counts, counts, ncounts, per_expert = fresh_counts(
+            k, topk_idx, num_experts, T, expert_alignment, fingerprint)
     else:
         in_rank, send_pos, count_matrix = handle.is_token_in_rank, handle.send_pos, handle.count_matrix
         node_counts = handle.node_count_matrix
         route = handle.node_route
         if node_counts is None or route is None:
             raise ValueError("handle: it has no node route; pass a handle from this Buffer's dispatch")
-        counts = route.counts
-        ncounts = node_counts.tolist() if G > 1 else counts
+        counts, ncounts = route.counts, route.node_counts
 
     parts = payload_parts(rows, topk_idx, topk_weights, handle is None)
     row_bytes = [part_row_bytes(p) for p in parts]
     mask_off = round_up(sum(row_bytes), 4)
     stride = round_up(mask_off + (4 if G > 1 else 0), 16)
-    packed = pack_rows(parts, T, stride)
 
     plan = dispatch_plan(comm, counts, ncounts, in_rank, stride)
     rows_to, rows_from, max_rows, masks = plan["rows_to"], plan["rows_from"], plan["max_rows"], plan["masks"]
     for n in rows_to + rows_from:
         k._check_slot(n * stride)
     k._check_area(plan["area_rows"], stride)
+    packed = pack_rows(parts, T, stride)
     route = torch.empty(N, max_rows, G + 1, dtype=torch.int32, device=dev)
     singles = torch.empty(N, dtype=torch.int32, device=dev)
     slots = plan["rdma_slot"]
-    first = torch.tensor(plan["first_row"], dtype=torch.int32).to(dev)
+    first = device_table(plan["first_row"], torch.int32, dev)
     with torch.cuda.device(dev):
         k._launch("hier_dispatch", k._fields(
             rows=packed.data_ptr(), stride=stride, mask_off=mask_off, num_tokens=T,
@@ -243,14 +328,14 @@ def dispatch(k: HierKernels, x, topk_idx: Optional[torch.Tensor], topk_weights: 
             max_rows=max_rows), fingerprint if handle is not None else None)
 
     n_recv = sum(counts[s][rank] for s in range(R))
-    area = k.link.area()[:n_recv * stride].view(n_recv, stride).clone()
-    received = unpack_rows(area, parts, row_bytes)
+    received = copy_out_rows(k.link.area(), n_recv, stride, parts, row_bytes)
     out = dispatch_outputs(received, len(rows), is_pair, topk_weights is not None, handle, rank, R,
-                                  num_experts, T, rows[0].shape[1], in_rank, send_pos, count_matrix,
-                                  expert_alignment)
+                           num_experts, T, rows[0].shape[1], in_rank, send_pos, count_matrix,
+                           expert_alignment, per_expert=per_expert)
     if handle is None:
         out = out[:4] + (dataclasses.replace(out[4], node_count_matrix=node_counts,
-                                             node_route=NodeRoute(route, singles, rows_from, counts)),)
+                                             node_route=NodeRoute(route, singles, rows_from, counts, ncounts)),)
+    k.end_call(stream)
     return out
 
 
@@ -264,10 +349,10 @@ def _held_rows(xs: torch.Tensor, w: Optional[torch.Tensor], use_fp8: bool):
     w_off = round_up(x_bytes, 4)
     K = w.shape[1] if w is not None else 0
     stride = round_up(w_off + 4 * K, 16)
-    out = pack_rows(x_parts, n, stride) if n else torch.zeros(0, stride, dtype=torch.uint8, device=xs.device)
-    if w is not None and n:
-        out[:, w_off:w_off + 4 * K] = as_byte_rows(w.to(torch.float32), n, 4 * K)
-    return out, stride, w_off
+    at = [sum(part_row_bytes(p) for p in x_parts[:i]) for i in range(len(x_parts))]
+    if w is not None:
+        x_parts, at = x_parts + [w.to(torch.float32)], at + [w_off]
+    return pack_rows(x_parts, n, stride, at=at), stride, w_off
 
 
 def combine(k: HierKernels, x: torch.Tensor, handle: Handle, topk_weights: Optional[torch.Tensor],
@@ -281,6 +366,7 @@ def combine(k: HierKernels, x: torch.Tensor, handle: Handle, topk_weights: Optio
         raise ValueError("handle: it has no node route; pass a handle from this Buffer's dispatch")
     counts = info.counts
     dev, H, T = x.device, x.shape[1], handle.num_tokens
+    stream = k.begin_call()
     real = sum(counts[s][rank] for s in range(R))  # rows we hold (x may be worst-case sized)
     xs = x[:real].contiguous()
     w = topk_weights[:real].to(torch.float32).contiguous() if topk_weights is not None else None
@@ -295,8 +381,8 @@ def combine(k: HierKernels, x: torch.Tensor, handle: Handle, topk_weights: Optio
 
     out_x = torch.empty(T, H, dtype=x.dtype, device=dev)
     out_w = torch.empty(T, K, dtype=torch.float32, device=dev) if w is not None else None
-    gather_t = torch.tensor(gather, dtype=torch.int64).to(dev)
-    area_t = torch.tensor(area_off, dtype=torch.int64).to(dev)
+    gather_t = device_table(gather, torch.int64, dev)
+    area_t = device_table(area_off, torch.int64, dev)
     with torch.cuda.device(dev):
         k._launch("hier_combine", k._fields(
             held=rows.data_ptr(), held_stride=held_stride, w_off=w_off, hidden=H, topk=K, fp8=bool(use_fp8),
@@ -305,4 +391,5 @@ def combine(k: HierKernels, x: torch.Tensor, handle: Handle, topk_weights: Optio
             max_rows=info.route.shape[1], rows_from=info.rows_from, area_off=area_t.data_ptr(),
             partial_stride=partial_stride, recv_off=recv_off.data_ptr(), num_tokens=T, out_x=out_x.data_ptr(),
             out_w=out_w.data_ptr() if out_w is not None else 0), fingerprint)
+    k.end_call(stream)
     return out_x, out_w

@@ -37,17 +37,29 @@ from ..dispatch_rows import as_byte_rows, dispatch_outputs, part_row_bytes, unpa
 from ..cuda.align import round_up
 from . import hier_agree
 from .hier_comm import HierComm
+from .host_tables import device_table
 
 
-def pack_rows(parts: Sequence[torch.Tensor], rows: int, stride: int) -> torch.Tensor:
-    """uint8 ``[rows, stride]``: each part's row bytes side by side from byte 0, zero padding after."""
-    out = torch.zeros(rows, stride, dtype=torch.uint8, device=parts[0].device)
-    col = 0
-    for p in parts:
+def pack_rows(parts: Sequence[torch.Tensor], rows: int, stride: int,
+              at: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """uint8 ``[rows, stride]``: each part's row bytes at its byte offset ``at`` (default: side by side from byte
+    0), zeros in the gaps and after. One pass (a single concatenation), not a zero fill and a copy per part."""
+    device = parts[0].device
+    cols, col = [], 0
+    for i, p in enumerate(parts):
         nbytes = part_row_bytes(p)
-        out[:, col:col + nbytes] = as_byte_rows(p, rows, nbytes)
-        col += nbytes
-    return out
+        start = col if at is None else at[i]
+        if start < col:
+            raise ValueError(f"at: part {i} at byte {start} overlaps the previous part (ending at {col})")
+        if start > col:
+            cols.append(torch.zeros(rows, start - col, dtype=torch.uint8, device=device))
+        cols.append(as_byte_rows(p, rows, nbytes))
+        col = start + nbytes
+    if col > stride:
+        raise ValueError(f"stride: {stride} bytes cannot hold the parts' {col}")
+    if col < stride:
+        cols.append(torch.zeros(rows, stride - col, dtype=torch.uint8, device=device))
+    return torch.cat(cols, dim=1) if len(cols) > 1 else cols[0].clone()
 
 
 def _template(cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -76,14 +88,7 @@ def fresh_route(comm: HierComm, topk_idx: torch.Tensor, num_experts: int, T: int
     call's words (deepcomm/agreement.py), in front of the counts; every rank's are compared after the round
     (ValueError on every rank, hier_agree.check)."""
     R, N, G = comm.world_size, comm.num_nodes, comm.gpus
-    in_rank = layout.token_in_rank(topk_idx, num_experts, R)
-    send_pos = layout.send_positions(in_rank)
-    in_node = in_rank.view(T, N, G).any(dim=2)
-    row = in_rank.sum(dim=0, dtype=torch.int32)
-    if G > 1:
-        row = torch.cat([row, in_node.sum(dim=0, dtype=torch.int32)])
-    if fingerprint is not None:
-        row = torch.cat([torch.tensor(list(fingerprint), dtype=torch.int32, device=row.device), row])
+    in_rank, send_pos, in_node, row = count_row(comm, topk_idx, num_experts, T, fingerprint)
     gathered = comm.all_gather(row, "dispatch:counts")
     if fingerprint is not None:
         hier_agree.check(gathered[:, :agreement.WORDS].tolist(), fingerprint)
@@ -91,6 +96,27 @@ def fresh_route(comm: HierComm, topk_idx: torch.Tensor, num_experts: int, T: int
     count_matrix = gathered[:, :R].contiguous()
     node_counts = gathered[:, R:].contiguous() if G > 1 else count_matrix
     return in_rank, send_pos, in_node, count_matrix, node_counts
+
+
+def count_row(comm: HierComm, topk_idx: torch.Tensor, num_experts: int, T: int, fingerprint=None,
+              expert_counts: bool = False):
+    """``(is_token_in_rank, send_pos, in_node, row)``: the route from the ids, and our int32 row of the count
+    round, on the ids' device, no host sync: [the call's words], tokens per rank ``[R]``, with G > 1 tokens per
+    node ``[N]``, with ``expert_counts`` tokens per expert ``[E]`` (each token once per expert it names: summed
+    over the sources, a receiver's slice is its rows per local expert, so it needs no look at the rows)."""
+    R, N, G = comm.world_size, comm.num_nodes, comm.gpus
+    in_rank = layout.token_in_rank(topk_idx, num_experts, R)
+    send_pos = layout.send_positions(in_rank)
+    in_node = in_rank.view(T, N, G).any(dim=2)
+    pieces = [in_rank.sum(dim=0, dtype=torch.int32)]
+    if G > 1:
+        pieces.append(in_node.sum(dim=0, dtype=torch.int32))
+    if expert_counts:
+        pieces.append(layout.tokens_per_expert(topk_idx, num_experts).to(torch.int32))
+    if fingerprint is not None:
+        pieces.insert(0, device_table(list(fingerprint), torch.int32, in_rank.device))
+    row = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+    return in_rank, send_pos, in_node, row
 
 
 def payload_parts(rows: List[torch.Tensor], topk_idx: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor],

@@ -13,6 +13,7 @@ from ..gpu_share import usable_sms
 from ..cuda.align import round_up
 from ..cuda.arena import as_device_bytes
 from .exchange_record import ExchangeRecord, check_round, peer_list
+from .host_tables import device_table
 from .internode_rows import rail_slot_bytes
 from ..cuda.peer_memory import PeerMemory
 from .sm_split import nic_blocks_for
@@ -125,11 +126,13 @@ class NicTransport(ExchangeRecord):
         assert len(rows[0]) == self.T.INTERNODE_PEER_FIELDS
         return rows
 
-    def exchange(self, send_bytes: Sequence[int], send_begin: Sequence[int]) -> None:
+    def exchange(self, send_bytes: Sequence[int], send_begin: Sequence[int], wait: bool = True) -> None:
         """Send bytes [send_begin[d], + send_bytes[d]) of the send area to every peer d, into d's receive slot
         for us (``send_bytes[d]`` must be 0 for a rank that is not a peer); return once every peer's block for us
-        has landed (synchronizes the device, then raises CommTimeoutError if a wait timed out). Collective: every
-        rank calls it the same number of times."""
+        has landed (synchronizes the device, then raises CommTimeoutError if a wait timed out). ``wait=False``:
+        return once the round is queued on the current stream; the caller synchronizes and calls
+        ``check_error()`` (the kernel's waits are bounded either way). Collective: every rank calls it the same
+        number of times."""
         self.refuse_if_broken()
         me, R = self.rank, self.world_size
         check_round(send_bytes, send_begin, me, R, self.peers, self.slot_bytes)
@@ -137,11 +140,13 @@ class NicTransport(ExchangeRecord):
         rows = self.peer_rows(send_bytes, send_begin)
         with torch.cuda.device(self.device):  # the launcher uses the current device
             stream = torch.cuda.current_stream(self.device)
-            table = torch.tensor(rows, dtype=torch.int64).to(self.device)
+            table = device_table(rows, torch.int64, self.device)  # no host sync (host_tables.py)
             self.seq.fill_(self.round)
             self.T.internode_exchange(table.data_ptr(), len(self.peers), self.lkey, self.round, CHUNK_BYTES,
                                       LOG_WQEBBS, LOG_WQEBBS, self.keys, self.err_dev, self.timeout_s, me,
                                       self.seq.data_ptr(), stream.cuda_stream, nic_blocks=self.nic_blocks)
+            if not wait:
+                return
             stream.synchronize()
         self.check_error()
 

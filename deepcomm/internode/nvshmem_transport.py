@@ -152,11 +152,13 @@ class NvshmemTransport(ExchangeRecord):
         return self.region[o:o + 8 * self.world_size].view(torch.int64).tolist()
 
     # ---- one round ----
-    def exchange(self, send_bytes: Sequence[int], send_begin: Sequence[int]) -> None:
+    def exchange(self, send_bytes: Sequence[int], send_begin: Sequence[int], wait: bool = True) -> None:
         """Send bytes [send_begin[d], + send_bytes[d]) of the send area to every peer d, into d's receive slot
         for us (``send_bytes[d]`` must be 0 for a rank that is not a peer: ValueError); return once every peer's
         block for us has landed (synchronizes the device twice, raises CommTimeoutError if a wait timed out).
-        Collective: every rank calls it the same number of times."""
+        ``wait=False``: the second sync is left to the caller (who then calls ``check_error()``); the first, after
+        the credit wait, stays: no put may leave for a peer whose slot may still be read. Collective: every rank
+        calls it the same number of times."""
         self.refuse_if_broken()
         r = self.round + 1
         landed = r * self.signals_per_round
@@ -174,6 +176,8 @@ class NvshmemTransport(ExchangeRecord):
             self._issue(blocks, stream.cuda_stream)
             self.n.quiet_on_stream(stream.cuda_stream)
             self._wait("signal", landed, stream.cuda_stream)
+            if not wait:
+                return
             stream.synchronize()
         self.check_error()
 

@@ -58,6 +58,8 @@ def check_cases(rank, world, gpn, buf, ref, totals, expected, label):
     kernel_head = HEADER if buf._backend.kernels is not None else 0
     first_head = HEADER if agrees or kernel_head else 0  # the launch of a cached dispatch or a combine
     count_head = HEADER if agrees else 0
+    # the kernels' count round also carries our tokens per expert (E int32): the receivers' rows per expert
+    count_experts = 4 * E if buf._backend.kernels is not None else 0
     node, local = divmod(rank, G)
     peers = [m * G + local for m in range(N) if m != node]  # RDMA only to our local index on the other nodes
     mask = 4 if G > 1 else 0  # with several GPUs per node a payload row carries the node's GPU mask (int32)
@@ -77,7 +79,8 @@ def check_cases(rank, world, gpn, buf, ref, totals, expected, label):
         for i, name in enumerate(("recv_x", "recv_topk_idx", "recv_topk_weights", "per_expert")):
             _same(out_n[i], out_r[i], f"{what}: {name}")
         _same_handle(out_n[4], out_r[4], what)
-        # Exactly the counts round (our row of R int32, and with G > 1 our N node counts, padded to 16 bytes) and
+        # Exactly the counts round (our row of R int32, with G > 1 our N node counts, on the kernels our E expert
+        # counts, padded to 16 bytes) and
         # the payload round (one row per token that has an expert on the peer's node: x [+ scales] + int64 ids +
         # int32 source index + fp32 weights [+ node mask], padded to 16 bytes) travelled to each rail peer.
         in_rank = layout.token_in_rank(idx.cpu(), E, world)
@@ -89,7 +92,7 @@ def check_cases(rank, world, gpn, buf, ref, totals, expected, label):
         assert sorted(after) == peers, f"{what}: {label} to {sorted(after)}, expected the rail {peers}"
         for peer in peers:
             got = _delta(after[peer], before[peer])
-            want = expected([count_head + _row(4 * world + (4 * N if G > 1 else 0)),
+            want = expected([count_head + _row(4 * world + (4 * N if G > 1 else 0) + count_experts),
                               kernel_head + to_node[peer // G] * _row(x_bytes, 8 * K, 4, 4 * K, mask)])
             assert got == want, f"{what}: {label} to {peer}: {got}, expected {want}"
 

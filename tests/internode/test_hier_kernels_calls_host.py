@@ -1,0 +1,193 @@
+"""Host-side pieces of the internode kernels' calls (deepcomm/internode/hier_kernels.py) that need no GPU, with the
+ranks as threads (tests/helpers/threaded_world.py): a fresh dispatch's count round queued over both hops without a
+host wait, whose counts (count matrix, node counts, rows per local expert) equal the reference backend's; the rows
+packed in one pass equal a zero fill plus a copy per part; the rows copied out of an area equal its parts and
+leave nothing pointing into it; the call words of launches the host does not wait for, compared later
+(deepcomm/internode/deferred_agree.py), with the reference's text."""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from deepcomm import agreement
+from deepcomm.dispatch_rows import as_byte_rows, part_row_bytes
+from deepcomm.internode.deferred_agree import DeferredAgreement
+from deepcomm.internode.hier_comm import HierComm
+from deepcomm.internode.hier_kernels import copy_out_rows, fresh_counts
+from deepcomm.internode.hier_normal import pack_rows
+from deepcomm.internode.internode_rows import max_node_row_bytes, rail_slot_bytes
+from deepcomm.reference import normal
+from tests.helpers.threaded_world import NodeArea, RailTransport, ThreadComm, World, run
+
+E, K, H, M = 24, 3, 64, 40
+
+
+class QueuedRail(RailTransport):
+    """RailTransport that records whether each round was asked to wait (the kernels' count round must not)."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.waits = []
+
+    def exchange(self, send_bytes, send_begin, wait=True):
+        self.waits.append(wait)
+        super().exchange(send_bytes, send_begin)
+
+    def check_error(self):
+        pass
+
+
+class CountedArea(NodeArea):
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.syncs = 0
+
+    def synchronize(self):
+        self.syncs += 1
+
+    def check_error(self):
+        pass
+
+
+def _ids(rank, seed):
+    gen = torch.Generator().manual_seed(seed * 100 + rank)
+    T = 3 + 7 * rank % 11
+    idx = torch.rand(T, E, generator=gen).topk(K, dim=1).indices
+    idx[torch.rand(T, K, generator=gen) < 0.25] = -1
+    idx[0, 1] = idx[0, 0]  # the same expert twice in one token: it still counts once
+    return idx.contiguous()
+
+
+@pytest.mark.parametrize("nodes,gpn,align", [(3, 1, 1), (2, 2, 4), (2, 3, 1)])
+def test_fresh_counts_are_queued_once_and_equal_the_reference(nodes, gpn, align):
+    R = nodes * gpn
+    world = World(R, gpn, area_bytes=R * M * max_node_row_bytes(H), timeout_s=120.0)
+
+    def fn(rank):
+        tr = QueuedRail(world, rank, rail_slot_bytes(M, H), [m * gpn + rank % gpn for m in range(nodes)])
+        link = CountedArea(world, rank)
+        comm = HierComm(tr, link, rank, R, gpn, torch.device("cpu"))
+        k = types.SimpleNamespace(comm=comm, tr=tr, link=link, agreement=DeferredAgreement())
+        ref = ThreadComm(world, rank)
+        for seed in range(3):
+            idx = _ids(rank, seed)
+            T = idx.shape[0]
+            x = torch.randn(T, H).to(torch.bfloat16)
+            words = agreement.dispatch(seed + 1, 1, x, idx, None, E, None) if gpn == 1 else None
+            in_rank, send_pos, cm, ncm, counts, ncounts, per_expert = fresh_counts(k, idx, E, T, align, words)
+            want = normal.dispatch(ref, x, idx, None, E, None, align)
+            h = want[4]
+            assert per_expert == list(want[3]), f"rank {rank}: rows per expert {per_expert} != {want[3]}"
+            assert torch.equal(cm, h.count_matrix) and counts == h.count_matrix.tolist()
+            assert torch.equal(in_rank, h.is_token_in_rank) and torch.equal(send_pos, h.send_pos)
+            node_of = h.is_token_in_rank.view(T, nodes, gpn).any(dim=2).sum(dim=0).tolist()
+            assert ncounts[rank] == (node_of if gpn > 1 else counts[rank])
+            assert ncm.tolist() == ncounts
+        assert tr.waits and not any(tr.waits), f"rank {rank}: a count round waited: {tr.waits}"
+        assert link.syncs == 0, f"rank {rank}: the NVLink hop synchronized {link.syncs} times"
+        return True
+
+    assert all(run(world, fn))
+
+
+def _old_pack(parts, rows, stride, at):
+    out = torch.zeros(rows, stride, dtype=torch.uint8)
+    for p, o in zip(parts, at):
+        n = part_row_bytes(p)
+        out[:, o:o + n] = as_byte_rows(p, rows, n)
+    return out
+
+
+@pytest.mark.parametrize("rows", [0, 1, 9])
+def test_pack_rows_in_one_pass_equals_fill_and_copies(rows):
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 10, generator=gen).to(torch.bfloat16)
+    ids = torch.randint(-1, 50, (rows, 3), generator=gen)
+    src = torch.arange(rows, dtype=torch.int32)
+    w = torch.rand(rows, 3, generator=gen)
+    parts = [x, ids, src, w]
+    side = [0, 20, 44, 48]
+    assert torch.equal(pack_rows(parts, rows, 64), _old_pack(parts, rows, 64, side))
+    gaps = [0, 24, 52, 60]  # gaps between parts are zeros
+    assert torch.equal(pack_rows(parts, rows, 80, at=gaps), _old_pack(parts, rows, 80, gaps))
+    with pytest.raises(ValueError, match="at"):
+        pack_rows(parts, rows, 80, at=[0, 16, 52, 60])
+    with pytest.raises(ValueError, match="stride"):
+        pack_rows(parts, rows, 48)
+
+
+def test_copy_out_rows_gives_each_part_and_owns_its_memory():
+    gen = torch.Generator().manual_seed(5)
+    n, stride = 7, 48
+    x = torch.randn(n, 8, generator=gen).to(torch.bfloat16)
+    ids = torch.randint(0, 9, (n, 2), generator=gen)
+    src = torch.arange(n, dtype=torch.int32)
+    parts, nbytes = [x, ids, src], [16, 16, 4]
+    area = torch.full((4096,), 0xEE, dtype=torch.uint8)
+    area[:n * stride] = pack_rows(parts, n, stride).reshape(-1)
+    got = copy_out_rows(area, n, stride, parts, nbytes)
+    for g, p in zip(got, parts):
+        assert g.dtype == p.dtype and g.shape == p.shape and torch.equal(g, p)
+    area.fill_(0)  # the next call reuses the area: what was copied out stays
+    for g, p in zip(got, parts):
+        assert torch.equal(g, p)
+    one = copy_out_rows(area, 0, stride, parts, nbytes)
+    assert [t.shape[0] for t in one] == [0, 0, 0]
+
+
+def test_deferred_agreement_compares_later_with_the_reference_text():
+    from deepcomm.internode.deferred_agree import _headers
+    R, slot = 3, 256
+
+    class Slots:  # a transport's memory: receive slot s at recv + s * slot
+        world_size, slot_bytes, device = R, slot, torch.device("cpu")
+        offsets = {"send": 0, "recv": R * slot}
+        region = torch.zeros(2 * R * slot, dtype=torch.uint8)
+
+    x = torch.zeros(4, H, dtype=torch.bfloat16)
+    handle = types.SimpleNamespace(call=3)
+    good = list(agreement.combine(4, 1, x, handle, None, False))
+    bad = list(agreement.combine(4, 1, x, handle, None, True))
+    tr = Slots()
+
+    def land(words_of):  # what each rank sent us lands in its slot
+        for s, words in words_of.items():
+            o = tr.offsets["recv"] + s * slot
+            tr.region[o:o + 4 * agreement.WORDS] = torch.tensor(words, dtype=torch.int32).view(torch.uint8)
+
+    class Done:  # the event of the copy after the launch (CPU: the copy is made at once)
+        def __init__(self):
+            self.ran = False
+
+        def query(self):
+            return self.ran
+
+        def synchronize(self):
+            self.ran = True
+
+    def queue():  # what DeferredAgreement.add does after a launch, the copy made now
+        done = Done()
+        d._pending.append((done, _headers(tr, "recv").contiguous().clone(), [0, 1, 2], good, 0))
+        return done
+
+    d = DeferredAgreement()
+    land({1: good, 2: good})
+    queue()
+    d.collect()  # the copy has not run: nothing compared, nothing raised
+    assert len(d) == 1
+    d.collect(wait=True)
+    assert len(d) == 0
+    d.raise_pending()  # every rank agreed
+    land({1: good, 2: bad})
+    done = queue()
+    land({1: good, 2: good})  # the next round's words: the copy made after the launch is what counts
+    done.ran = True
+    d.collect()
+    with pytest.raises(ValueError) as got:
+        d.raise_pending()
+    with pytest.raises(ValueError) as want:
+        agreement.check([good, good, bad])
+    assert str(got.value) == str(want.value)
+    d.raise_pending()  # raised once
