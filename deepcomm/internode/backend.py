@@ -51,10 +51,10 @@ class InternodeBackend:
 
     name = "cuda"
     # BF16 x in normal mode; expert ids checked by Buffer (normal mode) and by the low-latency kernels. Call
-    # agreement (fingerprints, hier_agree.py) with one GPU per node only: there every call's first exchange
-    # reaches every rank; with several GPUs per node a cached dispatch or a combine starts with the kernels' NVLink
-    # hop, which carries no words (this instance's ``capabilities`` then say so; Buffer(check_calls=True) compares
-    # calls through the store everywhere)
+    # agreement (fingerprints, hier_agree.py) with one GPU per node, and with several on the torch routing (its
+    # NVLink stages carry the words too); the kernels' NVLink hop carries no words yet, so with several GPUs per
+    # node and the kernels this instance's ``capabilities`` say so (Buffer(check_calls=True) compares calls
+    # through the store everywhere)
     capabilities = Capabilities(x_dtypes=(torch.bfloat16,), takes_fingerprints=False,
                                 checks_expert_ids_on_device=False,
                                 checks_low_latency_ids_on_device=LowLatencyEngine.checks_ids_on_device)
@@ -85,12 +85,16 @@ class InternodeBackend:
         with torch.cuda.device(self.device):
             hier_agree.join_rejected(self.comm, fingerprint)
 
-    def _refused_before_exchange(self, fingerprint, error: BaseException, round_before: int) -> None:
+    def _refused_before_exchange(self, fingerprint, error: BaseException, round_before) -> None:
         """A ValueError of this backend's own (``error``: a limit such as the top-k or a slot's size, a handle of
-        another path) in a call that made no exchange round yet (the transport is still at ``round_before``):
+        another path) in a call that made no exchange yet (``_exchanges()`` is still ``round_before``):
         join the call's first exchange as a rejected call, so the peers raise instead of waiting for it."""
-        if fingerprint is not None and self.transport.round == round_before:
+        if fingerprint is not None and self._exchanges() == round_before:
             self.reject(hier_agree.rejected_words(fingerprint, error))
+
+    def _exchanges(self):
+        """(rail rounds, NVLink stages) made so far: a call that made neither has not begun its first exchange."""
+        return self.transport.round, self.link.epoch
 
     def __init__(self, group, config: Config, rank: int, world_size: int, device: torch.device, C):
         self.config, self.rank, self.world_size, self.device = config, rank, world_size, device
@@ -118,7 +122,8 @@ class InternodeBackend:
                     raise
             try:
                 self.link = NodeLink(C, group, rank, world_size, G, device,
-                                     world_size * config.max_tokens_per_rank * max_node_row_bytes(config.hidden),
+                                     world_size * config.max_tokens_per_rank * max_node_row_bytes(config.hidden)
+                                     + hier_agree.strip_bytes(world_size),
                                      config.timeout_s)
             except BaseException:
                 self.transport.close()
@@ -137,7 +142,7 @@ class InternodeBackend:
         self.kernels = None
         if use_kernels and (transport_cls is NicTransport or device_puts is not None):
             self.kernels = HierKernels(self.comm, config.num_sms, device_puts=device_puts)
-        if G == 1:  # every call's first exchange reaches every rank (hier_agree.py)
+        if G == 1 or self.kernels is None:  # every call's first exchanges reach every rank (hier_agree.py)
             self.capabilities = dataclasses.replace(type(self).capabilities, takes_fingerprints=True)
 
     def get_dispatch_layout(self, topk_idx, num_experts):
@@ -158,7 +163,7 @@ class InternodeBackend:
     def dispatch(self, x, topk_idx, topk_weights, num_experts, handle, expert_alignment, num_worst_tokens=0,
                  previous_event=None, async_finish=False, fingerprint=None):
         self._normal_mode_check()
-        round_before = self.transport.round
+        round_before = self._exchanges()
         try:
             for t in (topk_idx, topk_weights):
                 if t is not None:
@@ -181,7 +186,7 @@ class InternodeBackend:
     def combine(self, x, handle, topk_weights, previous_event=None, async_finish=False, use_fp8=False,
                 fingerprint=None):
         self._normal_mode_check()
-        round_before = self.transport.round
+        round_before = self._exchanges()
         try:
             if topk_weights is not None:
                 self._check_topk(topk_weights.shape[1])

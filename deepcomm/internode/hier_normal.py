@@ -172,12 +172,15 @@ def dispatch(comm: HierComm, x, topk_idx: Optional[torch.Tensor], topk_weights: 
     first = handle is not None and fingerprint is not None  # a cached dispatch's first exchange: the words too
     got = comm.rail_exchange(blocks, {m: n * stride for m, n in from_node.items()}, "dispatch:rdma",
                              header=hier_agree.header(fingerprint, dev) if first else None)
-    if first:
-        hier_agree.check(hier_agree.rail_rows(comm.transport, comm.rail(), rank, fingerprint), fingerprint)
+    # the rail's words: compared here with one GPU per node; else forwarded with the rows, compared after them
+    rail_words = hier_agree.dispatch_rail(comm, fingerprint) if first else None
 
     # NVLink hop: forward the rows of every source of our rail to the GPUs of our node that hold them.
     with comm.node_hop("dispatch:forward") as hop:
-        for m, s in enumerate(comm.rail()):
+        if rail_words is not None:
+            hier_agree.put_words(comm, rail_words)
+        forward = rail_words is None or hier_agree.rail_agrees(rail_words, fingerprint)
+        for m, s in enumerate(comm.rail() if forward else []):
             if s == rank:
                 src, dest = packed, in_rank[:, comm.node_ranks()]
             else:
@@ -191,6 +194,8 @@ def dispatch(comm: HierComm, x, topk_idx: Optional[torch.Tensor], topk_weights: 
                                        f"{index.numel()} rows name it (count exchange and rows disagree)")
                 first_row = sum(counts[q][d] for q in range(s))
                 hop.put(g, first_row * stride, src, index)
+    if rail_words is not None:
+        hier_agree.check_strip(comm, fingerprint)
 
     # Our area now holds our rows in the reference order (source rank, then token).
     n_recv = sum(counts[s][rank] for s in range(R))
@@ -221,8 +226,7 @@ def combine_area_row(comm: HierComm, counts: List[List[int]], s: int, d: int) ->
 def combine(comm: HierComm, x: torch.Tensor, handle: Handle, topk_weights: Optional[torch.Tensor],
             use_fp8: bool = False, fingerprint=None):
     """Returns ``(combined_x, combined_topk_weights)`` (see the module docstring for the route). ``fingerprint``:
-    the call's words, compared in its rail exchange (hier_agree.py; the backend passes them only with one GPU per
-    node, where that exchange is the call's first)."""
+    the call's words, carried by its gather stage and its rail exchange and compared after them (hier_agree.py)."""
     rank, R, N, G = comm.rank, comm.world_size, comm.num_nodes, comm.gpus
     dev, H, T = x.device, x.shape[1], handle.num_tokens
     counts = handle.count_matrix.tolist()
@@ -247,6 +251,8 @@ def combine(comm: HierComm, x: torch.Tensor, handle: Handle, topk_weights: Optio
 
     # NVLink hop: our rows for source s go to s's forwarder on our node (the GPU with s's local index).
     with comm.node_hop("combine:gather") as hop:
+        if fingerprint is not None:
+            hier_agree.put_words(comm, {rank: fingerprint})
         for s in range(R):
             if held[s] and s != rank:
                 hop.put(s % G, combine_area_row(comm, counts, s, rank) * nvl_stride,
@@ -257,6 +263,9 @@ def combine(comm: HierComm, x: torch.Tensor, handle: Handle, topk_weights: Optio
         nx = 2 if use_fp8 else 1
         vals = per_token_cast_back(tensors[0], tensors[1]) if use_fp8 else tensors[0].float()
         return vals, (tensors[nx] if w is not None else None)
+
+    if fingerprint is not None and not hier_agree.node_agrees(comm, fingerprint):
+        hier_agree.combine_disagreed(comm, fingerprint)  # raises on every rank
 
     # Node partials for every source of our rail: its tokens our node holds, node ranks ascending, fp32 from +0.
     area = comm.node_area()
@@ -312,9 +321,9 @@ def combine(comm: HierComm, x: torch.Tensor, handle: Handle, topk_weights: Optio
         expect[m] = ((c == 1).nonzero()[:, 0], (c > 1).nonzero()[:, 0])
         recv_bytes[m] = expect[m][0].numel() * held_stride + expect[m][1].numel() * partial_stride
     got = comm.rail_exchange(blocks, recv_bytes, "combine:rdma",
-                             header=hier_agree.header(fingerprint, dev) if fingerprint is not None else None)
+                             header=hier_agree.combine_header(comm, fingerprint) if fingerprint is not None else None)
     if fingerprint is not None:
-        hier_agree.check(hier_agree.rail_rows(comm.transport, comm.rail(), rank, fingerprint), fingerprint)
+        hier_agree.check(hier_agree.combine_rows(comm, fingerprint), fingerprint)
 
     # Sum the node partials, nodes ascending, fp32 from +0; one rounding.
     acc = torch.zeros(T, H, dtype=torch.float32, device=dev)

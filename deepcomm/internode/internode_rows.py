@@ -8,6 +8,9 @@ from ..cuda.align import round_up
 # Bytes at the front of every rail block of a call's first RDMA exchange, and of every section the kernels send:
 # the call's fingerprint, agreement.WORDS int32 words (hier_agree.py; zeros where nothing is compared).
 RAIL_HEADER_BYTES = 64
+# With several GPUs per node a combine's rail header carries the words of every GPU of its node (hier_agree.py):
+# up to this many headers, which every receive slot has room for.
+MAX_NODE_HEADERS = 8
 
 
 def max_node_row_bytes(hidden: int) -> int:
@@ -26,6 +29,6 @@ def max_row_bytes(hidden: int) -> int:
 def rail_slot_bytes(max_tokens: int, hidden: int) -> int:
     """Bytes of one receive slot of the RDMA hop, for either transport: a rail rank sends us at most one row per
     token of its own (dispatch: each token once per node; combine: one partial per (token, node)), each at most
-    ``max_row_bytes`` (the fp32 partial is the widest), after the block's header (``RAIL_HEADER_BYTES``), 64-byte
-    aligned."""
-    return round_up(RAIL_HEADER_BYTES + max_tokens * max_row_bytes(hidden), 64)
+    ``max_row_bytes`` (the fp32 partial is the widest), after the block's header (``RAIL_HEADER_BYTES``, or one per
+    GPU of the node in a combine: ``MAX_NODE_HEADERS``), 64-byte aligned."""
+    return round_up(MAX_NODE_HEADERS * RAIL_HEADER_BYTES + max_tokens * max_row_bytes(hidden), 64)

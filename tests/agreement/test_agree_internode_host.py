@@ -3,7 +3,9 @@ hier_normal.py over HierComm, every rank a thread (tests/helpers/threaded_world.
 fingerprints Buffer would pass. Where rank 1 disagrees about a call (fresh dispatch, cached dispatch, combine,
 another kind of call, a call it rejected) every other rank raises the ValueError of agreement.check over every
 rank's words (the reference backend's text), every rank has made the same exchange rounds, and the next agreeing
-calls equal the reference backend bit for bit. The kernels' path (the same words in the header of each rail
+calls equal the reference backend bit for bit. The same at 2 nodes x 2 GPUs, where the words take both hops (the
+rail and the NVLink stage) and the odd rank is also one that shares neither a node nor a rail with rank 0. The
+kernels' path (the same words in the header of each rail
 block) runs in tests/agreement/test_agree_internode_gpu.py."""
 from __future__ import annotations
 
@@ -40,13 +42,16 @@ def _outcome(f):
         return str(e)
 
 
-def _worker(world: World):
+def _worker(world: World, odd_rank: int = 1):
+    R, G = world.world_size, world.gpus
+
     def fn(rank: int):
-        tr = RailTransport(world, rank, rail_slot_bytes(M, H), range(R), whole_slots=True)
-        comm = HierComm(tr, NodeArea(world, rank), rank, R, 1, torch.device("cpu"))
+        rail = [r for r in range(R) if r % G == rank % G]
+        tr = RailTransport(world, rank, rail_slot_bytes(M, H), rail, whole_slots=True)
+        comm = HierComm(tr, NodeArea(world, rank), rank, R, G, torch.device("cpu"))
         ref = ThreadComm(world, rank)
         steps = []  # (this rank's words, outcome) per call
-        odd = rank == 1
+        odd = rank == odd_rank
 
         def step(words, f):
             steps.append((words, _outcome(f)))
@@ -88,7 +93,8 @@ def _worker(world: World):
             words6 = agreement.dispatch(6, BUF, x, idx, w, E, None)
             step(words6, lambda: dispatch(comm, x, idx, w, E, None, 1, fingerprint=words6))
         # call 7: rank 1 makes a cached dispatch, the others a combine; call 8: a fresh dispatch against a combine
-        for call, rank1_call in ((7, "cached"), (8, "fresh")):
+        # (calls of different kinds meet safely only with one GPU per node)
+        for call, rank1_call in ((7, "cached"), (8, "fresh")) if G == 1 else ():
             if odd and rank1_call == "cached":
                 words = agreement.dispatch(call, BUF, x, None, w, E, h1)
                 step(words, lambda: dispatch(comm, x, None, w, E, h1, 1, fingerprint=words))
@@ -157,6 +163,36 @@ def test_internode_ranks_that_disagree_raise_on_every_rank():
     assert raised[6].startswith("call order: the ranks are in different calls on this Buffer (combine #7 on ranks "
                                 "0, 2 vs dispatch #7 on rank 1)")
     assert raised[7].startswith("call order:")
+
+
+@pytest.mark.parametrize("odd_rank", [1, 3])
+def test_internode_ranks_that_disagree_raise_on_every_rank_at_two_gpus_per_node(odd_rank):
+    """2 nodes x 2 GPUs: a fresh dispatch (count exchange), a cached dispatch (rail, then NVLink stage) and a combine
+    (NVLink stage, then rail) carry every rank's words to every rank; rank 3 shares neither node nor rail with 0."""
+    R2, G2 = 4, 2
+    world = World(R2, G2, area_bytes=R2 * M * max_node_row_bytes(H) + hier_agree.strip_bytes(R2), timeout_s=120.0)
+    out = run(world, _worker(world, odd_rank))
+    assert len({r for _, r in out}) == 1, f"ranks made different exchange rounds: {[r for _, r in out]}"
+    steps = [s for s, _ in out]
+    assert {len(s) for s in steps} == {9}
+    raised = []
+    for call in range(9):
+        rows = [steps[r][call][0] for r in range(R2)]
+        want = _expected(rows)
+        for r in range(R2):
+            got = steps[r][call][1]
+            if got != REJECTED:
+                assert got == want, f"call {call + 1}, rank {r}: {got!r} != {want!r}"
+        raised.append(want)
+    others = ", ".join(str(r) for r in range(R2) if r != odd_rank)
+    assert raised[0] == "ok" and raised[6:] == ["ok"] * 3
+    assert raised[1].startswith("num_experts: the value differs across ranks in dispatch call #2 on this Buffer: "
+                                f"12 on ranks {others} vs 24 on rank {odd_rank}")
+    assert raised[2].startswith("x: the hidden size differs across ranks in dispatch call #3")
+    assert raised[3].startswith("topk_weights: whether it is given differs")
+    assert raised[4] == (f"topk_weights: rank {odd_rank} rejected combine call #5 on this Buffer (see that rank's "
+                         "error); no rank ran the call")
+    assert raised[5].startswith(f"topk_idx: rank {odd_rank} rejected dispatch call #6")
 
 
 @pytest.mark.parametrize("fresh", [True, False])
