@@ -22,7 +22,7 @@ inline Fingerprint fingerprint_of(const Words& w) {
   return f;
 }
 
-// Flags of NvlContext.dispatch_call (deepcomm/cuda/nvl_calls.py names them; exported as DISPATCH_FLAGS).
+// Flags of NvlContext.dispatch_call (deepcomm/nvlink/backend.py names them; exported as DISPATCH_FLAGS).
 enum DispatchFlag : int {
   kCallBegin = 1, kCallNotify = 2, kCallBump = 4, kCallPayload = 8, kCallWait = 16, kCallFinish = 32,
   kCallWaitCaller = 64, kCallCallerWaits = 128, kCallReportInvalid = 256,

@@ -1,21 +1,59 @@
 // deepcomm._C.transport, hierarchical kernels (csrc/kernels/hier_kernels.hpp): the launch of one internode
-// dispatch or combine. The Python side (deepcomm/internode/hier_kernels.py) passes the launch's fields as a dict of
-// ints (pointers, sizes) and lists of ints; a missing key raises KeyError, a bad value ValueError.
+// dispatch or combine. The Python side (deepcomm/internode/hier_kernels.py) builds the typed arguments
+// (hier_launch.hpp: HierLaunch, HierDispatchLaunch, HierCombineLaunch, every field a keyword, checked when built).
 #include <pybind11/stl.h>
-
-#include <stdexcept>
-#include <string>
-#include <vector>
 
 #include "../kernels/hier_kernels.hpp"
 #include "../transport/device_qp_layout.hpp"
-#include "hier_fields.hpp"
+#include "hier_launch.hpp"
 #include "registry.hpp"
+#include "typed_args.hpp"
 
 namespace py = pybind11;
 using namespace dc;
 using namespace dc::transport;
-using namespace dc::bindings::hier_fields;
+
+namespace {
+
+void register_launch_args(py::module_& m) {
+  using L = dc::bindings::HierLaunch;
+  dc::bindings::ArgsClass<L>(m, "HierLaunch", "What every hierarchical launch shares (hier_kernels.hpp HierTopo, "
+                                              "HierRdma, HierNode, the counters and role split, the wait context)")
+      .field("num_nodes", &L::num_nodes).field("gpus", &L::gpus).field("node", &L::node).field("local", &L::local)
+      .field("peers", &L::peers).field("num_peers", &L::num_peers).field("lkey", &L::lkey).field("round", &L::round)
+      .field("chunk_bytes", &L::chunk_bytes).field("log_wqebbs", &L::log_wqebbs).field("log_cqes", &L::log_cqes)
+      .field("send", &L::send).field("recv", &L::recv).field("signal", &L::signal)
+      .field("signal_target", &L::signal_target).field("credit", &L::credit).field("nvshmem_puts", &L::nvshmem_puts)
+      .field("slot_bytes", &L::slot_bytes).field("header_bytes", &L::header_bytes)
+      .field("emulate_nic", &L::emulate_nic).field("nic_blocks", &L::nic_blocks)
+      .field("area", &L::area).field("free_words", &L::free_words).field("arrive_words", &L::arrive_words)
+      .field("epoch", &L::epoch).field("counters", &L::counters).field("rdma_blocks", &L::rdma_blocks)
+      .field("nvl_blocks", &L::nvl_blocks).field("err_dev", &L::err_dev).field("timeout_s", &L::timeout_s)
+      .field("seq_ptr", &L::seq_ptr)
+      .done();
+
+  using D = dc::bindings::HierDispatchLaunch;
+  dc::bindings::ArgsClass<D>(m, "HierDispatchLaunch", "One hierarchical dispatch (hier_kernels.hpp HierDispatchArgs)")
+      .field("common", &D::common).field("rows", &D::rows).field("stride", &D::stride)
+      .field("mask_off", &D::mask_off).field("num_tokens", &D::num_tokens).field("masks", &D::masks)
+      .field("rdma_slot", &D::rdma_slot).field("rows_to", &D::rows_to).field("rows_from", &D::rows_from)
+      .field("first_row", &D::first_row).field("route", &D::route).field("singles", &D::singles)
+      .field("max_rows", &D::max_rows)
+      .done();
+
+  using Cb = dc::bindings::HierCombineLaunch;
+  dc::bindings::ArgsClass<Cb>(m, "HierCombineLaunch", "One hierarchical combine (hier_kernels.hpp HierCombineArgs)")
+      .field("common", &Cb::common).field("held", &Cb::held).field("held_stride", &Cb::held_stride)
+      .field("w_off", &Cb::w_off).field("hidden", &Cb::hidden).field("topk", &Cb::topk).field("fp8", &Cb::fp8)
+      .field("own_x", &Cb::own_x).field("own_w", &Cb::own_w).field("own_begin", &Cb::own_begin)
+      .field("gather", &Cb::gather).field("route", &Cb::route).field("singles", &Cb::singles)
+      .field("max_rows", &Cb::max_rows).field("rows_from", &Cb::rows_from).field("area_off", &Cb::area_off)
+      .field("partial_stride", &Cb::partial_stride).field("recv_off", &Cb::recv_off)
+      .field("num_tokens", &Cb::num_tokens).field("out_x", &Cb::out_x).field("out_w", &Cb::out_w)
+      .done();
+}
+
+}  // namespace
 
 void dc::bindings::register_hier(py::module_& m) {
   m.attr("HIER_MAX_NODES") = kHierMaxNodes;
@@ -26,16 +64,15 @@ void dc::bindings::register_hier(py::module_& m) {
   m.attr("STAGE_HIER_ARRIVE") = int(kStageHierArrive);
   m.attr("STAGE_HIER_LOCAL") = int(kStageHierLocal);
   m.attr("NVSHMEM_CHUNKS") = kNvshmemChunks;  // put-with-signal chunks per rail block (hier_kernels.hpp)
+  register_launch_args(m);
 
-  m.def("hier_dispatch", [](const py::dict& d, const KeyTable& keys, uintptr_t stream) {
-    const HierDispatchArgs a = dispatch_args(d);
-    launch_hier_dispatch(a, keys, ctx_of(d, a.topo.rank), reinterpret_cast<cudaStream_t>(stream));
-  }, py::arg("fields"), py::arg("keys"), py::arg("stream"),
-     "Launch one hierarchical internode dispatch (csrc/kernels/hier_kernels.hpp); fields: a dict of ints.");
+  m.def("hier_dispatch", [](const HierDispatchLaunch& l, const KeyTable& keys, uintptr_t stream) {
+    launch_hier_dispatch(l.args(), keys, l.common.wait_ctx(), reinterpret_cast<cudaStream_t>(stream));
+  }, py::arg("launch"), py::arg("keys"), py::arg("stream"),
+     "Launch one hierarchical internode dispatch (csrc/kernels/hier_kernels.hpp).");
 
-  m.def("hier_combine", [](const py::dict& d, const KeyTable& keys, uintptr_t stream) {
-    const HierCombineArgs a = combine_args(d);
-    launch_hier_combine(a, keys, ctx_of(d, a.topo.rank), reinterpret_cast<cudaStream_t>(stream));
-  }, py::arg("fields"), py::arg("keys"), py::arg("stream"),
-     "Launch one hierarchical internode combine (csrc/kernels/hier_kernels.hpp); fields: a dict of ints.");
+  m.def("hier_combine", [](const HierCombineLaunch& l, const KeyTable& keys, uintptr_t stream) {
+    launch_hier_combine(l.args(), keys, l.common.wait_ctx(), reinterpret_cast<cudaStream_t>(stream));
+  }, py::arg("launch"), py::arg("keys"), py::arg("stream"),
+     "Launch one hierarchical internode combine (csrc/kernels/hier_kernels.hpp).");
 }

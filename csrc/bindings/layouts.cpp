@@ -1,5 +1,5 @@
-// deepcomm._C layouts: the NVLink buffer's and a dispatch output's offsets, and the combine row sizes, computed in
-// C++ (the single source of offsets).
+// deepcomm._C layouts: the NVLink buffer's, a dispatch output's and a fresh dispatch workspace's offsets, and the
+// combine row sizes, computed in C++ (the single source of offsets).
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
@@ -24,6 +24,17 @@ void register_layouts(py::module_& m) {
     d["src_idx"] = o.src_idx; d["total"] = o.total;
     return d;
   });
+  // a fresh dispatch's int32 workspace (offsets in int32 elements; deepcomm/nvlink/backend.py caches them)
+  m.def("fresh_dispatch_work", [](int64_t tokens, int ranks, int local_experts, int64_t rows) {
+    if (tokens < 0 || ranks < 1 || local_experts < 0 || rows < 0)
+      throw py::value_error("fresh_dispatch_work: tokens, local_experts and rows must be >= 0, ranks >= 1");
+    FreshDispatchWork w(tokens, ranks, local_experts, rows);
+    py::dict d;
+    d["send_pos"] = w.send_pos; d["notify_out"] = w.notify_out; d["count_matrix"] = w.count_matrix;
+    d["per_expert"] = w.per_expert; d["bad_all"] = w.bad_all; d["src_idx"] = w.src_idx; d["in_rank"] = w.in_rank;
+    d["total"] = w.total;
+    return d;
+  }, py::arg("tokens"), py::arg("ranks"), py::arg("local_experts"), py::arg("rows"));
   m.def("combine_row_bytes", &combine_row_bytes);
   m.def("combine_fp8_row_bytes", &combine_fp8_row_bytes);
 }

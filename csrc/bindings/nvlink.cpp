@@ -1,5 +1,7 @@
 // deepcomm._C normal mode over NVLink: NvlContext (the layout kernel; notify, dispatch, combine in one crossing
-// each; csrc/runtime/nvl_calls.hpp). Argument order is positional: deepcomm/cuda/nvl_calls.py is the caller.
+// each; csrc/runtime/nvl_calls.hpp). Argument order is positional: deepcomm/nvlink/backend.py is the caller.
+// dispatch_call and combine_call stay positional, not typed argument structs (typed_args.hpp): they are on the
+// host-time-critical path, and every attribute Python sets on a struct costs host time per call.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -79,7 +81,7 @@ void register_nvlink(py::module_& m) {
       // One normal dispatch crossing (csrc/runtime/nvl_calls.hpp): the steps in `flags`, then
       // (status, num_recv, bad_all, bad_mine, aligned rows per local expert, DispatchOutLayout offsets + total,
       // microseconds the host waited for the counts).
-      // Argument order: stream order | notify | payload | the rest; deepcomm/cuda/nvl_calls.py is its one caller.
+      // Argument order: stream order | notify | payload | the rest; deepcomm/nvlink/backend.py is its one caller.
       .def("dispatch_call", [](const NvlContext& c, int flags, uintptr_t caller, uintptr_t comm, uintptr_t previous,
                                uintptr_t start, uintptr_t end,
                                uintptr_t topk_idx, int T, int K, int E, uintptr_t in_rank, uintptr_t send_pos,

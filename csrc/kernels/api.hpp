@@ -44,7 +44,7 @@ struct NotifyArgs {
   int num_tokens, topk, num_experts;
   bool* is_token_in_rank;   // [T][R]
   int* send_pos;            // [T][R]
-  int* notify_out;          // [R*R + L + 2]
+  int* notify_out;          // [R*R + L + 2]: NotifyOut (runtime/nvl_layout.hpp)
   DispatchCounts* host_counts;  // device view of mapped host memory, or null
   uint64_t host_tag;
   Fingerprint agree;        // this call's words (agree_record.hpp; w[0] == 0: no agreement). They travel with

@@ -151,6 +151,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
   // Our row of the count matrix, each peer's expert counts and our count of invalid expert ids go to row
   // `rank` of its notify_counts, so every rank learns when any rank's input was bad and all of them stop.
   const int row_len = R + L + 1;
+  const NotifyOut out(R, L);  // where the results go in a.notify_out (nvl_layout.hpp)
   const bool agree = agree_on(a.agree);
   // the call's words go first to every peer (its slot for us), released before the counts' flag below
   if (agree && tid < R) agree_publish(peers.base[tid] + layout.agree_at(ctx.seq) + int64_t(rank) * kAgreeSlotBytes,
@@ -176,8 +177,8 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
     if (ar.status < 0) return;
     if (ar.status == 0) {
       if (tid == 0) {
-        a.notify_out[R * R + L] = -1;
-        a.notify_out[R * R + L + 1] = 0;
+        a.notify_out[out.bad_all] = -1;
+        a.notify_out[out.bad_mine] = 0;
         if (host != nullptr) {
           host->num_recv = 0;
           host->bad_all = 0;
@@ -203,11 +204,11 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
   if (!ok) return;  // the host sees the error record instead of the tag
   const int* counts = reinterpret_cast<const int*>(self + layout.notify_counts);
   for (int i = tid; i < R * R; i += blockDim.x)
-    a.notify_out[i] = ptx::ld_volatile_s32(counts + (i / R) * row_len + i % R);
+    a.notify_out[out.count_matrix + i] = ptx::ld_volatile_s32(counts + (i / R) * row_len + i % R);
   for (int l = tid; l < L; l += blockDim.x) {
     int sum = 0;
     for (int s = 0; s < R; ++s) sum += ptx::ld_volatile_s32(counts + s * row_len + R + l);
-    a.notify_out[R * R + l] = sum;
+    a.notify_out[out.per_expert + l] = sum;
     if (host != nullptr) host->per_expert[l] = sum;
   }
   if (tid == 0) {
@@ -216,8 +217,8 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
       bad += ptx::ld_volatile_s32(counts + s * row_len + R + L);
       recv += ptx::ld_volatile_s32(counts + s * row_len + rank);
     }
-    a.notify_out[R * R + L] = bad;
-    a.notify_out[R * R + L + 1] = sh.invalid;
+    a.notify_out[out.bad_all] = bad;
+    a.notify_out[out.bad_mine] = sh.invalid;
     if (host != nullptr) {
       host->num_recv = recv;
       host->bad_all = bad;

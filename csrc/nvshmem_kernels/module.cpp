@@ -3,19 +3,22 @@
 // Optional: built only where NVSHMEM's headers and device library are found (setup.py), with relocatable device
 // code linked against libnvshmem_device.a; it needs libnvshmem_host.so.3 at run time, the same library
 // deepcomm._C opens with dlopen (one instance per process: the loader matches it by soname). It links neither
-// libtorch nor libcuda. Raw pointers and streams as ints, like deepcomm._C.
+// libtorch nor libcuda. Raw pointers and streams as ints, like deepcomm._C; the launches take the typed arguments
+// deepcomm._C.transport binds (HierDispatchLaunch, HierCombineLaunch: csrc/bindings/hier_launch.hpp), so
+// deepcomm._C must be imported first (the transports are its).
 #include <host/nvshmem_api.h>
 #include <pybind11/pybind11.h>
 
 #include <stdexcept>
 #include <string>
 
-#include "../bindings/hier_fields.hpp"
+#include "../bindings/hier_launch.hpp"
 #include "../transport/key_table.hpp"
 
 namespace py = pybind11;
 using namespace dc;
-using namespace dc::bindings::hier_fields;
+using dc::bindings::HierCombineLaunch;
+using dc::bindings::HierDispatchLaunch;
 
 namespace {
 
@@ -55,14 +58,12 @@ PYBIND11_MODULE(_nvshmem_kernels, m) {
   m.def("init_device_state", &init_device_state,
         "Register this module's NVSHMEM device state (NVSHMEM must be initialized); idempotent.");
   m.def("device_state_ready", [] { return g_device_state; });
-  m.def("hier_dispatch", [](const py::dict& d, uintptr_t stream) {
+  m.def("hier_dispatch", [](const HierDispatchLaunch& l, uintptr_t stream) {
     require_device_state("hier_dispatch");
-    const HierDispatchArgs a = dispatch_args(d);
-    launch_hier_dispatch(a, transport::KeyTable{}, ctx_of(d, a.topo.rank), reinterpret_cast<cudaStream_t>(stream));
-  }, py::arg("fields"), py::arg("stream"), "Launch one hierarchical dispatch whose RDMA hop is NVSHMEM device puts.");
-  m.def("hier_combine", [](const py::dict& d, uintptr_t stream) {
+    launch_hier_dispatch(l.args(), transport::KeyTable{}, l.common.wait_ctx(), reinterpret_cast<cudaStream_t>(stream));
+  }, py::arg("launch"), py::arg("stream"), "Launch one hierarchical dispatch whose RDMA hop is NVSHMEM device puts.");
+  m.def("hier_combine", [](const HierCombineLaunch& l, uintptr_t stream) {
     require_device_state("hier_combine");
-    const HierCombineArgs a = combine_args(d);
-    launch_hier_combine(a, transport::KeyTable{}, ctx_of(d, a.topo.rank), reinterpret_cast<cudaStream_t>(stream));
-  }, py::arg("fields"), py::arg("stream"), "Launch one hierarchical combine whose RDMA hop is NVSHMEM device puts.");
+    launch_hier_combine(l.args(), transport::KeyTable{}, l.common.wait_ctx(), reinterpret_cast<cudaStream_t>(stream));
+  }, py::arg("launch"), py::arg("stream"), "Launch one hierarchical combine whose RDMA hop is NVSHMEM device puts.");
 }

@@ -115,4 +115,35 @@ struct DispatchOutLayout {
   }
 };
 
+
+// The notify kernel's results for a fresh dispatch (NotifyArgs::notify_out), in int32 elements:
+//   count_matrix [R][R] (row s: tokens rank s sends to each rank) | tokens per local expert [L] (summed over
+//   sources, not aligned) | expert ids outside [-1, E) on all ranks (-1: the ranks' calls differ) | on ours
+struct NotifyOut {
+  int64_t count_matrix, per_expert, bad_all, bad_mine, total;
+  DC_HD NotifyOut(int ranks, int local_experts)
+      : count_matrix(0), per_expert(int64_t(ranks) * ranks), bad_all(per_expert + local_experts),
+        bad_mine(bad_all + 1), total(bad_mine + 1) {}
+};
+
+// A fresh dispatch's workspace: one int32 allocation the host makes per call (deepcomm/nvlink/backend.py), which
+// the handle's routing tensors view. Offsets in int32 elements; every part starts at a multiple of 16 bytes
+// (compiled graphs, e.g. inductor, assume aligned operator outputs):
+//   send_pos [T][R] | notify_out (NotifyOut; count_matrix, per_expert and bad_all are its parts, offset here) |
+//   the handle's src_idx copy [rows it can receive] | is_token_in_rank bool [T][R] (bytes from 4 * in_rank)
+struct FreshDispatchWork {
+  int64_t send_pos, notify_out, count_matrix, per_expert, bad_all, src_idx, in_rank, total;
+  DC_HD FreshDispatchWork(int64_t tokens, int ranks, int local_experts, int64_t rows) {
+    const NotifyOut n(ranks, local_experts);
+    send_pos = 0;
+    notify_out = align_up(tokens * ranks, 4);
+    count_matrix = notify_out + n.count_matrix;
+    per_expert = notify_out + n.per_expert;
+    bad_all = notify_out + n.bad_all;
+    src_idx = align_up(notify_out + n.total, 4);
+    in_rank = align_up(src_idx + rows, 4);
+    total = in_rank + (tokens * ranks + 3) / 4;  // is_token_in_rank's T * R bytes, in whole int32 elements
+  }
+};
+
 }  // namespace dc

@@ -123,15 +123,16 @@ class HierKernels:
         self.agreement.raise_pending()
 
     # ---- one launch ----
-    def _fields(self, **kw) -> dict:
-        """The fields every launch shares; starts the launch's exchange round and node epoch."""
+    def _common(self):
+        """The part every launch shares (deepcomm._C.transport.HierLaunch, checked when built); starts the
+        launch's exchange round and node epoch."""
         comm, tr, link = self.comm, self.tr, self.link
         tr.refuse_if_broken()
         tr.round += 1
         tr.seq.fill_(tr.round)
         self.counters.zero_()
         puts = self.device_puts is not None
-        fields = dict(
+        return tr.T.HierLaunch(
             num_nodes=comm.num_nodes, gpus=comm.gpus, node=comm.node, local=comm.local,
             peers=0 if puts else self.peer_table.data_ptr(), num_peers=len(tr.peers), lkey=0 if puts else tr.lkey,
             round=tr.round, chunk_bytes=CHUNK_BYTES,
@@ -143,22 +144,29 @@ class HierKernels:
             area=link.area_ptrs(), free_words=link.word_ptrs("free"), arrive_words=link.word_ptrs("arrive"),
             epoch=link.next_epoch(), counters=self.counters.data_ptr(), rdma_blocks=self.rdma_blocks,
             nvl_blocks=self.nvl_blocks, err_dev=tr.err_dev, timeout_s=tr.timeout_s, seq_ptr=tr.seq.data_ptr())
-        fields.update(kw)
-        return fields
 
-    def _launch(self, kernel: str, fields: dict, fingerprint=None) -> None:
-        """Launch ``kernel`` ("hier_dispatch" or "hier_combine") of the transport's module on the current stream;
-        no host sync (its waits report to the error record, read at the next call). ``fingerprint``: the call's
-        words, when this launch is the call's first exchange: they go in the header of every section, and what
-        the rail ranks sent is compared once its copy has run (deferred_agree.py)."""
+    def dispatch_launch(self, **fields):
+        """One dispatch launch's typed arguments (HierDispatchLaunch): the shared part, then ``fields``."""
+        return self.tr.T.HierDispatchLaunch(common=self._common(), **fields)
+
+    def combine_launch(self, **fields):
+        """One combine launch's typed arguments (HierCombineLaunch): the shared part, then ``fields``."""
+        return self.tr.T.HierCombineLaunch(common=self._common(), **fields)
+
+    def _launch(self, kernel: str, launch, fingerprint=None) -> None:
+        """Launch ``kernel`` ("hier_dispatch" or "hier_combine") of the transport's module with its typed
+        arguments ``launch`` on the current stream; no host sync (its waits report to the error record, read at
+        the next call). ``fingerprint``: the call's words, when this launch is the call's first exchange: they go
+        in the header of every section, and what the rail ranks sent is compared once its copy has run
+        (deferred_agree.py)."""
         comm = self.comm
         stream = torch.cuda.current_stream(comm.device)
         if fingerprint is not None:
             write_headers(self.tr, fingerprint, comm.device)
         if self.device_puts is not None:
-            getattr(self.device_puts, kernel)(fields, stream.cuda_stream)
+            getattr(self.device_puts, kernel)(launch, stream.cuda_stream)
         else:
-            getattr(self.tr.T, kernel)(fields, self.tr.keys, stream.cuda_stream)
+            getattr(self.tr.T, kernel)(launch, self.tr.keys, stream.cuda_stream)
         if fingerprint is not None:
             self.agreement.add(self.tr, comm.rail(), comm.rank, fingerprint)
 
@@ -321,7 +329,7 @@ def dispatch(k: HierKernels, x, topk_idx: Optional[torch.Tensor], topk_weights: 
     slots = plan["rdma_slot"]
     first = device_table(plan["first_row"], torch.int32, dev)
     with torch.cuda.device(dev):
-        k._launch("hier_dispatch", k._fields(
+        k._launch("hier_dispatch", k.dispatch_launch(
             rows=packed.data_ptr(), stride=stride, mask_off=mask_off, num_tokens=T,
             masks=masks.data_ptr() if masks is not None else 0, rdma_slot=slots.data_ptr(), rows_to=rows_to,
             rows_from=rows_from, first_row=first.data_ptr(), route=route.data_ptr(), singles=singles.data_ptr(),
@@ -384,7 +392,7 @@ def combine(k: HierKernels, x: torch.Tensor, handle: Handle, topk_weights: Optio
     gather_t = device_table(gather, torch.int64, dev)
     area_t = device_table(area_off, torch.int64, dev)
     with torch.cuda.device(dev):
-        k._launch("hier_combine", k._fields(
+        k._launch("hier_combine", k.combine_launch(
             held=rows.data_ptr(), held_stride=held_stride, w_off=w_off, hidden=H, topk=K, fp8=bool(use_fp8),
             own_x=xs.data_ptr(), own_w=w.data_ptr() if w is not None else 0, own_begin=begins[rank],
             gather=gather_t.data_ptr(), route=info.route.data_ptr(), singles=info.singles.data_ptr(),

@@ -48,6 +48,9 @@ def _load_flags(C) -> None:
         g[name.upper()] = bit
 
 
+# FreshDispatchWork's offsets in the order _work_layout returns them (csrc/runtime/nvl_layout.hpp)
+WORK_PARTS = ("send_pos", "notify_out", "count_matrix", "per_expert", "bad_all", "src_idx", "in_rank", "total")
+
 EVENT_RING = 8            # end-of-call events a Buffer cycles through (Buffer.event is the newest)
 
 
@@ -94,11 +97,6 @@ def _carve(arena: Arena, reserved, lay, n: int, call: _Call, with_idx: bool, bou
     if call.weights is not None:
         out["topk_weights"] = views[i]
     return out
-
-
-def _align4(n: int) -> int:
-    """``n`` int32 elements rounded up to a multiple of four (16 bytes)."""
-    return (n + 3) & ~3
 
 
 def _current_stream(device_index: int) -> int:
@@ -180,6 +178,7 @@ class CudaBackend:
         self._tag = 0  # the host's number for a fresh dispatch's counts (csrc/runtime/dispatch_counts.hpp)
         self._capacity_rows = world_size * config.max_tokens_per_rank  # rows a rank can receive
         self._out_bytes_cache = {}
+        self._work_cache = {}  # fresh dispatch workspace layouts by (T, L, rows) (_work_layout)
         self.bounced_calls = 0  # dispatches whose rows went through the bounce area (diagnostics)
         self.last_wait_us = 0.0  # host time the last fresh dispatch waited for its counts (diagnostics)
         # the host waits for a fresh dispatch's counts a little longer than the kernels wait for their peers, so a
@@ -339,21 +338,19 @@ class CudaBackend:
                num_worst_tokens: int):
         R, T = self.world_size, call.values.shape[0]
         L = num_experts // R
-        n_out = R * R + L + 2
-        # One int32 allocation: send_pos [T, R] | notify_out [R*R + L + 2] (count matrix, tokens per local
-        # expert, bad-id counts) | the handle's src_idx copy [rows it can receive] | is_token_in_rank's bytes
-        # [T, R]; the handle's views of it are made when first read (deepcomm/handle.py WorkspaceView).
-        # every part starts at a multiple of 16 bytes: compiled graphs (inductor) assume aligned operator outputs
-        notify_at = _align4(T * R)
-        src_at = _align4(notify_at + n_out)
-        in_rank_at = _align4(src_at + (num_worst_tokens or self._capacity_rows))
-        work = torch.empty(in_rank_at + (T * R + 3) // 4, dtype=torch.int32, device=self.device)
+        # One int32 allocation: send_pos | notify_out (count matrix, tokens per local expert, bad-id counts) | the
+        # handle's src_idx copy | is_token_in_rank's bytes, carved by FreshDispatchWork (csrc/runtime/nvl_layout.hpp);
+        # the handle's views of it are made when first read (deepcomm/handle.py WorkspaceView).
+        send_at, notify_at, counts_at, per_expert_at, bad_at, src_at, in_rank_at, total = self._work_layout(
+            T, L, num_worst_tokens or self._capacity_rows)
+        work = torch.empty(total, dtype=torch.int32, device=self.device)
         work_ptr = work.data_ptr()
+        send_ptr = work_ptr + 4 * send_at
         notify_ptr = work_ptr + 4 * notify_at
-        invalid_ptr = notify_ptr + 4 * (R * R + L)
+        invalid_ptr = work_ptr + 4 * bad_at
         src_ptr = work_ptr + 4 * src_at
         rows = num_worst_tokens if num_worst_tokens else -1  # -1: the kernel carves for the rows that arrive
-        args = (topk_idx.data_ptr(), T, num_experts, work_ptr + 4 * in_rank_at, work_ptr, notify_ptr)
+        args = (topk_idx.data_ptr(), T, num_experts, work_ptr + 4 * in_rank_at, send_ptr, notify_ptr)
         reserved = self.arena.reserve(self._out_bytes(call, num_worst_tokens or self._capacity_rows))
         self._tag += 1
         if num_worst_tokens:
@@ -363,7 +360,7 @@ class CudaBackend:
             res = self._call(call, BEGIN | NOTIFY | PAYLOAD | REPORT_INVALID | (FINISH if reserved else 0),
                              *args, 0, notify_ptr, invalid_ptr, self.nvl.layout["arena"] + block_off, rows, 1,
                              src_ptr)
-            per_expert = self._device_counts(call, work[notify_at + R * R:notify_at + R * R + L], expert_alignment)
+            per_expert = self._device_counts(call, work[per_expert_at:per_expert_at + L], expert_alignment)
         elif reserved is not None:
             # The payload is launched right behind notify, into a block reserved for the worst case; the wait for
             # the counts overlaps it, and the block's unused tail goes back to the arena.
@@ -389,8 +386,8 @@ class CudaBackend:
         recv = _Recv(out, per_expert, (work,))
         handle = Handle(buffer_id=-1, num_experts=num_experts, num_tokens=T, hidden=call.values.shape[1],
                         num_recv=n, is_token_in_rank=WorkspaceView(work, (T, R), (R, 1), 4 * in_rank_at, torch.bool),
-                        send_pos=WorkspaceView(work, (T, R), (R, 1), 0),
-                        count_matrix=WorkspaceView(work, (R, R), (R, 1), notify_at),
+                        send_pos=WorkspaceView(work, (T, R), (R, 1), send_at),
+                        count_matrix=WorkspaceView(work, (R, R), (R, 1), counts_at),
                         recv_src_idx=WorkspaceView(work, (n,), (1,), src_at), num_recv_tokens_per_expert=per_expert)
         return recv, handle
 
@@ -452,6 +449,19 @@ class CudaBackend:
             if len(self._out_bytes_cache) < 256:
                 self._out_bytes_cache[key] = total
         return total
+
+    def _work_layout(self, T: int, L: int, rows: int) -> tuple:
+        """A fresh dispatch's workspace offsets (int32 elements) for ``T`` tokens, ``L`` local experts and room for
+        ``rows`` received rows, as the C++ side computes them (FreshDispatchWork): ``(send_pos, notify_out,
+        count_matrix, per_expert, bad_all, src_idx, in_rank, total)``. Cached: a crossing per call costs host time."""
+        key = (T, L, rows)
+        lay = self._work_cache.get(key)
+        if lay is None:
+            w = self.C.fresh_dispatch_work(T, self.world_size, L, rows)
+            lay = tuple(w[k] for k in WORK_PARTS)
+            if len(self._work_cache) < 256:
+                self._work_cache[key] = lay
+        return lay
 
     def _outputs(self, call: "_Call", reserved, lay, n: int, with_idx: bool):
         """The output tensors over the output block (DispatchOutLayout offsets ``lay`` for ``n`` rows). Rows that

@@ -41,7 +41,7 @@ class FakeCtx:
                       out_rows, num_blocks, alignment, src_copy, timeout_s, fingerprint):
         self.calls.append(dict(flags=flags, wait=wait, run=run, prev=prev, end=end, tag=tag, out_block=out_block,
                                out_rows=out_rows, invalid=invalid, alignment=alignment, src_copy=src_copy,
-                               fingerprint=fingerprint))
+                               fingerprint=fingerprint, in_rank=in_rank, send_pos=send_pos, notify_out=notify_out))
         waited = flags & B.WAIT
         n = out_rows if out_rows >= 0 else (T if self.recv is None else self.recv) if waited else -1
         if waited and self.status:
@@ -107,6 +107,7 @@ def env(monkeypatch):
     b.errors = CallErrors(b.nvl)
     b.meet = ModeMeet(b.nvl, b.device)
     b._capacity_rows, b._out_bytes_cache, b.last_wait_us, b.bounced_calls = 256, {}, 0.0, 0
+    b._work_cache = {}
     b._wait_timeout_s = 8.5
     state.b, state.ctx = b, b.nvl.ctx
     return state
@@ -140,6 +141,70 @@ def test_plain_fresh_dispatch_is_one_crossing_on_the_callers_stream(env):
     assert b.arena.nbytes - b.arena.free_bytes() == -(-used // 256) * 256
     del recv_x, recv_idx, recv_w, h
     assert b.arena.free_bytes() == b.arena.nbytes  # the block returns when its last view dies
+
+
+def test_fresh_dispatch_workspace_is_carved_by_the_exported_layout(env):
+    """The one int32 workspace of a fresh dispatch: each part the kernels get and each view of the handle sits where
+    C.fresh_dispatch_work puts it (FreshDispatchWork, csrc/runtime/nvl_layout.hpp), for outputs sized by the
+    arrival (room for the capacity rows) and worst-case ones (room for num_worst_tokens)."""
+    b, ctx = env.b, env.ctx
+    for worst, rows in ((0, b._capacity_rows), (100, 100)):
+        x, idx, w, E = _inputs()
+        *_, h = b.dispatch(x, idx, w, E, None, 1, num_worst_tokens=worst)
+        lay = C.fresh_dispatch_work(64, 1, E, rows)
+        call = ctx.calls[-1]
+        base = call["send_pos"] - 4 * lay["send_pos"]
+        work = h.__dict__["_send_pos"].base
+        assert work.data_ptr() == base and work.dtype == torch.int32 and work.numel() == lay["total"]
+        assert call["notify_out"] == base + 4 * lay["notify_out"]
+        assert call["invalid"] == base + 4 * lay["bad_all"]
+        assert call["src_copy"] == base + 4 * lay["src_idx"]
+        assert call["in_rank"] == base + 4 * lay["in_rank"]
+        assert h.count_matrix.data_ptr() == base + 4 * lay["count_matrix"]
+        assert h.recv_src_idx.data_ptr() == base + 4 * lay["src_idx"]
+        assert h.is_token_in_rank.data_ptr() == base + 4 * lay["in_rank"]
+        assert h.send_pos.data_ptr() == base + 4 * lay["send_pos"]
+    assert set(b._work_cache) == {(64, E, b._capacity_rows), (64, E, 100)}
+
+
+def test_fresh_dispatch_asks_the_extension_once_per_shape(env, monkeypatch):
+    """The workspace layout comes from the extension (a shifted answer moves every part) and is asked once per
+    (tokens, local experts, rows): a crossing per call would cost host time."""
+    asked = []
+
+    def shifted(tokens, ranks, local_experts, rows):
+        asked.append((tokens, ranks, local_experts, rows))
+        lay = C.fresh_dispatch_work(tokens, ranks, local_experts, rows)
+        return {k: v + 4 for k, v in lay.items()}
+
+    monkeypatch.setattr(env.b, "C", types.SimpleNamespace(fresh_dispatch_work=shifted,
+                                                        dispatch_out_layout=C.dispatch_out_layout))
+    _, _, _, _, h = _fresh(env.b)
+    _fresh(env.b)
+    assert asked == [(64, 1, 8, env.b._capacity_rows)]
+    lay = C.fresh_dispatch_work(64, 1, 8, env.b._capacity_rows)
+    call = env.ctx.calls[0]
+    base = h.__dict__["_send_pos"].base.data_ptr()
+    assert call["send_pos"] == base + 16 and h.send_pos.data_ptr() == base + 16
+    assert call["notify_out"] - base == 4 * lay["notify_out"] + 16
+    assert call["in_rank"] - base == 4 * lay["in_rank"] + 16
+
+
+def test_fresh_dispatch_work_parts_are_aligned_and_apart():
+    """FreshDispatchWork: send_pos [T*R] | notify_out [R*R + L + 2] | src_idx [rows] | in_rank bytes [T*R], each
+    part at a multiple of 16 bytes, none overlapping; count_matrix, per_expert and bad_all inside notify_out."""
+    for T, R, L, rows in ((0, 1, 0, 0), (1, 1, 1, 1), (64, 8, 32, 2048), (7, 3, 5, 9), (4096, 8, 288, 32768)):
+        w = C.fresh_dispatch_work(T, R, L, rows)
+        parts = [(w["send_pos"], T * R), (w["notify_out"], R * R + L + 2), (w["src_idx"], rows),
+                 (w["in_rank"], -(-T * R // 4))]
+        assert w["send_pos"] == 0
+        for (at, n), (nxt, _) in zip(parts, parts[1:] + [(w["total"], 0)]):
+            assert at % 4 == 0 and at + n <= nxt, (T, R, L, rows, w)
+        assert w["in_rank"] + -(-T * R // 4) == w["total"]
+        assert w["count_matrix"] == w["notify_out"]
+        assert w["per_expert"] == w["notify_out"] + R * R and w["bad_all"] == w["per_expert"] + L
+    with pytest.raises(ValueError, match="ranks"):
+        C.fresh_dispatch_work(1, 0, 1, 1)
 
 
 def test_fresh_dispatch_tags_each_call_and_waits_longer_than_the_kernels(env):
