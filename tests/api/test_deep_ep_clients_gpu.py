@@ -55,6 +55,8 @@ def _auto_size_worker(rank, world):
     from deepcomm.compat.deep_ep.sizes import START_HIDDEN, START_TOKENS
     deep_ep = _deep_ep()
     device = rank_device(rank)
+    # DeepEP's default 20 SMs exceed a rank's share when 8 ranks share one GPU: sized as a DeepEP user would
+    deep_ep.Buffer.set_num_sms(max(2, sms(20) // 2 * 2))
     group = dist.new_group(list(range(world)))
     hidden, num_experts = START_HIDDEN * 2, 4 * world
     cfg = deep_ep.Buffer.get_dispatch_config(world)
