@@ -10,6 +10,7 @@
 #include "../kernels/topk_max.hpp"
 #include "../runtime/agree_record.hpp"
 #include "../runtime/error_record.cuh"
+#include "../runtime/internode_layout.hpp"
 #include "args.hpp"
 #include "registry.hpp"
 
@@ -58,6 +59,8 @@ void register_constants(py::module_& m) {
     m.attr("DISPATCH_FLAGS") = f;
   }
   m.attr("FINGERPRINT_WORDS") = kFingerprintWords;
+  m.attr("RAIL_HEADER_BYTES") = kRailHeaderBytes;  // runtime/internode_layout.hpp
+  m.attr("MAX_NODE_HEADERS") = kMaxNodeHeaders;
 }
 
 }  // namespace dc::bindings

@@ -1,10 +1,14 @@
-// deepcomm._C layouts: the NVLink buffer's, a dispatch output's and a fresh dispatch workspace's offsets, and the
-// combine row sizes, computed in C++ (the single source of offsets).
+// deepcomm._C layouts: the NVLink buffer's, a dispatch output's and a fresh dispatch workspace's offsets, the
+// combine row sizes, and the internode path's row sizes and regions, computed in C++ (the single source of offsets).
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <string>
 
 #include "../kernels/api.hpp"
+#include "../kernels/node_barrier.hpp"
+#include "../runtime/internode_layout.hpp"
+#include "../runtime/internode_limits.hpp"
 #include "../runtime/nvl_layout.hpp"
 #include "layout_dict.hpp"
 #include "registry.hpp"
@@ -37,6 +41,38 @@ void register_layouts(py::module_& m) {
   }, py::arg("tokens"), py::arg("ranks"), py::arg("local_experts"), py::arg("rows"));
   m.def("combine_row_bytes", &combine_row_bytes);
   m.def("combine_fp8_row_bytes", &combine_fp8_row_bytes);
+
+  // ---- the internode path (runtime/internode_layout.hpp; deepcomm/internode/ caches them per argument tuple) ----
+  m.def("internode_rows", [](int64_t max_tokens, int64_t hidden) {
+    if (max_tokens < 0) throw py::value_error("max_tokens: expected >= 0, got " + std::to_string(max_tokens));
+    if (hidden < 0) throw py::value_error("hidden: expected >= 0, got " + std::to_string(hidden));
+    InternodeRows r(max_tokens, hidden);
+    py::dict d;
+    d["node_row"] = r.node_row; d["rail_row"] = r.rail_row; d["slot"] = r.slot;
+    return d;
+  }, py::arg("max_tokens"), py::arg("hidden"));
+  m.def("nvshmem_region_layout", [](int64_t world_size, int64_t slot_bytes) {
+    if (world_size < 1 || world_size > kInternodeMaxRanks)
+      throw py::value_error("world_size: expected 1.." + std::to_string(kInternodeMaxRanks) + ", got " +
+                            std::to_string(world_size));
+    if (slot_bytes < 0 || slot_bytes % 16)
+      throw py::value_error("slot_bytes: expected a non-negative multiple of 16, got " + std::to_string(slot_bytes));
+    NvshmemRegion r(int(world_size), slot_bytes);
+    py::dict d;
+    d["signal"] = r.signal; d["credit"] = r.credit; d["send"] = r.send; d["recv"] = r.recv; d["total"] = r.total;
+    return d;
+  }, py::arg("world_size"), py::arg("slot_bytes"));
+  m.def("node_link_layout", [](int64_t gpus_per_node, int64_t area_bytes) {
+    if (gpus_per_node < 1 || gpus_per_node > kMaxNodeGpus)
+      throw py::value_error("gpus_per_node: expected 1.." + std::to_string(kMaxNodeGpus) + ", got " +
+                            std::to_string(gpus_per_node));
+    if (area_bytes < 0) throw py::value_error("area_bytes: expected >= 0, got " + std::to_string(area_bytes));
+    NodeLinkRegion r(int(gpus_per_node), area_bytes);
+    py::dict d;
+    d["flags"] = r.flags; d["free"] = r.free; d["arrive"] = r.arrive; d["area"] = r.area;
+    d["area_bytes"] = r.area_bytes; d["total"] = r.total;
+    return d;
+  }, py::arg("gpus_per_node"), py::arg("area_bytes"));
 }
 
 }  // namespace dc::bindings

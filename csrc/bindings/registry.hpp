@@ -7,7 +7,8 @@ namespace dc::bindings {
 
 void register_constants(pybind11::module_& m);    // constants.cpp: limits, WAIT_STAGES, LL_PHASES, DISPATCH_FLAGS
 void register_runtime(pybind11::module_& m);      // runtime.cpp: device facts, memory, error and agreement records
-void register_layouts(pybind11::module_& m);      // layouts.cpp: NVLink buffer, dispatch output, workspace
+void register_layouts(pybind11::module_& m);      // layouts.cpp: NVLink buffer, dispatch output, workspace,
+                                                  // internode rows and regions
 void register_nvlink(pybind11::module_& m);       // nvlink.cpp: the layout kernel, NvlContext (normal mode)
 void register_low_latency(pybind11::module_& m);  // low_latency.cpp: LlContext
 

@@ -9,6 +9,8 @@ nodes are not reachable over NVLink):
     arrive u64 [G]          arrive[i]: ... finished writing into ours; csrc/kernels/hier_kernels.hpp)
     area   bytes [area]     rows the node's GPUs put here during one NVLink stage (see hier_comm.NodeHop)
 
+The offsets are NodeLinkRegion's (csrc/runtime/internode_layout.hpp, ``deepcomm._C.node_link_layout``).
+
 ``put`` copies rows into a node GPU's area on the current stream (``cudaMemcpyAsync`` to the peer pointer: peer
 memory never becomes a torch tensor, whose device torch would infer from the pointer); ``fence`` launches the
 barrier on the same stream, so every put queued before it has landed in every node GPU before any of them runs
@@ -20,7 +22,6 @@ from typing import List
 
 import torch
 
-from ..cuda.align import round_up
 from ..cuda.arena import as_device_bytes
 from .exchange_record import RecordedWaits
 from ..cuda.peer_memory import PeerMemory
@@ -41,9 +42,9 @@ class NodeLink(RecordedWaits):
                              f"{C.transport.MAX_NODE_GPUS}")
         self.C, self.device, self.timeout_s = C, device, timeout_s
         self.gpus, self.local, self.first_rank = G, rank % G, rank - rank % G
-        self.flags_bytes = round_up(3 * 8 * G, 256)
-        self.area_bytes = round_up(area_bytes, 256)
-        self.mem = PeerMemory(C, group, rank, world_size, self.flags_bytes + self.area_bytes,
+        self.layout = C.node_link_layout(G, area_bytes)
+        self.flags_bytes, self.area_bytes = self.layout["area"], self.layout["area_bytes"]  # area after the words
+        self.mem = PeerMemory(C, group, rank, world_size, self.layout["total"],
                               peers=range(self.first_rank, self.first_rank + G))
         self.err_host = 0
         try:
@@ -65,8 +66,9 @@ class NodeLink(RecordedWaits):
 
     def word_ptrs(self, name: str) -> List[int]:
         """Every node GPU's ``free`` or ``arrive`` array as mapped here (ours at ``local``)."""
-        at = {"free": 1, "arrive": 2}[name] * 8 * self.gpus
-        return [b + at for b in self._bases]
+        if name not in ("free", "arrive"):
+            raise KeyError(name)
+        return [b + self.layout[name] for b in self._bases]
 
     def next_epoch(self) -> int:
         """The epoch of the next hierarchical kernel launch (the same sequence as the barrier's)."""

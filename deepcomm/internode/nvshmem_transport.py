@@ -27,33 +27,25 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..cuda.align import round_up
 from ..cuda.arena import as_device_bytes
 from .exchange_record import ExchangeRecord, check_round, peer_list
+from .internode_layout import nvshmem_region
 from .internode_rows import rail_slot_bytes
 
-REGION_ALIGN = 256
 TOTAL_FIELDS = ("credits", "puts", "signals", "bytes")  # per peer, counted on the host as issued
 
 
 def region_layout(world_size: int, slot_bytes: int) -> Tuple[Dict[str, int], int]:
-    """Offsets of the parts of a rank's symmetric block, and its size (256-byte aligned parts):
+    """Offsets of the parts of a rank's symmetric block, and its size (NvshmemRegion,
+    csrc/runtime/internode_layout.hpp; 256-byte aligned parts):
         signal  u64 [R]            signal[s]: the last round whose block from s has landed here
         credit  u64 [R]            credit[s]: the last round for which s has freed its receive slot for us
         send    bytes [R * slot]   our packed rows, grouped by destination
         recv    bytes [R][slot]    recv[s]: the block rank s sent us this round
+    ValueError for ``world_size`` outside 1..INTERNODE_MAX_RANKS or a ``slot_bytes`` not a multiple of 16.
     """
-    if world_size < 1:
-        raise ValueError(f"world_size: expected >= 1, got {world_size}")
-    if slot_bytes < 0 or slot_bytes % 16:
-        raise ValueError(f"slot_bytes: expected a non-negative multiple of 16, got {slot_bytes}")
-    off: Dict[str, int] = {}
-    at = 0
-    for name, nbytes in (("signal", 8 * world_size), ("credit", 8 * world_size), ("send", world_size * slot_bytes),
-                         ("recv", world_size * slot_bytes)):
-        off[name] = at
-        at = round_up(at + nbytes, REGION_ALIGN)
-    return off, at
+    lay = nvshmem_region(world_size, slot_bytes)
+    return {name: lay[name] for name in ("signal", "credit", "send", "recv")}, lay["total"]
 
 
 @dataclass(frozen=True)

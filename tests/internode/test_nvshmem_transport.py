@@ -86,7 +86,8 @@ def test_round_calls_rail_peers_only():
 def test_slot_fits_the_hierarchical_rows():
     """One receive slot holds what a rail rank can send us in one round: a row per token of its own, the widest
     being the fp32 combine partial (fp32 x + fp32 weights) or the dispatch row; both transports size it alike."""
-    from deepcomm.internode.internode_rows import MAX_TOPK, max_node_row_bytes, max_row_bytes, rail_slot_bytes
+    from deepcomm.internode.internode_rows import max_node_row_bytes, max_row_bytes, rail_slot_bytes
+    from deepcomm.validation import MAX_TOPK
     for H in (256, 2880, 7168):
         partial = (4 * H + 4 * MAX_TOPK + 15) // 16 * 16
         assert max_row_bytes(H) == max(partial, max_node_row_bytes(H)) == partial
