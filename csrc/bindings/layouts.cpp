@@ -17,6 +17,19 @@ namespace py = pybind11;
 
 namespace dc::bindings {
 
+namespace {
+
+// The arguments of an RDMA transport's region: 1..kInternodeMaxRanks ranks, slots of a multiple of 16 bytes.
+void check_region_args(int64_t world_size, int64_t slot_bytes) {
+  if (world_size < 1 || world_size > kInternodeMaxRanks)
+    throw py::value_error("world_size: expected 1.." + std::to_string(kInternodeMaxRanks) + ", got " +
+                          std::to_string(world_size));
+  if (slot_bytes < 0 || slot_bytes % 16)
+    throw py::value_error("slot_bytes: expected a non-negative multiple of 16, got " + std::to_string(slot_bytes));
+}
+
+}  // namespace
+
 void register_layouts(py::module_& m) {
   // ---- layout math (the single source of offsets) ----
   m.def("nvl_layout", [](int ranks, int local_experts_cap, int max_tokens, int64_t hidden, int64_t topk,
@@ -51,12 +64,16 @@ void register_layouts(py::module_& m) {
     d["node_row"] = r.node_row; d["rail_row"] = r.rail_row; d["slot"] = r.slot;
     return d;
   }, py::arg("max_tokens"), py::arg("hidden"));
+  m.def("nic_region_layout", [](int64_t world_size, int64_t slot_bytes) {
+    check_region_args(world_size, slot_bytes);
+    NicRegion r(int(world_size), slot_bytes);
+    py::dict d;
+    d["signal"] = r.signal; d["credit"] = r.credit; d["fa_old"] = r.fa_old; d["send"] = r.send; d["recv"] = r.recv;
+    d["total"] = r.total;
+    return d;
+  }, py::arg("world_size"), py::arg("slot_bytes"));
   m.def("nvshmem_region_layout", [](int64_t world_size, int64_t slot_bytes) {
-    if (world_size < 1 || world_size > kInternodeMaxRanks)
-      throw py::value_error("world_size: expected 1.." + std::to_string(kInternodeMaxRanks) + ", got " +
-                            std::to_string(world_size));
-    if (slot_bytes < 0 || slot_bytes % 16)
-      throw py::value_error("slot_bytes: expected a non-negative multiple of 16, got " + std::to_string(slot_bytes));
+    check_region_args(world_size, slot_bytes);
     NvshmemRegion r(int(world_size), slot_bytes);
     py::dict d;
     d["signal"] = r.signal; d["credit"] = r.credit; d["send"] = r.send; d["recv"] = r.recv; d["total"] = r.total;

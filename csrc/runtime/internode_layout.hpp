@@ -1,8 +1,9 @@
 // The one description of the internode path's memory: the row sizes of its two hops and one rail receive slot,
-// NVSHMEM's symmetric block, and the NVLink hop's peer-mapped region. The host sizes and carves them with these
-// (deepcomm/internode/internode_rows.py, nvshmem_transport.py, node_link.py read them through the extension's
-// internode_rows, nvshmem_region_layout and node_link_layout); the kernels get the resulting pointers and sizes in
-// their arguments (kernels/hier_kernels.hpp), so nothing else computes these offsets.
+// the NIC transport's registered region, NVSHMEM's symmetric block, and the NVLink hop's peer-mapped region. The
+// host sizes and carves them with these (deepcomm/internode/internode_rows.py, nic_transport.py,
+// nvshmem_transport.py, node_link.py read them through the extension's internode_rows, nic_region_layout,
+// nvshmem_region_layout and node_link_layout); the kernels get the resulting pointers and sizes in their arguments
+// (kernels/hier_kernels.hpp, internode_exchange.hpp), so nothing else computes these offsets.
 #pragma once
 #include <cstdint>
 
@@ -37,6 +38,25 @@ struct InternodeRows {
     const int64_t partial = align_up(4 * hidden + int64_t(kTopkMax) * 4, 16);
     rail_row = node_row > partial ? node_row : partial;
     slot = align_up(kMaxNodeHeaders * kRailHeaderBytes + max_tokens * rail_row, 64);
+  }
+};
+
+// A rank's registered memory of the NIC transport (deepcomm/internode/nic_transport.py), 256-byte aligned parts:
+//   signal u64 [R]           signal[s]: rounds whose block from s has landed here (raised by s's fetch-add)
+//   credit u64 [R]           credit[s]: rounds for which s has freed its receive slot for us
+//   fa_old u64 [R][2]        old values returned by our fetch-adds to peer s (kernels/internode_exchange.hpp)
+//   send   bytes [R * slot]  our packed rows, grouped by destination
+//   recv   bytes [R][slot]   recv[s]: the block rank s sent us this round
+struct NicRegion {
+  int64_t signal, credit, fa_old, send, recv, total;
+  DC_HD NicRegion(int ranks, int64_t slot_bytes) {
+    int64_t off = 0;
+    signal = off; off = align_up(off + int64_t(ranks) * 8, kAlign);
+    credit = off; off = align_up(off + int64_t(ranks) * 8, kAlign);
+    fa_old = off; off = align_up(off + int64_t(ranks) * 16, kAlign);
+    send = off;   off = align_up(off + int64_t(ranks) * slot_bytes, kAlign);
+    recv = off;   off = align_up(off + int64_t(ranks) * slot_bytes, kAlign);
+    total = off;
   }
 };
 

@@ -4,7 +4,7 @@ NIC, a block of the same grid that decodes them and performs the writes over NVL
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -14,6 +14,7 @@ from ..cuda.align import round_up
 from ..cuda.arena import as_device_bytes
 from .exchange_record import ExchangeRecord, check_round, peer_list
 from .host_tables import device_table
+from .internode_layout import nic_region
 from .internode_rows import rail_slot_bytes
 from ..cuda.peer_memory import PeerMemory
 from .sm_split import nic_blocks_for
@@ -23,13 +24,21 @@ CHUNK_BYTES = 1 << 20  # bytes per RDMA write WQE
 LKEY_BASE, RKEY_BASE = 0x1000, 0x2000
 
 
+def region_layout(world_size: int, slot_bytes: int) -> Tuple[Dict[str, int], int]:
+    """Offsets of ``signal``, ``credit``, ``fa_old``, ``send`` and ``recv`` in a rank's registered memory, and its
+    size (the extension's NicRegion). ValueError for ``world_size`` outside 1..INTERNODE_MAX_RANKS or a
+    ``slot_bytes`` not a multiple of 16."""
+    lay = nic_region(world_size, slot_bytes)
+    return {name: lay[name] for name in ("signal", "credit", "fa_old", "send", "recv")}, lay["total"]
+
+
 class NicTransport(ExchangeRecord):
     """This rank's registered memory (one IPC allocation: counters, send staging, receive slots), one device
     queue pair per peer (``peers``: every other rank by default), the key table the emulated NICs translate
     through, and the exchange round counter. A round sends one block to every peer (zero bytes allowed) and none
     to other ranks; every rank makes the same rounds with the same peer relation.
 
-    Registered memory, 64-byte aligned parts:
+    Registered memory, 256-byte aligned parts (NicRegion, csrc/runtime/internode_layout.hpp):
         signal  u64 [R]            signal[s]: rounds whose block from s has landed here
         credit  u64 [R]            credit[s]: rounds for which s has freed its receive slot for us
         fa_old  u64 [R][2]         old values returned by our fetch-adds to peer s
@@ -52,13 +61,8 @@ class NicTransport(ExchangeRecord):
             raise ValueError(f"peers: the emulated NIC's key table holds {T.KEY_TABLE_REGIONS} regions (ours and one "
                              f"per peer), got {len(self.peers)} peers")
         self.slot_bytes = rail_slot_bytes(max_tokens, hidden)
-        off: Dict[str, int] = {}
-        at = 0
-        for name, nbytes in (("signal", 8 * R), ("credit", 8 * R), ("fa_old", 16 * R), ("send", R * self.slot_bytes),
-                             ("recv", R * self.slot_bytes)):
-            off[name] = at
-            at = round_up(at + nbytes, 256)
-        self.offsets, self.region_bytes = off, at
+        self.offsets, self.region_bytes = region_layout(R, self.slot_bytes)
+        at = self.region_bytes
         self.mem = PeerMemory(C, group, rank, world_size, at, peers=self.peers)  # the emulated NIC writes to peers
         self.err_host = 0
         try:

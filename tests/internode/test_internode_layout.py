@@ -29,6 +29,15 @@ def _old_region_layout(world_size, slot_bytes):
     return off, at
 
 
+def _old_nic_region(R, slot_bytes):  # NicTransport.__init__
+    off, at = {}, 0
+    for name, nbytes in (("signal", 8 * R), ("credit", 8 * R), ("fa_old", 16 * R), ("send", R * slot_bytes),
+                         ("recv", R * slot_bytes)):
+        off[name] = at
+        at = _up(at + nbytes, 256)
+    return off, at
+
+
 def _old_node_link(gpus, area_bytes):
     return _up(3 * 8 * gpus, 256), _up(area_bytes, 256)  # flags_bytes, area_bytes
 
@@ -54,6 +63,18 @@ def test_nvshmem_region_is_the_old_formula():
     for R, slot, arg in ((0, 16, "world_size"), (257, 16, "world_size"), (2, 24, "slot_bytes"), (2, -16, "slot_bytes")):
         with pytest.raises(ValueError, match=f"^{arg}: "):
             C.nvshmem_region_layout(R, slot)
+
+
+def test_nic_region_is_the_old_formula():
+    rng = random.Random(28)
+    cases = [(R, 16 * s) for R in (1, 2, 3, 8, 15, 16, 17, 32, 64, 255, 256) for s in (0, 1, 15, 16, 17, 4096)]
+    cases += [(rng.randint(1, 256), 16 * s) for s in _sizes(rng, 2000, 64, 1 << 26)]
+    for R, slot in cases:
+        off, total = _old_nic_region(R, slot)
+        assert C.nic_region_layout(R, slot) == dict(off, total=total), (R, slot)
+    for R, slot, arg in ((0, 16, "world_size"), (257, 16, "world_size"), (2, 24, "slot_bytes"), (2, -16, "slot_bytes")):
+        with pytest.raises(ValueError, match=f"^{arg}: "):
+            C.nic_region_layout(R, slot)
 
 
 def test_node_link_region_is_the_old_formula():
@@ -97,11 +118,29 @@ def test_nvshmem_transport_reads_the_export(monkeypatch):
     internode_layout.clear_caches()
     try:
         off, total = nvshmem_transport.region_layout(3, 4096)
-        assert off == {k: v for k, v in shifted(3, 4096).items() if k != "total"} and total == shifted(3, 4096)["total"]
+        assert dict(off, total=total) == shifted(3, 4096)
     finally:
         monkeypatch.undo()
         internode_layout.clear_caches()
     assert nvshmem_transport.region_layout(3, 4096)[1] == C.nvshmem_region_layout(3, 4096)["total"]
+
+
+def test_nic_transport_reads_the_export(monkeypatch):
+    from deepcomm.internode import internode_layout, nic_transport
+
+    def shifted(world_size, slot_bytes):
+        return {k: v + 256 for k, v in C.nic_region_layout(world_size, slot_bytes).items()}
+
+    monkeypatch.setattr(internode_layout, "extension", lambda: types.SimpleNamespace(nic_region_layout=shifted))
+    internode_layout.clear_caches()
+    try:
+        off, total = nic_transport.region_layout(4, 1024)
+        assert dict(off, total=total) == shifted(4, 1024)
+    finally:
+        monkeypatch.undo()
+        internode_layout.clear_caches()
+    off, total = nic_transport.region_layout(4, 1024)
+    assert dict(off, total=total) == C.nic_region_layout(4, 1024)
 
 
 def test_internode_rows_read_the_export(monkeypatch):
