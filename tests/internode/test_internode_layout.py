@@ -181,7 +181,7 @@ def test_node_link_reads_the_export(monkeypatch):
 
     def moved(gpus, area_bytes):
         lay = C.node_link_layout(gpus, area_bytes)
-        return {k: v + (1024 if k in ("free", "arrive", "area", "total") else 0) for k, v in lay.items()}
+        return {k: v + (1024 if k in ("flags", "free", "arrive", "area", "total") else 0) for k, v in lay.items()}
 
     fake = types.SimpleNamespace(transport=C.transport, node_link_layout=moved, error_record_bytes=lambda: 64,
                                  host_mapped_alloc=lambda nbytes: (0, 0), clear_error=lambda ptr: None)
@@ -195,3 +195,4 @@ def test_node_link_reads_the_export(monkeypatch):
     assert link.area_ptrs() == [b + lay["area"] for b in bases]
     assert link.word_ptrs("free") == [b + lay["free"] for b in bases]
     assert link.word_ptrs("arrive") == [b + lay["arrive"] for b in bases]
+    assert link._flags == [b + lay["flags"] for b in bases]  # the node barrier's words
