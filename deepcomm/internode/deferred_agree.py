@@ -15,7 +15,7 @@ import torch
 
 from .. import agreement
 from . import hier_agree
-from .host_tables import device_table, host_copy
+from .host_tables import host_copy
 from .internode_rows import RAIL_HEADER_BYTES
 
 
@@ -29,7 +29,7 @@ def _headers(tr, area: str) -> torch.Tensor:
 def write_headers(tr, fingerprint: Sequence[int], device: torch.device) -> None:
     """The words at the front of every section of the send area (one strided copy on the current stream, no host
     sync). Only the rail ranks' sections are posted; the other sections' fronts are never read."""
-    words = device_table([list(fingerprint)], torch.int32, device).view(torch.uint8)  # [1, RAIL_HEADER_BYTES]
+    words = hier_agree.header(fingerprint, device)  # [RAIL_HEADER_BYTES]
     _headers(tr, "send").copy_(words.expand(tr.world_size, RAIL_HEADER_BYTES))
 
 

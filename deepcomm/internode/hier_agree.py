@@ -29,17 +29,17 @@ import torch
 
 from .. import agreement
 from ..cuda.align import round_up
+from .host_tables import device_table
 from .internode_rows import MAX_NODE_HEADERS, RAIL_HEADER_BYTES
 
 assert RAIL_HEADER_BYTES == 4 * agreement.WORDS
 
 
 def header(fingerprint: Optional[Sequence[int]], device: torch.device) -> torch.Tensor:
-    """uint8 ``[RAIL_HEADER_BYTES]``: the words (zeros without a fingerprint)."""
-    words = torch.zeros(agreement.WORDS, dtype=torch.int32)
-    if fingerprint is not None:
-        words[:] = torch.tensor(list(fingerprint), dtype=torch.int32)
-    return words.view(torch.uint8).to(device)
+    """uint8 ``[RAIL_HEADER_BYTES]`` on ``device``: the words (zeros without a fingerprint), copied without a host
+    sync (host_tables.device_table)."""
+    words = list(fingerprint) if fingerprint is not None else [0] * agreement.WORDS
+    return device_table(words, torch.int32, device).view(torch.uint8)
 
 
 def check(rows: List[Sequence[int]], fingerprint: Sequence[int]) -> None:
@@ -57,18 +57,6 @@ def rail_rows(tr, rail: Sequence[int], rank: int, fingerprint: Sequence[int]) ->
              .tolist() if others else [])
     got = dict(zip(others, heads))
     return [list(fingerprint) if s == rank else got[s] for s in rail]
-
-
-def write_sections(tr, rail: Sequence[int], rank: int, fingerprint: Optional[Sequence[int]],
-                   device: torch.device) -> None:
-    """The header at the front of the kernels' send section for every other rail rank (section d at
-    ``d * slot_bytes`` of the send area), on the current stream, before the launch that sends them."""
-    head = header(fingerprint, device)
-    o = tr.offsets["send"]
-    for d in rail:
-        if d != rank:
-            at = o + d * tr.slot_bytes
-            tr.region[at:at + RAIL_HEADER_BYTES].copy_(head)
 
 
 def rejected_words(fingerprint: Sequence[int], error: BaseException) -> agreement.Fingerprint:
