@@ -52,6 +52,14 @@ def _load_flags(C) -> None:
 WORK_PARTS = ("send_pos", "notify_out", "count_matrix", "per_expert", "bad_all", "src_idx", "in_rank", "total")
 
 EVENT_RING = 8            # end-of-call events a Buffer cycles through (Buffer.event is the newest)
+LAYOUT_CACHE = 256        # layouts a backend keeps per kind (shapes seen), so the extension is asked once per shape
+
+
+def _remember(cache: dict, key, value):
+    """``value``, kept in ``cache`` under ``key`` while the cache holds fewer than LAYOUT_CACHE entries."""
+    if len(cache) < LAYOUT_CACHE:
+        cache[key] = value
+    return value
 
 
 class _Call:
@@ -445,9 +453,8 @@ class CudaBackend:
         key = (rows, call.x_row_bytes, call.scale_row_bytes, call.K)
         total = self._out_bytes_cache.get(key)
         if total is None:
-            total = self.C.dispatch_out_layout(rows, call.x_row_bytes, call.scale_row_bytes, call.K)["total"]
-            if len(self._out_bytes_cache) < 256:
-                self._out_bytes_cache[key] = total
+            total = _remember(self._out_bytes_cache, key,
+                              self.C.dispatch_out_layout(rows, call.x_row_bytes, call.scale_row_bytes, call.K)["total"])
         return total
 
     def _work_layout(self, T: int, L: int, rows: int) -> tuple:
@@ -458,9 +465,7 @@ class CudaBackend:
         lay = self._work_cache.get(key)
         if lay is None:
             w = self.C.fresh_dispatch_work(T, self.world_size, L, rows)
-            lay = tuple(w[k] for k in WORK_PARTS)
-            if len(self._work_cache) < 256:
-                self._work_cache[key] = lay
+            lay = _remember(self._work_cache, key, tuple(w[k] for k in WORK_PARTS))
         return lay
 
     def _outputs(self, call: "_Call", reserved, lay, n: int, with_idx: bool):
