@@ -4,6 +4,8 @@
 #   bash dev/device_matrix.sh STEP...
 #   STEP = profile            the host-time profile at world size 1 (dev/profile_host.py, 128 and 4096 tokens),
 #                             with each call's cProfile in $OUT/cprofile.txt
+#        | parts              the host cost of each piece of a call, timed alone (dev/profile_host_parts.py) into
+#                             $OUT/host_parts.json
 #        | kernels            each call's kernels' GPU time at world size 1 (dev/profile_kernels.py) into
 #                             $OUT/kernel_time.json
 #        | 1:FILE,FILE        tests/*/FILE.py at world size 1 (one rank on the GPU)
@@ -54,6 +56,12 @@ for step in "$@"; do
     timeout "$budget" python3 dev/profile_host.py --json "$OUT/host_time.json" --cprofile "$OUT/cprofile.txt" > "$OUT/host_time.log" 2>&1
     echo "profile: rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$summary"
     tail -13 "$OUT/host_time.log"
+    continue
+  fi
+  if [[ "$step" == parts ]]; then
+    timeout "$budget" python3 dev/profile_host_parts.py --json "$OUT/host_parts.json" > "$OUT/host_parts.log" 2>&1
+    echo "parts: rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$summary"
+    tail -32 "$OUT/host_parts.log"
     continue
   fi
   if [[ "$step" == kernels ]]; then

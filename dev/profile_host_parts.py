@@ -1,0 +1,111 @@
+"""Host cost of the pieces a normal-mode call is made of, each timed alone (median of many calls), at world size
+1 on one GPU: the Buffer layer (validation, the fingerprint), the backend's bookkeeping (stream order, the arena,
+output views, the handle) and the crossing into C++ alone. A diagnostic for the host path:
+`python dev/profile_host_parts.py [--tokens 128] [--json PATH]`."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the repository, for dev.profile_host
+from dev.profile_host import setup_calls  # noqa: E402
+from tests.helpers.nccl_run import run_on_gpus  # noqa: E402
+
+REPS = 3000
+
+
+def _median_us(fn, reps=REPS) -> float:
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    clock = time.perf_counter
+    for i in range(reps):
+        t0 = clock()
+        fn()
+        times.append(clock() - t0)
+        if i % 256 == 255:
+            torch.cuda.synchronize()  # launches never queue up behind a full stream
+    torch.cuda.synchronize()
+    return round(statistics.median(times) * 1e6, 2)
+
+
+def _cases(buf, idx, w, x, fp8, h, y):
+    import deepcomm.validation as v
+    from deepcomm import agreement
+    from deepcomm.handle import Handle
+    from deepcomm.cuda.arena import _View
+    be = buf._backend
+    dev = be.device
+    words = agreement.dispatch(1, 1, x, None, None, None, h)
+    cwords = agreement.combine(1, 1, y, h, None, False)
+    nbytes = be._out_bytes(type("C", (), dict(x_row_bytes=x.shape[1] * 2, scale_row_bytes=0, K=0))(), h.num_recv)
+    base = be.arena.base_ptr
+    di = be._device_index
+
+    def reserve_release():
+        r = be.arena.reserve(nbytes)
+        be.arena.release(*r)
+
+    def one_view():
+        r = be.arena.reserve(nbytes)
+        be.arena.views(r[0], r[1], [(0, (h.num_recv, x.shape[1]), torch.bfloat16)])
+
+    return {
+        # whole calls
+        "buf.dispatch cached bf16": lambda: buf.dispatch(x, handle=h),
+        "be.dispatch cached bf16": lambda: be.dispatch(x, None, None, 256, h, 1, fingerprint=words),
+        "buf.dispatch fresh bf16": lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=256),
+        "buf.combine": lambda: buf.combine(y, h),
+        "be.combine": lambda: be.combine(y, h, None, fingerprint=cwords),
+        # Buffer layer pieces
+        "check_dispatch_x": lambda: v.check_dispatch_x(x, dev, (torch.bfloat16,), buf.config.hidden,
+                                                       buf.config.max_tokens_per_rank),
+        "check_topk_idx": lambda: v.check_topk_idx(idx, idx.shape[0], 256, dev, check_values=False),
+        "check_topk_weights": lambda: v.check_topk_weights(w, tuple(idx.shape), dev),
+        "check_handle": lambda: v.check_handle(h, Handle, buf.buffer_id),
+        "check_combine_x": lambda: v.check_combine_x(y, h, dev, (torch.bfloat16,), buf.config.hidden, False),
+        "agreement.dispatch (cached)": lambda: agreement.dispatch(1, 1, x, None, None, None, h),
+        "agreement.dispatch (fresh)": lambda: agreement.dispatch(1, 1, x, idx, w, 256, None),
+        "is_capturing": v.is_capturing,
+        # backend pieces
+        "be._order plain": lambda: be._order(None, False),
+        "be.errors.check": be.errors.check,
+        "be._enter_normal": be._enter_normal,
+        "arena reserve+release": reserve_release,
+        "arena reserve + one bf16 view": one_view,
+        "raw current stream": lambda: torch._C._cuda_getCurrentRawStream(di),
+        "as_tensor(_View)": lambda: torch.as_tensor(_View(None, base, (128, 7168), "<i2"), device=dev),
+        "as_tensor + view(bf16)": lambda: torch.as_tensor(_View(None, base, (128, 7168), "<i2"),
+                                                          device=dev).view(torch.bfloat16),
+        "torch.empty [128,7168] bf16": lambda: torch.empty(128, 7168, dtype=torch.bfloat16, device=dev),
+        "read_error crossing": lambda: be.C.read_error(be.nvl.err_host),
+        "x.data_ptr": x.data_ptr,
+        "tuple(words)": lambda: tuple(words),
+    }
+
+
+def worker(rank, world, tokens, json_path):
+    buf, idx, w, x, fp8, h, y = setup_calls(rank, tokens, 7168, 24)
+    out = {name: _median_us(fn) for name, fn in _cases(buf, idx, w, x, fp8, h, y).items()}
+    buf.destroy()
+    for name, us in out.items():
+        print(f"{name:36s} {us:8.2f} us")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"tokens": tokens, "parts_us": out, "device": torch.cuda.get_device_name(0),
+                       "commit": os.environ.get("DEEPCOMM_COMMIT", "")}, f, indent=1)
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--json", default="")
+    a = p.parse_args()
+    run_on_gpus(worker, 1, a.tokens, a.json, timeout_s=300)
