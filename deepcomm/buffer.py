@@ -187,10 +187,13 @@ class Buffer:
         per-expert counts DeepEP's way (deepcomm/route_only.py).
         """
         backend = self._live()
-        v.check_int("expert_alignment", expert_alignment, minimum=1)
-        v.check_int("num_worst_tokens", num_worst_tokens, minimum=0,
-                    maximum=self._world_size * self.config.max_tokens_per_rank)
-        self._check_stream_args(previous_event, async_finish)
+        if type(expert_alignment) is not int or expert_alignment < 1:  # the common values cost no call
+            v.check_int("expert_alignment", expert_alignment, minimum=1)
+        if type(num_worst_tokens) is not int or num_worst_tokens != 0:
+            v.check_int("num_worst_tokens", num_worst_tokens, minimum=0,
+                        maximum=self._world_size * self.config.max_tokens_per_rank)
+        if previous_event is not None or async_finish is not False:
+            self._check_stream_args(previous_event, async_finish)
         if num_worst_tokens == 0 and handle is None and self._device.type == "cuda" and v.is_capturing():
             v.fail("num_worst_tokens", "a fresh dispatch inside CUDA graph capture needs num_worst_tokens > 0 "
                    "(the output size cannot be read back while capturing)")
@@ -253,7 +256,8 @@ class Buffer:
         v.check_combine_x(x, handle, self._device, self._x_dtypes, self.config.hidden, use_fp8)
         if topk_weights is not None:
             v.check_topk_weights(topk_weights, (handle.num_recv, None), self._device)
-        self._check_stream_args(previous_event, async_finish)
+        if previous_event is not None or async_finish is not False:
+            self._check_stream_args(previous_event, async_finish)
         agreed = self._agree(lambda: {"hidden": x.shape[1], "dtype": str(x.dtype),
                                       "topk_weights": topk_weights is not None, "use_fp8": use_fp8},
                              lambda: agreement.combine(self._calls, self._buffer_word, x, handle, topk_weights,

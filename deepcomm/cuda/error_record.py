@@ -5,6 +5,7 @@ Buffer broken by a timeout, and the ranks low-latency mode leaves out. The NVLin
 (deepcomm/internode/internode_ll.py)."""
 from __future__ import annotations
 
+import ctypes
 from typing import Optional
 
 import torch
@@ -16,10 +17,14 @@ from .wait_stages import input_error_text, stage_text
 class DeviceErrorRecord:
     """The record (``err_dev`` for the kernels, ``err_host`` for us), the kernels' wait timeout in ns, and what a
     look at the record decides."""
+    # the record's first word (its flag) read in place: a look at an empty record, at every call, then costs no
+    # crossing into the extension (None: always ask the extension)
+    _flag_word: Optional[ctypes.c_int] = None
 
     def __init__(self, C, device: torch.device, timeout_s: float):
         self.C, self.device = C, device
         self.err_host, self.err_dev = C.host_mapped_alloc(C.error_record_bytes())
+        self._flag_word = ctypes.c_int.from_address(self.err_host)  # ErrorRecord::flag, offset 0
         # where the kernels leave every rank's words when a call's fingerprints differ (agree_record.py)
         try:
             self.agree_host, self.agree_dev = C.host_mapped_alloc(C.agree_record_bytes())
@@ -46,6 +51,9 @@ class DeviceErrorRecord:
         if self.broken:
             raise RuntimeError("deepcomm: this Buffer had a communication timeout; destroy it and build a new one on "
                                "every rank, or mask the lost peer (Buffer.mask_ranks) to go on in low-latency mode")
+        word = self._flag_word
+        if word is not None and word.value == 0 and (not self.masked or low_latency):
+            return None  # nothing recorded (a kernel claims the flag before it writes the rest)
         if self.masked and not low_latency:
             raise RuntimeError(f"deepcomm: ranks {sorted(self.masked)} are masked; normal mode needs every rank "
                                "(unmask them on every rank, or build a new Buffer)")
@@ -83,5 +91,6 @@ class DeviceErrorRecord:
         self.masked = ranks
 
     def free_record(self) -> None:
+        self._flag_word = None
         self.C.host_mapped_free(self.err_host)
         self.C.host_mapped_free(self.agree_host)

@@ -63,48 +63,46 @@ def _remember(cache: dict, key, value):
 
 
 class _Call:
-    """What one dispatch moves: the payload tensors and their row sizes."""
+    """What one dispatch moves: the payload tensors and their row sizes, its fingerprint's words and its stream
+    order (from _order)."""
     __slots__ = ("values", "scales", "weights", "K", "x_row_bytes", "scale_row_bytes", "order", "words")
 
     def __init__(self, values: torch.Tensor, scales: Optional[torch.Tensor], weights: Optional[torch.Tensor],
-                 K: int):
-        self.values, self.scales, self.weights, self.K = values, scales, weights, K
+                 K: int, words: tuple):
+        self.values, self.scales, self.weights, self.K, self.words = values, scales, weights, K, words
         self.x_row_bytes = values.shape[1] * values.element_size()
         self.scale_row_bytes = scales.shape[1] * scales.element_size() if scales is not None else 0
-        self.words = words_or_none(None)  # the call's fingerprint (deepcomm/agreement.py), set by dispatch
 
 
 class _Recv:
-    """A dispatch's outputs, its rows per local expert, and the tensors its kernels use (kept alive when async)."""
+    """A dispatch's outputs ``(x, scales, topk_idx, topk_weights)`` (None where absent), its rows per local expert,
+    and the tensors its kernels use (kept alive when async)."""
     __slots__ = ("out", "per_expert", "keep")
 
-    def __init__(self, out: dict, per_expert, keep: tuple):
+    def __init__(self, out: tuple, per_expert, keep: tuple):
         self.out, self.per_expert, self.keep = out, per_expert, keep
 
 
-def _carve(arena: Arena, reserved, lay, n: int, call: _Call, with_idx: bool, bounce: bool = False) -> dict:
-    """The dispatch outputs over one output block (``reserved``: its offset and size in the arena; ``lay``:
-    DispatchOutLayout offsets x, scales, topk_idx, topk_weights, src_idx, total for ``n`` rows, as the C++ side
-    returned them). One typed tensor per output, each holding the block, which returns to the arena when the last
-    of them dies (the bounce area is not the arena's: nothing returns)."""
-    values, scales, K = call.values, call.scales, call.K
+def _carve(arena: Arena, reserved, lay, n: int, call: _Call, with_idx: bool, bounce: bool = False) -> tuple:
+    """The dispatch outputs ``(x, scales, topk_idx, topk_weights)`` over one output block (``reserved``: its
+    offset and size in the arena; ``lay``: DispatchOutLayout offsets x, scales, topk_idx, topk_weights, src_idx,
+    total for ``n`` rows, as the C++ side returned them). One typed tensor per output, each holding the block,
+    which returns to the arena when the last of them dies (the bounce area is not the arena's: nothing returns)."""
+    values, scales, weights, K = call.values, call.scales, call.weights, call.K
     specs = [(lay[0], (n, values.shape[1]), values.dtype)]
     if scales is not None:
         specs.append((lay[1], (n, scales.shape[1]), scales.dtype))
     if with_idx:
         specs.append((lay[2], (n, K), torch.int64))
-    if call.weights is not None:
+    if weights is not None:
         specs.append((lay[3], (n, K), torch.float32))
     views = arena.views(reserved[0], reserved[1], specs, owned=not bounce)
-    out = {"x": views[0], "scales": None, "topk_idx": None, "topk_weights": None}
-    i = 1
-    if scales is not None:
-        out["scales"], i = views[i], i + 1
-    if with_idx:
-        out["topk_idx"], i = views[i], i + 1
-    if call.weights is not None:
-        out["topk_weights"] = views[i]
-    return out
+    if len(views) == 1:
+        return views[0], None, None, None
+    it = iter(views)
+    x = next(it)
+    return (x, next(it) if scales is not None else None, next(it) if with_idx else None,
+            next(it) if weights is not None else None)
 
 
 def _current_stream(device_index: int) -> int:
@@ -311,22 +309,22 @@ class CudaBackend:
             values, scales = x[0], x[1]
         else:
             values, scales = x, None
-        T, H = values.shape
         K = topk_idx.shape[1] if topk_idx is not None else (topk_weights.shape[1] if topk_weights is not None else 0)
         self._enter_normal()
-        call = _Call(values, scales, topk_weights, K)
-        call.words = words_or_none(fingerprint)
+        call = _Call(values, scales, topk_weights, K, words_or_none(fingerprint))
         call.order = self._order(previous_event, async_finish)
         if handle is None:
             recv, handle_out = self._fresh(call, topk_idx, num_experts, expert_alignment, num_worst_tokens)
         else:
             recv = self._cached(call, handle)
             handle_out = handle
-        self._after(async_finish, (values, scales, topk_idx, topk_weights) + recv.keep if async_finish else ())
-        recv_x = (recv.out["x"], recv.out["scales"]) if scales is not None else recv.out["x"]
-        if handle is not None:
-            return recv_x, None, recv.out["topk_weights"], recv.per_expert, handle_out
-        return recv_x, recv.out["topk_idx"], recv.out["topk_weights"], recv.per_expert, handle_out
+        if async_finish:
+            self._after(True, (values, scales, topk_idx, topk_weights) + recv.keep)
+        else:
+            self.errors.raise_pending()
+        out_x, out_scales, out_idx, out_w = recv.out
+        recv_x = (out_x, out_scales) if scales is not None else out_x
+        return recv_x, out_idx, out_w, recv.per_expert, handle_out
 
     def _call(self, call: "_Call", steps: int, topk_idx_ptr: int, T: int, E: int, in_rank_ptr: int,
               send_pos_ptr: int, notify_out_ptr: int, tag: int, count_matrix_ptr: int, invalid_ptr: int,
@@ -478,9 +476,9 @@ class CudaBackend:
         wait, run, flags, _, end = call.order
         run_stream = torch.cuda.ExternalStream(run, device=self.device)
         with torch.cuda.stream(run_stream):
-            out = {k: (t.clone() if t is not None else None) for k, t in out.items()}
+            out = tuple(t.clone() if t is not None else None for t in out)
         caller = torch.cuda.current_stream(self.device)
-        for t in out.values():
+        for t in out:
             if t is not None:
                 t.record_stream(caller)
         if end:  # the run stream is the communication stream: record its end, join the caller unless async
@@ -551,6 +549,8 @@ class CudaBackend:
     def _enter_normal(self) -> None:
         """Before a normal-mode call: the normal-mode calls this rank owes after meeting a peer's low-latency call
         (deepcomm/cuda/mode_meet.py), each a call that takes part in the first exchange and moves nothing."""
+        if self.meet.low_latency is False and not self.nvl.owed:  # no switch of mode, nothing owed
+            return
         for words in self.meet.enter(False, self.errors):
             wait, run, flags, prev, _ = self._order(None, False)
             self.nvl.ctx.agree_reject(tuple(words), flags, wait, run, prev, self._start_handle)

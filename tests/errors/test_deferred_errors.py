@@ -142,3 +142,35 @@ def test_internode_low_latency_memory():
     assert low_latency_memory_for(["a", "a"], "ipc") == "ipc"
     assert low_latency_memory_for(["a", "a"], "nvshmem") == "nvshmem"
     assert low_latency_memory_for(["a", "b", "a", "b"], "ipc") == "nvshmem"
+
+
+def test_an_empty_record_is_read_in_place_without_the_extension():
+    """Every call looks at the record: while its flag word is 0 the look reads that word in place and asks the
+    extension nothing; once a kernel claims the flag, the extension reads the whole record."""
+    import ctypes
+
+    class Counting(FakeRecord):
+        reads = 0
+
+        def read_error(self, host):
+            Counting.reads += 1
+            return super().read_error(host)
+
+    fake = Counting()
+    mem = (ctypes.c_int * 8)()
+    rec = _record(fake)
+    rec.err_host = ctypes.addressof(mem)
+    rec._flag_word = ctypes.c_int.from_address(rec.err_host)
+    assert rec.check_error() is None and rec.check_error(low_latency=True) is None and Counting.reads == 0
+    mem[0] = 1  # a kernel recorded a timeout
+    fake.record = (1, 0, 1, 3, 7, 5_000_000_000)
+    with pytest.raises(CommTimeoutError):
+        rec.check_error()
+    assert Counting.reads == 1 and rec.broken
+    rec.masked = frozenset({1})
+    with pytest.raises(RuntimeError, match="communication timeout"):
+        rec.check_error(low_latency=True)
+    rec.broken, mem[0] = False, 0
+    with pytest.raises(RuntimeError, match="masked"):  # normal mode refuses masked ranks with an empty record too
+        rec.check_error()
+    assert rec.check_error(low_latency=True) is None and Counting.reads == 1
