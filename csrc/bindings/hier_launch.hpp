@@ -50,6 +50,7 @@ struct HierLaunch {
   // NVLink hop: one pointer per node GPU each
   std::vector<uintptr_t> area, free_words, arrive_words;
   uint64_t epoch = 0;
+  int64_t words_at = -1;  // the words strip's offset in every area, or -1 (hier_kernels.hpp HierNode)
   // launch
   uintptr_t counters = 0;
   int rdma_blocks = 0, nvl_blocks = 0;
@@ -72,6 +73,7 @@ struct HierLaunch {
     if (area.size() != G) bad("area needs one pointer per node GPU");
     if (free_words.size() != G) bad("free_words needs one pointer per node GPU");
     if (arrive_words.size() != G) bad("arrive_words needs one pointer per node GPU");
+    if (words_at < -1 || (words_at >= 0 && words_at % 16 != 0)) bad("words_at must be -1 or a multiple of 16");
     if (rdma_blocks < 1) bad("rdma_blocks must be >= 1");
     if (nvl_blocks < 1) bad("nvl_blocks must be >= 1");
     if (!(timeout_s >= 0)) bad("timeout_s must be >= 0");
@@ -107,6 +109,7 @@ struct HierLaunch {
       n.arrive_words[g] = hier_detail::ptr<uint64_t>(arrive_words[size_t(g)]);
     }
     n.epoch = epoch;
+    n.words_at = words_at;
     return n;
   }
   WaitCtx wait_ctx() const {

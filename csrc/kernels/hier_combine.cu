@@ -1,6 +1,7 @@
 // The internode hierarchical combine (contract in hier_kernels.hpp), one launch:
-//   nvl blocks:  block 0 frees our area at every node GPU; all copy our held rows for each source s into the area
-//                of s's forwarder (node GPU s % G) once it freed it; the last one raises arrive everywhere.
+//   nvl blocks:  block 0 frees our area at every node GPU (and puts our words into every node GPU's strip, with
+//                words_at >= 0); all copy our held rows for each source s into the area of s's forwarder (node
+//                GPU s % G) once it freed it; the last one raises arrive everywhere.
 //   rdma blocks: once every node GPU arrived, reduce each rail source's rows into its send section (a one-holder
 //                row copied as held, the others as fp32 partials) and count done; once every rdma block is done
 //                and every rail peer's block landed, sum each token's node partials into out_x / out_w.
@@ -275,6 +276,17 @@ __device__ __forceinline__ void rdma_role(const HierCombineArgs& a, const WaitCt
   const HierTopo& t = a.topo;
   for (int g = 0; g < t.gpus; ++g)
     if (!block_wait_node_word(a.nvl.arrive_words[t.local], g, a.nvl.epoch, t, ctx, kStageHierArrive)) return;
+  const int G = t.gpus, P = t.num_nodes - 1;
+  const bool words = b == 0 && a.nvl.words_at >= 0;
+  uint8_t* strip = a.nvl.area[t.local] + a.nvl.words_at;  // ours (used only with words)
+  if (words)  // our node's words, local index order, into the header of every other node's section (posted below)
+    copy_headers(
+        P * G,
+        [&](int i) -> const uint8_t* { return strip + int64_t(words_slot(t, t.node, i % G)) * kRailHeaderBytes; },
+        [&](int i) -> uint8_t* {
+          return a.rdma.send + int64_t(rail_rank(t, peer_node(t, i / G))) * a.rdma.slot_bytes +
+                 int64_t(i % G) * kRailHeaderBytes;
+        });
   const int64_t nw = int64_t(a.rdma_blocks) * kWarps, gw = int64_t(b) * kWarps + warp;
   reduce_rows(a, sources[warp], gw, nw, lane);
   block_done(&a.counters[1]);
@@ -282,6 +294,16 @@ __device__ __forceinline__ void rdma_role(const HierCombineArgs& a, const WaitCt
   if (!block_wait_count(&a.counters[1], uint32_t(a.rdma_blocks), ctx)) return;
   for (int m = 0; m < t.num_nodes; ++m)
     if (m != t.node && !block_wait_signal(a.rdma, rail_rank(t, m), ctx)) return;
+  if (words)  // the words of every other node's GPUs (the headers its rail rank sent us) into our strip
+    copy_headers(
+        P * G,
+        [&](int i) -> const uint8_t* {
+          return a.rdma.recv + int64_t(rail_rank(t, peer_node(t, i / G))) * a.rdma.slot_bytes +
+                 int64_t(i % G) * kRailHeaderBytes;
+        },
+        [&](int i) -> uint8_t* {
+          return strip + int64_t(words_slot(t, peer_node(t, i / G), i % G)) * kRailHeaderBytes;
+        });
   sum_tokens(a, sources[warp], gw, nw, lane);
 }
 
@@ -291,6 +313,12 @@ __device__ __forceinline__ void nvl_role(const HierCombineArgs& a, const WaitCtx
   if (b == 0) raise_node_words(a.nvl.free_words, t, epoch);  // our stream finished reading our area
   for (int g = 0; g < t.gpus; ++g)
     if (!block_wait_node_word(a.nvl.free_words[t.local], g, epoch, t, ctx, kStageHierFree)) return;
+  if (b == 0 && a.nvl.words_at >= 0)  // our words (our own section's front) into our slot of every node GPU's strip
+    copy_headers(
+        t.gpus, [&](int) -> const uint8_t* { return a.rdma.send + int64_t(t.rank) * a.rdma.slot_bytes; },
+        [&](int g) -> uint8_t* {
+          return a.nvl.area[g] + a.nvl.words_at + int64_t(words_slot(t, t.node, t.local)) * kRailHeaderBytes;
+        });
   const int64_t nw = int64_t(a.nvl_blocks) * kWarps, gw = int64_t(b) * kWarps + warp;
   const int64_t stride = a.held_stride;
   int64_t before = 0;
@@ -345,6 +373,8 @@ void launch_hier_combine(const HierCombineArgs& a, const KeyTable& keys, const W
                  "hier_combine: partial_stride % 16 and >= 4 * (hidden + topk)");
   for (int m = 0; m < t.num_nodes; ++m)
     DC_HOST_ASSERT(a.rows_from[m] >= 0 && a.rows_from[m] <= a.max_rows, "hier_combine: rows_from in [0, max_rows]");
+  DC_HOST_ASSERT(a.nvl.words_at < 0 || a.rdma.header_bytes >= uint32_t(t.gpus * kRailHeaderBytes),
+                 "hier_combine: with words_at the header holds every node GPU's words (header_bytes >= gpus * 64)");
   hier_combine_kernel<<<blocks, kHierThreads, 0, stream>>>(a, keys, ctx);
   DC_CUDA_CHECK(cudaGetLastError());
 }

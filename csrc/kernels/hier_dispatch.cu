@@ -3,8 +3,9 @@
 //                   section), with the node's GPU mask at mask_off when G > 1; then counters[0] += 1.
 //   forward blocks: free our area, then per rail source (our own node first) forward each row to the node GPUs
 //                   its mask names, at the row the reference order gives it; route / singles for the combine;
-//                   the last one raises arrive at every node GPU; block 0 waits for every node GPU's arrive and
-//                   for every rail peer's block (its header is read by the host).
+//                   block 0 puts every rail source's words into every node GPU's strip (words_at >= 0); the last
+//                   one raises arrive at every node GPU; block 0 waits for every node GPU's arrive and for every
+//                   rail peer's block (the host reads the words: the headers, or the strip).
 //   poster block:   the exchange round with every rail peer once every pack block is done.
 //   NIC blocks:     nic_blocks per queue pair (emulated NIC only), the first of each its leader.
 #include <cuda_runtime.h>
@@ -172,6 +173,23 @@ __device__ __forceinline__ void forward_block(const HierDispatchArgs& a, int b, 
   // Our own node first: its rows need no network.
   for (int j = 0; j < t.num_nodes; ++j)
     if (!forward_source(a, (t.node + j) % t.num_nodes, b, ctx)) return;
+
+  // The words of every rail source (ours: the front of our own section) into slot words_slot(m, local) of every
+  // node GPU's strip, so every rank's words reach every rank; arrive orders them as it orders the rows.
+  if (b == 0 && a.nvl.words_at >= 0) {
+    const int N = t.num_nodes;
+    for (int m = 0; m < N; ++m)
+      if (m != t.node && !block_wait_signal(a.rdma, rail_rank(t, m), ctx)) return;
+    copy_headers(
+        N * t.gpus,
+        [&](int i) -> const uint8_t* {
+          const int m = i % N;
+          return (m == t.node ? a.rdma.send : a.rdma.recv) + int64_t(rail_rank(t, m)) * a.rdma.slot_bytes;
+        },
+        [&](int i) -> uint8_t* {
+          return a.nvl.area[i / N] + a.nvl.words_at + int64_t(words_slot(t, i % N, t.local)) * kRailHeaderBytes;
+        });
+  }
 
   // Every forward block's rows are visible at system scope before the last one raises arrive.
   const uint32_t before = block_done(&a.counters[1]);

@@ -23,6 +23,8 @@
 #include <cstdint>
 
 #include "../runtime/error_record.cuh"
+#include "../runtime/host_device.hpp"
+#include "../runtime/internode_layout.hpp"
 #include "../runtime/internode_limits.hpp"
 #include "../transport/key_table.hpp"
 #include "internode_exchange.hpp"
@@ -71,7 +73,14 @@ struct HierNode {
   uint64_t* free_words[kMaxNodeGpus];    // GPU g's free[G]; we store [local]
   uint64_t* arrive_words[kMaxNodeGpus];  // GPU g's arrive[G]; we store [local]
   uint64_t epoch;
+  // Byte offset (% 16 == 0) in every node GPU's area of the words strip, or -1 (no words carried: one GPU per
+  // node, or no fingerprint). The strip holds one kRailHeaderBytes header per rank, rail-major: rank s's words at
+  // words_slot(s) (below). With it a launch ends with every rank's words in our strip (hier_agree.py).
+  int64_t words_at;
 };
+
+// The strip slot of rank s = node m, GPU l: l * num_nodes + m (one rail's words are contiguous).
+DC_HD int words_slot(const HierTopo& t, int m, int l) { return l * t.num_nodes + m; }
 
 // ---------------------------------------------------------------------------------------------------- dispatch
 // rdma blocks: copy each token's row (`rows`, stride bytes) into the send section of every node m that needs it
@@ -83,10 +92,12 @@ struct HierNode {
 //   first_row[m][g] + (rank of row i among source m's rows for g) of g's area, after g freed it; write
 //   route[m][i][g] = that rank or -1, and route[m][i][G] = the row's place in the combine's RDMA block
 //   (exactly one node GPU holds it: k >= 0, its rank among such rows; several: -(rank among those) - 1);
-//   singles[m] = how many rows of source m one node GPU holds. Then arrive (the last nvl block, after a
-//   system fence, at every node GPU) and wait for every node GPU's arrive and every rail peer's signal: the kernel
-//   ends with our area holding every row for us, source rank then token order, and every rail peer's block
-//   (its header included) landed in recv.
+//   singles[m] = how many rows of source m one node GPU holds. With words_at >= 0, nvl block 0 also puts the
+//   header of every rail source's block (ours: our own section's) into slot words_slot(m, local) of every node
+//   GPU's strip. Then arrive (the last nvl block, after a system fence, at every node GPU) and wait for every
+//   node GPU's arrive and every rail peer's signal: the kernel ends with our area holding every row for us,
+//   source rank then token order, every rail peer's block (its header included) landed in recv, and (words_at)
+//   every rank's words in our strip.
 struct HierDispatchArgs {
   HierTopo topo;
   HierRdma rdma;
@@ -128,6 +139,11 @@ struct HierDispatchArgs {
 //   -recv_off - 2 of node m's block; -1: nothing from node m. out_x = bf16 (round to nearest even), out_w fp32.
 // poster: per rail peer m, once every rdma block is done: the exchange round with
 //   singles[m] * held_stride + (rows_from[m] - singles[m]) * partial_stride bytes.
+// Words (words_at >= 0; header_bytes is then G * kRailHeaderBytes): nvl block 0 puts our words (the front of our
+//   own section, written by the host) into slot words_slot(node, local) of every node GPU's strip before arrive;
+//   rdma block 0, once every node GPU arrived, copies our node's G slots (local index order) into the header of
+//   every other node's section before it counts done, and once every rail peer's block landed, the G headers
+//   node m sent into our slots words_slot(m, 0..G-1): the launch ends with every rank's words in our strip.
 struct HierCombineArgs {
   HierTopo topo;
   HierRdma rdma;

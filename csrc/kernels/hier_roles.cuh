@@ -30,6 +30,22 @@ __device__ __forceinline__ void warp_copy_fresh(const int4* src, int4* dst, int6
   warp_copy_v4<4, true>(src, dst, n16, lane);
 }
 
+// Block-wide: n call-fingerprint headers (kRailHeaderBytes each, 16-byte aligned), header i from src_of(i) to
+// dst_of(i) (a node GPU's strip, or a send section), four 16-byte vectors per header, coherent loads (a source may
+// have been written during this launch, by our NIC or a node GPU, before the acquire that ordered it). Ends with
+// __syncthreads; the stores are ordered for other agents by the caller's next block_done.
+template <typename Src, typename Dst>
+__device__ __forceinline__ void copy_headers(int n, Src src_of, Dst dst_of) {
+  constexpr int kVecs = int(kRailHeaderBytes / 16);
+  __syncthreads();  // the waits that ordered the sources are done in every thread
+  for (int t = int(threadIdx.x); t < kVecs * n; t += int(blockDim.x)) {
+    const int i = t / kVecs, v = t % kVecs;
+    const int4 x = ptx::ld_relaxed_gpu_v4(reinterpret_cast<const int4*>(src_of(i)) + v);
+    reinterpret_cast<int4*>(dst_of(i))[v] = x;
+  }
+  __syncthreads();
+}
+
 // Block-wide: every thread's earlier stores are visible at system scope, then thread 0 adds 1 to the launch
 // counter. Returns (in every thread) the count before our add, so the caller can tell it was the last block.
 __device__ __forceinline__ uint32_t block_done(uint32_t* counter) {

@@ -22,7 +22,6 @@ NVSHMEM puts to the peers NVLink cannot map.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import torch
@@ -51,11 +50,9 @@ class InternodeBackend:
 
     name = "cuda"
     # BF16 x in normal mode; expert ids checked by Buffer (normal mode) and by the low-latency kernels. Call
-    # agreement (fingerprints, hier_agree.py) with one GPU per node, and with several on the torch routing (its
-    # NVLink stages carry the words too); the kernels' NVLink hop carries no words yet, so with several GPUs per
-    # node and the kernels this instance's ``capabilities`` say so (Buffer(check_calls=True) compares calls
-    # through the store everywhere)
-    capabilities = Capabilities(x_dtypes=(torch.bfloat16,), takes_fingerprints=False,
+    # agreement (fingerprints, hier_agree.py) at any number of GPUs per node: with several, the NVLink hop of the
+    # kernels and of the torch routing carries every rank's words too
+    capabilities = Capabilities(x_dtypes=(torch.bfloat16,), takes_fingerprints=True,
                                 checks_expert_ids_on_device=False,
                                 checks_low_latency_ids_on_device=LowLatencyEngine.checks_ids_on_device)
 
@@ -67,9 +64,11 @@ class InternodeBackend:
 
     def reject(self, fingerprint, handle=None) -> None:
         """This rank's own validation rejected its call: take part in the call's first exchange with
-        ``fingerprint`` (its REJECTED word set), so every peer raises naming this rank; nothing moves. Normal mode:
-        one rail exchange carrying nothing but the words (hier_agree.py), the same round a fresh dispatch's count
-        exchange or a cached dispatch's or combine's launch makes. Low-latency mode: the engine's (``handle``: the
+        ``fingerprint`` (its REJECTED word set), so every peer raises naming this rank; nothing moves. Normal mode,
+        one GPU per node: one rail exchange carrying nothing but the words (hier_agree.py), the same round a fresh
+        dispatch's count exchange or a cached dispatch's or combine's launch makes. Several GPUs per node: a
+        dispatch without ``handle`` the count round, on the kernels a cached dispatch (``handle`` given) or a
+        combine their launch with no rows (HierKernels.reject). Low-latency mode: the engine's (``handle``: the
         rejected combine's, for its slot). A Buffer a timeout broke sends nothing: its next call says why."""
         if fingerprint[agreement.Word.OP] in (agreement.Op.LOW_LATENCY_DISPATCH, agreement.Op.LOW_LATENCY_COMBINE):
             self.ll.engine.reject(fingerprint, handle=handle)
@@ -83,14 +82,19 @@ class InternodeBackend:
         except (RuntimeError, ValueError):
             return
         with torch.cuda.device(self.device):
-            hier_agree.join_rejected(self.comm, fingerprint)
+            combine = fingerprint[agreement.Word.OP] == agreement.Op.COMBINE
+            if self.kernels is not None and self.comm.gpus > 1 and (combine or handle is not None):
+                self.kernels.reject(fingerprint, cached=handle is not None)
+            else:
+                hier_agree.join_rejected(self.comm, fingerprint)
 
-    def _refused_before_exchange(self, fingerprint, error: BaseException, round_before) -> None:
+    def _refused_before_exchange(self, fingerprint, error: BaseException, round_before, handle=None) -> None:
         """A ValueError of this backend's own (``error``: a limit such as the top-k or a slot's size, a handle of
         another path) in a call that made no exchange yet (``_exchanges()`` is still ``round_before``):
-        join the call's first exchange as a rejected call, so the peers raise instead of waiting for it."""
+        join the call's first exchange as a rejected call, so the peers raise instead of waiting for it
+        (``handle``: the call's, which picks that exchange)."""
         if fingerprint is not None and self._exchanges() == round_before:
-            self.reject(hier_agree.rejected_words(fingerprint, error))
+            self.reject(hier_agree.rejected_words(fingerprint, error), handle=handle)
 
     def _exchanges(self):
         """(rail rounds, NVLink stages) made so far: a call that made neither has not begun its first exchange."""
@@ -142,8 +146,6 @@ class InternodeBackend:
         self.kernels = None
         if use_kernels and (transport_cls is NicTransport or device_puts is not None):
             self.kernels = HierKernels(self.comm, config.num_sms, device_puts=device_puts)
-        if G == 1 or self.kernels is None:  # every call's first exchanges reach every rank (hier_agree.py)
-            self.capabilities = dataclasses.replace(type(self).capabilities, takes_fingerprints=True)
 
     def get_dispatch_layout(self, topk_idx, num_experts):
         from .. import layout
@@ -179,7 +181,7 @@ class InternodeBackend:
                     out = hier_normal.dispatch(self.comm, x, topk_idx, topk_weights, num_experts, handle,
                                                expert_alignment, fingerprint)
         except ValueError as e:
-            self._refused_before_exchange(fingerprint, e, round_before)
+            self._refused_before_exchange(fingerprint, e, round_before, handle)
             raise
         return pad_to_worst(out, num_worst_tokens, handle is not None) if num_worst_tokens else out
 

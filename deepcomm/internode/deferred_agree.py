@@ -1,6 +1,7 @@
 """Call agreement for launches the host does not wait for (a cached dispatch or a combine on the internode
-kernels): the words every rail rank sent at the front of its block (hier_agree.py) are copied from our receive
-slots into pinned host memory on the stream, right after the launch, and compared on the host once that copy
+kernels): the words every rail rank sent at the front of its block (hier_agree.py), or with several GPUs per node
+every rank's words the launch took into our strip, are copied into pinned host memory on the stream, right after
+the launch, and compared on the host once that copy
 has run: at a later call (when its event says so, no wait), after a fresh dispatch's count wait, or in
 synchronize(). A disagreement is the ValueError of agreement.check, the reference backend's text; the backend
 raises it after the call in progress has made its exchange, so every rank stays in step (as the NVLink backend
@@ -45,20 +46,31 @@ class DeferredAgreement:
         return len(self._pending)
 
     def add(self, tr, rail: Sequence[int], rank: int, fingerprint: Sequence[int]) -> None:
-        """After a launch on the current stream that carried ``fingerprint`` to the rail ranks: queue the copy of
-        what they sent us."""
+        """After a launch on the current stream that carried ``fingerprint`` to the rail ranks (one GPU per node:
+        every rank): queue the copy of what they sent us."""
         if not any(s != rank for s in rail):
             return
-        host = host_copy(_headers(tr, "recv").contiguous())
+        rows = {s: s for s in rail}  # rank s's words: row s of the receive headers
+        self._queue(host_copy(_headers(tr, "recv").contiguous()), tr.device, rows, fingerprint, rank)
+
+    def add_strip(self, comm, fingerprint: Sequence[int]) -> None:
+        """After a launch on the current stream that took every rank's words into our strip (several GPUs per
+        node: hier_agree.py, the kernels' ``words_at``): queue the copy of the strip."""
+        rows = {s: hier_agree.strip_slot(comm, s) for s in range(comm.world_size)}
+        self._queue(host_copy(hier_agree.strip_view(comm).contiguous()), comm.device, rows, fingerprint, comm.rank)
+
+    def _queue(self, host: torch.Tensor, device, rows, fingerprint: Sequence[int], rank: int) -> None:
+        """``host``: the pinned copy of uint8 headers being made on the current stream; ``rows``: rank -> the row
+        of ``host`` that holds its words, for every rank compared (rank order)."""
         done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(tr.device))
-        self._pending.append((done, host, list(rail), list(fingerprint), rank))
+        done.record(torch.cuda.current_stream(device))
+        self._pending.append((done, host, rows, list(fingerprint), rank))
 
     def collect(self, wait: bool = False) -> None:
         """Compare the pending launches whose copy has run (every one with ``wait``, normally right after a host
         sync); keep the first disagreement."""
         while self._pending:
-            done, host, rail, fingerprint, rank = self._pending[0]
+            done, host, where, fingerprint, rank = self._pending[0]
             if wait:
                 done.synchronize()
             elif not done.query():
@@ -66,8 +78,8 @@ class DeferredAgreement:
             self._pending.popleft()
             if self.error is not None:
                 continue
-            heads = host.view(torch.int32).tolist()  # [R][WORDS], every rank's slot (ours unused)
-            rows = [fingerprint if s == rank else heads[s] for s in rail]
+            heads = host.view(torch.int32).tolist()  # [rows][WORDS]
+            rows = [fingerprint if s == rank else heads[i] for s, i in where.items()]
             try:
                 hier_agree.check(rows, fingerprint)
             except ValueError as e:

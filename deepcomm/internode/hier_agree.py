@@ -8,19 +8,26 @@ makes first, with no round trip of its own:
   the host reads from the receive slots after the sync that follows the exchange anyway;
 - a rejected call (``reject``): the same exchanges with nothing but the words, its REJECTED word set.
 
-With one GPU per node the rail is every rank, so the header is all it takes. With several (torch routing only:
-the kernels' NVLink hop carries no words yet, backend.py) the words take both hops of the call, through a strip
-of ``RAIL_HEADER_BYTES`` per rank at the end of every node GPU's NVLink area (``strip_bytes``):
+With one GPU per node the rail is every rank, so the header is all it takes. With several the words take both
+hops of the call, through a strip of ``RAIL_HEADER_BYTES`` per rank at the end of every node GPU's NVLink area
+(``strip_bytes``; rail-major slots, ``strip_slot``), so that every rank ends the call's first exchange with every
+rank's words in its strip:
 
+- fresh dispatch: its count round's NVLink stage also puts every rail rank's words into the strip
+  (``put_rail_words``), where they land whatever length the ranks think the count row has;
 - cached dispatch: rail hop first (each rank's own words in the header), then its NVLink forwarding stage puts
-  every rail rank's words into slot [rank] of every node GPU's strip, so the strip holds every rank's words;
-  rows go on only from a rail that agreed with us (``rail_agrees``), and the check reads the strip;
+  every rail rank's words into every node GPU's strip; on the torch routing rows go on only from a rail that
+  agreed with us (``rail_agrees``), and the check reads the strip;
 - combine: NVLink gather first (each rank's own words into every node GPU's strip), then the rail header carries
   the words of every GPU of the node (``MAX_NODE_HEADERS`` headers fit every slot), so our strip (our node) and
-  the headers (the other nodes) hold every rank's words; a node that disagreed sends only its words.
+  the headers (the other nodes) hold every rank's words; a node that disagreed sends only its words (torch
+  routing).
 
-``check`` raises the reference backend's ValueError (agreement.check), the same text on every rank, before any
-output is made. Calls of different kinds meet safely only with one GPU per node (docs/troubleshooting.md)."""
+The kernels (csrc/kernels/hier_kernels.hpp, ``words_at``) move the words of a cached dispatch and a combine the
+same way inside their one launch, and also copy the other nodes' headers into the strip; the host compares the
+strip after the launch (deferred_agree.py). ``check`` raises the reference backend's ValueError (agreement.check),
+the same text on every rank. Calls of different kinds meet safely only with one GPU per node
+(docs/troubleshooting.md)."""
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence
@@ -28,7 +35,6 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from .. import agreement
-from ..cuda.align import round_up
 from .host_tables import device_table
 from .internode_rows import MAX_NODE_HEADERS, RAIL_HEADER_BYTES
 
@@ -67,13 +73,22 @@ def rejected_words(fingerprint: Sequence[int], error: BaseException) -> agreemen
 
 
 # ---- several GPUs per node: the strip of words in every node GPU's NVLink area ----------------------------------
+# One header per rank, rail-major (csrc/kernels/hier_kernels.hpp words_slot): rank s = (node m, GPU l) at slot
+# l * N + m, so the words of one rail are contiguous (one put per node GPU in a count round, one run per rail in
+# the kernels).
 def strip_bytes(world_size: int) -> int:
     """Bytes the NVLink area of each rank needs past its rows: one header per rank."""
     return world_size * RAIL_HEADER_BYTES
 
 
-def _strip_at(comm) -> int:
+def strip_at(comm) -> int:
+    """Byte offset of the strip in every node GPU's area (the kernels' ``words_at``)."""
     return comm.link.area_bytes - strip_bytes(comm.world_size)
+
+
+def strip_slot(comm, s: int) -> int:
+    """Rank ``s``'s slot in the strip."""
+    return (s % comm.gpus) * comm.num_nodes + s // comm.gpus
 
 
 def _as_rows(raw: torch.Tensor) -> List[List[int]]:
@@ -81,22 +96,43 @@ def _as_rows(raw: torch.Tensor) -> List[List[int]]:
     return raw.cpu().contiguous().view(torch.int32).view(-1, agreement.WORDS).tolist()
 
 
+def strip_view(comm) -> torch.Tensor:
+    """Our strip, uint8 ``[R, RAIL_HEADER_BYTES]`` in slot order (a view of our area)."""
+    at = strip_at(comm)
+    return comm.node_area()[at:at + strip_bytes(comm.world_size)].view(comm.world_size, RAIL_HEADER_BYTES)
+
+
 def put_words(comm, words: Dict[int, Sequence[int]]) -> None:
     """Inside an NVLink stage (``comm.node_hop``): rank s's ``words[s]`` into slot [s] of every node GPU's strip
     (nothing with one GPU per node)."""
     if comm.gpus == 1:
         return
-    at = _strip_at(comm)
+    at = strip_at(comm)
     for s, w in words.items():
         head = header(w, comm.device)
         for g in range(comm.gpus):
-            comm.link.put(g, at + s * RAIL_HEADER_BYTES, head)
+            comm.link.put(g, at + strip_slot(comm, s) * RAIL_HEADER_BYTES, head)
+
+
+def put_rail_words(comm, hop, rail_rows: Sequence[torch.Tensor]) -> None:
+    """Inside the NVLink stage of a count round (``HierComm.all_gather`` with words, several GPUs per node): the
+    first ``RAIL_HEADER_BYTES`` of every rail rank's row (uint8 ``[1, stride]`` each, nodes ascending) into its
+    slots of every node GPU's strip, one put per node GPU. The words' place does not depend on the row's length,
+    which ranks that disagree (num_experts) get wrong."""
+    block = torch.cat([r.reshape(-1)[:RAIL_HEADER_BYTES].view(1, RAIL_HEADER_BYTES) for r in rail_rows])
+    at = strip_at(comm) + strip_slot(comm, comm.rank_of(0, comm.local)) * RAIL_HEADER_BYTES
+    for g in range(comm.gpus):
+        hop.put(g, at, block)
+
+
+def strip_words(comm) -> torch.Tensor:
+    """uint8 ``[R, RAIL_HEADER_BYTES]``: every rank's words from our strip, rank order (on the device, no sync)."""
+    G, N = comm.gpus, comm.num_nodes  # slot l * N + m -> rank m * G + l
+    return strip_view(comm).view(G, N, RAIL_HEADER_BYTES).transpose(0, 1).reshape(comm.world_size, RAIL_HEADER_BYTES)
 
 
 def _strip_rows(comm, ranks: Sequence[int]) -> List[List[int]]:
-    at = _strip_at(comm)
-    raw = comm.node_area()[at:at + strip_bytes(comm.world_size)].view(comm.world_size, RAIL_HEADER_BYTES)
-    return _as_rows(raw[list(ranks)])
+    return _as_rows(strip_view(comm)[[strip_slot(comm, s) for s in ranks]])
 
 
 def _agree(rows: List[List[int]], fingerprint: Sequence[int]) -> bool:
@@ -130,8 +166,7 @@ def combine_header(comm, fingerprint: Sequence[int]) -> torch.Tensor:
     if comm.gpus == 1:
         return header(fingerprint, comm.device)
     assert comm.gpus <= MAX_NODE_HEADERS
-    at = _strip_at(comm) + comm.node_ranks()[0] * RAIL_HEADER_BYTES
-    return comm.node_area()[at:at + comm.gpus * RAIL_HEADER_BYTES].clone()
+    return strip_view(comm)[[strip_slot(comm, s) for s in comm.node_ranks()]].reshape(-1)
 
 
 def node_agrees(comm, fingerprint: Sequence[int]) -> bool:
@@ -164,10 +199,11 @@ def combine_disagreed(comm, fingerprint: Sequence[int], stage: str = "combine:rd
 def join_rejected(comm, fingerprint: Sequence[int]) -> None:
     """A call this rank rejected (``fingerprint``'s REJECTED word set): the exchanges the peers' call makes first,
     with nothing but the words, so they read them and raise naming this rank. One GPU per node: one rail exchange
-    with the header. Several: a rejected combine makes the combine's gather stage and rail exchange; a rejected
-    dispatch the rail exchange of a count row (words, then zeros) and an NVLink stage that puts every rail rank's
-    row where a fresh dispatch's count exchange puts it and its words into the strip, where a cached dispatch
-    reads them."""
+    with the header. Several: a rejected combine makes the torch routing's gather stage and rail exchange; a
+    rejected dispatch the count round (rail exchange and NVLink stage) of a row of its words, which puts every
+    rail rank's words into every node GPU's strip, where a fresh dispatch's count round and a cached dispatch of
+    the torch routing read them. (A rejected cached dispatch or combine on the kernels launches the kernel
+    instead: HierKernels.reject.)"""
     if comm.gpus == 1:
         comm.rail_exchange({}, {m: 0 for m in comm.other_nodes}, "agree:reject",
                            header=header(fingerprint, comm.device))
@@ -177,15 +213,8 @@ def join_rejected(comm, fingerprint: Sequence[int]) -> None:
             put_words(comm, {comm.rank: fingerprint})
         combine_disagreed(comm, fingerprint, "agree:reject")
         return
-    # the count row of a fresh dispatch with several GPUs per node: words, counts per rank, counts per node
-    stride = round_up(4 * (agreement.WORDS + comm.world_size + comm.num_nodes), 16)
-    row = torch.zeros(stride, dtype=torch.uint8, device=comm.device)
-    row[:RAIL_HEADER_BYTES] = header(fingerprint, comm.device)
-    got = comm.rail_exchange({m: [row] for m in comm.other_nodes}, {m: stride for m in comm.other_nodes},
-                             "agree:reject")
-    rows = {s: row if s == comm.rank else got[m][:stride] for m, s in enumerate(comm.rail())}
-    with comm.node_hop("agree:reject:node") as hop:
-        for s, r in rows.items():
-            for g in range(comm.gpus):
-                hop.put(g, s * stride, r.view(1, stride))
-        put_words(comm, {s: _as_rows(r[:RAIL_HEADER_BYTES])[0] for s, r in rows.items()})
+    # a dispatch: the count round of a fresh one (words, then zeros); its words land in every node GPU's strip,
+    # where a fresh dispatch's count round (HierComm.all_gather with words) and a cached one read them
+    row = torch.zeros(agreement.WORDS + comm.world_size, dtype=torch.int32, device=comm.device)
+    row[:agreement.WORDS] = header(fingerprint, comm.device).view(torch.int32)
+    comm.all_gather(row, "agree:reject", words=True)

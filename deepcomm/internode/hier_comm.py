@@ -21,6 +21,8 @@ from typing import Dict, Iterator, List, Optional, Sequence
 import torch
 
 from ..cuda.align import round_up
+from . import hier_agree
+from .internode_rows import RAIL_HEADER_BYTES
 
 
 class NodeHop:
@@ -130,10 +132,12 @@ class HierComm:
         return self.link.area()
 
     # ---- both hops ----
-    def all_gather(self, t: torch.Tensor, stage: str, wait: bool = True) -> torch.Tensor:
+    def all_gather(self, t: torch.Tensor, stage: str, wait: bool = True, words: bool = False) -> torch.Tensor:
         """``[R, *t.shape]``: every rank's ``t``. Our row goes by RDMA to our rail ranks; then each rank puts the
         rows of its rail into every GPU of its node. ``wait=False``: both hops only queued (the result fills in
-        stream order); the caller makes the one host sync and reads both error records."""
+        stream order); the caller makes the one host sync and reads both error records. ``words``: the row starts
+        with a call's words (hier_agree.py); with several GPUs per node they also travel through the strip, so
+        every rank's words land in place even where the ranks disagree about the row's length."""
         R, N = self.world_size, self.num_nodes
         flat = t.contiguous().reshape(-1).view(torch.uint8)
         nbytes = flat.numel()
@@ -147,5 +151,9 @@ class HierComm:
             for g in range(self.gpus):
                 for m in range(N):
                     hop.put(g, self.rank_of(m, self.local) * stride, rail_rows[m])
+            if words and self.gpus > 1:
+                hier_agree.put_rail_words(self, hop, rail_rows)
         rows = self.node_area()[:R * stride].view(R, stride)[:, :nbytes].clone()
+        if words and self.gpus > 1:
+            rows[:, :RAIL_HEADER_BYTES] = hier_agree.strip_words(self)
         return rows.reshape(-1).view(t.dtype).reshape(R, *t.shape)

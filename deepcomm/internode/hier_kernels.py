@@ -123,9 +123,10 @@ class HierKernels:
         self.agreement.raise_pending()
 
     # ---- one launch ----
-    def _common(self):
+    def _common(self, words: bool = False, header_bytes: int = RAIL_HEADER_BYTES):
         """The part every launch shares (deepcomm._C.transport.HierLaunch, checked when built); starts the
-        launch's exchange round and node epoch."""
+        launch's exchange round and node epoch. ``words``: the launch is a call's first exchange with several GPUs
+        per node, and carries every rank's words into our strip (``words_at``, hier_agree.py)."""
         comm, tr, link = self.comm, self.tr, self.link
         tr.refuse_if_broken()
         tr.round += 1
@@ -140,18 +141,28 @@ class HierKernels:
             recv=tr.mem.ptr + tr.offsets["recv"], signal=tr.mem.ptr + tr.offsets["signal"],
             signal_target=tr.round * (self.device_puts.NVSHMEM_CHUNKS if puts else 1),
             credit=tr.mem.ptr + tr.offsets["credit"] if puts else 0, nvshmem_puts=puts,
-            slot_bytes=tr.slot_bytes, header_bytes=RAIL_HEADER_BYTES, emulate_nic=not puts, nic_blocks=self.nic_blocks,
+            slot_bytes=tr.slot_bytes, header_bytes=header_bytes, emulate_nic=not puts, nic_blocks=self.nic_blocks,
             area=link.area_ptrs(), free_words=link.word_ptrs("free"), arrive_words=link.word_ptrs("arrive"),
-            epoch=link.next_epoch(), counters=self.counters.data_ptr(), rdma_blocks=self.rdma_blocks,
+            epoch=link.next_epoch(), words_at=hier_agree.strip_at(comm) if words else -1, counters=self.counters.data_ptr(), rdma_blocks=self.rdma_blocks,
             nvl_blocks=self.nvl_blocks, err_dev=tr.err_dev, timeout_s=tr.timeout_s, seq_ptr=tr.seq.data_ptr())
 
-    def dispatch_launch(self, **fields):
-        """One dispatch launch's typed arguments (HierDispatchLaunch): the shared part, then ``fields``."""
-        return self.tr.T.HierDispatchLaunch(common=self._common(), **fields)
+    def words_in_strip(self, fingerprint) -> bool:
+        """Whether a launch carrying ``fingerprint`` takes every rank's words to our strip (several GPUs per node):
+        else the rail headers are all there is to compare (one GPU per node, where the rail is every rank)."""
+        return fingerprint is not None and self.comm.gpus > 1
 
-    def combine_launch(self, **fields):
+    def header_bytes(self, words: bool, combine: bool) -> int:
+        """The header at the front of every section: one call's words; a combine with words in the strip carries
+        the words of every GPU of our node (hier_kernels.hpp)."""
+        return RAIL_HEADER_BYTES * (self.comm.gpus if words and combine else 1)
+
+    def dispatch_launch(self, words: bool = False, **fields):
+        """One dispatch launch's typed arguments (HierDispatchLaunch): the shared part, then ``fields``."""
+        return self.tr.T.HierDispatchLaunch(common=self._common(words), **fields)
+
+    def combine_launch(self, words: bool = False, **fields):
         """One combine launch's typed arguments (HierCombineLaunch): the shared part, then ``fields``."""
-        return self.tr.T.HierCombineLaunch(common=self._common(), **fields)
+        return self.tr.T.HierCombineLaunch(common=self._common(words, self.header_bytes(words, True)), **fields)
 
     def _launch(self, kernel: str, launch, fingerprint=None) -> None:
         """Launch ``kernel`` ("hier_dispatch" or "hier_combine") of the transport's module with its typed
@@ -167,8 +178,39 @@ class HierKernels:
             getattr(self.device_puts, kernel)(launch, stream.cuda_stream)
         else:
             getattr(self.tr.T, kernel)(launch, self.tr.keys, stream.cuda_stream)
-        if fingerprint is not None:
-            self.agreement.add(self.tr, comm.rail(), comm.rank, fingerprint)
+        if fingerprint is not None and not fingerprint[agreement.Word.REJECTED]:
+            if self.words_in_strip(fingerprint):
+                self.agreement.add_strip(comm, fingerprint)
+            else:
+                self.agreement.add(self.tr, comm.rail(), comm.rank, fingerprint)
+
+    def reject(self, fingerprint, cached: bool) -> None:
+        """A call this rank rejected, several GPUs per node (``fingerprint``'s REJECTED word set): the launch the
+        peers' call makes (a cached dispatch's, or a combine's: ``fingerprint``'s op), moving no row, so its words
+        reach every rank through the strip as a call's do and every peer raises naming this rank. Nothing is
+        compared here (this rank raises its own error)."""
+        comm, dev = self.comm, self.comm.device
+        N = comm.num_nodes
+        stream = self.begin_call()
+        zeros = torch.zeros(max(N, comm.world_size), 3, dtype=torch.int64, device=dev)  # every table, all zeros
+        none = [0] * N
+        if fingerprint[agreement.Word.OP] == agreement.Op.COMBINE:
+            launch = self.combine_launch(
+                words=True, held=0, held_stride=16, w_off=16, hidden=8, topk=0, fp8=False, own_x=0, own_w=0,
+                own_begin=0, gather=zeros.data_ptr(), route=zeros.data_ptr(), singles=zeros.data_ptr(), max_rows=1,
+                rows_from=none, area_off=zeros.data_ptr(), partial_stride=32, recv_off=zeros.data_ptr(), num_tokens=0,
+                out_x=0, out_w=0)
+            self._launch("hier_combine", launch, fingerprint)
+        else:
+            assert cached, "a rejected fresh dispatch joins the count round (hier_agree.join_rejected)"
+            launch = self.dispatch_launch(
+                words=True, rows=0, stride=16, mask_off=0, num_tokens=0, masks=0, rdma_slot=0, rows_to=none,
+                rows_from=none, first_row=zeros.data_ptr(), route=zeros.data_ptr(), singles=zeros.data_ptr(),
+                max_rows=1)
+            self._launch("hier_dispatch", launch, fingerprint)
+        self._last_stream = stream
+        self.event = torch.cuda.Event()
+        self.event.record(stream)
 
     def _check_area(self, rows_into: List[int], stride: int) -> None:
         most = max(rows_into) * stride if rows_into else 0
@@ -176,10 +218,10 @@ class HierKernels:
             raise ValueError(f"x: {most} bytes of rows into one GPU's NVLink area exceed it ({self.link.area_bytes} "
                              "bytes); raise max_tokens_per_rank or hidden of the Buffer")
 
-    def _check_slot(self, nbytes: int) -> None:
-        if nbytes + RAIL_HEADER_BYTES > self.tr.slot_bytes:
+    def _check_slot(self, nbytes: int, header_bytes: int = RAIL_HEADER_BYTES) -> None:
+        if nbytes + header_bytes > self.tr.slot_bytes:
             raise ValueError(f"x: a block of {nbytes} bytes between rail ranks exceeds the receive slot "
-                             f"({self.tr.slot_bytes - RAIL_HEADER_BYTES} bytes); raise max_tokens_per_rank or hidden")
+                             f"({self.tr.slot_bytes - header_bytes} bytes); raise max_tokens_per_rank or hidden")
 
 
 def _rdma_slots(in_node: torch.Tensor) -> torch.Tensor:
@@ -254,7 +296,7 @@ def fresh_counts(k: HierKernels, topk_idx: torch.Tensor, num_experts: int, T: in
     comm = k.comm
     rank, R, N, G = comm.rank, comm.world_size, comm.num_nodes, comm.gpus
     in_rank, send_pos, _, row = count_row(comm, topk_idx, num_experts, T, fingerprint, expert_counts=True)
-    gathered = comm.all_gather(row, "dispatch:counts", wait=False)  # both hops queued, no sync yet
+    gathered = comm.all_gather(row, "dispatch:counts", wait=False, words=fingerprint is not None)  # no sync yet
     host = host_copy(gathered)
     if comm.device.type == "cuda":
         torch.cuda.current_stream(comm.device).synchronize()  # the call's one host wait: the counts
@@ -328,12 +370,13 @@ def dispatch(k: HierKernels, x, topk_idx: Optional[torch.Tensor], topk_weights: 
     singles = torch.empty(N, dtype=torch.int32, device=dev)
     slots = plan["rdma_slot"]
     first = device_table(plan["first_row"], torch.int32, dev)
+    agreed = fingerprint if handle is not None else None  # a fresh dispatch compared them in its count round
     with torch.cuda.device(dev):
         k._launch("hier_dispatch", k.dispatch_launch(
-            rows=packed.data_ptr(), stride=stride, mask_off=mask_off, num_tokens=T,
+            words=k.words_in_strip(agreed), rows=packed.data_ptr(), stride=stride, mask_off=mask_off, num_tokens=T,
             masks=masks.data_ptr() if masks is not None else 0, rdma_slot=slots.data_ptr(), rows_to=rows_to,
             rows_from=rows_from, first_row=first.data_ptr(), route=route.data_ptr(), singles=singles.data_ptr(),
-            max_rows=max_rows), fingerprint if handle is not None else None)
+            max_rows=max_rows), agreed)
 
     n_recv = sum(counts[s][rank] for s in range(R))
     received = copy_out_rows(k.link.area(), n_recv, stride, parts, row_bytes)
@@ -384,8 +427,9 @@ def combine(k: HierKernels, x: torch.Tensor, handle: Handle, topk_weights: Optio
     plan = combine_plan(comm, counts, handle.is_token_in_rank, held_stride, partial_stride)
     begins, gather, area_off, recv_off = plan["begins"], plan["gather"], plan["area_off"], plan["recv_off"]
     k._check_area([plan["into"]], held_stride)
+    words = k.words_in_strip(fingerprint)
     for n in info.rows_from:
-        k._check_slot(n * max(held_stride, partial_stride))
+        k._check_slot(n * max(held_stride, partial_stride), k.header_bytes(words, True))
 
     out_x = torch.empty(T, H, dtype=x.dtype, device=dev)
     out_w = torch.empty(T, K, dtype=torch.float32, device=dev) if w is not None else None
@@ -393,7 +437,7 @@ def combine(k: HierKernels, x: torch.Tensor, handle: Handle, topk_weights: Optio
     area_t = device_table(area_off, torch.int64, dev)
     with torch.cuda.device(dev):
         k._launch("hier_combine", k.combine_launch(
-            held=rows.data_ptr(), held_stride=held_stride, w_off=w_off, hidden=H, topk=K, fp8=bool(use_fp8),
+            words=words, held=rows.data_ptr(), held_stride=held_stride, w_off=w_off, hidden=H, topk=K, fp8=bool(use_fp8),
             own_x=xs.data_ptr(), own_w=w.data_ptr() if w is not None else 0, own_begin=begins[rank],
             gather=gather_t.data_ptr(), route=info.route.data_ptr(), singles=info.singles.data_ptr(),
             max_rows=info.route.shape[1], rows_from=info.rows_from, area_off=area_t.data_ptr(),

@@ -89,7 +89,7 @@ def fresh_route(comm: HierComm, topk_idx: torch.Tensor, num_experts: int, T: int
     (ValueError on every rank, hier_agree.check)."""
     R, N, G = comm.world_size, comm.num_nodes, comm.gpus
     in_rank, send_pos, in_node, row = count_row(comm, topk_idx, num_experts, T, fingerprint)
-    gathered = comm.all_gather(row, "dispatch:counts")
+    gathered = comm.all_gather(row, "dispatch:counts", words=fingerprint is not None)
     if fingerprint is not None:
         hier_agree.check(gathered[:, :agreement.WORDS].tolist(), fingerprint)
         gathered = gathered[:, agreement.WORDS:]

@@ -91,31 +91,31 @@ def test_rejected_combine_of_an_older_handle_raises_everywhere(gpus_per_node):
 
 
 def _two_gpus_per_node_worker(rank, world, kernels):
-    """2 nodes x 2 GPUs: on the torch routing (DEEPCOMM_INTERNODE_KERNELS=0) every normal-mode disagreement of one
-    kind of call raises on every rank the reference text and the next agreeing round is bit-exact; with the
-    kernels the backend says it takes no fingerprints there (their NVLink hop carries no words yet)."""
+    """2 nodes x 2 GPUs, on the kernels (their NVLink hop carries every rank's words into the strip) and on the
+    torch routing (DEEPCOMM_INTERNODE_KERNELS=0): every normal-mode disagreement of one kind of call (fresh
+    dispatch, cached dispatch, combine, a rank that rejected its input) raises on every rank the reference text,
+    and the next agreeing round is bit-exact."""
     import os
     os.environ["DEEPCOMM_INTERNODE_KERNELS"] = "1" if kernels else "0"
     dev = rank_device(rank)
     torch.cuda.set_device(dev)
     sides = _buffers(dev, gpus_per_node=2, internode_transport="emulated")
     backend = sides[0].buf._backend
-    assert type(backend).__name__ == "InternodeBackend"
-    assert backend.capabilities.takes_fingerprints is (not kernels)
-    if not kernels:
-        gen = torch.Generator().manual_seed(2000 + rank)
-        _agreeing_round(sides, Inputs(gen, dev), rank, "the start")
-        for me in (1, world - 1):  # a node peer of rank 0, then a rank on neither its node nor its rail
-            for what, call, deferred in _cases(rank, world, me, dev):
-                if "low-latency" in what or " on the others" in what:  # one kind of call at a time (troubleshooting.md)
-                    continue
-                _expect_disagreement(sides, call, rank, f"2x2, odd rank {me}: {what}", deferred)
-                _agreeing_round(sides, Inputs(gen, dev), rank, what)
+    assert type(backend).__name__ == "InternodeBackend" and backend.capabilities.takes_fingerprints
+    assert (backend.kernels is not None) is kernels
+    gen = torch.Generator().manual_seed(2000 + rank)
+    _agreeing_round(sides, Inputs(gen, dev), rank, "the start")
+    for me in (1, world - 1):  # a node peer of rank 0, then a rank on neither its node nor its rail
+        for what, call, deferred in _cases(rank, world, me, dev):
+            if "low-latency" in what or " on the others" in what:  # one kind of call at a time (troubleshooting.md)
+                continue
+            _expect_disagreement(sides, call, rank, f"2x2, odd rank {me}: {what}", deferred)
+            _agreeing_round(sides, Inputs(gen, dev), rank, what)
     for s in sides:
         s.buf.destroy()
 
 
 @needs_ranks(4)
-@pytest.mark.parametrize("kernels", [False, True], ids=["torch-routing", "kernels"])
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "torch-routing"])
 def test_internode_disagreements_at_two_gpus_per_node(kernels):
     run_on_gpus(_two_gpus_per_node_worker, 4, kernels, timeout_s=scaled(900))

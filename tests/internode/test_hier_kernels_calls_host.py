@@ -169,7 +169,7 @@ def test_deferred_agreement_compares_later_with_the_reference_text():
 
     def queue():  # what DeferredAgreement.add does after a launch, the copy made now
         done = Done()
-        d._pending.append((done, _headers(tr, "recv").contiguous().clone(), [0, 1, 2], good, 0))
+        d._pending.append((done, _headers(tr, "recv").contiguous().clone(), {0: 0, 1: 1, 2: 2}, good, 0))
         return done
 
     d = DeferredAgreement()

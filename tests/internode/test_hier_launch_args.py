@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(C is None, reason="deepcomm._C is not built (no 
 COMMON = dict(num_nodes=2, gpus=2, node=1, local=0, peers=0x100, num_peers=1, lkey=7, round=3, chunk_bytes=4096,
               log_wqebbs=6, log_cqes=6, send=0x1000, recv=0x2000, signal=0x3000, signal_target=3, credit=0,
               nvshmem_puts=False, slot_bytes=1 << 20, header_bytes=64, emulate_nic=True, nic_blocks=2,
-              area=[0x10, 0x20], free_words=[0x30, 0x40], arrive_words=[0x50, 0x60], epoch=5, counters=0x70,
+              area=[0x10, 0x20], free_words=[0x30, 0x40], arrive_words=[0x50, 0x60], epoch=5, words_at=-1, counters=0x70,
               rdma_blocks=4, nvl_blocks=4, err_dev=0x80, timeout_s=2.5, seq_ptr=0x90)
 DISPATCH = dict(rows=0x200, stride=64, mask_off=48, num_tokens=9, masks=0x210, rdma_slot=0x220, rows_to=[3, 4],
                 rows_from=[5, 6], first_row=0x230, route=0x240, singles=0x250, max_rows=6)
@@ -81,6 +81,7 @@ def test_missing_unknown_and_mistyped_fields_are_type_errors():
     (dict(node=2), "node"), (dict(local=-1), "local"), (dict(nic_blocks=0), "nic_blocks"),
     (dict(area=[0x10]), "area"), (dict(free_words=[1, 2, 3]), "free_words"), (dict(arrive_words=[]), "arrive_words"),
     (dict(rdma_blocks=0), "rdma_blocks"), (dict(nvl_blocks=0), "nvl_blocks"), (dict(timeout_s=-1.0), "timeout_s"),
+    (dict(words_at=8), "words_at"), (dict(words_at=-2), "words_at"),
 ])
 def test_shared_values_out_of_range_name_the_field(change, field):
     with pytest.raises(ValueError, match=field):
