@@ -5,7 +5,8 @@ summing) and the NVLink role (forwarding, gathering); the poster block and, on t
 NIC blocks per rail peer (up to 8, as the SMs allow: csrc/transport/nic_serve_block.cuh) come on top.
 
 Host work per call: a fresh dispatch's count round (both hops queued, then its one host wait, for the counts:
-the count matrix, the node counts and the rows per expert), the layout arithmetic from those counts (host lists) and the outputs' allocation. The kernels
+the count matrix, the node counts and the rows per expert, which reach the host through mapped memory,
+mapped_words.py), the layout arithmetic from those counts (host lists) and the outputs' allocation. The kernels
 build the rows from the caller's tensors and write the received rows into the outputs (csrc/runtime/
 hier_rows.hpp): no torch packing or copying around the launch. Nothing waits for the launch:
 its waits are bounded and report to the transport's and the link's error records, read at the next call and in
@@ -34,9 +35,10 @@ from ..cuda.align import round_up
 from .deferred_agree import DeferredAgreement, write_headers
 from .hier_comm import HierComm
 from .hier_normal import combine_area_row, count_row, node_masks
-from .host_tables import device_table, host_copy
+from .host_tables import device_table
 from .internode_layout import dispatch_row, extension, held_row
 from .internode_rows import RAIL_HEADER_BYTES
+from .mapped_words import MappedWords
 from .nic_transport import CHUNK_BYTES, LOG_WQEBBS
 from .sm_split import nic_blocks_for, split_sms
 
@@ -62,6 +64,7 @@ class HierKernels:
         self.device_puts = device_puts
         self.counters = torch.zeros(4, dtype=torch.int32, device=comm.device)
         self.agreement = DeferredAgreement()  # cached dispatches' and combines' words, compared later
+        self.counts = MappedWords(self.tr.C, self.tr.T, comm.device)  # a fresh dispatch's counts, to the host
         self.event: Optional[torch.cuda.Event] = None  # the end of the last call, on its stream
         self._last_stream: Optional[torch.cuda.Stream] = None
         self.peer_table = None
@@ -122,6 +125,9 @@ class HierKernels:
         """After a device sync: compare every pending header copy, raise a disagreement."""
         self.agreement.collect(wait=True)
         self.agreement.raise_pending()
+
+    def close(self) -> None:
+        self.counts.close()
 
     # ---- one launch ----
     def _common(self):
@@ -256,13 +262,15 @@ def fresh_counts(k: HierKernels, topk_idx: torch.Tensor, num_experts: int, T: in
     rank, R, N, G = comm.rank, comm.world_size, comm.num_nodes, comm.gpus
     in_rank, send_pos, _, row = count_row(comm, topk_idx, num_experts, T, fingerprint, expert_counts=True)
     gathered = comm.all_gather(row, "dispatch:counts", wait=False)  # both hops queued, no sync yet
-    host = host_copy(gathered)
-    if comm.device.type == "cuda":
-        torch.cuda.current_stream(comm.device).synchronize()  # the call's one host wait: the counts
+    width = gathered.shape[1]
+    if comm.device.type == "cuda":  # the call's one host wait: the counts, through mapped memory
+        flat = k.counts.fetch(gathered, k.tr.timeout_s * 1.5 + 1.0, [k.tr, k.link], rank, "dispatch:counts (host)")
+    else:
+        flat = gathered.reshape(-1).tolist()
     k.tr.check_error()
     k.link.check_error()
     k.agreement.collect(wait=True)  # every earlier launch has finished: compare its words (raised by end_call)
-    rows = host.tolist()
+    rows = [flat[s * width:(s + 1) * width] for s in range(R)]
     W = agreement.WORDS if fingerprint is not None else 0
     if fingerprint is not None:
         hier_agree.check([r[:W] for r in rows], fingerprint)
