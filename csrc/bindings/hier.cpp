@@ -34,8 +34,12 @@ void register_launch_args(py::module_& m) {
 
   using D = dc::bindings::HierDispatchLaunch;
   dc::bindings::ArgsClass<D>(m, "HierDispatchLaunch", "One hierarchical dispatch (hier_kernels.hpp HierDispatchArgs)")
-      .field("common", &D::common).field("rows", &D::rows).field("stride", &D::stride)
-      .field("mask_off", &D::mask_off).field("num_tokens", &D::num_tokens).field("masks", &D::masks)
+      .field("common", &D::common).field("x", &D::x).field("scales", &D::scales).field("topk_idx", &D::topk_idx)
+      .field("topk_weights", &D::topk_weights).field("x_bytes", &D::x_bytes).field("scale_bytes", &D::scale_bytes)
+      .field("topk", &D::topk).field("with_idx", &D::with_idx).field("with_weights", &D::with_weights)
+      .field("num_tokens", &D::num_tokens).field("out_x", &D::out_x).field("out_scales", &D::out_scales)
+      .field("out_topk_idx", &D::out_topk_idx).field("out_src_idx", &D::out_src_idx)
+      .field("out_weights", &D::out_weights).field("num_recv", &D::num_recv).field("masks", &D::masks)
       .field("rdma_slot", &D::rdma_slot).field("rows_to", &D::rows_to).field("rows_from", &D::rows_from)
       .field("first_row", &D::first_row).field("route", &D::route).field("singles", &D::singles)
       .field("max_rows", &D::max_rows)
@@ -43,7 +47,7 @@ void register_launch_args(py::module_& m) {
 
   using Cb = dc::bindings::HierCombineLaunch;
   dc::bindings::ArgsClass<Cb>(m, "HierCombineLaunch", "One hierarchical combine (hier_kernels.hpp HierCombineArgs)")
-      .field("common", &Cb::common).field("held", &Cb::held).field("held_stride", &Cb::held_stride)
+      .field("common", &Cb::common).field("held_stride", &Cb::held_stride)
       .field("w_off", &Cb::w_off).field("hidden", &Cb::hidden).field("topk", &Cb::topk).field("fp8", &Cb::fp8)
       .field("own_x", &Cb::own_x).field("own_w", &Cb::own_w).field("own_begin", &Cb::own_begin)
       .field("gather", &Cb::gather).field("route", &Cb::route).field("singles", &Cb::singles)

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "../kernels/hier_kernels.hpp"
+#include "../kernels/topk_max.hpp"
 #include "../transport/device_qp_layout.hpp"
 
 namespace dc::bindings {
@@ -136,33 +137,52 @@ inline void check_node_rows(const std::vector<int64_t>& v, int num_nodes, const 
     if (n < 0 || n > INT32_MAX) hier_detail::bad(std::string(name) + ": row counts must be in [0, 2^31)");
 }
 
-// HierDispatchArgs: the shared part, then the dispatch's rows and routing.
+// HierDispatchArgs: the shared part, then the caller's tensors a row is built from, the output tensors the
+// received rows are split into (runtime/hier_rows.hpp: the row is HierDispatchRow(x_bytes, scale_bytes, topk,
+// with_idx, with_weights, gpus)), and the routing.
 struct HierDispatchLaunch {
   HierLaunch common;
-  uintptr_t rows = 0;
-  uint32_t stride = 0, mask_off = 0;
+  uintptr_t x = 0, scales = 0, topk_idx = 0, topk_weights = 0;
+  int64_t x_bytes = 0, scale_bytes = 0;
+  int topk = 0;
+  bool with_idx = false, with_weights = false;
   int num_tokens = 0;
+  uintptr_t out_x = 0, out_scales = 0, out_topk_idx = 0, out_src_idx = 0, out_weights = 0;
+  int num_recv = 0;
   uintptr_t masks = 0, rdma_slot = 0;
   std::vector<int64_t> rows_to, rows_from;
   uintptr_t first_row = 0, route = 0, singles = 0;
   int max_rows = 0;
 
   void check() const {
+    using hier_detail::bad;
     common.check();
-    if (num_tokens < 0) hier_detail::bad("num_tokens must be >= 0");
-    if (max_rows < 0) hier_detail::bad("max_rows must be >= 0");
+    if (x_bytes < 16 || x_bytes % 16) bad("x_bytes must be a positive multiple of 16");
+    if (scale_bytes < 0 || scale_bytes % 4) bad("scale_bytes must be a non-negative multiple of 4");
+    if (topk < 0 || topk > kTopkMax) bad("topk must be in [0, " + std::to_string(kTopkMax) + "]");
+    if (num_tokens < 0) bad("num_tokens must be >= 0");
+    if (num_recv < 0) bad("num_recv must be >= 0");
+    if (max_rows < 0) bad("max_rows must be >= 0");
     check_node_rows(rows_to, common.num_nodes, "rows_to");
     check_node_rows(rows_from, common.num_nodes, "rows_from");
+  }
+  HierDispatchRow row() const {
+    return HierDispatchRow(x_bytes, scale_bytes, topk, with_idx, with_weights, common.gpus);
   }
   HierDispatchArgs args() const {
     check();
     using hier_detail::ptr;
     HierDispatchArgs a{};
     common.fill(a);
-    a.rows = ptr<const uint8_t>(rows);
-    a.stride = stride;
-    a.mask_off = mask_off;
+    a.row = row();
+    a.src = HierRowSrc{ptr<const uint8_t>(x), ptr<const uint8_t>(scales), ptr<const int64_t>(topk_idx),
+                       ptr<const float>(topk_weights)};
+    a.stride = uint32_t(a.row.stride);
+    a.mask_off = uint32_t(a.row.mask_off);
     a.num_tokens = num_tokens;
+    a.out = HierRecvDst{ptr<uint8_t>(out_x), ptr<uint8_t>(out_scales), ptr<int64_t>(out_topk_idx),
+                        ptr<int32_t>(out_src_idx), ptr<float>(out_weights)};
+    a.num_recv = num_recv;
     a.masks = ptr<const int32_t>(masks);
     a.rdma_slot = ptr<const int32_t>(rdma_slot);
     hier_detail::fill(a.rows_to, rows_to);
@@ -178,7 +198,6 @@ struct HierDispatchLaunch {
 // HierCombineArgs: the shared part, then the held rows, the dispatch's route and the outputs.
 struct HierCombineLaunch {
   HierLaunch common;
-  uintptr_t held = 0;
   uint32_t held_stride = 0, w_off = 0;
   int hidden = 0, topk = 0;
   bool fp8 = false;
@@ -207,7 +226,6 @@ struct HierCombineLaunch {
     using hier_detail::ptr;
     HierCombineArgs a{};
     common.fill(a);
-    a.held = ptr<const uint8_t>(held);
     a.held_stride = held_stride;
     a.w_off = w_off;
     a.hidden = hidden;

@@ -1,8 +1,10 @@
-// deepcomm._C.transport, internode part: one round of the internode exchange (csrc/kernels/internode_exchange.hpp)
-// and the record layouts the Python side reads. Pointers are ints; streams are ints.
+// deepcomm._C.transport, internode part: one round of the internode exchange (csrc/kernels/internode_exchange.hpp),
+// the node barrier, the bounded waits, the tagged words to host memory (csrc/kernels/host_words.hpp) and the record
+// layouts the Python side reads. Pointers are ints; streams are ints.
 #include <pybind11/stl.h>
 
 #include "../kernels/counter_wait.hpp"
+#include "../kernels/host_words.hpp"
 #include "../kernels/internode_exchange.hpp"
 #include "../kernels/node_barrier.hpp"
 #include "../runtime/cuda_check.hpp"
@@ -67,6 +69,34 @@ void dc::bindings::register_internode(py::module_& m) {
   }, py::arg("flags"), py::arg("peer_flags"), py::arg("local"), py::arg("first_rank"), py::arg("epoch"),
      py::arg("err_dev"), py::arg("timeout_s"), py::arg("seq_ptr"), py::arg("stream"),
      "Launch one barrier among the GPUs of a node (csrc/kernels/node_barrier.hpp); flags: our u64 [gpus].");
+
+  // Words the host learns through mapped memory, tagged (csrc/kernels/host_words.hpp; deepcomm/internode/
+  // mapped_words.py).
+  m.def("host_words_bytes", &host_words_bytes, py::arg("n"), "Bytes of the mapped block for n int32 words.");
+  m.def("words_to_host", [](uintptr_t src, int64_t n, uintptr_t mapped_dev, uint64_t tag, uintptr_t stream) {
+    launch_words_to_host(reinterpret_cast<const int32_t*>(src), n, reinterpret_cast<uint8_t*>(mapped_dev), tag,
+                         reinterpret_cast<cudaStream_t>(stream));
+  }, py::arg("src"), py::arg("n"), py::arg("mapped_dev"), py::arg("tag"), py::arg("stream"),
+     "Queue the copy of n device int32 words at src into the mapped block (its device address), then its tag.");
+  m.def("wait_host_words", [](uintptr_t mapped_host, uint64_t tag, int64_t n, double timeout_s,
+                              const std::vector<uintptr_t>& error_records) {
+    if (n < 0) throw std::invalid_argument("n: expected >= 0");
+    std::vector<const ErrorRecord*> errors;
+    for (uintptr_t e : error_records) errors.push_back(reinterpret_cast<const ErrorRecord*>(e));
+    HostTagWait status;
+    {
+      py::gil_scoped_release release;  // other Python threads run while we wait
+      status = wait_host_tag(reinterpret_cast<const uint8_t*>(mapped_host), tag, timeout_s, errors);
+    }
+    py::list words;
+    if (status == kHostTagArrived) {
+      const auto* w = reinterpret_cast<const int32_t*>(mapped_host + kHostWordsOffset);
+      for (int64_t i = 0; i < n; ++i) words.append(w[i]);
+    }
+    return py::make_tuple(int(status), words);
+  }, py::arg("mapped_host"), py::arg("tag"), py::arg("n"), py::arg("timeout_s"), py::arg("error_records"),
+     "Wait (GIL released, bounded) until the mapped block's tag equals tag: (0, its n words); (1, []) when an error "
+     "record's flag is set first; (2, []) after timeout_s.");
 
   // The NVSHMEM transport's bounded waits (csrc/kernels/counter_wait.hpp) and the stages they record.
   m.attr("STAGE_NVSHMEM_CREDIT") = int(kStageNvshmemCredit);

@@ -7,6 +7,7 @@
 
 #include "../kernels/api.hpp"
 #include "../kernels/node_barrier.hpp"
+#include "../runtime/hier_rows.hpp"
 #include "../runtime/internode_layout.hpp"
 #include "../runtime/internode_limits.hpp"
 #include "../runtime/nvl_layout.hpp"
@@ -64,6 +65,28 @@ void register_layouts(py::module_& m) {
     d["node_row"] = r.node_row; d["rail_row"] = r.rail_row; d["slot"] = r.slot;
     return d;
   }, py::arg("max_tokens"), py::arg("hidden"));
+  // the rows of the hierarchical kernels (runtime/hier_rows.hpp)
+  m.def("hier_dispatch_row", [](int64_t x_bytes, int64_t scale_bytes, int64_t topk, bool with_idx, bool with_weights,
+                                int gpus) {
+    if (x_bytes < 0 || x_bytes % 4 || scale_bytes < 0 || scale_bytes % 4)
+      throw py::value_error("x_bytes, scale_bytes: expected non-negative multiples of 4, got " +
+                            std::to_string(x_bytes) + ", " + std::to_string(scale_bytes));
+    if (topk < 0) throw py::value_error("topk: expected >= 0, got " + std::to_string(topk));
+    if (gpus < 1) throw py::value_error("gpus: expected >= 1, got " + std::to_string(gpus));
+    HierDispatchRow r(x_bytes, scale_bytes, topk, with_idx, with_weights, gpus);
+    py::dict d;
+    d["scale_off"] = r.scale_off; d["idx_off"] = r.idx_off; d["src_off"] = r.src_off; d["w_off"] = r.w_off;
+    d["mask_off"] = r.mask_off; d["stride"] = r.stride;
+    return d;
+  }, py::arg("x_bytes"), py::arg("scale_bytes"), py::arg("topk"), py::arg("with_idx"), py::arg("with_weights"),
+     py::arg("gpus"));
+  m.def("hier_held_row", [](int64_t hidden, int64_t topk, bool fp8) {
+    if (hidden < 1 || topk < 0) throw py::value_error("hidden, topk: expected >= 1 and >= 0");
+    HierHeldRow r(hidden, topk, fp8);
+    py::dict d;
+    d["x_bytes"] = r.x_bytes; d["w_off"] = r.w_off; d["stride"] = r.stride;
+    return d;
+  }, py::arg("hidden"), py::arg("topk"), py::arg("fp8"));
   m.def("nic_region_layout", [](int64_t world_size, int64_t slot_bytes) {
     check_region_args(world_size, slot_bytes);
     NicRegion r(int(world_size), slot_bytes);

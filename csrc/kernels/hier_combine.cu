@@ -1,7 +1,8 @@
 // The internode hierarchical combine (contract in hier_kernels.hpp), one launch:
 //   nvl blocks:  block 0 frees our area at every node GPU (and puts our words into every node GPU's strip, with
-//                words_at >= 0); all copy our held rows for each source s into the area of s's forwarder (node
-//                GPU s % G) once it freed it; the last one raises arrive everywhere.
+//                words_at >= 0); all build our held rows for each source s (from the expert outputs, quantized
+//                with fp8) in the area of s's forwarder (node GPU s % G) once it freed it; the last one raises
+//                arrive everywhere.
 //   rdma blocks: once every node GPU arrived, reduce each rail source's rows into its send section (a one-holder
 //                row copied as held, the others as fp32 partials) and count done; once every rdma block is done
 //                and every rail peer's block landed, sum each token's node partials into out_x / out_w.
@@ -307,6 +308,21 @@ __device__ __forceinline__ void rdma_role(const HierCombineArgs& a, const WaitCt
   sum_tokens(a, sources[warp], gw, nw, lane);
 }
 
+// A warp builds held row j (runtime/hier_rows.hpp: HierHeldRow) from own_x row j (bf16 16-byte vectors, or
+// quantized to e4m3 + scales as deepcomm/fp8.py does) and own_w row j into dst (a node GPU's area). own_x and
+// own_w are the caller's tensors, never written during the launch.
+__device__ __forceinline__ void store_held_row(const HierCombineArgs& a, const HierHeldRow& h, int64_t j, uint8_t* dst,
+                                               int lane) {
+  const auto* x = reinterpret_cast<const int4*>(a.own_x + j * a.hidden);
+  const int64_t n16 = a.hidden / 8;  // 16-byte vectors of the bf16 row
+  if (a.fp8)
+    warp_store_row_e4m3<kUnroll>(x, dst, n16, lane);
+  else
+    warp_copy_v4<4>(x, reinterpret_cast<int4*>(dst), n16, lane);
+  for (int64_t o = h.x_bytes + 4 * int64_t(lane); o < h.stride; o += 4 * 32)
+    ptx::st_na_u32(reinterpret_cast<uint32_t*>(dst + o), held_row_tail_word(h, a.own_w, a.topk, j, o));
+}
+
 __device__ __forceinline__ void nvl_role(const HierCombineArgs& a, const WaitCtx& ctx, int b, int warp, int lane) {
   const HierTopo& t = a.topo;
   const uint64_t epoch = a.nvl.epoch;
@@ -320,15 +336,16 @@ __device__ __forceinline__ void nvl_role(const HierCombineArgs& a, const WaitCtx
           return a.nvl.area[g] + a.nvl.words_at + int64_t(words_slot(t, t.node, t.local)) * kRailHeaderBytes;
         });
   const int64_t nw = int64_t(a.nvl_blocks) * kWarps, gw = int64_t(b) * kWarps + warp;
+  const HierHeldRow h(a.hidden, a.topk, a.fp8);
   const int64_t stride = a.held_stride;
   int64_t before = 0;
   for (int s = 0; s < t.num_nodes * t.gpus; ++s) {
     const int64_t rows = a.gather[3 * s + 1];
     if (s == t.rank || rows <= 0) continue;
-    const uint8_t* from = a.held + a.gather[3 * s] * stride;
+    const int64_t first = a.gather[3 * s];  // held row of s's first row here
     uint8_t* to = a.nvl.area[s % t.gpus] + a.gather[3 * s + 2];
     for (int64_t k = first_item(gw, nw, before); k < rows; k += nw)
-      copy_row(from + k * stride, to + k * stride, stride, lane);
+      store_held_row(a, h, first + k, to + k * stride, lane);
     before += rows;
   }
   // The last nvl block: every block's rows are ordered before arrive (block_done fences at system scope).
@@ -364,11 +381,12 @@ void launch_hier_combine(const HierCombineArgs& a, const KeyTable& keys, const W
   const int blocks = checked_grid_blocks(t, a.rdma, a.rdma_blocks, a.nvl_blocks, "hier_combine");
   DC_HOST_ASSERT(a.hidden >= 1 && a.topk >= 0 && a.num_tokens >= 0, "hier_combine: bad hidden, topk or num_tokens");
   DC_HOST_ASSERT(!a.fp8 || a.hidden % 128 == 0, "hier_combine: fp8 needs hidden % 128 == 0");
-  DC_HOST_ASSERT(a.held_stride % 16 == 0 && a.w_off % 4 == 0, "hier_combine: held_stride % 16, w_off % 4");
-  const int64_t x_bytes = a.fp8 ? int64_t(a.hidden) + a.hidden / 128 * 4 : 2 * int64_t(a.hidden);
-  DC_HOST_ASSERT(a.held_stride >= x_bytes &&
-                     (a.topk == 0 || (a.w_off >= x_bytes && a.w_off + 4 * int64_t(a.topk) <= a.held_stride)),
-                 "hier_combine: held rows must hold x then the weights");
+  const HierHeldRow h(a.hidden, a.topk, a.fp8);
+  DC_HOST_ASSERT(a.held_stride == h.stride && a.w_off == h.w_off,
+                 "hier_combine: held_stride and w_off must be those of HierHeldRow(hidden, topk, fp8)");
+  DC_HOST_ASSERT(a.hidden % 8 == 0 && reinterpret_cast<uintptr_t>(a.own_x) % 16 == 0 &&
+                     reinterpret_cast<uintptr_t>(a.own_w) % 4 == 0 && (a.topk == 0 || a.own_w != nullptr),
+                 "hier_combine: own_x must be 16-byte aligned bf16 rows (hidden % 8 == 0), own_w fp32 rows");
   DC_HOST_ASSERT(a.partial_stride % 16 == 0 && a.partial_stride >= 4 * (int64_t(a.hidden) + a.topk),
                  "hier_combine: partial_stride % 16 and >= 4 * (hidden + topk)");
   for (int m = 0; m < t.num_nodes; ++m)

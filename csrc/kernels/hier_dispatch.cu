@@ -1,11 +1,13 @@
 // The hierarchical internode dispatch, one launch (contract in hier_kernels.hpp; shared roles in hier_roles.cuh).
-//   pack blocks:    our tokens' rows into the send section of every node that needs them (ours too: the self
-//                   section), with the node's GPU mask at mask_off when G > 1; then counters[0] += 1.
+//   pack blocks:    our tokens' rows, built from the caller's tensors, into the send section of every node that
+//                   needs them (ours too: the self section), with the node's GPU mask at mask_off when G > 1;
+//                   then counters[0] += 1.
 //   forward blocks: free our area, then per rail source (our own node first) forward each row to the node GPUs
 //                   its mask names, at the row the reference order gives it; route / singles for the combine;
 //                   block 0 puts every rail source's words into every node GPU's strip (words_at >= 0); the last
 //                   one raises arrive at every node GPU; block 0 waits for every node GPU's arrive and for every
-//                   rail peer's block (the host reads the words: the headers, or the strip).
+//                   rail peer's block (the host reads the words: the headers, or the strip); then every forward
+//                   block splits its share of the rows in our area into the output tensors.
 //   poster block:   the exchange round with every rail peer once every pack block is done.
 //   NIC blocks:     nic_blocks per queue pair (emulated NIC only), the first of each its leader.
 #include <cuda_runtime.h>
@@ -34,28 +36,37 @@ __device__ __forceinline__ uint32_t row_mask(const uint8_t* row, uint32_t mask_o
   return ptx::ld_relaxed_gpu_u32(reinterpret_cast<const uint32_t*>(row + mask_off)) & bits;
 }
 
+// Lane `lane` of a warp builds 16-byte vectors [x16 + lane, n16) step 32 of token `tok`'s row (the words past the
+// leading x vectors: runtime/hier_rows.hpp) with node GPU mask `mask`, into `dst`.
+__device__ __forceinline__ void store_row_tail(const HierDispatchArgs& a, int tok, uint32_t mask, uint8_t* dst,
+                                               int64_t x16, int64_t n16, int lane) {
+  for (int64_t v = x16 + lane; v < n16; v += 32) {
+    uint32_t w[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) w[j] = dispatch_row_word(a.row, a.src, tok, 16 * v + 4 * j, mask);
+    ptx::st_na_v4(reinterpret_cast<int4*>(dst) + v, make_int4(int(w[0]), int(w[1]), int(w[2]), int(w[3])));
+  }
+}
+
 __device__ __forceinline__ void pack_block(const HierDispatchArgs& a, int b) {
   const HierTopo& t = a.topo;
   const int N = t.num_nodes, warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
   const int begin = int(int64_t(b) * a.num_tokens / a.rdma_blocks);
   const int end = int(int64_t(b + 1) * a.num_tokens / a.rdma_blocks);
-  const int64_t n16 = a.stride / 16;
+  const int64_t n16 = a.stride / 16, x16 = a.row.x_bytes / 16;
   for (int tok = begin + warp; tok < end; tok += kWarps) {
     // Lane m holds node m's slot (and mask): one load each for the whole warp.
     const int32_t slot = lane < N ? a.rdma_slot[int64_t(tok) * N + lane] : -1;
     const int32_t mask = (lane < N && t.gpus > 1) ? a.masks[int64_t(tok) * N + lane] : 0;
-    const auto* src = reinterpret_cast<const int4*>(a.rows + int64_t(tok) * a.stride);
+    const auto* x = reinterpret_cast<const int4*>(a.src.x + int64_t(tok) * a.row.x_bytes);
     for (uint32_t need = __ballot_sync(kFull, slot >= 0); need != 0; need &= need - 1) {
       const int m = __ffs(need) - 1;
       const int32_t s = __shfl_sync(kFull, slot, m);
       const int32_t mk = __shfl_sync(kFull, mask, m);
       uint8_t* dst = a.rdma.send + int64_t(rail_rank(t, m)) * a.rdma.slot_bytes + a.rdma.header_bytes +
                      int64_t(s) * a.stride;
-      warp_copy_v4<4>(src, reinterpret_cast<int4*>(dst), n16, lane);  // rows: never written during the launch
-      if (t.gpus > 1) {
-        __syncwarp();  // the lane that copied the vector holding the mask word stored it before this overwrite
-        if (lane == 0) *reinterpret_cast<int32_t*>(dst + a.mask_off) = mk;
-      }
+      warp_copy_v4<4>(x, reinterpret_cast<int4*>(dst), x16, lane);  // the caller's x: never written in the launch
+      store_row_tail(a, tok, uint32_t(mk), dst, x16, n16, lane);
     }
   }
   block_done(&a.counters[0]);
@@ -162,6 +173,29 @@ __device__ __forceinline__ bool forward_source(const HierDispatchArgs& a, int m,
   return true;
 }
 
+// Forward block b, once every node GPU's arrive says our area is complete: rows [b * n / nb, (b + 1) * n / nb) of
+// our area (n = num_recv) into the output tensors, one warp per row (x as 16-byte vectors, the rest word by word:
+// runtime/hier_rows.hpp). The rows were written during the launch by node GPUs: coherent loads.
+__device__ __forceinline__ void unpack_received(const HierDispatchArgs& a, int b, const WaitCtx& ctx) {
+  const HierTopo& t = a.topo;
+  for (int g = 0; g < t.gpus; ++g)
+    if (!block_wait_node_word(a.nvl.arrive_words[t.local], g, a.nvl.epoch, t, ctx, kStageHierArrive)) return;
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32, nb = a.nvl_blocks;
+  const int begin = int(int64_t(b) * a.num_recv / nb), end = int(int64_t(b + 1) * a.num_recv / nb);
+  const int64_t n16 = a.stride / 16, x16 = a.row.x_bytes / 16;
+  const uint8_t* area = a.nvl.area[t.local];
+  for (int i = begin + warp; i < end; i += kWarps) {
+    const auto* row = reinterpret_cast<const int4*>(area + int64_t(i) * a.stride);
+    warp_copy_fresh(row, reinterpret_cast<int4*>(a.out.x + int64_t(i) * a.row.x_bytes), x16, lane);
+    for (int64_t v = x16 + lane; v < n16; v += 32) {
+      const int4 q = ptx::ld_relaxed_gpu_v4(row + v);
+      const uint32_t w[4] = {uint32_t(q.x), uint32_t(q.y), uint32_t(q.z), uint32_t(q.w)};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) dispatch_unpack_word(a.row, a.out, i, 16 * v + 4 * j, w[j]);
+    }
+  }
+}
+
 __device__ __forceinline__ void forward_block(const HierDispatchArgs& a, int b, const WaitCtx& ctx) {
   const HierTopo& t = a.topo;
   const uint64_t epoch = a.nvl.epoch;
@@ -202,6 +236,7 @@ __device__ __forceinline__ void forward_block(const HierDispatchArgs& a, int b, 
     for (int m = 0; m < t.num_nodes; ++m)
       if (m != t.node && !block_wait_signal(a.rdma, rail_rank(t, m), ctx)) return;
   }
+  unpack_received(a, b, ctx);
 }
 
 __global__ void __launch_bounds__(kHierThreads) hier_dispatch_kernel(HierDispatchArgs a, KeyTable keys,
@@ -236,6 +271,23 @@ void launch_hier_dispatch(const HierDispatchArgs& args, const transport::KeyTabl
   DC_HOST_ASSERT(G == 1 || (args.mask_off % 4 == 0 && uint64_t(args.mask_off) + 4 <= args.stride),
                  "hier_dispatch: mask_off must be 4-byte aligned and inside the row");
   DC_HOST_ASSERT(args.num_tokens >= 0, "hier_dispatch: num_tokens must be >= 0");
+  const HierDispatchRow& row = args.row;
+  DC_HOST_ASSERT(row.x_bytes >= 16 && row.x_bytes % 16 == 0 && row.scale_bytes % 4 == 0 &&
+                     args.stride == row.stride && (G == 1 || args.mask_off == row.mask_off),
+                 "hier_dispatch: x rows must be a multiple of 16 bytes, scale rows of 4, stride and mask_off those "
+                 "of the row");
+  const auto aligned = [](const void* p, uintptr_t n) { return reinterpret_cast<uintptr_t>(p) % n == 0; };
+  DC_HOST_ASSERT(aligned(args.src.x, 16) && aligned(args.out.x, 16) && aligned(args.src.scales, 4) &&
+                     aligned(args.out.scales, 4) && aligned(args.src.topk_idx, 4) && aligned(args.out.topk_idx, 4) &&
+                     aligned(args.src.weights, 4) && aligned(args.out.weights, 4) && aligned(args.out.src_idx, 4),
+                 "hier_dispatch: x and out.x must be 16-byte aligned, the other parts 4-byte aligned");
+  DC_HOST_ASSERT((args.num_tokens == 0 || args.src.x != nullptr) && (args.num_recv == 0 || args.out.x != nullptr) &&
+                     (row.scale_off < 0 || ((args.num_tokens == 0 || args.src.scales != nullptr) &&
+                                            (args.num_recv == 0 || args.out.scales != nullptr))) &&
+                     (row.idx_off < 0 || args.num_tokens == 0 || args.src.topk_idx != nullptr) &&
+                     (row.w_off < 0 || args.num_tokens == 0 || args.src.weights != nullptr),
+                 "hier_dispatch: a part of the row has no source or output");
+  DC_HOST_ASSERT(args.num_recv >= 0, "hier_dispatch: num_recv must be >= 0");
   DC_HOST_ASSERT(args.rows_from[t.node] == args.rows_to[t.node],
                  "hier_dispatch: rows_from[node] must equal rows_to[node]");
   for (int m = 0; m < N; ++m) {

@@ -3,8 +3,9 @@
 // Ranks R = N nodes x G GPUs; rank r is GPU r % G of node r / G. Between nodes bytes travel only between ranks
 // of the same local index (the "rail"), as GPU-posted mlx5 WQEs (the exchange round of internode_round.hpp:
 // credit, writes, signal) executed by the device emulated NIC (blocks of the same grid) or a ConnectX; inside a
-// node rows move over NVLink peer pointers. Rows are opaque to the dispatch kernel (packed and unpacked by
-// torch, no host sync); the combine kernel decodes and sums them.
+// node rows move over NVLink peer pointers. The dispatch kernel builds each row from the caller's tensors and
+// splits the received rows into the output tensors (runtime/hier_rows.hpp: HierDispatchRow); the combine kernel
+// builds the held rows from the expert outputs (HierHeldRow), and decodes and sums them.
 //
 // Grid: rdma_blocks | nvl_blocks | one poster block (one thread per rail peer) | num_peers * nic_blocks NIC
 // blocks (only with emulate_nic; queue j's at j * nic_blocks.., its leader first). Every block must be resident
@@ -25,6 +26,7 @@
 #include "../runtime/error_record.cuh"
 #include "../runtime/host_device.hpp"
 #include "../runtime/internode_layout.hpp"
+#include "../runtime/hier_rows.hpp"
 #include "../runtime/internode_limits.hpp"
 #include "../transport/key_table.hpp"
 #include "internode_exchange.hpp"
@@ -83,9 +85,9 @@ struct HierNode {
 DC_HD int words_slot(const HierTopo& t, int m, int l) { return l * t.num_nodes + m; }
 
 // ---------------------------------------------------------------------------------------------------- dispatch
-// rdma blocks: copy each token's row (`rows`, stride bytes) into the send section of every node m that needs it
-//   (rdma_slot[t][m] >= 0, the row index there; our own node too), writing masks[t][m] (int32) at mask_off when
-//   G > 1; then count themselves done (counters[0]).
+// rdma blocks: build each token's row (`row`: x, scales, top-k ids, its own index, weights from `src`, and
+//   masks[t][m] (int32) at mask_off when G > 1) in the send section of every node m that needs it
+//   (rdma_slot[t][m] >= 0, the row index there; our own node too); then count themselves done (counters[0]).
 // poster: per rail peer, once every rdma block is done: the exchange round with rows_to[m] * stride bytes.
 // nvl blocks: for every rail source m (its section when it is our node, else its block in recv once signal
 //   says it landed) forward row i to each node GPU g in its mask (G == 1: every row to us) at row
@@ -95,17 +97,22 @@ DC_HD int words_slot(const HierTopo& t, int m, int l) { return l * t.num_nodes +
 //   singles[m] = how many rows of source m one node GPU holds. With words_at >= 0, nvl block 0 also puts the
 //   header of every rail source's block (ours: our own section's) into slot words_slot(m, local) of every node
 //   GPU's strip. Then arrive (the last nvl block, after a system fence, at every node GPU) and wait for every
-//   node GPU's arrive and every rail peer's signal: the kernel ends with our area holding every row for us,
-//   source rank then token order, every rail peer's block (its header included) landed in recv, and (words_at)
-//   every rank's words in our strip.
+//   node GPU's arrive and every rail peer's signal: our area then holds every row for us, source rank then token
+//   order, every rail peer's block (its header included) has landed in recv, and (words_at) every rank's words
+//   are in our strip. Last, nvl block b splits rows [b * num_recv / nvl_blocks, (b + 1) * ...) of our area into
+//   `out` (row i of every part is received row i): nothing is left for the host to copy out of the area, which
+//   the next launch reuses.
 struct HierDispatchArgs {
   HierTopo topo;
   HierRdma rdma;
   HierNode nvl;
-  const uint8_t* rows;         // [num_tokens][stride], 16-byte aligned, stride % 16 == 0
-  uint32_t stride;
-  uint32_t mask_off;           // % 4 == 0; only with G > 1
+  HierDispatchRow row;         // x_bytes % 16 == 0, scale_bytes % 4 == 0
+  HierRowSrc src;              // x 16-byte aligned; the others 4-byte aligned
+  uint32_t stride;             // row.stride (% 16 == 0)
+  uint32_t mask_off;           // row.mask_off (% 4 == 0); only with G > 1
   int num_tokens;
+  HierRecvDst out;             // x 16-byte aligned; the others 4-byte aligned
+  int num_recv;                // rows our area holds at the end: every source's rows for us
   const int32_t* masks;        // [T][N] bit g: node m's GPU g holds an expert of token t (read only when G > 1)
   const int32_t* rdma_slot;    // [T][N]
   int rows_to[kHierMaxNodes];  // our tokens node m needs (rows of our section for m)
@@ -119,10 +126,11 @@ struct HierDispatchArgs {
 };
 
 // ----------------------------------------------------------------------------------------------------- combine
-// Held rows (what this rank received in the dispatch, as the expert outputs): [real][held_stride], x at 0 (bf16
-// [H], or with fp8 e4m3 [H] then fp32 scales [H/128]), fp32 weights [K] at w_off (K may be 0).
-// nvl blocks: raise free (block 0 at every node GPU), then copy the held rows of each source s != rank
-//   (gather[s] = {first row, rows, byte offset}) into the area of node GPU s % G, after it freed it; the last
+// Held rows (HierHeldRow, held_stride bytes): a row this rank received in the dispatch, as its expert output:
+// x at 0 (bf16 [H], or with fp8 e4m3 [H] then fp32 scales [H/128], quantized here), fp32 weights [K] at w_off (K
+// may be 0). Held row j is built from own_x row j (and own_w row j).
+// nvl blocks: raise free (block 0 at every node GPU), then build the held rows of each source s != rank
+//   (gather[s] = {first row, rows, byte offset}) in the area of node GPU s % G, after it freed it; the last
 //   nvl block raises arrive at every node GPU after a system fence.
 // rdma blocks: wait for every node GPU's arrive; for each rail source m and row i < rows_from[m], sum in fp32
 //   from +0, node GPUs ascending, the rows route[m][i][g] >= 0 names: the row at area_off[m][g] + route * held_stride
@@ -148,11 +156,10 @@ struct HierCombineArgs {
   HierTopo topo;
   HierRdma rdma;
   HierNode nvl;
-  const uint8_t* held;         // [real][held_stride]
-  uint32_t held_stride, w_off; // held_stride % 16 == 0, w_off % 4 == 0
+  uint32_t held_stride, w_off; // HierHeldRow(hidden, topk, fp8).stride and .w_off
   int hidden, topk;
   bool fp8;                    // held x is e4m3 + scales (hidden % 128 == 0)
-  const uint16_t* own_x;       // bf16 [real][hidden]: our rows, for our own tokens at own_begin..
+  const uint16_t* own_x;       // bf16 [real][hidden], 16-byte aligned: our rows (our own tokens' at own_begin..)
   const float* own_w;          // fp32 [real][topk] or null when topk == 0
   int own_begin;
   const int64_t* gather;       // [R][3]

@@ -11,6 +11,7 @@
 
 #include "../../ptx/bswap.cuh"
 #include "../runtime/cuda_check.hpp"
+#include "../runtime/hier_rows.hpp"
 #include "../transport/device_qp_checked.hpp"
 #include "internode_host_selftest.hpp"
 #include "ptx_selftest.hpp"
@@ -177,10 +178,61 @@ void register_internode(py::module_& m) {
 
 }  // namespace
 
+// ---- the hierarchical kernels' rows (csrc/runtime/hier_rows.hpp), built and split on the host by the word functions
+// the kernels call (tests/internode/test_hier_rows_host.py); pointers are host addresses of CPU tensors ----
+void register_hier_rows(py::module_& m) {
+  m.def("hier_pack_rows_host", [](int64_t x_bytes, int64_t scale_bytes, int64_t topk, bool with_idx,
+                                  bool with_weights, int gpus, uintptr_t x, uintptr_t scales, uintptr_t topk_idx,
+                                  uintptr_t weights, uintptr_t masks, int64_t num_tokens, uintptr_t out) {
+    const HierDispatchRow r(x_bytes, scale_bytes, topk, with_idx, with_weights, gpus);
+    const HierRowSrc src{reinterpret_cast<const uint8_t*>(x), reinterpret_cast<const uint8_t*>(scales),
+                         reinterpret_cast<const int64_t*>(topk_idx), reinterpret_cast<const float*>(weights)};
+    const auto* mask = reinterpret_cast<const uint32_t*>(masks);
+    for (int64_t t = 0; t < num_tokens; ++t)
+      for (int64_t o = 0; o < r.stride; o += 4)
+        store_word(reinterpret_cast<uint8_t*>(out), t * r.stride + o,
+                   dispatch_row_word(r, src, t, o, mask != nullptr ? mask[t] : 0u));
+    return r.stride;
+  }, py::arg("x_bytes"), py::arg("scale_bytes"), py::arg("topk"), py::arg("with_idx"), py::arg("with_weights"),
+     py::arg("gpus"), py::arg("x"), py::arg("scales"), py::arg("topk_idx"), py::arg("weights"), py::arg("masks"),
+     py::arg("num_tokens"), py::arg("out"),
+     "Build num_tokens dispatch rows (HierDispatchRow) into out [num_tokens][stride]; masks: uint32 [T] or 0.");
+  m.def("hier_unpack_rows_host", [](int64_t x_bytes, int64_t scale_bytes, int64_t topk, bool with_idx,
+                                    bool with_weights, int gpus, uintptr_t rows, int64_t n, uintptr_t out_x,
+                                    uintptr_t out_scales, uintptr_t out_topk_idx, uintptr_t out_src_idx,
+                                    uintptr_t out_weights) {
+    const HierDispatchRow r(x_bytes, scale_bytes, topk, with_idx, with_weights, gpus);
+    const HierRecvDst dst{reinterpret_cast<uint8_t*>(out_x), reinterpret_cast<uint8_t*>(out_scales),
+                          reinterpret_cast<int64_t*>(out_topk_idx), reinterpret_cast<int32_t*>(out_src_idx),
+                          reinterpret_cast<float*>(out_weights)};
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t o = 0; o < r.stride; o += 4)
+        dispatch_unpack_word(r, dst, i, o, load_word(reinterpret_cast<const uint8_t*>(rows), i * r.stride + o));
+  }, py::arg("x_bytes"), py::arg("scale_bytes"), py::arg("topk"), py::arg("with_idx"), py::arg("with_weights"),
+     py::arg("gpus"), py::arg("rows"), py::arg("n"), py::arg("out_x"), py::arg("out_scales"), py::arg("out_topk_idx"),
+     py::arg("out_src_idx"), py::arg("out_weights"),
+     "Split n dispatch rows [n][stride] into the outputs (0: not wanted).");
+  m.def("hier_held_rows_host", [](int64_t hidden, int64_t topk, uintptr_t x, uintptr_t weights, int64_t n,
+                                  uintptr_t out) {
+    // bf16 held rows: x as is, then the tail words (the kernel's fp8 variant quantizes x with fp8_cast.cuh)
+    const HierHeldRow h(hidden, topk, false);
+    auto* o = reinterpret_cast<uint8_t*>(out);
+    for (int64_t j = 0; j < n; ++j) {
+      for (int64_t b = 0; b < h.x_bytes; b += 4)
+        store_word(o, j * h.stride + b, load_word(reinterpret_cast<const uint8_t*>(x), j * h.x_bytes + b));
+      for (int64_t b = h.x_bytes; b < h.stride; b += 4)
+        store_word(o, j * h.stride + b, held_row_tail_word(h, reinterpret_cast<const float*>(weights), topk, j, b));
+    }
+    return h.stride;
+  }, py::arg("hidden"), py::arg("topk"), py::arg("x"), py::arg("weights"), py::arg("n"), py::arg("out"),
+     "Build n bf16 held rows (HierHeldRow) of x bf16 [n][hidden] and weights fp32 [n][topk] (or 0) into out.");
+}
+
 PYBIND11_MODULE(_selftest, m) {
   m.doc() = "deepcomm self-tests (test-only; raw pointers and streams; no libtorch)";
   py::module_::import("deepcomm._C");  // registers KeyTable, which qp_traffic takes
   register_ptx(m);
   register_device_qp(m);
   register_internode(m);
+  register_hier_rows(m);
 }

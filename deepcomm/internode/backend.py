@@ -250,4 +250,8 @@ class InternodeBackend:
             try:
                 self.transport.close()
             finally:
-                self.link.close()
+                try:
+                    self.link.close()
+                finally:
+                    if self.kernels is not None:
+                        self.kernels.close()  # the mapped block of the fresh dispatches' counts

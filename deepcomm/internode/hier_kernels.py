@@ -5,8 +5,10 @@ summing) and the NVLink role (forwarding, gathering); the poster block and, on t
 NIC blocks per rail peer (up to 8, as the SMs allow: csrc/transport/nic_serve_block.cuh) come on top.
 
 Host work per call: a fresh dispatch's count round (both hops queued, then its one host wait, for the counts:
-the count matrix, the node counts and the rows per expert), the layout arithmetic from those counts (host
-lists), torch packing of the rows before the launch and copying them out after it. Nothing waits for the launch:
+the count matrix, the node counts and the rows per expert, which reach the host through mapped memory,
+mapped_words.py), the layout arithmetic from those counts (host lists) and the outputs' allocation. The kernels
+build the rows from the caller's tensors and write the received rows into the outputs (csrc/runtime/
+hier_rows.hpp): no torch packing or copying around the launch. Nothing waits for the launch:
 its waits are bounded and report to the transport's and the link's error records, read at the next call and in
 synchronize() (a timeout is then a CommTimeoutError); a cached dispatch's or a combine's call agreement is
 compared from a copy of the rail headers once that copy has run (deferred_agree.py). Small tables travel through
@@ -24,7 +26,6 @@ from typing import List, Optional
 
 import torch
 
-from ..fp8 import per_token_cast_to_fp8
 from ..gpu_share import usable_sms
 from ..handle import Handle
 from ..dispatch_rows import dispatch_outputs, part_row_bytes
@@ -33,9 +34,11 @@ from . import hier_agree
 from ..cuda.align import round_up
 from .deferred_agree import DeferredAgreement, write_headers
 from .hier_comm import HierComm
-from .hier_normal import combine_area_row, count_row, node_masks, pack_rows, payload_parts
-from .host_tables import device_table, host_copy
+from .hier_normal import combine_area_row, count_row, node_masks
+from .host_tables import device_table
+from .internode_layout import dispatch_row, extension, held_row
 from .internode_rows import RAIL_HEADER_BYTES
+from .mapped_words import MappedWords
 from .nic_transport import CHUNK_BYTES, LOG_WQEBBS
 from .sm_split import nic_blocks_for, split_sms
 
@@ -61,6 +64,7 @@ class HierKernels:
         self.device_puts = device_puts
         self.counters = torch.zeros(4, dtype=torch.int32, device=comm.device)
         self.agreement = DeferredAgreement()  # cached dispatches' and combines' words, compared later
+        self.counts = MappedWords(self.tr.C, self.tr.T, comm.device)  # a fresh dispatch's counts, to the host
         self.event: Optional[torch.cuda.Event] = None  # the end of the last call, on its stream
         self._last_stream: Optional[torch.cuda.Stream] = None
         self.peer_table = None
@@ -121,6 +125,9 @@ class HierKernels:
         """After a device sync: compare every pending header copy, raise a disagreement."""
         self.agreement.collect(wait=True)
         self.agreement.raise_pending()
+
+    def close(self) -> None:
+        self.counts.close()
 
     # ---- one launch ----
     def _common(self, words: bool = False, header_bytes: int = RAIL_HEADER_BYTES):
@@ -195,16 +202,18 @@ class HierKernels:
         zeros = torch.zeros(max(N, comm.world_size), 3, dtype=torch.int64, device=dev)  # every table, all zeros
         none = [0] * N
         if fingerprint[agreement.Word.OP] == agreement.Op.COMBINE:
-            launch = self.combine_launch(
-                words=True, held=0, held_stride=16, w_off=16, hidden=8, topk=0, fp8=False, own_x=0, own_w=0,
+            launch = self.combine_launch(  # the held row of 8 bf16 values and no weights: 16 bytes
+                words=True, held_stride=16, w_off=16, hidden=8, topk=0, fp8=False, own_x=0, own_w=0,
                 own_begin=0, gather=zeros.data_ptr(), route=zeros.data_ptr(), singles=zeros.data_ptr(), max_rows=1,
                 rows_from=none, area_off=zeros.data_ptr(), partial_stride=32, recv_off=zeros.data_ptr(), num_tokens=0,
                 out_x=0, out_w=0)
             self._launch("hier_combine", launch, fingerprint)
         else:
             assert cached, "a rejected fresh dispatch joins the count round (hier_agree.join_rejected)"
-            launch = self.dispatch_launch(
-                words=True, rows=0, stride=16, mask_off=0, num_tokens=0, masks=0, rdma_slot=0, rows_to=none,
+            launch = self.dispatch_launch(  # a row of 16 bytes of x (and the node mask), from no token
+                words=True, x=0, scales=0, topk_idx=0, topk_weights=0, x_bytes=16, scale_bytes=0, topk=0,
+                with_idx=False, with_weights=False, num_tokens=0, out_x=0, out_scales=0, out_topk_idx=0,
+                out_src_idx=0, out_weights=0, num_recv=0, masks=0, rdma_slot=0, rows_to=none,
                 rows_from=none, first_row=zeros.data_ptr(), route=zeros.data_ptr(), singles=zeros.data_ptr(),
                 max_rows=1)
             self._launch("hier_dispatch", launch, fingerprint)
@@ -297,13 +306,15 @@ def fresh_counts(k: HierKernels, topk_idx: torch.Tensor, num_experts: int, T: in
     rank, R, N, G = comm.rank, comm.world_size, comm.num_nodes, comm.gpus
     in_rank, send_pos, _, row = count_row(comm, topk_idx, num_experts, T, fingerprint, expert_counts=True)
     gathered = comm.all_gather(row, "dispatch:counts", wait=False, words=fingerprint is not None)  # no sync yet
-    host = host_copy(gathered)
-    if comm.device.type == "cuda":
-        torch.cuda.current_stream(comm.device).synchronize()  # the call's one host wait: the counts
+    width = gathered.shape[1]
+    if comm.device.type == "cuda":  # the call's one host wait: the counts, through mapped memory
+        flat = k.counts.fetch(gathered, k.tr.timeout_s * 1.5 + 1.0, [k.tr, k.link], rank, "dispatch:counts (host)")
+    else:
+        flat = gathered.reshape(-1).tolist()
     k.tr.check_error()
     k.link.check_error()
     k.agreement.collect(wait=True)  # every earlier launch has finished: compare its words (raised by end_call)
-    rows = host.tolist()
+    rows = [flat[s * width:(s + 1) * width] for s in range(R)]
     W = agreement.WORDS if fingerprint is not None else 0
     if fingerprint is not None:
         hier_agree.check([r[:W] for r in rows], fingerprint)
@@ -317,16 +328,32 @@ def fresh_counts(k: HierKernels, topk_idx: torch.Tensor, num_experts: int, T: in
     return in_rank, send_pos, count_matrix, node_counts, counts, ncounts, per_expert
 
 
-def copy_out_rows(area: torch.Tensor, n: int, stride: int, parts, row_bytes) -> List[torch.Tensor]:
-    """The first ``n`` rows of ``area`` (uint8, ``stride`` bytes a row) as one new tensor per part (each part's
-    dtype and row shape): one copy per part, nothing left pointing into the area (the next call reuses it)."""
-    rows = area[:n * stride].view(n, stride)
-    out, at = [], 0
-    for part, nbytes in zip(parts, row_bytes):
-        dst = torch.empty(n, nbytes, dtype=torch.uint8, device=area.device)
-        dst.copy_(rows[:, at:at + nbytes])
-        out.append(dst.view(part.dtype).reshape(n, *part.shape[1:]))
-        at += nbytes
+def _kernel_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous and 16-byte aligned, as the kernels read x rows in 16-byte vectors (a copy only for a view
+    that starts mid-vector)."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def recv_outputs(n: int, x_parts: List[torch.Tensor], topk: int, with_idx: bool, with_weights: bool,
+                 device: torch.device) -> List[torch.Tensor]:
+    """The tensors a dispatch's ``n`` received rows are written into by the kernel, in the rows' part order (x, or
+    the FP8 values and scales, then with ``with_idx`` the global top-k ids int64 [n, K] and the source token index
+    int32 [n], then with ``with_weights`` the weights fp32 [n, K]): typed views of one block laid out as
+    DispatchOutLayout (csrc/runtime/nvl_layout.hpp), which lives while any of them does."""
+    x_bytes = [part_row_bytes(p) for p in x_parts]
+    lay = extension().dispatch_out_layout(n, x_bytes[0], x_bytes[1] if len(x_parts) > 1 else 0, topk)
+    block = torch.empty(lay["total"], dtype=torch.uint8, device=device)
+
+    def view(at: str, row_bytes: int, dtype: torch.dtype, shape) -> torch.Tensor:
+        o = lay[at]
+        return block[o:o + n * row_bytes].view(dtype).view(n, *shape)
+
+    out = [view(at, nbytes, p.dtype, p.shape[1:]) for at, nbytes, p in zip(("x", "scales"), x_bytes, x_parts)]
+    if with_idx:
+        out += [view("topk_idx", 8 * topk, torch.int64, (topk,)), view("src_idx", 4, torch.int32, ())]
+    if with_weights:
+        out.append(view("topk_weights", 4 * topk, torch.float32, (topk,)))
     return out
 
 
@@ -355,17 +382,28 @@ def dispatch(k: HierKernels, x, topk_idx: Optional[torch.Tensor], topk_weights: 
             raise ValueError("handle: it has no node route; pass a handle from this Buffer's dispatch")
         counts, ncounts = route.counts, route.node_counts
 
-    parts = payload_parts(rows, topk_idx, topk_weights, handle is None)
-    row_bytes = [part_row_bytes(p) for p in parts]
-    mask_off = round_up(sum(row_bytes), 4)
-    stride = round_up(mask_off + (4 if G > 1 else 0), 16)
+    # The kernel builds each row from these (csrc/runtime/hier_rows.hpp: x, scales, ids, source index, weights).
+    x_parts = [_kernel_rows(rows[0])] + [p.contiguous() for p in rows[1:]]
+    ids = topk_idx.contiguous() if handle is None else None
+    weights = topk_weights.contiguous() if topk_weights is not None else None
+    K = ids.shape[1] if ids is not None else (weights.shape[1] if weights is not None else 0)
+    x_bytes = part_row_bytes(x_parts[0])
+    scale_bytes = part_row_bytes(x_parts[1]) if is_pair else 0
+    row = dispatch_row(x_bytes, scale_bytes, K, ids is not None, weights is not None, G)
+    stride = row["stride"]
 
     plan = dispatch_plan(comm, counts, ncounts, in_rank, stride)
     rows_to, rows_from, max_rows, masks = plan["rows_to"], plan["rows_from"], plan["max_rows"], plan["masks"]
     for n in rows_to + rows_from:
         k._check_slot(n * stride)
     k._check_area(plan["area_rows"], stride)
-    packed = pack_rows(parts, T, stride)
+    n_recv = sum(counts[s][rank] for s in range(R))
+    received = recv_outputs(n_recv, x_parts, K, ids is not None, weights is not None, dev)
+    outs = dict(zip(("out_x", "out_scales")[:len(x_parts)], received))
+    if ids is not None:
+        outs.update(out_topk_idx=received[len(x_parts)], out_src_idx=received[len(x_parts) + 1])
+    if weights is not None:
+        outs["out_weights"] = received[-1]
     route = torch.empty(N, max_rows, G + 1, dtype=torch.int32, device=dev)
     singles = torch.empty(N, dtype=torch.int32, device=dev)
     slots = plan["rdma_slot"]
@@ -373,13 +411,18 @@ def dispatch(k: HierKernels, x, topk_idx: Optional[torch.Tensor], topk_weights: 
     agreed = fingerprint if handle is not None else None  # a fresh dispatch compared them in its count round
     with torch.cuda.device(dev):
         k._launch("hier_dispatch", k.dispatch_launch(
-            words=k.words_in_strip(agreed), rows=packed.data_ptr(), stride=stride, mask_off=mask_off, num_tokens=T,
+            words=k.words_in_strip(agreed),
+            x=x_parts[0].data_ptr(), scales=x_parts[1].data_ptr() if is_pair else 0,
+            topk_idx=ids.data_ptr() if ids is not None else 0,
+            topk_weights=weights.data_ptr() if weights is not None else 0, x_bytes=x_bytes,
+            scale_bytes=scale_bytes, topk=K, with_idx=ids is not None, with_weights=weights is not None,
+            num_tokens=T, num_recv=n_recv,
+            **{f: outs[f].data_ptr() if f in outs else 0
+               for f in ("out_x", "out_scales", "out_topk_idx", "out_src_idx", "out_weights")},
             masks=masks.data_ptr() if masks is not None else 0, rdma_slot=slots.data_ptr(), rows_to=rows_to,
             rows_from=rows_from, first_row=first.data_ptr(), route=route.data_ptr(), singles=singles.data_ptr(),
             max_rows=max_rows), agreed)
 
-    n_recv = sum(counts[s][rank] for s in range(R))
-    received = copy_out_rows(k.link.area(), n_recv, stride, parts, row_bytes)
     out = dispatch_outputs(received, len(rows), is_pair, topk_weights is not None, handle, rank, R,
                            num_experts, T, rows[0].shape[1], in_rank, send_pos, count_matrix,
                            expert_alignment, per_expert=per_expert)
@@ -391,21 +434,6 @@ def dispatch(k: HierKernels, x, topk_idx: Optional[torch.Tensor], topk_weights: 
 
 
 # ----------------------------------------------------------------------------------------------------------- combine
-def _held_rows(xs: torch.Tensor, w: Optional[torch.Tensor], use_fp8: bool):
-    """uint8 ``[n, stride]`` rows as a holder sends them: x (bf16, or e4m3 then fp32 scales) at 0, fp32 weights
-    at ``w_off``; returns (rows, stride, w_off)."""
-    n = xs.shape[0]
-    x_parts = list(per_token_cast_to_fp8(xs)) if use_fp8 else [xs]
-    x_bytes = sum(part_row_bytes(p) for p in x_parts)
-    w_off = round_up(x_bytes, 4)
-    K = w.shape[1] if w is not None else 0
-    stride = round_up(w_off + 4 * K, 16)
-    at = [sum(part_row_bytes(p) for p in x_parts[:i]) for i in range(len(x_parts))]
-    if w is not None:
-        x_parts, at = x_parts + [w.to(torch.float32)], at + [w_off]
-    return pack_rows(x_parts, n, stride, at=at), stride, w_off
-
-
 def combine(k: HierKernels, x: torch.Tensor, handle: Handle, topk_weights: Optional[torch.Tensor],
             use_fp8: bool = False, fingerprint=None):
     """Returns ``(combined_x, combined_topk_weights)``. ``fingerprint``: the call's words, compared in its launch
@@ -419,10 +447,11 @@ def combine(k: HierKernels, x: torch.Tensor, handle: Handle, topk_weights: Optio
     dev, H, T = x.device, x.shape[1], handle.num_tokens
     stream = k.begin_call()
     real = sum(counts[s][rank] for s in range(R))  # rows we hold (x may be worst-case sized)
-    xs = x[:real].contiguous()
+    xs = _kernel_rows(x[:real])  # the kernel builds the held rows from these (quantized with use_fp8)
     w = topk_weights[:real].to(torch.float32).contiguous() if topk_weights is not None else None
     K = w.shape[1] if w is not None else 0
-    rows, held_stride, w_off = _held_rows(xs, w, use_fp8)
+    held = held_row(H, K, bool(use_fp8))
+    held_stride, w_off = held["stride"], held["w_off"]
     partial_stride = round_up(4 * H + 4 * K, 16)
     plan = combine_plan(comm, counts, handle.is_token_in_rank, held_stride, partial_stride)
     begins, gather, area_off, recv_off = plan["begins"], plan["gather"], plan["area_off"], plan["recv_off"]
@@ -437,7 +466,7 @@ def combine(k: HierKernels, x: torch.Tensor, handle: Handle, topk_weights: Optio
     area_t = device_table(area_off, torch.int64, dev)
     with torch.cuda.device(dev):
         k._launch("hier_combine", k.combine_launch(
-            words=words, held=rows.data_ptr(), held_stride=held_stride, w_off=w_off, hidden=H, topk=K, fp8=bool(use_fp8),
+            words=words, held_stride=held_stride, w_off=w_off, hidden=H, topk=K, fp8=bool(use_fp8),
             own_x=xs.data_ptr(), own_w=w.data_ptr() if w is not None else 0, own_begin=begins[rank],
             gather=gather_t.data_ptr(), route=info.route.data_ptr(), singles=info.singles.data_ptr(),
             max_rows=info.route.shape[1], rows_from=info.rows_from, area_off=area_t.data_ptr(),

@@ -87,7 +87,7 @@ def fresh_route(comm: HierComm, topk_idx: torch.Tensor, num_experts: int, T: int
     ``node_counts`` ``[R, N]``: to node m (the count matrix itself with one GPU per node). ``fingerprint``: the
     call's words (deepcomm/agreement.py), in front of the counts; every rank's are compared after the round
     (ValueError on every rank, hier_agree.check)."""
-    R, N, G = comm.world_size, comm.num_nodes, comm.gpus
+    R, G = comm.world_size, comm.gpus
     in_rank, send_pos, in_node, row = count_row(comm, topk_idx, num_experts, T, fingerprint)
     gathered = comm.all_gather(row, "dispatch:counts", words=fingerprint is not None)
     if fingerprint is not None:

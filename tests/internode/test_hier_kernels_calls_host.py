@@ -1,8 +1,8 @@
 """Host-side pieces of the internode kernels' calls (deepcomm/internode/hier_kernels.py) that need no GPU, with the
 ranks as threads (tests/helpers/threaded_world.py): a fresh dispatch's count round queued over both hops without a
 host wait, whose counts (count matrix, node counts, rows per local expert) equal the reference backend's; the rows
-packed in one pass equal a zero fill plus a copy per part; the rows copied out of an area equal its parts and
-leave nothing pointing into it; the call words of launches the host does not wait for, compared later
+packed in one pass equal a zero fill plus a copy per part (the kernels' own row building and splitting:
+test_hier_rows_host.py); the call words of launches the host does not wait for, compared later
 (deepcomm/internode/deferred_agree.py), with the reference's text."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from deepcomm import agreement
 from deepcomm.dispatch_rows import as_byte_rows, part_row_bytes
 from deepcomm.internode.deferred_agree import DeferredAgreement
 from deepcomm.internode.hier_comm import HierComm
-from deepcomm.internode.hier_kernels import copy_out_rows, fresh_counts
+from deepcomm.internode.hier_kernels import fresh_counts
 from deepcomm.internode.hier_normal import pack_rows
 from deepcomm.internode.internode_rows import max_node_row_bytes, rail_slot_bytes
 from deepcomm.reference import normal
@@ -116,25 +116,6 @@ def test_pack_rows_in_one_pass_equals_fill_and_copies(rows):
         pack_rows(parts, rows, 80, at=[0, 16, 52, 60])
     with pytest.raises(ValueError, match="stride"):
         pack_rows(parts, rows, 48)
-
-
-def test_copy_out_rows_gives_each_part_and_owns_its_memory():
-    gen = torch.Generator().manual_seed(5)
-    n, stride = 7, 48
-    x = torch.randn(n, 8, generator=gen).to(torch.bfloat16)
-    ids = torch.randint(0, 9, (n, 2), generator=gen)
-    src = torch.arange(n, dtype=torch.int32)
-    parts, nbytes = [x, ids, src], [16, 16, 4]
-    area = torch.full((4096,), 0xEE, dtype=torch.uint8)
-    area[:n * stride] = pack_rows(parts, n, stride).reshape(-1)
-    got = copy_out_rows(area, n, stride, parts, nbytes)
-    for g, p in zip(got, parts):
-        assert g.dtype == p.dtype and g.shape == p.shape and torch.equal(g, p)
-    area.fill_(0)  # the next call reuses the area: what was copied out stays
-    for g, p in zip(got, parts):
-        assert torch.equal(g, p)
-    one = copy_out_rows(area, 0, stride, parts, nbytes)
-    assert [t.shape[0] for t in one] == [0, 0, 0]
 
 
 def test_deferred_agreement_compares_later_with_the_reference_text():

@@ -25,9 +25,11 @@ COMMON = dict(num_nodes=2, gpus=2, node=1, local=0, peers=0x100, num_peers=1, lk
               nvshmem_puts=False, slot_bytes=1 << 20, header_bytes=64, emulate_nic=True, nic_blocks=2,
               area=[0x10, 0x20], free_words=[0x30, 0x40], arrive_words=[0x50, 0x60], epoch=5, words_at=-1, counters=0x70,
               rdma_blocks=4, nvl_blocks=4, err_dev=0x80, timeout_s=2.5, seq_ptr=0x90)
-DISPATCH = dict(rows=0x200, stride=64, mask_off=48, num_tokens=9, masks=0x210, rdma_slot=0x220, rows_to=[3, 4],
+DISPATCH = dict(x=0x200, scales=0, topk_idx=0x400, topk_weights=0x410, x_bytes=32, scale_bytes=0, topk=2,
+                with_idx=True, with_weights=True, num_tokens=9, out_x=0x420, out_scales=0, out_topk_idx=0x430,
+                out_src_idx=0x440, out_weights=0x450, num_recv=11, masks=0x210, rdma_slot=0x220, rows_to=[3, 4],
                 rows_from=[5, 6], first_row=0x230, route=0x240, singles=0x250, max_rows=6)
-COMBINE = dict(held=0x300, held_stride=32, w_off=16, hidden=8, topk=2, fp8=False, own_x=0x310, own_w=0x320,
+COMBINE = dict(held_stride=32, w_off=16, hidden=8, topk=2, fp8=False, own_x=0x310, own_w=0x320,
                own_begin=1, gather=0x330, route=0x340, singles=0x350, max_rows=6, rows_from=[5, 6],
                area_off=0x360, partial_stride=48, recv_off=0x370, num_tokens=9, out_x=0x380, out_w=0x390)
 
@@ -91,6 +93,8 @@ def test_shared_values_out_of_range_name_the_field(change, field):
 @pytest.mark.parametrize("kind,change,field", [
     ("dispatch", dict(rows_to=[3]), "rows_to"), ("dispatch", dict(rows_from=[5, -1]), "rows_from"),
     ("dispatch", dict(num_tokens=-1), "num_tokens"), ("dispatch", dict(max_rows=-1), "max_rows"),
+    ("dispatch", dict(x_bytes=24), "x_bytes"), ("dispatch", dict(scale_bytes=6), "scale_bytes"),
+    ("dispatch", dict(topk=33), "topk"), ("dispatch", dict(num_recv=-1), "num_recv"),
     ("combine", dict(rows_from=[5, 6, 7]), "rows_from"), ("combine", dict(hidden=0), "hidden"),
     ("combine", dict(topk=-1), "topk"), ("combine", dict(own_begin=-2), "own_begin"),
 ])
@@ -241,9 +245,15 @@ def test_hier_kernels_builds_typed_launches(monkeypatch, nodes, gpn):
             assert c.arrive_words == k.link.word_ptrs("arrive") and c.header_bytes == RAIL_HEADER_BYTES
             assert (c.rdma_blocks, c.nvl_blocks, c.nic_blocks) == (3, 5, 2) and c.emulate_nic and not c.nvshmem_puts
             assert c.counters == k.counters.data_ptr() and c.seq_ptr == k.tr.seq.data_ptr() and c.timeout_s == 2.0
-        for _, d in launches[:2]:
+        recv_rows = sum(counts[s][rank] for s in range(R))
+        for i, (_, d) in enumerate(launches[:2]):
             assert d.num_tokens == T and d.rows_to == plan["rows_to"] and d.rows_from == plan["rows_from"]
-            assert d.max_rows == plan["max_rows"] and d.stride % 16 == 0 and (d.masks != 0) == (gpn > 1)
+            assert d.max_rows == plan["max_rows"] and (d.masks != 0) == (gpn > 1)
+            # the rows: built from the caller's tensors, split into the outputs (ids only on the fresh one)
+            assert (d.x_bytes, d.scale_bytes, d.topk, d.with_weights) == (2 * H, 0, K, True)
+            assert d.with_idx == (i == 0) and (d.topk_idx != 0) == (i == 0) and (d.out_src_idx != 0) == (i == 0)
+            assert d.topk_weights == w.data_ptr() and d.num_recv == recv_rows
+            assert d.out_x != 0 and d.out_weights != 0 and d.out_scales == 0
         c = launches[2][1]
         assert (c.hidden, c.topk, c.num_tokens, c.fp8) == (H, K, T, False)
         assert c.rows_from == handle.node_route.rows_from and c.max_rows == handle.node_route.route.shape[1]
