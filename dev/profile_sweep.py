@@ -44,10 +44,12 @@ def _snapshot(out):
                 walk(item)
         elif o is None or isinstance(o, (int, float)):
             flat.append(o)
-        else:  # a Handle
+        elif hasattr(o, "send_pos"):  # a Handle
             flat.append(o.num_recv)
             for name in ("count_matrix", "send_pos", "recv_src_idx", "is_token_in_rank"):
                 flat.append(getattr(o, name).clone())
+        else:
+            flat.append(type(o).__name__)
     walk(out)
     return flat
 
@@ -123,10 +125,11 @@ def _notify_trace(C, buf, x, idx, w, tokens):
     blocks that passed it, and of their latest), and for the last block µs from its own entry by its SM's clock64,
     converted at the rate the globaltimer gives over the calls."""
     P = C.NOTIFY_TRACE_POINTS
+    xs, ids, ws = x[:tokens], idx[:tokens], w[:tokens]
+    untraced = _kernel_times(lambda: buf.dispatch(xs, topk_idx=ids, topk_weights=ws, num_experts=E), CALLS)
     trace = torch.zeros(C.NOTIFY_TRACE_BLOCKS, P, 2, dtype=torch.int64, device=x.device)
     ctx = buf._backend.nvl.ctx
     ctx.set_notify_trace(trace.data_ptr())
-    xs, ids, ws = x[:tokens], idx[:tokens], w[:tokens]
     med, late, clk = [[] for _ in range(P)], [[] for _ in range(P)], [[] for _ in range(P)]
     gt_span = clk_span = 0
     t = None
@@ -163,7 +166,9 @@ def _notify_trace(C, buf, x, idx, w, tokens):
                      "latest_block_us": round(statistics.median(late[p]), 2),
                      "last_block_clock_us": round(statistics.median(clk[p]) * ns_per_clk / 1e3, 2) if clk[p] else None,
                      "blocks": int((t[:, p, 0] > 0).sum())})
-    return {"tokens": tokens, "ns_per_clock": round(ns_per_clk, 4), "points": rows}
+    return {"tokens": tokens, "ns_per_clock": round(ns_per_clk, 4), "points": rows,
+            "notify_kernel_us_untraced": _kernel_us(untraced, "notify_dispatch"),
+            "dispatch_kernel_us_untraced": _kernel_us(untraced, "dc::dispatch_kernel")}
 
 
 def worker(rank, world, hidden, json_path):
@@ -189,7 +194,8 @@ def worker(rank, world, hidden, json_path):
             for case, fn in timed.items():
                 kernels = _kernel_times(fn, CALLS)
                 rows.append({"kernel": "dispatch", "unroll": unroll, "prefetch": prefetch, "case": case,
-                             "tokens": TOKENS, "num_sms": sms, "dispatch_us": _kernel_us(kernels, "dispatch_kernel"),
+                             "tokens": TOKENS, "num_sms": sms,
+                             "dispatch_us": _kernel_us(kernels, "dc::dispatch_kernel"),
                              "notify_us": _kernel_us(kernels, "notify_dispatch"), "outputs_equal_default": ok,
                              "kernels_us": kernels})
         for k in knob_names[:2]:
@@ -200,7 +206,7 @@ def worker(rank, world, hidden, json_path):
             ok = _check(C, {"DEEPCOMM_COMBINE_CONFIG": config}, checks, reference, failures, label)
             kernels = _kernel_times(lambda: buf.combine(y, h), CALLS)
             rows.append({"kernel": "combine", "config": config, "case": "combine bf16", "tokens": TOKENS,
-                         "num_sms": sms, "combine_us": _kernel_us(kernels, "combine_kernel"),
+                         "num_sms": sms, "combine_us": _kernel_us(kernels, "::combine_kernel"),
                          "outputs_equal_default": ok, "kernels_us": kernels})
         C.set_tuning("DEEPCOMM_COMBINE_CONFIG", start["DEEPCOMM_COMBINE_CONFIG"])
         if sms == SMS[-1]:
@@ -215,8 +221,10 @@ def worker(rank, world, hidden, json_path):
         print(f"{what:32s} {r['case']:12s} sms {r['num_sms']:3d}  {us:7.1f} us{extra}"
               f"  {'ok' if r['outputs_equal_default'] else 'OUTPUTS DIFFER'}")
     for tr in traces:
-        print(f"--- notify trace, {tr['tokens']} tokens, 24 SMs' buffer ({tr['ns_per_clock']} ns per SM clock): "
-              "us from the first entry, median over blocks / latest block; last block by its own clock")
+        print(f"--- notify trace, {tr['tokens']} tokens, 24 SMs' buffer (untraced: notify kernel "
+              f"{tr['notify_kernel_us_untraced']} us, dispatch kernel {tr['dispatch_kernel_us_untraced']} us; "
+              f"{tr['ns_per_clock']} ns per SM clock): us from the first entry, median over blocks / latest block; "
+              "last block by its own clock")
         for p in tr["points"]:
             clk = f"{p['last_block_clock_us']:7.2f}" if p["last_block_clock_us"] is not None else "      -"
             print(f"{p['point']:>28s}: {p['median_us']:7.2f} {p['latest_block_us']:7.2f}  {clk}  "

@@ -1,7 +1,7 @@
 """dev/profile_sweep.py's comparison of a variant's outputs with the default's: it must catch any difference."""
 import torch
 
-from dev.profile_sweep import _same, _snapshot, _ugly_ids
+from dev.profile_sweep import _kernel_us, _same, _snapshot, _ugly_ids
 
 
 class _FakeHandle:
@@ -49,3 +49,13 @@ def test_ugly_ids_leave_slots_and_whole_tokens_unrouted():
     ugly = _ugly_ids(idx)
     assert (ugly[13] == -1).all() and (ugly[7, :3] == -1).all() and (ugly[7, 3:] == idx[7, 3:]).all()
     assert (ugly[1] == idx[1]).all()
+
+
+def test_kernel_names_pick_the_payload_not_the_notify_or_layout_kernel():
+    kernels = {"dc::(anonymous namespace)::notify_dispatch_kernel(dc::Notify": 12.9,
+               "dc::dispatch_kernel(dc::DispatchArgs, dc::NvlLayout, dc::Pee": 12.2,
+               "dc::(anonymous namespace)::dispatch_layout_kernel(dc::Layout": 3.3,
+               "void dc::(anonymous namespace)::combine_kernel<6, 18, 4, fal": 15.3}
+    assert _kernel_us(kernels, "dc::dispatch_kernel") == 12.2
+    assert _kernel_us(kernels, "notify_dispatch") == 12.9
+    assert _kernel_us(kernels, "::combine_kernel") == 15.3
