@@ -4,7 +4,7 @@ and 24 SMs: the dispatch kernel's GPU time for each DEEPCOMM_DISPATCH_UNROLL x D
 checked equal to the default variant's (which the tests prove bit-exact against the reference) on plain and ugly
 routing; then the notify kernel's phase stamps at 128 and 4096 tokens. The variants are switched in-process with
 deepcomm._C.set_tuning. A diagnostic, not the benchmark:
-`python dev/profile_sweep.py [--json PATH]`; exits 1 when a variant's outputs differ."""
+`python dev/profile_sweep.py [--json PATH]`; fails (non-zero exit) when a variant's outputs differ."""
 from __future__ import annotations
 
 import argparse
@@ -237,7 +237,7 @@ def worker(rank, world, hidden, json_path):
                        "failures": failures, "device": torch.cuda.get_device_name(dev),
                        "commit": os.environ.get("DEEPCOMM_COMMIT", "")}, f, indent=1)
     if failures:
-        raise SystemExit(1)
+        raise AssertionError(f"{len(failures)} variant checks differ from the default's outputs")
 
 
 if __name__ == "__main__":
