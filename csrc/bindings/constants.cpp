@@ -7,6 +7,7 @@
 #include "../kernels/api.hpp"
 #include "../kernels/ll_phases.hpp"
 #include "../kernels/ll_trace_points.hpp"
+#include "../kernels/notify_trace_points.hpp"
 #include "../kernels/topk_max.hpp"
 #include "../runtime/agree_record.hpp"
 #include "../runtime/error_record.cuh"
@@ -50,6 +51,13 @@ void register_constants(py::module_& m) {
     m.attr("LL_PHASES") = p;
   }
   m.attr("LL_TRACE_POINTS") = kLlTracePoints;  // int64 stamps per block in a low-latency trace
+  {  // the notify kernel's trace (kernels/notify_trace_points.hpp): [blocks][points][globaltimer ns, clock64]
+    m.attr("NOTIFY_TRACE_POINTS") = kNotifyTracePoints;
+    m.attr("NOTIFY_TRACE_BLOCKS") = kNotifyTraceBlocks;
+    py::tuple names(kNotifyTracePoints);
+    for (int p = 0; p < kNotifyTracePoints; ++p) names[p] = py::str(kNotifyTraceNames[p]);
+    m.attr("NOTIFY_TRACE_NAMES") = names;
+  }
   {
     py::dict f;
     f["begin"] = int(kCallBegin); f["notify"] = int(kCallNotify); f["bump"] = int(kCallBump);

@@ -6,12 +6,14 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <string>
 
 #include "../kernels/api.hpp"
 #include "../runtime/cuda_check.hpp"
 #include "../runtime/error_record.cuh"
 #include "../runtime/nvl_calls.hpp"
 #include "../runtime/nvl_context.hpp"
+#include "../runtime/tuning.hpp"
 #include "args.hpp"
 #include "layout_dict.hpp"
 #include "registry.hpp"
@@ -35,9 +37,22 @@ StreamOrder stream_order(uintptr_t caller, uintptr_t comm, uintptr_t previous, u
   return o;
 }
 
+// The knobs set_tuning / get_tuning name (runtime/tuning.hpp), by their environment variable's name.
+TuningKnob tuning_knob(const std::string& name) {
+  if (name == "DEEPCOMM_DISPATCH_UNROLL") return kTuneDispatchUnroll;
+  if (name == "DEEPCOMM_DISPATCH_PREFETCH") return kTuneDispatchPrefetch;
+  if (name == "DEEPCOMM_COMBINE_CONFIG") return kTuneCombineConfig;
+  throw py::value_error("knob: not a tuning knob: " + name);
+}
+
 }  // namespace
 
 void register_nvlink(py::module_& m) {
+  // Tuning knobs for measurement runs (runtime/tuning.hpp): the variant the following normal-mode launches pick, by
+  // the name of the environment variable that sets it at start; a value a launch does not know raises there.
+  m.def("set_tuning", [](const std::string& knob, int value) { set_tuning(tuning_knob(knob), value); },
+        py::arg("knob"), py::arg("value"));
+  m.def("get_tuning", [](const std::string& knob) { return tuning(tuning_knob(knob)); }, py::arg("knob"));
   // ---- NVLink context and collective kernels ----
   py::class_<NvlContext>(m, "NvlContext")
       .def(py::init<int, int, int, int, int64_t, int64_t, int64_t>(), py::arg("rank"), py::arg("num_ranks"),
@@ -52,6 +67,8 @@ void register_nvlink(py::module_& m) {
       .def("set_timeout_ns", [](NvlContext& c, uint64_t ns) { c.timeout_ns = ns; })
       .def("set_error_host", [](NvlContext& c, uintptr_t host) { c.err_host = ptr<const ErrorRecord>(host); })
       .def("set_agree_record", [](NvlContext& c, uintptr_t dev) { c.agree_device = ptr<AgreeRecord>(dev); })
+      // diagnostics: device int64 [NOTIFY_TRACE_BLOCKS][NOTIFY_TRACE_POINTS][2] the notify kernels stamp (0: none)
+      .def("set_notify_trace", [](NvlContext& c, uintptr_t dev) { c.notify_trace = ptr<uint64_t>(dev); })
       // where low-latency calls leave their words in our memory (the low-latency buffer's agree slots, 4 sets of
       // [R]; 0: none): normal-mode waits look there too (WaitCtx::cross)
       .def("set_cross_slots", [](NvlContext& c, uintptr_t at, int sets) {
@@ -97,6 +114,7 @@ void register_nvlink(py::module_& m) {
         call.notify_args = NotifyArgs{ptr<const int64_t>(topk_idx), T, K, E, ptr<bool>(in_rank), ptr<int>(send_pos),
                                       ptr<int>(notify_out), (flags & kCallWait) ? c.counts_device : nullptr,
                                       host_tag};
+        call.notify_args.trace = c.notify_trace;
         const int R = c.layout.num_ranks;
         call.dispatch = DispatchArgs{ptr<const void>(x), ptr<const void>(scales),
                                      ptr<const int64_t>(topk_idx),

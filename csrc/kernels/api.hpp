@@ -50,6 +50,7 @@ struct NotifyArgs {
   Fingerprint agree;        // this call's words (agree_record.hpp; w[0] == 0: no agreement). They travel with
                             // the counts; on a difference no rank dispatches (host_counts->disagree, else the
                             // AgreeRecord and kStageDisagree) and invalid_count reads non-zero for the payload
+  uint64_t* trace = nullptr;  // diagnostics: [kNotifyTraceBlocks][kNotifyTracePoints][2] stamps (notify_trace_points.hpp), or null
 };
 void launch_notify_dispatch(const NotifyArgs& args, const NvlLayout& layout, const Peers& peers, const WaitCtx& ctx,
                             cudaStream_t stream);

@@ -11,10 +11,9 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include <cstdlib>
-
 #include "../runtime/call_entry.cuh"
 #include "../runtime/cuda_check.hpp"
+#include "../runtime/tuning.hpp"
 #include "../runtime/wait.cuh"
 #include "agree.cuh"
 #include "api.hpp"
@@ -93,7 +92,106 @@ __device__ __forceinline__ void send_rows(const CombineArgs& a, const NvlLayout&
   }
 }
 
-template <int kReduce, int kUnroll, bool kFp8>
+// The pipelined reducer (kPipe): a token's row is summed in steps, pass-major and source ranks ascending within a
+// pass (the plain loop's order), and the vectors of the next step are loaded before the current step is added, so
+// a lane keeps two steps (2 x kUnroll vectors) in flight where the plain loop keeps one. An e4m3 source's step
+// holds its 8 bytes in .x/.y and the fp32 scale's bits in .z of each int4.
+template <int kUnroll, bool kFp8>
+__device__ __forceinline__ void load_step(int4 (&v)[kUnroll], const uint8_t* row, bool own, int64_t base,
+                                          int64_t n16) {
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int64_t i = base + u * 32;
+    if (i >= n16) continue;
+    if (own) {
+      v[u] = ptx::ld_nc_na_v4(reinterpret_cast<const int4*>(row) + i);
+    } else if constexpr (kFp8) {
+      const uint2 q = ptx::ld_relaxed_gpu_v2(reinterpret_cast<const uint2*>(row) + i);
+      const uint32_t scale = ptx::ld_relaxed_gpu_u32(reinterpret_cast<const uint32_t*>(row + n16 * 8) + i / 16);
+      v[u] = make_int4(int(q.x), int(q.y), int(scale), 0);
+    } else {
+      v[u] = ptx::ld_relaxed_gpu_v4(reinterpret_cast<const int4*>(row) + i);
+    }
+  }
+}
+
+template <int kUnroll, bool kFp8>
+__device__ __forceinline__ void add_step(float (&acc)[kUnroll][8], const int4 (&v)[kUnroll], bool own, int64_t base,
+                                         int64_t n16) {
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    if (base + u * 32 >= n16) continue;
+    if (kFp8 && !own)
+      accumulate_e4m3x8(acc[u], make_uint2(uint32_t(v[u].x), uint32_t(v[u].y)), __uint_as_float(uint32_t(v[u].z)));
+    else
+      accumulate_bf16x8(acc[u], v[u]);
+  }
+}
+
+// Ends a pass when source s is its last holder: the sums rounded into `out`, and zeroed for the next pass.
+template <int kUnroll>
+__device__ __forceinline__ void end_pass_after(float (&acc)[kUnroll][8], int s, uint32_t holders, int4* out,
+                                               int64_t base, int64_t n16) {
+  if ((holders >> s) > 1u) return;
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    if (base + u * 32 < n16) out[base + u * 32] = round_bf16x8(acc[u]);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[u][j] = 0.0f;
+  }
+}
+
+template <int kUnroll, bool kFp8>
+__device__ __forceinline__ void reduce_row_pipelined(uint32_t holders, int rank, const uint8_t* own_row,
+                                                     const uint8_t* stage_rows, int64_t stage_stride, int4* out,
+                                                     int64_t n16, int lane) {
+  float acc[kUnroll][8];
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[u][j] = 0.0f;
+  if (holders == 0u) {  // no rank holds the token: zeros, as the plain loop writes
+    for (int64_t base = lane; base < n16; base += 32 * kUnroll)
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        if (base + u * 32 < n16) out[base + u * 32] = round_bf16x8(acc[u]);
+    return;
+  }
+  const int first = __ffs(holders) - 1;
+  const auto row_of = [&](int s) { return s == rank ? own_row : stage_rows + s * stage_stride; };
+  // the step after (s, base): the next holder above s in the same pass, else the first holder of the next pass
+  const auto advance = [&](int& s, int64_t& base) {
+    const uint32_t above = holders & ~((2u << s) - 1u);
+    if (above != 0u) {
+      s = __ffs(above) - 1;
+    } else {
+      s = first;
+      base += 32 * kUnroll;
+    }
+  };
+  int4 va[kUnroll], vb[kUnroll];
+  int sa = first, sb = first;
+  int64_t ba = lane, bb = lane;
+  load_step<kUnroll, kFp8>(va, row_of(sa), sa == rank, ba, n16);
+  while (true) {
+    sb = sa;
+    bb = ba;
+    advance(sb, bb);
+    if (bb < n16) load_step<kUnroll, kFp8>(vb, row_of(sb), sb == rank, bb, n16);
+    add_step<kUnroll, kFp8>(acc, va, sa == rank, ba, n16);
+    end_pass_after<kUnroll>(acc, sa, holders, out, ba, n16);
+    if (bb >= n16) break;
+    sa = sb;
+    ba = bb;
+    advance(sa, ba);
+    if (ba < n16) load_step<kUnroll, kFp8>(va, row_of(sa), sa == rank, ba, n16);
+    add_step<kUnroll, kFp8>(acc, vb, sb == rank, bb, n16);
+    end_pass_after<kUnroll>(acc, sb, holders, out, bb, n16);
+    if (ba >= n16) break;
+  }
+}
+
+template <int kReduce, int kUnroll, bool kFp8, bool kPipe>
 __device__ __forceinline__ void reduce_tokens(const CombineArgs& a, const NvlLayout& layout, const Peers& peers,
                                               const WaitCtx& ctx, int self_base, int warp, int lane) {
   const int R = layout.num_ranks, rank = ctx.rank;
@@ -125,7 +223,9 @@ __device__ __forceinline__ void reduce_tokens(const CombineArgs& a, const NvlLay
     const uint8_t* stage_rows = self + layout.combine_stage + int64_t(t) * row_bytes;
     const int64_t stage_stride = int64_t(layout.max_tokens) * row_bytes;  // between source ranks
     int4* out = reinterpret_cast<int4*>(static_cast<uint8_t*>(a.out) + int64_t(t) * a.hidden * 2);
-    for (int64_t base = lane; base < n16; base += 32 * kUnroll) {
+    if constexpr (kPipe)
+      reduce_row_pipelined<kUnroll, kFp8>(holders, rank, own_row, stage_rows, stage_stride, out, n16, lane);
+    for (int64_t base = lane; !kPipe && base < n16; base += 32 * kUnroll) {
       float acc[kUnroll][8];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u)
@@ -177,7 +277,7 @@ __device__ __forceinline__ void reduce_tokens(const CombineArgs& a, const NvlLay
   }
 }
 
-template <int kSend, int kReduce, int kUnroll, bool kFp8>
+template <int kSend, int kReduce, int kUnroll, bool kFp8, bool kPipe>
 __global__ void __launch_bounds__((kSend + kReduce) * 32, 1)
     combine_kernel(CombineArgs a, NvlLayout layout, Peers peers, WaitCtx ctx_in) {
   uint8_t* self = peers.base[ctx_in.rank];
@@ -220,26 +320,28 @@ __global__ void __launch_bounds__((kSend + kReduce) * 32, 1)
     if (!ready_ok) return;
     send_rows<kSend, kUnroll, kFp8>(a, layout, peers, ctx, recv_base, warp, lane);
   } else {
-    reduce_tokens<kReduce, kUnroll, kFp8>(a, layout, peers, ctx, recv_base[rank], warp - kSend, lane);
+    reduce_tokens<kReduce, kUnroll, kFp8, kPipe>(a, layout, peers, ctx, recv_base[rank], warp - kSend, lane);
   }
 }
 
-template <int kSend, int kReduce, int kUnroll>
+template <int kSend, int kReduce, int kUnroll, bool kPipe = false>
 void launch_combine_as(const CombineArgs& a, int num_blocks, const NvlLayout& layout, const Peers& peers,
                        const WaitCtx& ctx, cudaStream_t stream) {
   constexpr int kThreads = (kSend + kReduce) * 32;
   if (a.use_fp8)
-    combine_kernel<kSend, kReduce, kUnroll, true><<<num_blocks, kThreads, 0, stream>>>(a, layout, peers, ctx);
+    combine_kernel<kSend, kReduce, kUnroll, true, kPipe><<<num_blocks, kThreads, 0, stream>>>(a, layout, peers, ctx);
   else
-    combine_kernel<kSend, kReduce, kUnroll, false><<<num_blocks, kThreads, 0, stream>>>(a, layout, peers, ctx);
+    combine_kernel<kSend, kReduce, kUnroll, false, kPipe><<<num_blocks, kThreads, 0, stream>>>(a, layout, peers, ctx);
 }
 
 }  // namespace
 
 // Warp split (senders, reducers) and unroll. Measured on 2 x H200 at 4096 tokens, hidden 7168, 24 SMs:
 // <8,8,8> 367 us, <16,16,2> 462 us, <12,20,2> 377 us, <8,24,2> 310 us, <4,20,4> 264 us, <8,16,4> 291 us,
-// <6,18,4> 260 us (the default; 490 us at 8 SMs). DEEPCOMM_COMBINE_CONFIG (1..3) picks
-// another instantiation for tuning runs; 0 is the default.
+// <6,18,4> 260 us (the default; 490 us at 8 SMs). DEEPCOMM_COMBINE_CONFIG (tuning.hpp; 1..5) picks another
+// instantiation for tuning runs; 0 is the default. 4 and 5 keep two passes of 4 vectors in flight per reducer
+// lane (reduce_row_pipelined) in 16 warps (512 threads: room for its 128 registers without spills), 5 with more
+// of them reducing. A plain <4,12,8> spills (136 bytes) and is not offered.
 void launch_combine(const CombineArgs& args, int num_blocks, const NvlLayout& layout, const Peers& peers,
                     const WaitCtx& ctx, cudaStream_t stream) {
   DC_HOST_ASSERT(num_blocks >= 1 && num_blocks <= kMaxBlocks, "combine: num_sms out of range");
@@ -248,14 +350,14 @@ void launch_combine(const CombineArgs& args, int num_blocks, const NvlLayout& la
   DC_HOST_ASSERT(args.topk <= layout.topk_max, "combine: topk over the buffer's maximum");
   DC_HOST_ASSERT(args.num_tokens <= layout.max_tokens, "combine: tokens over the buffer's maximum");
   DC_HOST_ASSERT(!args.use_fp8 || args.hidden % 128 == 0, "combine: FP8 needs hidden % 128 == 0");
-  static const int config = [] {
-    const char* env = std::getenv("DEEPCOMM_COMBINE_CONFIG");
-    return env != nullptr ? std::atoi(env) : 0;
-  }();
+  const int config = tuning(kTuneCombineConfig);
+  DC_HOST_ASSERT(config >= 0 && config <= 5, "combine: DEEPCOMM_COMBINE_CONFIG must be 0..5");
   switch (config) {
     case 1: launch_combine_as<8, 24, 2>(args, num_blocks, layout, peers, ctx, stream); break;
     case 2: launch_combine_as<4, 20, 4>(args, num_blocks, layout, peers, ctx, stream); break;
     case 3: launch_combine_as<8, 16, 4>(args, num_blocks, layout, peers, ctx, stream); break;
+    case 4: launch_combine_as<4, 12, 4, true>(args, num_blocks, layout, peers, ctx, stream); break;
+    case 5: launch_combine_as<2, 14, 4, true>(args, num_blocks, layout, peers, ctx, stream); break;
     default: launch_combine_as<6, 18, 4>(args, num_blocks, layout, peers, ctx, stream); break;
   }
   DC_CUDA_CHECK(cudaGetLastError());

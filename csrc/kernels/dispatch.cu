@@ -13,6 +13,7 @@
 
 #include "../runtime/call_entry.cuh"
 #include "../runtime/smem_opt_in.hpp"
+#include "../runtime/tuning.hpp"
 #include "../runtime/cuda_check.hpp"
 #include "../runtime/wait.cuh"
 #include "agree.cuh"
@@ -23,7 +24,7 @@
 namespace dc {
 
 constexpr int kDispatchThreads = 512;
-constexpr int kDispatchUnroll = 8;  // 16-byte vectors each lane holds in flight per dest pass
+constexpr int kDispatchUnroll = 8;  // the default: 16-byte vectors each lane holds in flight per dest pass
 
 struct DispatchShared {
   uint8_t* dst[kMaxRanks][5];  // per rank: x, scales, topk_idx, topk_weights, src_idx output arrays
@@ -54,10 +55,112 @@ __device__ __forceinline__ void copy_row_to_dests(const int4* src, int64_t n16, 
   }
 }
 
+// The tuning variants' token loop (launch_dispatch: DEEPCOMM_DISPATCH_UNROLL, DEEPCOMM_DISPATCH_PREFETCH), the
+// same rows and metadata as the default loop in dispatch_kernel. To leave registers for kUnroll vectors per lane,
+// a token's destinations are spread over the lanes (lane d < R: its row in rank d's output, or null) and shuffled
+// to every lane per destination instead of held by each lane. kPrefetch: the warp loads its next token's send
+// positions, expert ids, weights and (up to 64 per row) scales while it copies the current one, so that only the
+// row's own loads stand between two tokens.
+template <int kUnroll, bool kPrefetch>
+__device__ __forceinline__ void dispatch_tokens_lane_dests(const DispatchArgs& a, const DispatchShared& sh,
+                                                           const WaitCtx& ctx, int R, int first_token,
+                                                           int total_warps, int lane) {
+  const int K = a.topk, L = a.num_local_experts;
+  const int64_t n16 = a.x_row_bytes / 16, nscale = a.scale_row_bytes / 4;
+  const bool scales_ahead = kPrefetch && a.scales != nullptr && nscale <= 64;
+  // the next token's metadata (kPrefetch), as the lanes hold it in the loop below
+  int ahead_pos = -1, ahead_scale0 = 0, ahead_scale1 = 0;
+  int64_t ahead_e = -1;
+  float ahead_w = 0.0f;
+  const auto load_ahead = [&](int t) {
+    if (t >= a.num_tokens) return;
+    ahead_pos = lane < R ? a.send_pos[int64_t(t) * R + lane] : -1;
+    if (lane < K) {
+      if (a.topk_idx != nullptr) ahead_e = a.topk_idx[int64_t(t) * K + lane];
+      if (a.topk_weights != nullptr) ahead_w = a.topk_weights[int64_t(t) * K + lane];
+    }
+    if (scales_ahead) {
+      const auto* s = reinterpret_cast<const int*>(static_cast<const uint8_t*>(a.scales) + t * a.scale_row_bytes);
+      if (lane < nscale) ahead_scale0 = __ldg(s + lane);
+      if (lane + 32 < nscale) ahead_scale1 = __ldg(s + lane + 32);
+    }
+  };
+  if constexpr (kPrefetch) load_ahead(first_token);
+  for (int t = first_token; t < a.num_tokens; t += total_warps) {
+    int my_pos;
+    const int64_t my_e = ahead_e;
+    const float my_w = ahead_w;
+    const int my_scale0 = ahead_scale0, my_scale1 = ahead_scale1;
+    if constexpr (kPrefetch) {
+      my_pos = ahead_pos;
+      load_ahead(t + total_warps);
+    } else {
+      my_pos = lane < R ? a.send_pos[int64_t(t) * R + lane] : -1;
+    }
+    // lane d < R: our row in rank d's output, or -1 (not sent, or past its capacity: dropped and recorded)
+    int my_row = -1;
+    if (lane < R && my_pos >= 0) {
+      my_row = sh.row_base[lane] + my_pos;
+      if (my_row >= sh.capacity[lane]) {
+        report_input_error(ctx, lane, kStageOverflow);
+        a.send_pos[int64_t(t) * R + lane] = -1;  // the combine skips it: no row comes back for it
+        my_row = -1;
+      }
+    }
+    uint8_t* my_dst = my_row >= 0 ? sh.dst[lane][0] + int64_t(my_row) * a.x_row_bytes : nullptr;
+    const int4* src = reinterpret_cast<const int4*>(static_cast<const uint8_t*>(a.x) + int64_t(t) * a.x_row_bytes);
+    for (int64_t base = lane; base < n16; base += 32 * kUnroll) {
+      int4 v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t i = base + u * 32;
+        if (i < n16) v[u] = ptx::ld_nc_na_v4(src + i);
+      }
+#pragma unroll 1
+      for (int d = 0; d < R; ++d) {
+        int4* out = reinterpret_cast<int4*>(__shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(my_dst), d));
+        if (out == nullptr) continue;
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int64_t i = base + u * 32;
+          if (i < n16) ptx::st_na_v4(out + i, v[u]);
+        }
+      }
+    }
+#pragma unroll 1
+    for (int d = 0; d < R; ++d) {
+      const int64_t row = __shfl_sync(0xffffffffu, my_row, d);
+      if (row < 0) continue;
+      if (scales_ahead) {
+        auto* o = reinterpret_cast<int*>(sh.dst[d][1] + row * a.scale_row_bytes);
+        if (lane < nscale) o[lane] = my_scale0;
+        if (lane + 32 < nscale) o[lane + 32] = my_scale1;
+      } else if (a.scales != nullptr) {
+        const auto* s = reinterpret_cast<const int*>(static_cast<const uint8_t*>(a.scales) + t * a.scale_row_bytes);
+        auto* o = reinterpret_cast<int*>(sh.dst[d][1] + row * a.scale_row_bytes);
+        for (int64_t i = lane; i < nscale; i += 32) o[i] = __ldg(s + i);
+      }
+      if (lane < K) {
+        const int64_t e = kPrefetch ? my_e : a.topk_idx != nullptr ? a.topk_idx[int64_t(t) * K + lane] : -1;
+        const bool local = e >= int64_t(d) * L && e < int64_t(d + 1) * L;
+        if (a.topk_idx != nullptr)
+          reinterpret_cast<int64_t*>(sh.dst[d][2])[row * K + lane] = local ? e - int64_t(d) * L : -1;
+        if (a.topk_weights != nullptr) {
+          // Cached re-dispatch has no ids: weights then pass through unmasked.
+          const float w = kPrefetch ? my_w : a.topk_weights[int64_t(t) * K + lane];
+          reinterpret_cast<float*>(sh.dst[d][3])[row * K + lane] = (a.topk_idx == nullptr || local) ? w : 0.0f;
+        }
+      }
+      if (lane == 0) reinterpret_cast<int*>(sh.dst[d][4])[row] = t;
+    }
+  }
+}
+
 // kBulk: x rows go through shared memory by bulk copies (bulk_rows.cuh), each warp's lane 0 issuing them, with
 // kBulkStages chunks per warp in dynamic shared memory; else (the default) every lane copies 16-byte vectors
-// (copy_row_to_dests).
-template <bool kBulk>
+// (copy_row_to_dests); kUnroll != kDispatchUnroll or kPrefetch: the tuning variants' loop instead
+// (dispatch_tokens_lane_dests).
+template <bool kBulk, int kUnroll = kDispatchUnroll, bool kPrefetch = false>
 __global__ void __launch_bounds__(kDispatchThreads, 1)
     dispatch_kernel(DispatchArgs a, NvlLayout layout, Peers peers, WaitCtx ctx_in) {
   uint8_t* self = peers.base[ctx_in.rank];
@@ -137,7 +240,9 @@ __global__ void __launch_bounds__(kDispatchThreads, 1)
       pipe.start(bulk_smem + (tid >> 5) * BulkChunking(a.x_row_bytes).warp_smem(), bulk_bars[tid >> 5], a.x,
                  a.x_row_bytes, first_token, total_warps, a.num_tokens);
   }
-  for (int t = first_token; t < a.num_tokens; t += total_warps) {
+  constexpr bool kVariant = !kBulk && (kUnroll != kDispatchUnroll || kPrefetch);
+  if constexpr (kVariant) dispatch_tokens_lane_dests<kUnroll, kPrefetch>(a, sh, ctx, R, first_token, total_warps, lane);
+  for (int t = first_token; !kVariant && t < a.num_tokens; t += total_warps) {
     const int my_pos = lane < R ? a.send_pos[int64_t(t) * R + lane] : -1;
     int pos[kMaxRanks];
     uint8_t* rows[kMaxRanks];
@@ -251,6 +356,14 @@ bool dispatch_uses_bulk_copies(const DispatchArgs& args) {
   return chosen && reinterpret_cast<uintptr_t>(args.x) % 16 == 0;
 }
 
+template <int kUnroll, bool kPrefetch>
+void launch_dispatch_as(const DispatchArgs& args, int num_blocks, const NvlLayout& layout, const Peers& peers,
+                        const WaitCtx& ctx, cudaStream_t stream) {
+  dispatch_kernel<false, kUnroll, kPrefetch><<<num_blocks, kDispatchThreads, 0, stream>>>(args, layout, peers, ctx);
+}
+
+// The vector-store variant (tuning.hpp, for measurement runs): DEEPCOMM_DISPATCH_UNROLL 8 (the default) or 16
+// vectors per lane in flight, DEEPCOMM_DISPATCH_PREFETCH 1 to load the next token's metadata early.
 void launch_dispatch(const DispatchArgs& args, int num_blocks, const NvlLayout& layout, const Peers& peers,
                      const WaitCtx& ctx, cudaStream_t stream) {
   DC_HOST_ASSERT(num_blocks >= 1 && num_blocks <= kMaxBlocks, "dispatch: num_sms out of range");
@@ -262,7 +375,15 @@ void launch_dispatch(const DispatchArgs& args, int num_blocks, const NvlLayout& 
     opt_in_dynamic_smem<dispatch_kernel<true>>(smem);
     dispatch_kernel<true><<<num_blocks, kDispatchThreads, smem, stream>>>(args, layout, peers, ctx);
   } else {
-    dispatch_kernel<false><<<num_blocks, kDispatchThreads, 0, stream>>>(args, layout, peers, ctx);
+    const int unroll = tuning(kTuneDispatchUnroll);
+    const bool prefetch = tuning(kTuneDispatchPrefetch) != 0;
+    DC_HOST_ASSERT(unroll == 8 || unroll == 16, "dispatch: DEEPCOMM_DISPATCH_UNROLL must be 8 or 16");
+    if (unroll == 16)
+      prefetch ? launch_dispatch_as<16, true>(args, num_blocks, layout, peers, ctx, stream)
+               : launch_dispatch_as<16, false>(args, num_blocks, layout, peers, ctx, stream);
+    else
+      prefetch ? launch_dispatch_as<8, true>(args, num_blocks, layout, peers, ctx, stream)
+               : launch_dispatch_as<8, false>(args, num_blocks, layout, peers, ctx, stream);
   }
   DC_CUDA_CHECK(cudaGetLastError());
 }

@@ -10,6 +10,7 @@
 #include "../runtime/wait.cuh"
 #include "agree.cuh"
 #include "api.hpp"
+#include "notify_trace_points.hpp"
 
 namespace dc {
 
@@ -18,6 +19,7 @@ namespace {
 constexpr int kNotifyThreads = kNotifyChunk;
 constexpr int kNotifyWarps = kNotifyThreads / 32;
 constexpr int kNotifyMaxBlocks = 256;  // 128k tokens per rank
+static_assert(kNotifyMaxBlocks == kNotifyTraceBlocks, "a notify trace has a row per block");
 
 struct NotifyShared {
   int warp_count[kNotifyWarps][kMaxRanks];  // tokens of each warp to each rank, then its exclusive prefix
@@ -54,6 +56,21 @@ __device__ __forceinline__ uint32_t token_ranks(const int64_t* row, int topk, in
   return mask;
 }
 
+// Diagnostics (notify_trace_points.hpp): thread 0 stamps `point` for its block. trace_after_sync first waits for
+// the whole block (trace is the same for every thread, so the barrier is uniform); without a trace, one branch.
+__device__ __forceinline__ void trace_stamp(uint64_t* trace, int point) {
+  if (trace != nullptr && threadIdx.x == 0) {
+    uint64_t* at = trace + (int64_t(blockIdx.x) * kNotifyTracePoints + point) * 2;
+    at[0] = ptx::globaltimer_ns();
+    at[1] = uint64_t(clock64());
+  }
+}
+__device__ __forceinline__ void trace_after_sync(uint64_t* trace, int point) {
+  if (trace == nullptr) return;
+  __syncthreads();
+  trace_stamp(trace, point);
+}
+
 __global__ void __launch_bounds__(kNotifyThreads, 1)
     notify_dispatch_kernel(NotifyArgs a, NvlLayout layout, Peers peers, WaitCtx ctx_base) {
   __shared__ NotifyShared sh;
@@ -66,6 +83,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
   const NotifyWork wl(R, layout.num_local_experts, layout.max_tokens);
   int* expert_acc = reinterpret_cast<int*>(work + wl.expert_acc);
   int* block_count = reinterpret_cast<int*>(work + wl.block_count);
+  trace_stamp(a.trace, kNotifyTraceEntry);
 
   for (int i = tid; i < E; i += blockDim.x) expert_count[i] = 0;
   if (tid == 0) sh.invalid = 0;
@@ -83,6 +101,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
     if (lane == 0 && r < R) sh.warp_count[warp][r] = __popc(ballots[r]);
   }
   __syncthreads();
+  trace_stamp(a.trace, kNotifyTraceCounted);
   if (tid < R) {
     int running = 0;
     for (int w = 0; w < kNotifyWarps; ++w) {
@@ -116,6 +135,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
     if (sh.last) ptx::fence_acq_rel_gpu();
   }
   __syncthreads();
+  trace_stamp(a.trace, kNotifyTraceTicket);
   if (!sh.last) return;
 
   // ---- the last block: totals, absolute send positions, the sequence number ----
@@ -145,6 +165,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
     const int pos = __ldcg(a.send_pos + i);
     if (pos >= 0) a.send_pos[i] = pos + block_base[(i / R) / kNotifyChunk * R + i % R];
   }
+  trace_after_sync(a.trace, kNotifyTracePrefixes);
   WaitCtx ctx = ctx_base;
   ctx.seq = sh.seq;
 
@@ -166,6 +187,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
     ptx::fence_acq_rel_sys();
     ptx::st_release_sys_u64(reinterpret_cast<uint64_t*>(peers.base[tid] + layout.notify_flag) + rank, ctx.seq);
   }
+  trace_after_sync(a.trace, kNotifyTraceSent);
   DispatchCounts* host = a.host_counts;
   // Every rank's words before the counts are used: a rank that rejected its call, or one in another call, sends
   // only its words (agree_reject.cu), so they are waited for first. On a difference nothing is dispatched on any
@@ -193,6 +215,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
       return;
     }
   }
+  trace_stamp(a.trace, kNotifyTraceAgreed);  // agree_block returns after a barrier of the block, or at once
   __shared__ int ok;
   if (tid == 0) ok = 1;
   __syncthreads();
@@ -202,6 +225,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
   }
   __syncthreads();
   if (!ok) return;  // the host sees the error record instead of the tag
+  trace_stamp(a.trace, kNotifyTraceFlags);
   const int* counts = reinterpret_cast<const int*>(self + layout.notify_counts);
   for (int i = tid; i < R * R; i += blockDim.x)
     a.notify_out[out.count_matrix + i] = ptx::ld_volatile_s32(counts + (i / R) * row_len + i % R);
@@ -227,6 +251,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
       host->disagree = 0;
     }
   }
+  trace_after_sync(a.trace, kNotifyTraceHost);
   if (host != nullptr) {
     __syncthreads();
     if (tid == 0) {
@@ -234,6 +259,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
       ptx::st_release_sys_u64(&host->tag, a.host_tag);
     }
   }
+  trace_stamp(a.trace, kNotifyTraceTag);
 }
 
 }  // namespace

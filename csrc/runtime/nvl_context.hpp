@@ -22,6 +22,7 @@ struct NvlContext {
   AgreeRecord* agree_device = nullptr;  // mapped host memory: a call-fingerprint difference (agree_record.hpp)
   const uint8_t* cross = nullptr;  // our low-latency buffer's agree slots (WaitCtx::cross), null before it exists
   int cross_sets = 0;
+  uint64_t* notify_trace = nullptr;  // diagnostics: where fresh dispatches' notify kernels stamp (NotifyArgs::trace)
 
   NvlContext(int rank_, int num_ranks, int local_experts_cap, int max_tokens, int64_t hidden_max, int64_t topk_max,
              int64_t arena_bytes)
