@@ -42,7 +42,9 @@ void register_low_latency(py::module_& m) {
         d["ib"] = py::dict(py::arg("counts") = l.ib_counts, py::arg("ntok") = l.ib_ntok,
                            py::arg("meta") = l.ib_meta, py::arg("input_err") = l.ib_input_err,
                            py::arg("stage_x") = l.ib_stage_x, py::arg("stage_scales") = l.ib_stage_scales,
-                           py::arg("weights") = l.ib_weights, py::arg("partials") = l.ib_partials,
+                           py::arg("agree_dispatch") = l.ib_agree_dispatch,
+                           py::arg("weights") = l.ib_weights, py::arg("agree_combine") = l.ib_agree_combine,
+                           py::arg("partials") = l.ib_partials,
                            py::arg("arrivals_dispatch") = l.ib_arrivals_dispatch,
                            py::arg("arrivals_combine") = l.ib_arrivals_combine);
         auto per_slot = [&](auto at) { return py::make_tuple(at(0), at(1)); };
@@ -66,6 +68,8 @@ void register_low_latency(py::module_& m) {
         if (f == "stage_scales") return l.stage_scales_at(slot, s, t);
         if (f == "weights") return l.weights_at(slot, s, t);
         if (f == "partials") return l.partials_at(slot, s, t);
+        if (f == "agree_dispatch") return l.inbox_agree_at(kLlDispatch, slot, s);
+        if (f == "agree_combine") return l.inbox_agree_at(kLlCombine, slot, s);
         if (f == "arrivals_dispatch") return l.arrival_at(kLlDispatch, slot, s, t);
         if (f == "arrivals_combine") return l.arrival_at(kLlCombine, slot, s, t);
         throw py::value_error("field_at: unknown field " + f);
@@ -85,12 +89,14 @@ void register_low_latency(py::module_& m) {
       })
       .def("set_timeout_ns", [](LlContext& c, uint64_t ns) { c.timeout_ns = ns; })
       // A call this rank rejected: a send half of `kind` (0 dispatch, 1 combine) into `slot` with only its words;
-      // compare: also wait for the peers' words and record a difference (a call of a new shape, ll_calls.py)
+      // compare: also wait for the peers' words and record a difference (a call of a new shape, ll_calls.py);
+      // blocks: the peers' block count (a buffer with put peers raises a rejected dispatch's arrival words)
       .def("agree_reject", [](const LlContext& c, const Words& fingerprint, int kind, int slot, uintptr_t stream,
-                              bool compare) {
+                              bool compare, int blocks) {
         launch_ll_agree_reject(fingerprint_of(fingerprint), kind, slot, c.layout, c.peers, c.wait_ctx(),
-                               stream_of(stream), compare);
-      }, py::arg("fingerprint"), py::arg("kind"), py::arg("slot"), py::arg("stream"), py::arg("compare") = false)
+                               stream_of(stream), compare, blocks);
+      }, py::arg("fingerprint"), py::arg("kind"), py::arg("slot"), py::arg("stream"), py::arg("compare") = false,
+         py::arg("blocks") = 0)
       .def("set_trace", [](LlContext& c, uintptr_t dev) { c.trace = ptr<uint64_t>(dev); })
       .def("set_pdl", [](LlContext& c, int mode) {
         DC_HOST_ASSERT(mode >= 0 && mode <= 2, "set_pdl: mode must be 0, 1 or 2");

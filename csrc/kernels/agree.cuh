@@ -70,18 +70,27 @@ __device__ __forceinline__ void agree_copy_rows(int32_t (*rows)[kFingerprintWord
 
 // One thread: the first disagreement of this rank's kernels wins the record; then the error record names it as
 // an input error (kStageDisagree), which the host raises as a ValueError at its next look (no host wait here).
-__device__ __forceinline__ void agree_report(AgreeRecord* rec, const uint8_t* const* found, int R, uint32_t alive,
-                                             int peer, int word, const WaitCtx& ctx) {
+// fill(rows): every rank's words into the record's rows.
+template <typename Fill>
+__device__ __forceinline__ void agree_report_rows(AgreeRecord* rec, int R, int peer, int word, const WaitCtx& ctx,
+                                                  Fill fill) {
   if (rec == nullptr) return;
   if (ptx::atom_cas_acquire_gpu_u32(reinterpret_cast<uint32_t*>(&rec->flag), 0u, 2u) != 0u) return;
   rec->num_ranks = R;
   rec->peer = peer;
   rec->word = word;
   rec->seq = ctx.seq;
-  agree_copy_rows(rec->rows, found, R, alive);
+  fill(rec->rows);
   ptx::fence_acq_rel_sys();
   ptx::st_release_sys_u32(reinterpret_cast<uint32_t*>(&rec->flag), 1u);
   report_input_error(ctx, peer, kStageDisagree);
+}
+
+// The same for words in agree slots (rank s's at found[s]).
+__device__ __forceinline__ void agree_report(AgreeRecord* rec, const uint8_t* const* found, int R, uint32_t alive,
+                                             int peer, int word, const WaitCtx& ctx) {
+  agree_report_rows(rec, R, peer, word, ctx,
+                    [&](int32_t (*rows)[kFingerprintWords]) { agree_copy_rows(rows, found, R, alive); });
 }
 
 // What agree_block found: status 1 every rank agrees, 0 a difference (peer, word: the first), -1 a timed-out wait.

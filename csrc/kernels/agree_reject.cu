@@ -24,17 +24,33 @@ __global__ void agree_reject_kernel(Fingerprint f, NvlLayout layout, Peers peers
 
 // Low-latency mode: a send half of `kind` into `slot` that only publishes the words (tagged as that send's words
 // are) and advances the call numbers as ll_finish_send does; no arrival word is raised (the peers stop on the words
-// before they wait for any). `compare`: then also wait for every live peer's words and compare them with ours, as
-// a receive half does (a difference is recorded: agree_report), for a call that will not run in this buffer (a
-// new low-latency shape: the host learns whether every rank changed it).
+// before they wait for any), except with put peers: there a dispatch's receive halves compare the words once the
+// arrival words are in, so a rejected dispatch raises its `blocks` arrival words too (the host then puts the
+// block's data and flags; a combine's words go with the weights put). `compare`: then also wait for every live
+// peer's words and compare them with ours, as a receive half does (a difference is recorded: agree_report), for a
+// call that will not run in this buffer (a new low-latency shape: the host learns whether every rank changed it).
 __global__ void ll_agree_reject_kernel(Fingerprint f, int kind, int slot, LlLayout l, Peers peers, WaitCtx ctx,
-                                       bool compare) {
+                                       bool compare, int blocks) {
   uint8_t* self = peers.base[ctx.rank];
   uint32_t alive;
   const LlKind k = LlKind(kind);
   const uint64_t calls = ll_enter<true>(self, l, k, slot, ctx, &alive);
   const uint64_t tag = k == kLlDispatch ? calls : ctx.seq;
   if (ll_agree_on(f, l)) ll_agree_publish(peers, l, alive, k, slot, ctx.rank, f, tag);
+  if (ll_inbox_agree_on(f, l)) {
+    ll_inbox_publish(peers, l, alive, k, slot, ctx.rank, f, tag);
+    if (k == kLlDispatch) {
+      __syncthreads();
+      if (threadIdx.x == 0) ptx::fence_acq_rel_sys();  // the words before the arrival words (as ll_finish_send)
+      __syncthreads();
+      for (int i = threadIdx.x; i < l.num_ranks * blocks; i += blockDim.x) {
+        const int d = i / blocks, b = i % blocks;
+        if (ll_is_alive(alive, d) && d != ctx.rank)
+          ptx::st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(peers.base[d] + l.arrival_at(k, slot, ctx.rank, b)),
+                                  calls);
+      }
+    }
+  }
   __syncthreads();
   if (compare && ll_agree_on(f, l)) ll_agree(self, l, alive, k, slot, f, tag, ctx);
   if (threadIdx.x == 0) {
@@ -55,11 +71,14 @@ void launch_agree_reject(const Fingerprint& words, const NvlLayout& layout, cons
 }
 
 void launch_ll_agree_reject(const Fingerprint& words, int kind, int slot, const LlLayout& layout, const Peers& peers,
-                            const WaitCtx& ctx, cudaStream_t stream, bool compare) {
+                            const WaitCtx& ctx, cudaStream_t stream, bool compare, int blocks) {
   DC_HOST_ASSERT(kind == kLlDispatch || kind == kLlCombine, "ll_agree_reject: kind must be 0 or 1");
   DC_HOST_ASSERT(slot == 0 || slot == 1, "ll_agree_reject: slot must be 0 or 1");
   DC_HOST_ASSERT(layout.num_ranks <= 32, "ll_agree_reject: too many ranks");
-  ll_agree_reject_kernel<<<1, 32, 0, stream>>>(words, kind, slot, layout, peers, ctx, compare);
+  DC_HOST_ASSERT(blocks >= 0 && blocks <= kMaxBlocks, "ll_agree_reject: block count out of range");
+  DC_HOST_ASSERT(!layout.with_outbox || kind != kLlDispatch || blocks >= 1,
+                 "ll_agree_reject: a buffer with put peers needs the peers' block count");
+  ll_agree_reject_kernel<<<1, 32, 0, stream>>>(words, kind, slot, layout, peers, ctx, compare, blocks);
   DC_CUDA_CHECK(cudaGetLastError());
 }
 

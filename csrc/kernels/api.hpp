@@ -159,7 +159,9 @@ void launch_agree_reject(const Fingerprint& words, const NvlLayout& layout, cons
                          cudaStream_t stream);
 // Low-latency mode: a send half of `kind` into `slot` that publishes only the words and advances the call numbers;
 // with `compare` it also waits for every live peer's words and records a difference, as a receive half would.
+// blocks: the block count of the peers' low-latency launches (a rejected dispatch of a buffer with put peers
+// raises that many arrival words at each, so their receive halves reach the words; 0 otherwise).
 void launch_ll_agree_reject(const Fingerprint& words, int kind, int slot, const LlLayout& layout, const Peers& peers,
-                            const WaitCtx& ctx, cudaStream_t stream, bool compare = false);
+                            const WaitCtx& ctx, cudaStream_t stream, bool compare = false, int blocks = 0);
 
 }  // namespace dc

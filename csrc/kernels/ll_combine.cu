@@ -103,14 +103,17 @@ __device__ __forceinline__ void combine_send_phase(const LlCombineArgs& a, const
   if (tid == 0) ok = 1;
   ll_load_ntok(self, l, a.slot, alive & ~(1u << rank), n);
 
-  const bool agree = ll_agree_on(a.agree, l);
+  const bool agree = ll_agree_on(a.agree, l), inbox_agree = ll_inbox_agree_on(a.agree, l);
   if (agree && blockIdx.x == 0) ll_agree_publish(peers, l, alive, kLlCombine, a.slot, rank, a.agree, ctx.seq);
   store_weights(a, l, peers, ctx, alive);
+  // with put peers the weights phase published them already (put with the weights); the same words again here
+  if (inbox_agree && blockIdx.x == 0) ll_inbox_publish(peers, l, alive, kLlCombine, a.slot, rank, a.agree, ctx.seq);
   const int nchunks = int((H + kChunk - 1) / kChunk);
   __syncthreads();
   // every rank's words before any partial leaves: on a difference no rank sends (the arrivals stay unsignalled,
   // and every receive half stops on the same comparison)
-  if (agree && !ll_agree(self, l, alive, kLlCombine, a.slot, a.agree, ctx.seq, ctx)) {
+  if ((agree && !ll_agree(self, l, alive, kLlCombine, a.slot, a.agree, ctx.seq, ctx)) ||
+      (inbox_agree && !ll_inbox_agree(self, l, alive, kLlCombine, a.slot, a.agree, ctx.seq, ctx, true))) {
     if (tid == 0) ok = 0;
     ll_finish_send(self, peers, l, kLlCombine, a.slot, ctx.seq, calls, rank, alive, &ok, a.trace);
     return;
@@ -213,6 +216,8 @@ __device__ __forceinline__ void combine_recv_phase(const LlCombineArgs& a, const
     if ((first_owners >> rank) & 1u) own_partial(a, l, self, rank, first / nchunks, first % nchunks, own);
   }
   if (ll_agree_on(a.agree, l) && !ll_agree(self, l, alive, kLlCombine, a.slot, a.agree, ctx.seq, ctx)) return;
+  if (ll_inbox_agree_on(a.agree, l) && !ll_inbox_agree(self, l, alive, kLlCombine, a.slot, a.agree, ctx.seq, ctx, true))
+    return;
   if (!ll_wait_arrivals(self, l, kLlCombine, a.slot, calls, alive, ctx, kStageLlCombineData)) return;
   ll_trace(a.trace, kLlTraceArrived);
   for (int item = first; item < T * nchunks; item += total_warps) {
@@ -267,9 +272,11 @@ __global__ void __launch_bounds__(kLlThreads, 1)
   uint32_t alive;
   const uint64_t calls = ll_enter<kSend>(peers.base[ctx.rank], l, kLlCombine, a.slot, ctx, &alive);
   if constexpr (kPhases == kLlWeightsPhase) {
-    // the weights alone; nothing advances the call numbers, so the send half that follows uses the same sequence
-    // number (the same tags)
+    // the weights alone, and the call's words with them; nothing advances the call numbers, so the send half that
+    // follows uses the same sequence number (the same tags)
     store_weights(a, l, peers, ctx, alive);
+    if (blockIdx.x == 0 && ll_inbox_agree_on(a.agree, l))
+      ll_inbox_publish(peers, l, alive, kLlCombine, a.slot, ctx.rank, a.agree, ctx.seq);
   } else {
     ll_trace(a.trace, kLlTraceEntry);
     extern __shared__ int smem[];

@@ -113,8 +113,9 @@ __device__ __forceinline__ bool ll_wait_arrivals(const uint8_t* self, const LlLa
   return __syncthreads_and(good) != 0;
 }
 
-// Call agreement in low-latency mode (agree.cuh). Off for a buffer with peers reached by puts: its agree slots are
-// outside the blocks the host puts.
+// Call agreement in low-latency mode (agree.cuh) through the agree slots. Off for a buffer with peers reached by
+// puts: its agree slots are outside the blocks the host puts; the words travel inside them instead
+// (ll_inbox_agree_on, below).
 __device__ __forceinline__ bool ll_agree_on(const Fingerprint& f, const LlLayout& l) {
   return agree_on(f) && !l.with_outbox;
 }
@@ -225,6 +226,79 @@ __device__ __forceinline__ int ll_tagged_value(const uint64_t* w, uint64_t v, ui
       !wait_until([&] { return uint32_t((v = ptx::ld_relaxed_sys_u64(w)) >> 32) == tag; }, ctx, peer, stage))
     *good = false;
   return int(uint32_t(v));
+}
+
+// Call agreement for a buffer with peers reached by puts: each rank's words go into every live rank's inbox block
+// for it (ll_layout.hpp, agree_dispatch / agree_combine), inside the data the host puts, as tagged words (the low
+// 32 bits of the call's tag above each word), so a word that shows the tag holds its value whatever order a put
+// lands in. A dispatch's words come with its data and are compared once the arrival words are in; a combine's come
+// with its weights, put ahead of the send half, and are compared before any partial leaves (in the send half and
+// again in the receive half, which then stops before it waits for arrivals that never come).
+__device__ __forceinline__ bool ll_inbox_agree_on(const Fingerprint& f, const LlLayout& l) {
+  return agree_on(f) && l.with_outbox;
+}
+
+// Threads 0..R-1 of one block: our words of `kind`, tagged `tag`, into every live rank's inbox block for us (through
+// peers.base: a put peer's land in our outbox block for it).
+__device__ __forceinline__ void ll_inbox_publish(const Peers& peers, const LlLayout& l, uint32_t alive, LlKind kind,
+                                                 int slot, int rank, const Fingerprint& f, uint64_t tag) {
+  const int d = threadIdx.x;
+  if (d >= l.num_ranks || !ll_is_alive(alive, d)) return;
+  auto* words = reinterpret_cast<uint64_t*>(peers.base[d] + l.inbox_agree_at(kind, slot, rank));
+#pragma unroll
+  for (int i = 0; i < kFingerprintWords; ++i) ptx::st_relaxed_sys_u64(words + i, ll_tagged(tag, f.w[i]));
+}
+
+// The whole block: every live rank's tagged words of `kind` in our inbox blocks for `slot` equal ours. `poll`: wait
+// (bounded) for each word to carry `tag`; else they must carry it already (read after the arrival words), and one
+// that does not counts as a difference. A difference is recorded once per rank (agree_report_rows) and, like a
+// timed-out wait, gives false; the same result for every thread; ends with __syncthreads.
+__device__ __forceinline__ bool ll_inbox_agree(const uint8_t* self, const LlLayout& l, uint32_t alive, LlKind kind,
+                                               int slot, const Fingerprint& f, uint64_t tag, const WaitCtx& ctx,
+                                               bool poll) {
+  __shared__ uint32_t differs[32];  // per rank, bit i: word i differs from ours (or lacks the tag)
+  __shared__ int timed_out;
+  const int R = l.num_ranks, s = threadIdx.x;
+  auto word = [&](int r, int i) {
+    return reinterpret_cast<const uint64_t*>(self + l.inbox_agree_at(kind, slot, r)) + i;
+  };
+  if (s == 0) timed_out = 0;
+  if (s < 32) differs[s] = 0u;
+  __syncthreads();
+  if (s < R && ll_is_alive(alive, s)) {
+    uint32_t bits = 0u;
+    bool good = true;
+    for (int i = 0; i < kFingerprintWords && good; ++i) {
+      uint64_t v = ptx::ld_relaxed_sys_u64(word(s, i));
+      if (poll) {
+        const int value = ll_tagged_value(word(s, i), v, tag, ctx, s, kStageAgree, &good);
+        if (good && value != f.w[i]) bits |= 1u << i;
+      } else if (uint32_t(v >> 32) != uint32_t(tag) || int(uint32_t(v)) != f.w[i]) {
+        bits |= 1u << i;
+      }
+    }
+    if (!good) timed_out = 1;
+    differs[s] = bits;
+  }
+  __syncthreads();
+  __shared__ int diff_peer;
+  if (s == 0) {
+    diff_peer = -1;
+    for (int p = 0; p < R && !timed_out; ++p) {
+      if (differs[p] == 0u) continue;
+      diff_peer = p;
+      agree_report_rows(ctx.agree, R, p, __ffs(int(differs[p])) - 1, ctx, [&](int32_t (*rows)[kFingerprintWords]) {
+        for (int r = 0; r < R && r < kAgreeRecordRanks; ++r)
+          for (int i = 0; i < kFingerprintWords; ++i)
+            rows[r][i] = ll_is_alive(alive, r) ? int(uint32_t(ptx::ld_relaxed_sys_u64(word(r, i)))) : 0;
+      });
+      break;
+    }
+  }
+  __syncthreads();
+  const bool agreed = !timed_out && diff_peer < 0;
+  __syncthreads();  // the shared words may be reused by a later call
+  return agreed;
 }
 
 // Packed rows of our local experts: rows of local expert le coming from rank s start at base[le * R + s];

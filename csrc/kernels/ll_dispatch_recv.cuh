@@ -97,10 +97,15 @@ __device__ __forceinline__ void dispatch_recv_phase(const LlDispatchArgs& a, con
   int* n = total + L;             // [R] tokens of each source
   // every rank's words first: on a difference (or a rank that rejected its call) nothing lands in recv_x here
   if (ll_agree_on(a.agree, l) && !ll_agree(self, l, alive, kLlDispatch, slot, a.agree, calls, ctx)) return;
+  // With put peers the words come in the data put and are compared once the arrival words are in; the counts are
+  // not polled before then (a disagreeing rank may never tag some of them).
+  const bool inbox_agree = ll_inbox_agree_on(a.agree, l);
   // the bases come from the tagged counts, which land before the rows: known by the time the arrivals are in
-  if (!ll_expert_bases(self, l, slot, rank, alive, calls, ctx, kStageLlDispatchData, base, total, n)) return;
+  if (!inbox_agree && !ll_expert_bases(self, l, slot, rank, alive, calls, ctx, kStageLlDispatchData, base, total, n))
+    return;
   ll_trace(a.trace, kLlTraceRecvMeta);
   if (!ll_wait_arrivals(self, l, kLlDispatch, slot, calls, alive, ctx, kStageLlDispatchData)) return;
+  if (inbox_agree && !ll_inbox_agree(self, l, alive, kLlDispatch, slot, a.agree, calls, ctx, false)) return;
   // A put peer's counts come in its data put, whose 8-byte words nothing promises to land whole (a word could show
   // the new tag over the old count); behind the arrival words (the put's flags, after a quiet) they are final, so
   // a buffer with put peers reads them again. NVLink stores land whole: no second read there.

@@ -265,6 +265,8 @@ __device__ __forceinline__ void dispatch_send_phase(const LlDispatchArgs& a, con
   // the call's words first, tagged like the counts, so a receiver compares them before it uses anything of ours
   if (blockIdx.x == 0 && ll_agree_on(a.agree, l))
     ll_agree_publish(peers, l, alive, kLlDispatch, a.slot, ctx.rank, a.agree, calls);
+  if (blockIdx.x == 0 && ll_inbox_agree_on(a.agree, l))  // with put peers: inside the data the host puts
+    ll_inbox_publish(peers, l, alive, kLlDispatch, a.slot, ctx.rank, a.agree, calls);
   if (t1 > t0) {  // the same for the whole block
     const int n = (t1 - t0) * a.topk;
     const RangeMeta m(smem, n, l.num_experts);

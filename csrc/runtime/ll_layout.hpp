@@ -26,10 +26,13 @@
 //                     -1 when not ours), input_err u64 [2] (rank s found bad input in
 //                     its dispatch of that call: [0] ids out of range, [1] a duplicate expert in a row; holds the
 //                     slot's call count then; every receiver records it, not only the rank that passed it),
-//                     stage_x bytes [M][H*2] (its tokens: bf16, or e4m3 in the first H bytes), stage_scales f32
+//                     agree_dispatch u64 [16] (with put peers: rank s's call words, each tagged like the counts;
+//                     compared once the arrivals are in), stage_x bytes [M][H*2] (its tokens: bf16, or e4m3 in the first H bytes), stage_scales f32
 //                     [M][H/128] (their FP8 scales)
 //     combine data:   weights u64 [M][K] (its combine weights, each tagged with its call: (low 32 bits of the
-//                     combine's sequence number << 32) | f32 bits), partials bytes [M][H*2] (rank s's partial sum
+//                     combine's sequence number << 32) | f32 bits), agree_combine u64 [16] (with put peers: rank s's
+//                     call words, tagged like the weights and put with them ahead of the send half, which compares
+//                     them before any partial leaves), partials bytes [M][H*2] (rank s's partial sum
 //                     for each of our tokens: bf16 [H], or e4m3 [H] + f32 [H/128] scales with the FP8 combine; our
 //                     own partial is summed where it is used and never stored)
 //     dispatch flags: arrivals u64 [B]    block b of rank s has completed its dispatch stores into us for that
@@ -70,8 +73,8 @@ struct LlLayout {
   int64_t seq, slot_seq, slot_calls, done_count, mask, agree;
   // inside one inbox block: dispatch data | combine data | dispatch flags | combine flags | put_seq (ib_* offsets,
   // relative to the block's start), and the block's size
-  int64_t ib_counts, ib_ntok, ib_meta, ib_input_err, ib_stage_x, ib_stage_scales, ib_weights, ib_partials,
-      ib_arrivals_dispatch, ib_arrivals_combine, ib_put_seq, block;
+  int64_t ib_counts, ib_ntok, ib_meta, ib_input_err, ib_agree_dispatch, ib_stage_x, ib_stage_scales, ib_weights,
+      ib_agree_combine, ib_partials, ib_arrivals_dispatch, ib_arrivals_combine, ib_put_seq, block;
   int64_t inbox, outbox, entry, recv_x, recv_scales, entry_key, out_count, out_layout, out_src_info, out_recv_pos,
       total;
 
@@ -95,9 +98,11 @@ struct LlLayout {
     ib_ntok = take(8);
     ib_meta = take(M * K * 4);
     ib_input_err = take(2 * 8);
+    ib_agree_dispatch = take(int64_t(kFingerprintWords) * 8);
     ib_stage_x = take(M * hidden_ * 2);
     ib_stage_scales = take(M * (hidden_ / 128) * 4);
     ib_weights = take(M * K * 8);
+    ib_agree_combine = take(int64_t(kFingerprintWords) * 8);
     ib_partials = take(M * hidden_ * 2);
     ib_arrivals_dispatch = take(int64_t(kMaxBlocks) * 8);
     ib_arrivals_combine = take(int64_t(kMaxBlocks) * 8);
@@ -143,6 +148,11 @@ struct LlLayout {
     return kind == kLlDispatch ? ib_arrivals_dispatch : ib_arrivals_combine;
   }
   DC_HD int64_t flags_end(int kind) const { return kind == kLlDispatch ? ib_arrivals_combine : ib_put_seq; }
+
+  // Rank s's tagged call words of `kind` in our inbox block for `slot` (a buffer with put peers: ll_common.cuh).
+  DC_HD int64_t inbox_agree_at(int kind, int slot, int s) const {
+    return inbox_at(slot, s) + (kind == kLlDispatch ? ib_agree_dispatch : ib_agree_combine);
+  }
 
   // which: 0 = ids out of range, 1 = a duplicate expert in a row
   DC_HD int64_t input_err_at(int slot, int which, int s) const {

@@ -187,7 +187,14 @@ class LowLatencyEngine:
             self._note_slot(fingerprint, slot)
         else:
             kind, slot = 1, _slot_of(handle, (ll.calls - 1) & 1)
-        ll.ctx.agree_reject(tuple(fingerprint), kind, slot, stream)
+        ll.ctx.agree_reject(tuple(fingerprint), kind, slot, stream, blocks=self.blocks)
+        if ll.put_peers:
+            # the words (and a dispatch's arrival words) reach put peers as a send half's would: a dispatch's in
+            # its data and flags puts, a combine's with the weights, which the peers' send halves wait for
+            if kind == 0:
+                ll.put(0, slot, stream, self.record.masked)
+            else:
+                ll.put_weights(slot, stream, self.record.masked)
 
     def _launch(self, launch, return_recv_hook: bool, stream: int, keep=(), after_send=None):
         """Without a hook: ``launch(SEND | RECV, stream)``, both halves in one kernel. With a hook: the send half

@@ -185,7 +185,7 @@ class _LlCtx:
     def __init__(self):
         self.rejects = []
 
-    def agree_reject(self, words, kind, slot, stream, compare=False):
+    def agree_reject(self, words, kind, slot, stream, compare=False, blocks=0):
         self.rejects.append((kind, slot) if not compare else (kind, slot, "compare"))
 
 
@@ -200,7 +200,7 @@ def _ll_backend(monkeypatch, ll):
 
 
 def test_a_rejected_low_latency_call_takes_its_kinds_slot(monkeypatch):
-    ll = types.SimpleNamespace(calls=3, ctx=_LlCtx())
+    ll = types.SimpleNamespace(calls=3, ctx=_LlCtx(), put_peers=[])
     b = _ll_backend(monkeypatch, ll)
     b.reject(agreement.rejected("low_latency_dispatch", 4, 1, ValueError("x: bad")))
     assert ll.ctx.rejects == [(0, 1)] and ll.calls == 4  # slot 3 & 1, and the next dispatch takes the other

@@ -7,7 +7,8 @@ synchronize()); after each, an agreeing round of every call is bit-exact against
 randomized run: a random rank sometimes changes a random argument of a random call.
 
 Both Buffers of a worker make the same calls in the same order, so their call numbers, and with them the texts,
-are the same."""
+are the same. The low-latency cases run once more with every peer reached by NVSHMEM puts
+(DEEPCOMM_LL_FORCE_PUTS=1), whose words travel inside the blocks the host puts."""
 from __future__ import annotations
 
 import random
@@ -15,7 +16,8 @@ import random
 import pytest
 import torch
 
-from tests.helpers.nccl_run import cuda_buffer, needs_ranks, rank_device, ranks_for_tests, reference, run_on_gpus, scaled
+from tests.helpers.nccl_run import (cuda_buffer, has_nvshmem_wheel, needs_ranks, rank_device, ranks_for_tests,
+                                    reference, run_on_gpus, scaled)
 from tests.helpers.same_bits import assert_same
 
 pytestmark = [pytest.mark.gpu, needs_ranks(2)]
@@ -181,6 +183,31 @@ def _cases_worker(rank, world):
         s.buf.destroy()
 
 
+def _puts_worker(rank, world):
+    """The low-latency cases with every peer a put peer: the same texts, raised on every rank."""
+    import os
+    os.environ["DEEPCOMM_LL_MEMORY"] = "nvshmem"
+    os.environ["DEEPCOMM_LL_FORCE_PUTS"] = "1"
+    dev = rank_device(rank)
+    torch.cuda.set_device(dev)
+    sides = _buffers(dev)
+    me = world - 1
+    for what, call, deferred in _first_low_latency_cases(rank, me, dev):
+        _expect_disagreement(sides, call, rank, what, deferred)
+    gen = torch.Generator().manual_seed(3000 + rank)
+    _agreeing_round(sides, Inputs(gen, dev), rank, "the first low-latency cases (puts)")
+    assert sides[0].buf._backend.ll.buffer.put_peers == [p for p in range(world) if p != rank]
+    for what, call, deferred in _cases(rank, world, me, dev):
+        if not what.startswith("low-latency"):
+            continue
+        _expect_disagreement(sides, call, rank, what + " (puts)", deferred)
+        _agreeing_round(sides, Inputs(gen, dev), rank, what + " (puts)")
+    from deepcomm.cuda import nvshmem_session
+    for s in sides:
+        s.buf.destroy()
+    nvshmem_session.finalize()
+
+
 def _random_worker(rank, world):
     """A random call of a random kind each step; half the time a random rank changes a random argument."""
     from deepcomm.fp8 import per_token_cast_to_fp8
@@ -233,3 +260,8 @@ def test_each_disagreement_raises_on_every_rank_with_the_reference_text():
 
 def test_random_disagreements_raise_everywhere_and_agreeing_calls_are_exact():
     run_on_gpus(_random_worker, WORLD, timeout_s=scaled(600))
+
+
+@pytest.mark.skipif(not has_nvshmem_wheel(), reason="nvidia.nvshmem is not importable (pip install nvidia-nvshmem-cu13)")
+def test_low_latency_disagreements_through_puts_raise_on_every_rank():
+    run_on_gpus(_puts_worker, WORLD, timeout_s=scaled(600))

@@ -14,8 +14,8 @@ from deepcomm._ext import load_extension
 C = load_extension()
 pytestmark = pytest.mark.skipif(C is None, reason="deepcomm._C is not built (no nvcc at install time)")
 TOPK_MAX = getattr(C, "TOPK_MAX", 0)  # top-k slots the kernels take (csrc/kernels/topk_max.hpp)
-FIELDS = ["counts", "ntok", "meta", "input_err", "stage_x", "stage_scales", "weights", "partials",
-          "arrivals_dispatch", "arrivals_combine"]
+FIELDS = ["counts", "ntok", "meta", "input_err", "agree_dispatch", "stage_x", "stage_scales", "weights",
+          "agree_combine", "partials", "arrivals_dispatch", "arrivals_combine"]
 
 
 class FakeNvshmem:
@@ -138,3 +138,52 @@ def test_no_put_peers_one_fused_launch():
     ll = types.SimpleNamespace(put_peers=[1], put=lambda kind, slot, stream, masked: seen.append(("put", kind)))
     calls._launch(lambda phases, s: seen.append(phases), False, 5, after_send=calls._puts(ll, 1, 0))
     assert seen == [phases["send"], ("put", 1), phases["recv"]]
+
+
+def test_call_words_travel_inside_the_put_sections():
+    """With put peers the call words sit in the inbox block: a dispatch's in its data section (compared once the
+    arrival words, put after a quiet, are in), a combine's in the range put_weights sends ahead of the send half."""
+    for world in (2, 5):
+        ctx = C.LlContext(0, world, 8 * world, 4, 256, TOPK_MAX, True)
+        lay, ib = ctx.layout(), ctx.layout()["ib"]
+        words = 8 * C.FINGERPRINT_WORDS  # one tagged u64 per word
+        (db, de), (cb, ce) = lay["data"]
+        assert db <= ib["agree_dispatch"] and ib["agree_dispatch"] + words <= de
+        assert ib["weights"] <= ib["agree_combine"] and ib["agree_combine"] + words <= ib["partials"]
+        assert cb <= ib["agree_combine"] and ib["agree_combine"] + words <= ce
+        for slot in (0, 1):
+            for s_ in range(world):
+                inbox = lay["inbox"] + (slot * world + s_) * lay["block"]
+                assert ctx.field_at("agree_dispatch", slot, s_) == inbox + ib["agree_dispatch"]
+                assert ctx.field_at("agree_combine", slot, s_) == inbox + ib["agree_combine"]
+
+
+@pytest.mark.parametrize("op", ["dispatch", "combine"])
+def test_a_rejected_call_reaches_put_peers(op, monkeypatch):
+    """A call this rank rejected, on a buffer with put peers: the words-only send half (with the peers' block
+    count, for a dispatch's arrival words), then the puts a send half of that kind makes: a dispatch's data and
+    flags, a combine's weights range (the peers' send halves wait for its words)."""
+    from deepcomm import agreement
+    from deepcomm.cuda.ll_calls import LowLatencyEngine
+    record = types.SimpleNamespace(masked=frozenset({3}))
+    errors = types.SimpleNamespace(raise_pending=lambda: None, check=lambda low_latency=False: None)
+    eng = LowLatencyEngine(C, None, 0, 4, torch.device("cpu"), record, errors, "ipc", 6)
+    seen = []
+    ctx = types.SimpleNamespace(agree_reject=lambda words, kind, slot, stream, blocks=0: seen.append(
+        ("reject", kind, slot, blocks)))
+    eng.buffer = types.SimpleNamespace(
+        ctx=ctx, calls=3, put_peers=[1, 2, 3],
+        put=lambda kind, slot, stream, masked: seen.append(("put", kind, slot, masked)),
+        put_weights=lambda slot, stream, masked: seen.append(("put_weights", slot, masked)))
+    eng._enter = lambda ll, stream: None
+    eng.device = torch.device("cpu")
+    code = agreement.Op.LOW_LATENCY_DISPATCH if op == "dispatch" else agreement.Op.LOW_LATENCY_COMBINE
+    words = agreement.rejected(f"low_latency_{op}", 4, 1, ValueError("x: bad"))
+    assert words[agreement.Word.OP] == code
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=5))
+    eng.reject(words)
+    if op == "dispatch":
+        assert seen == [("reject", 0, 1, 6), ("put", 0, 1, frozenset({3}))]
+    else:
+        assert seen == [("reject", 1, 0, 6), ("put_weights", 0, frozenset({3}))]
