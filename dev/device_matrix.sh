@@ -6,6 +6,8 @@
 #                             with each call's cProfile in $OUT/cprofile.txt
 #        | parts              the host cost of each piece of a call, timed alone (dev/profile_host_parts.py) into
 #                             $OUT/host_parts.json
+#        | sweep              the dispatch / combine tuning variants and the notify trace (dev/profile_sweep.py) into
+#                             $OUT/sweep.json; a variant whose outputs differ from the default's fails the step
 #        | kernels            each call's kernels' GPU time at world size 1 (dev/profile_kernels.py) into
 #                             $OUT/kernel_time.json
 #        | 1:FILE,FILE        tests/*/FILE.py at world size 1 (one rank on the GPU)
@@ -62,6 +64,12 @@ for step in "$@"; do
     timeout "$budget" python3 dev/profile_host_parts.py --json "$OUT/host_parts.json" > "$OUT/host_parts.log" 2>&1
     echo "parts: rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$summary"
     tail -32 "$OUT/host_parts.log"
+    continue
+  fi
+  if [[ "$step" == sweep ]]; then
+    timeout "$budget" python3 dev/profile_sweep.py --json "$OUT/sweep.json" > "$OUT/sweep.log" 2>&1
+    echo "sweep: rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$summary"
+    tail -40 "$OUT/sweep.log"
     continue
   fi
   if [[ "$step" == kernels ]]; then
