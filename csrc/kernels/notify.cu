@@ -5,6 +5,7 @@
 // The layout is spread over ceil(T / kNotifyChunk) blocks, one token per thread: each block finds its tokens'
 // ranks and experts, their positions among the block's tokens, and adds its counts into NotifyWork. The last
 // block to finish (a ticket) turns block counts into prefixes, makes send_pos absolute, and alone talks to peers.
+// A single block skips NotifyWork and the ticket: its own counts are the totals.
 #include "../runtime/cuda_check.hpp"
 #include "../runtime/smem_opt_in.hpp"
 #include "../runtime/wait.cuh"
@@ -78,6 +79,9 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
   int* expert_count = dyn;
   const int R = layout.num_ranks, E = a.num_experts, L = E / R, rank = ctx_base.rank;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, G = gridDim.x;
+  // One block (up to kNotifyChunk tokens): its counts are the totals, with no accumulation in NotifyWork, no
+  // ticket and no second read of the counts: four dependent memory round trips fewer.
+  const bool single = G == 1;
   uint8_t* self = peers.base[rank];
   uint8_t* work = self + layout.notify_work;
   const NotifyWork wl(R, layout.num_local_experts, layout.max_tokens);
@@ -110,7 +114,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
       running += c;
     }
     sh.rank_total[tid] = running;
-    block_count[blockIdx.x * R + tid] = running;
+    if (!single) block_count[blockIdx.x * R + tid] = running;
   }
   __syncthreads();
   if (t < a.num_tokens) {
@@ -123,24 +127,27 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
       a.send_pos[int64_t(t) * R + r] = in ? sh.warp_count[warp][r] + __popc(ballots[r] & ptx::lanemask_lt()) : -1;
     }
   }
-  for (int e = tid; e < E; e += blockDim.x)
-    if (expert_count[e] != 0) atomicAdd(expert_acc + e, expert_count[e]);
-  if (tid == 0 && sh.invalid != 0) atomicAdd(reinterpret_cast<int*>(work + wl.invalid), sh.invalid);
-  __threadfence();  // every thread's stores above are visible GPU-wide before thread 0 takes the ticket
-  __syncthreads();
-  if (tid == 0) {
-    ptx::fence_acq_rel_gpu();  // our send_pos, block counts and sums before the ticket
-    const uint32_t ticket = ptx::atom_add_release_gpu_u32(reinterpret_cast<uint32_t*>(work + wl.ticket), 1u);
-    sh.last = ticket == uint32_t(G - 1);
-    if (sh.last) ptx::fence_acq_rel_gpu();
+  if (!single) {
+    for (int e = tid; e < E; e += blockDim.x)
+      if (expert_count[e] != 0) atomicAdd(expert_acc + e, expert_count[e]);
+    if (tid == 0 && sh.invalid != 0) atomicAdd(reinterpret_cast<int*>(work + wl.invalid), sh.invalid);
+    __threadfence();  // every thread's stores above are visible GPU-wide before thread 0 takes the ticket
+    __syncthreads();
+    if (tid == 0) {
+      ptx::fence_acq_rel_gpu();  // our send_pos, block counts and sums before the ticket
+      const uint32_t ticket = ptx::atom_add_release_gpu_u32(reinterpret_cast<uint32_t*>(work + wl.ticket), 1u);
+      sh.last = ticket == uint32_t(G - 1);
+      if (sh.last) ptx::fence_acq_rel_gpu();
+    }
+    __syncthreads();
   }
-  __syncthreads();
   trace_stamp(a.trace, kNotifyTraceTicket);
-  if (!sh.last) return;
+  if (!single && !sh.last) return;
 
-  // ---- the last block: totals, absolute send positions, the sequence number ----
+  // ---- the last block: totals, absolute send positions, the sequence number (a single block's own counts,
+  // rank totals and invalid count are the totals already) ----
   int* block_base = dyn + E;
-  if (tid < R) {
+  if (!single && tid < R) {
     int running = 0;
     for (int b = 0; b < G; ++b) {
       block_base[b * R + tid] = running;
@@ -149,16 +156,20 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
     sh.rank_total[tid] = running;
   }
   if (tid == 0) {
-    sh.invalid = __ldcg(reinterpret_cast<int*>(work + wl.invalid));
-    *reinterpret_cast<int*>(work + wl.invalid) = 0;
-    *reinterpret_cast<uint32_t*>(work + wl.ticket) = 0u;
+    if (!single) {
+      sh.invalid = __ldcg(reinterpret_cast<int*>(work + wl.invalid));
+      *reinterpret_cast<int*>(work + wl.invalid) = 0;
+      *reinterpret_cast<uint32_t*>(work + wl.ticket) = 0u;
+    }
     uint64_t* counter = reinterpret_cast<uint64_t*>(self + layout.seq_counter);
     sh.seq = *counter + 1;  // the call's number (folded here instead of a bump kernel)
     *counter = sh.seq;
   }
-  for (int e = tid; e < E; e += blockDim.x) {
-    expert_count[e] = __ldcg(expert_acc + e);
-    expert_acc[e] = 0;
+  if (!single) {
+    for (int e = tid; e < E; e += blockDim.x) {
+      expert_count[e] = __ldcg(expert_acc + e);
+      expert_acc[e] = 0;
+    }
   }
   __syncthreads();
   for (int64_t i = int64_t(kNotifyChunk) * R + tid; i < int64_t(a.num_tokens) * R; i += blockDim.x) {
