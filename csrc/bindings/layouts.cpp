@@ -102,6 +102,22 @@ void register_layouts(py::module_& m) {
     d["signal"] = r.signal; d["credit"] = r.credit; d["send"] = r.send; d["recv"] = r.recv; d["total"] = r.total;
     return d;
   }, py::arg("world_size"), py::arg("slot_bytes"));
+  // The words strip of an area of area_bytes (several GPUs per node): its bytes, its offset in the area and the
+  // slot of every rank (WordsStrip, runtime/internode_layout.hpp).
+  m.def("words_strip", [](int64_t num_nodes, int64_t gpus_per_node, int64_t area_bytes) {
+    if (num_nodes < 1 || gpus_per_node < 1 || num_nodes * gpus_per_node > kInternodeMaxRanks)
+      throw py::value_error("num_nodes, gpus_per_node: expected >= 1 each and at most " +
+                            std::to_string(kInternodeMaxRanks) + " ranks, got " + std::to_string(num_nodes) +
+                            " x " + std::to_string(gpus_per_node));
+    const WordsStrip w(int(num_nodes), int(gpus_per_node), area_bytes);
+    if (w.at < 0) throw py::value_error("area_bytes: " + std::to_string(area_bytes) + " cannot hold the strip's " +
+                                        std::to_string(w.bytes) + " bytes");
+    py::list slots;
+    for (int s = 0; s < w.nodes * w.gpus; ++s) slots.append(w.slot_of_rank(s));
+    py::dict d;
+    d["bytes"] = w.bytes; d["at"] = w.at; d["slots"] = py::tuple(slots);
+    return d;
+  }, py::arg("num_nodes"), py::arg("gpus_per_node"), py::arg("area_bytes"));
   m.def("node_link_layout", [](int64_t gpus_per_node, int64_t area_bytes) {
     if (gpus_per_node < 1 || gpus_per_node > kMaxNodeGpus)
       throw py::value_error("gpus_per_node: expected 1.." + std::to_string(kMaxNodeGpus) + ", got " +

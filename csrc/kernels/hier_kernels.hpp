@@ -81,8 +81,8 @@ struct HierNode {
   int64_t words_at;
 };
 
-// The strip slot of rank s = node m, GPU l: l * num_nodes + m (one rail's words are contiguous).
-DC_HD int words_slot(const HierTopo& t, int m, int l) { return l * t.num_nodes + m; }
+// The strip slot of rank s = node m, GPU l (runtime/internode_layout.hpp WordsStrip).
+DC_HD int words_slot(const HierTopo& t, int m, int l) { return WordsStrip(t.num_nodes, t.gpus, 0).slot(m, l); }
 
 // ---------------------------------------------------------------------------------------------------- dispatch
 // rdma blocks: build each token's row (`row`: x, scales, top-k ids, its own index, weights from `src`, and

@@ -84,6 +84,20 @@ struct NvshmemRegion {
 //   arrive u64 [G]       arrive[i]: ... finished writing into ours
 //   area   bytes [area]  rows the node's GPUs put here during one NVLink stage (area_bytes rounded up to 256)
 // The words take the first 256-byte aligned part, the area starts after it.
+// With several GPUs per node, the strip of call words at the end of every node GPU's NVLink area
+// (deepcomm/internode/hier_agree.py): one kRailHeaderBytes header per rank, rail-major, rank (node m, GPU l) at
+// slot l * nodes + m, so the words of one rail are contiguous (one put per node GPU in a count round, one run per
+// rail in the kernels). `at`: its offset in an area of area_bytes (the kernels' words_at).
+struct WordsStrip {
+  int nodes, gpus;
+  int64_t bytes, at;
+  DC_HD WordsStrip(int num_nodes, int gpus_per_node, int64_t area_bytes)
+      : nodes(num_nodes), gpus(gpus_per_node), bytes(int64_t(num_nodes) * gpus_per_node * kRailHeaderBytes),
+        at(area_bytes - bytes) {}
+  DC_HD int slot(int m, int l) const { return l * nodes + m; }
+  DC_HD int slot_of_rank(int s) const { return slot(s / gpus, s % gpus); }
+};
+
 struct NodeLinkRegion {
   int64_t flags, free, arrive, area, area_bytes, total;
   DC_HD NodeLinkRegion(int gpus, int64_t area_sz) {

@@ -30,11 +30,13 @@ the same text on every rank. Calls of different kinds meet safely only with one 
 (docs/troubleshooting.md)."""
 from __future__ import annotations
 
+import functools
 from typing import Dict, List, Optional, Sequence
 
 import torch
 
 from .. import agreement
+from .._ext import load_extension
 from .host_tables import device_table
 from .internode_rows import MAX_NODE_HEADERS, RAIL_HEADER_BYTES
 
@@ -73,22 +75,26 @@ def rejected_words(fingerprint: Sequence[int], error: BaseException) -> agreemen
 
 
 # ---- several GPUs per node: the strip of words in every node GPU's NVLink area ----------------------------------
-# One header per rank, rail-major (csrc/kernels/hier_kernels.hpp words_slot): rank s = (node m, GPU l) at slot
-# l * N + m, so the words of one rail are contiguous (one put per node GPU in a count round, one run per rail in
-# the kernels).
+# One header per rank, rail-major, as the extension lays it out (WordsStrip, csrc/runtime/internode_layout.hpp):
+# the words of one rail are contiguous (one put per node GPU in a count round, one run per rail in the kernels).
+@functools.lru_cache(maxsize=64)
+def _strip(num_nodes: int, gpus: int, area_bytes: int) -> dict:
+    return load_extension().words_strip(num_nodes, gpus, area_bytes)
+
+
 def strip_bytes(world_size: int) -> int:
     """Bytes the NVLink area of each rank needs past its rows: one header per rank."""
-    return world_size * RAIL_HEADER_BYTES
+    return _strip(world_size, 1, world_size * RAIL_HEADER_BYTES)["bytes"]
 
 
 def strip_at(comm) -> int:
     """Byte offset of the strip in every node GPU's area (the kernels' ``words_at``)."""
-    return comm.link.area_bytes - strip_bytes(comm.world_size)
+    return _strip(comm.num_nodes, comm.gpus, comm.link.area_bytes)["at"]
 
 
 def strip_slot(comm, s: int) -> int:
     """Rank ``s``'s slot in the strip."""
-    return (s % comm.gpus) * comm.num_nodes + s // comm.gpus
+    return _strip(comm.num_nodes, comm.gpus, comm.link.area_bytes)["slots"][s]
 
 
 def _as_rows(raw: torch.Tensor) -> List[List[int]]:

@@ -196,3 +196,24 @@ def test_node_link_reads_the_export(monkeypatch):
     assert link.word_ptrs("free") == [b + lay["free"] for b in bases]
     assert link.word_ptrs("arrive") == [b + lay["arrive"] for b in bases]
     assert link._flags == [b + lay["flags"] for b in bases]  # the node barrier's words
+
+
+def test_words_strip_is_rail_major_at_the_area_end():
+    """The strip of call words (several GPUs per node): one 64-byte header per rank at the end of the area, rank s =
+    (node s // G, GPU s % G) at slot (s % G) * N + s // G, so one rail's words are contiguous; hier_agree reads the
+    export, as the kernels' words_slot does."""
+    from deepcomm.internode import hier_agree
+    for N, G in ((2, 2), (2, 4), (4, 2), (3, 8), (32, 8), (5, 1)):
+        area = N * G * 64 + 1000 * 16
+        w = C.words_strip(N, G, area)
+        assert w["bytes"] == N * G * 64 and w["at"] == area - w["bytes"]
+        assert list(w["slots"]) == [(s % G) * N + s // G for s in range(N * G)]
+        assert sorted(w["slots"]) == list(range(N * G))
+        comm = types.SimpleNamespace(num_nodes=N, gpus=G, world_size=N * G,
+                                     link=types.SimpleNamespace(area_bytes=area))
+        assert hier_agree.strip_at(comm) == w["at"] and hier_agree.strip_bytes(N * G) == w["bytes"]
+        assert [hier_agree.strip_slot(comm, s) for s in range(N * G)] == list(w["slots"])
+    with pytest.raises(ValueError, match="area_bytes"):
+        C.words_strip(2, 2, 100)
+    with pytest.raises(ValueError, match="num_nodes"):
+        C.words_strip(64, 8, 1 << 20)
