@@ -54,28 +54,20 @@ for step in "$@"; do
     tail -40 "$OUT/bench.log"
     continue
   fi
-  if [[ "$step" == profile ]]; then
-    timeout "$budget" python3 dev/profile_host.py --json "$OUT/host_time.json" --cprofile "$OUT/cprofile.txt" > "$OUT/host_time.log" 2>&1
-    echo "profile: rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$summary"
-    tail -13 "$OUT/host_time.log"
-    continue
-  fi
-  if [[ "$step" == parts ]]; then
-    timeout "$budget" python3 dev/profile_host_parts.py --json "$OUT/host_parts.json" > "$OUT/host_parts.log" 2>&1
-    echo "parts: rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$summary"
-    tail -32 "$OUT/host_parts.log"
-    continue
-  fi
-  if [[ "$step" == sweep ]]; then
-    timeout "$budget" python3 dev/profile_sweep.py --json "$OUT/sweep.json" > "$OUT/sweep.log" 2>&1
-    echo "sweep: rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$summary"
-    tail -40 "$OUT/sweep.log"
-    continue
-  fi
-  if [[ "$step" == kernels ]]; then
-    timeout "$budget" python3 dev/profile_kernels.py --json "$OUT/kernel_time.json" > "$OUT/kernel_time.log" 2>&1
-    echo "kernels: rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$summary"
-    tail -30 "$OUT/kernel_time.log"
+  # the profilers: STEP -> "script | result name | extra arguments | lines of the log shown"
+  profiler=""
+  case "$step" in
+    profile) profiler="profile_host.py|host_time|--cprofile $OUT/cprofile.txt|13" ;;
+    parts)   profiler="profile_host_parts.py|host_parts||32" ;;
+    sweep)   profiler="profile_sweep.py|sweep||40" ;;  # a variant whose outputs differ fails the step
+    kernels) profiler="profile_kernels.py|kernel_time||30" ;;
+  esac
+  if [[ -n "$profiler" ]]; then
+    IFS='|' read -r script name extra shown <<< "$profiler"
+    # shellcheck disable=SC2086
+    timeout "$budget" python3 "dev/$script" --json "$OUT/$name.json" $extra > "$OUT/$name.log" 2>&1
+    echo "$step: rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$summary"
+    tail -"$shown" "$OUT/$name.log"
     continue
   fi
   world="${step%%:*}"; rest="${step#*:}"; files="${rest%%:*}"; expr=""

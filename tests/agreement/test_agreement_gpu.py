@@ -167,45 +167,34 @@ def _buffers(dev):
     return [Side("cuda", cuda_buffer(num_sms=8, **kw)), Side("reference", reference(dev, **kw))]
 
 
-def _cases_worker(rank, world):
+def _cases_worker(rank, world, puts=False):
+    """Every case of _cases, each followed by an agreeing round. ``puts``: the low-latency cases only, with every
+    peer reached by NVSHMEM puts (their words travel inside the puts)."""
+    if puts:
+        import os
+        os.environ["DEEPCOMM_LL_MEMORY"] = "nvshmem"
+        os.environ["DEEPCOMM_LL_FORCE_PUTS"] = "1"
     dev = rank_device(rank)
     torch.cuda.set_device(dev)
     sides = _buffers(dev)
     me = world - 1
+    tag = " (puts)" if puts else ""
     for what, call, deferred in _first_low_latency_cases(rank, me, dev):
-        _expect_disagreement(sides, call, rank, what, deferred)
+        _expect_disagreement(sides, call, rank, what + tag, deferred)
     gen = torch.Generator().manual_seed(1000 + rank)
-    _agreeing_round(sides, Inputs(gen, dev), rank, "the first low-latency cases")
+    _agreeing_round(sides, Inputs(gen, dev), rank, "the first low-latency cases" + tag)
+    if puts:
+        assert sides[0].buf._backend.ll.buffer.put_peers == [p for p in range(world) if p != rank]
     for what, call, deferred in _cases(rank, world, me, dev):
-        _expect_disagreement(sides, call, rank, what, deferred)
-        _agreeing_round(sides, Inputs(gen, dev), rank, what)
-    for s in sides:
-        s.buf.destroy()
-
-
-def _puts_worker(rank, world):
-    """The low-latency cases with every peer a put peer: the same texts, raised on every rank."""
-    import os
-    os.environ["DEEPCOMM_LL_MEMORY"] = "nvshmem"
-    os.environ["DEEPCOMM_LL_FORCE_PUTS"] = "1"
-    dev = rank_device(rank)
-    torch.cuda.set_device(dev)
-    sides = _buffers(dev)
-    me = world - 1
-    for what, call, deferred in _first_low_latency_cases(rank, me, dev):
-        _expect_disagreement(sides, call, rank, what, deferred)
-    gen = torch.Generator().manual_seed(3000 + rank)
-    _agreeing_round(sides, Inputs(gen, dev), rank, "the first low-latency cases (puts)")
-    assert sides[0].buf._backend.ll.buffer.put_peers == [p for p in range(world) if p != rank]
-    for what, call, deferred in _cases(rank, world, me, dev):
-        if not what.startswith("low-latency"):
+        if puts and not what.startswith("low-latency"):
             continue
-        _expect_disagreement(sides, call, rank, what + " (puts)", deferred)
-        _agreeing_round(sides, Inputs(gen, dev), rank, what + " (puts)")
-    from deepcomm.cuda import nvshmem_session
+        _expect_disagreement(sides, call, rank, what + tag, deferred)
+        _agreeing_round(sides, Inputs(gen, dev), rank, what + tag)
     for s in sides:
         s.buf.destroy()
-    nvshmem_session.finalize()
+    if puts:
+        from deepcomm.cuda import nvshmem_session
+        nvshmem_session.finalize()
 
 
 def _random_worker(rank, world):
@@ -264,4 +253,4 @@ def test_random_disagreements_raise_everywhere_and_agreeing_calls_are_exact():
 
 @pytest.mark.skipif(not has_nvshmem_wheel(), reason="nvidia.nvshmem is not importable (pip install nvidia-nvshmem-cu13)")
 def test_low_latency_disagreements_through_puts_raise_on_every_rank():
-    run_on_gpus(_puts_worker, WORLD, timeout_s=scaled(600))
+    run_on_gpus(_cases_worker, WORLD, True, timeout_s=scaled(600))
