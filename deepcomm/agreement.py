@@ -102,45 +102,53 @@ REJECT_OTHER = len(REJECT_ARGS) + 1  # an error naming none of them (or not a Va
 Fingerprint = Tuple[int, ...]  # WORDS ints, in Word order
 
 
-def make(op: int, call: int, buffer: int, *, rejected: int = 0, hidden: int = 0, x_dtype: int = 0, scales: int = 0,
+def make(op: int, call: int, buffer: int, rejected: int = 0, hidden: int = 0, x_dtype: int = 0, scales: int = 0,
          topk: int = 0, weights: bool = False, num_experts: int = 0, handle: int = 0, ll_max_tokens: int = 0,
          use_fp8: bool = False, use_ue8m0: bool = False) -> Fingerprint:
-    """The words in ``Word`` order (the one place that lays them out)."""
+    """The words in ``Word`` order (the one place that lays them out). The calls below pass every word
+    positionally: a fingerprint is made at every call, and keyword arguments cost host time."""
     return (MAGIC, op, call & CALL_MASK, buffer, rejected, hidden, x_dtype, scales, topk, int(weights), num_experts,
             handle & CALL_MASK, ll_max_tokens, int(use_fp8), int(use_ue8m0), 0)
 
 
+# the op codes as plain ints (an enum member costs a lookup per call)
+_DISPATCH, _COMBINE = int(Op.DISPATCH), int(Op.COMBINE)
+_LL_DISPATCH, _LL_COMBINE = int(Op.LOW_LATENCY_DISPATCH), int(Op.LOW_LATENCY_COMBINE)
+
+
 def dispatch(call: int, buffer: int, x, topk_idx, topk_weights, num_experts: int, handle) -> Fingerprint:
     """A normal dispatch (validated arguments; ``handle`` given for a cached one, which takes its num_experts)."""
-    values, scales = (x[0], x[1]) if isinstance(x, (tuple, list)) else (x, None)
-    scale_format = (SCALES_NONE if scales is None else SCALES_FP32 if scales.dtype == torch.float32
-                    else SCALES_UE8M0)
+    if isinstance(x, (tuple, list)):
+        values, scales = x[0], x[1]
+        scale_format = SCALES_FP32 if scales.dtype == torch.float32 else SCALES_UE8M0
+    else:
+        values, scale_format = x, SCALES_NONE
+    weights = topk_weights is not None
     if handle is None:  # a route-only dispatch may have no ids
         topk = topk_idx.shape[1] if topk_idx is not None else 0
-    else:  # a cached dispatch sends no ids: only the weights' columns travel
-        topk = topk_weights.shape[1] if topk_weights is not None else 0
-    return make(Op.DISPATCH, call, buffer, hidden=values.shape[1], x_dtype=DTYPE_CODES[values.dtype],
-                scales=scale_format, topk=topk, weights=topk_weights is not None,
-                num_experts=num_experts if handle is None else handle.num_experts,
-                handle=0 if handle is None else handle.call)
+        return make(_DISPATCH, call, buffer, 0, values.shape[1], DTYPE_CODES[values.dtype], scale_format, topk,
+                    weights, num_experts, 0)
+    # a cached dispatch sends no ids: only the weights' columns travel
+    topk = topk_weights.shape[1] if weights else 0
+    return make(_DISPATCH, call, buffer, 0, values.shape[1], DTYPE_CODES[values.dtype], scale_format, topk, weights,
+                handle.num_experts, handle.call)
 
 
 def combine(call: int, buffer: int, x, handle, topk_weights, use_fp8: bool) -> Fingerprint:
-    return make(Op.COMBINE, call, buffer, hidden=x.shape[1], x_dtype=DTYPE_CODES[x.dtype],
-                topk=topk_weights.shape[1] if topk_weights is not None else 0, weights=topk_weights is not None,
-                handle=handle.call, use_fp8=use_fp8)
+    weights = topk_weights is not None
+    return make(_COMBINE, call, buffer, 0, x.shape[1], DTYPE_CODES[x.dtype], SCALES_NONE,
+                topk_weights.shape[1] if weights else 0, weights, 0, handle.call, 0, use_fp8)
 
 
 def low_latency_dispatch(call: int, buffer: int, x, topk_idx, num_max_dispatch_tokens_per_rank: int,
                          num_experts: int, use_fp8: bool, use_ue8m0: bool) -> Fingerprint:
-    return make(Op.LOW_LATENCY_DISPATCH, call, buffer, hidden=x.shape[1], x_dtype=DTYPE_CODES[x.dtype],
-                topk=topk_idx.shape[1], num_experts=num_experts, ll_max_tokens=num_max_dispatch_tokens_per_rank,
-                use_fp8=use_fp8, use_ue8m0=use_ue8m0)
+    return make(_LL_DISPATCH, call, buffer, 0, x.shape[1], DTYPE_CODES[x.dtype], SCALES_NONE, topk_idx.shape[1],
+                False, num_experts, 0, num_max_dispatch_tokens_per_rank, use_fp8, use_ue8m0)
 
 
 def low_latency_combine(call: int, buffer: int, x, topk_idx, handle, use_fp8: bool) -> Fingerprint:
-    return make(Op.LOW_LATENCY_COMBINE, call, buffer, hidden=x.shape[2], x_dtype=DTYPE_CODES[x.dtype],
-                topk=topk_idx.shape[1], weights=True, handle=handle.call, use_fp8=use_fp8)
+    return make(_LL_COMBINE, call, buffer, 0, x.shape[2], DTYPE_CODES[x.dtype], SCALES_NONE, topk_idx.shape[1],
+                True, 0, handle.call, 0, use_fp8)
 
 
 def rejected(op: str, call: int, buffer: int, error: BaseException) -> Fingerprint:
