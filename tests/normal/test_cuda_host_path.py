@@ -3,114 +3,23 @@ NVLink context: which steps each kind of dispatch asks of its one crossing into 
 the stream order it passes (plain calls on the caller's stream, previous_event / async_finish on the communication
 stream, CUDA-graph capture), how the output block is reserved, trimmed and released, and what comes back. The
 kernels themselves are tested on GPUs (tests/normal/test_intranode.py)."""
-import contextlib
 import types
 
-import numpy as np
 import pytest
 import torch
 
-from deepcomm._ext import load_extension
-from deepcomm.cuda.mode_meet import ModeMeet
+from tests.helpers.nvl_stand_ins import C, CALLER, COMM, CAPTURE, OTHER, FakeEvent, cpu_backend
 
-C = load_extension()
 pytestmark = pytest.mark.skipif(C is None, reason="needs the extension deepcomm._C (its layouts and flags)")
 
 if C is not None:
-    from deepcomm.config import Config
     from deepcomm.nvlink import backend as B
-    from deepcomm.cuda.arena import Arena, _Block
-    from deepcomm.cuda.call_errors import CallErrors
     from deepcomm.handle import Handle
-    B._load_flags(C)
-
-CALLER, OTHER, COMM, CAPTURE = 11, 22, 33, 44
-LAYOUT_KEYS = ("x", "scales", "topk_idx", "topk_weights", "src_idx", "total")
-
-
-class FakeCtx:
-    """Records each dispatch_call / combine_call and answers as the C++ side would for rows arriving ``recv`` (the
-    rank's own token count when None) with ``status``."""
-
-    def __init__(self):
-        self.calls, self.combines = [], []
-        self.status, self.recv, self.bad_mine = 0, None, 0
-
-    def dispatch_call(self, flags, wait, run, prev, start, end, topk_idx, T, K, E, in_rank, send_pos, notify_out,
-                      tag, x, x_row_bytes, scales, scale_row_bytes, weights, count_matrix, invalid, out_block,
-                      out_rows, num_blocks, alignment, src_copy, timeout_s, fingerprint):
-        self.calls.append(dict(flags=flags, wait=wait, run=run, prev=prev, end=end, tag=tag, out_block=out_block,
-                               out_rows=out_rows, invalid=invalid, alignment=alignment, src_copy=src_copy,
-                               fingerprint=fingerprint, in_rank=in_rank, send_pos=send_pos, notify_out=notify_out))
-        waited = flags & B.WAIT
-        n = out_rows if out_rows >= 0 else (T if self.recv is None else self.recv) if waited else -1
-        if waited and self.status:
-            return (self.status, -1, 1, self.bad_mine, [], (0,) * 6, 1.0)
-        lay = C.dispatch_out_layout(n, x_row_bytes, scale_row_bytes, K) if n >= 0 else None
-        per_expert = [-(-n // alignment) * alignment] + [0] * (E - 1) if waited else []
-        return (0, n, 0, 0, per_expert, tuple(lay[k] for k in LAYOUT_KEYS) if lay else (0,) * 6, 2.0)
-
-    def combine_call(self, flags, wait, run, prev, start, end, *rest):
-        self.combines.append(dict(flags=flags, wait=wait, run=run, prev=prev, end=end))
-
-
-class _Host:
-    """A numpy buffer exposing an arena range to torch on the CPU; holds the range's owner like a device view."""
-
-    def __init__(self, owner, nbytes):
-        self.owner, self.buf = owner, np.zeros(max(nbytes, 1), np.uint8)
-        self.__array_interface__ = self.buf.__array_interface__
-
-
-def _views(arena, offset, size, specs, owned=True):
-    owner = _Block(arena, offset, size) if owned else None
-    out = []
-    for off, shape, dtype in specs:
-        nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
-        raw = torch.from_numpy(np.asarray(_Host(owner, nbytes)))[:nbytes]
-        out.append(raw.view(dtype).view(*shape))
-    return out
-
-
-class FakeEvent:
-    def __init__(self, handle):
-        self.cuda_event, self.recorded = handle, 0
-
-    def record(self, stream=None):
-        self.recorded += 1
 
 
 @pytest.fixture
 def env(monkeypatch):
-    state = types.SimpleNamespace(stream=CALLER, capturing=False, waited_streams=[])
-    monkeypatch.setattr(B, "_current_stream", lambda index: state.stream)
-    monkeypatch.setattr(B, "is_capturing", lambda: state.capturing)
-    monkeypatch.setattr(Arena, "views", _views)
-    monkeypatch.setattr(torch.cuda, "ExternalStream", lambda ptr, device=None: ptr)
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: CALLER)
-    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None, raising=False)
-    b = B.CudaBackend.__new__(B.CudaBackend)
-    b.C, b.rank, b.world_size, b.device, b._device_index = C, 0, 1, torch.device("cpu"), 0
-    b.config = Config(num_sms=24, timeout_s=5, max_tokens_per_rank=256, hidden=1024)
-    arena_bytes, worst = B.arena_sizes(C, 1, 256, 1024)
-    b.arena = Arena(0, arena_bytes, None)
-    b.nvl = types.SimpleNamespace(ctx=FakeCtx(), layout={"arena": 4096}, broken=False,
-                                  check_error=lambda **kw: None, owed=[])
-    b.bounce_offset = arena_bytes
-    b.comm_stream = types.SimpleNamespace(cuda_stream=COMM, wait_stream=state.waited_streams.append)
-    b._events = [FakeEvent(100 + i) for i in range(B.EVENT_RING)]
-    b._event_handles = [e.cuda_event for e in b._events]
-    b._start_event, b._start_handle = FakeEvent(99), 99
-    b._event_i, b._event, b._last_stream, b._last_end, b._last_captured = 0, None, None, 0, False
-    b._releases_seen, b._bounce_pending, b._tag = 0, False, 0
-    b.errors = CallErrors(b.nvl)
-    b.meet = ModeMeet(b.nvl, b.device)
-    b._capacity_rows, b._out_bytes_cache, b.last_wait_us, b.bounced_calls = 256, {}, 0.0, 0
-    b._work_cache = {}
-    b._wait_timeout_s = 8.5
-    state.b, state.ctx = b, b.nvl.ctx
-    return state
+    return cpu_backend(monkeypatch.setattr)
 
 
 def _inputs(T=64, H=1024, K=4, E=8, weights=True):
