@@ -1,6 +1,6 @@
 """Host cost of the NVLink backend's normal-mode Python, on a CPU box: the backend of tests/helpers/nvl_stand_ins.py
-(its crossing into C++ a recorded stand-in, its arena views plain torch tensors that give their block back at once)
-behind a Buffer-shaped caller, timed per call (median). It measures what changes in the Python of a call (the
+(its crossing into C++ a recorded stand-in, its arena views plain torch tensors that give their block back at once),
+alone and behind a Buffer (world size 1 over gloo), timed per call (median). It measures what changes in the Python of a call (the
 Buffer's checks and fingerprint, the stream order, the arena, the handle), not the GPU host's absolute times, which
 dev/profile_host.py and dev/profile_host_parts.py take on a GPU: `python dev/profile_host_cpu.py [--json PATH]`."""
 from __future__ import annotations
@@ -41,6 +41,24 @@ def _cheap_views(arena, offset, size, specs, owned=True):
     if owned:
         _Block(arena, offset, size)
     return [torch.empty(shape, dtype=dtype) for _, shape, dtype in specs]
+
+
+def _buffer_over(backend):
+    """A Buffer of world size 1 (a gloo group of this process) whose backend is ``backend``: the Buffer layer's
+    checks, fingerprint and numbering in front of the stand-in backend."""
+    import socket
+    import torch.distributed as dist
+    import deepcomm
+    if not dist.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    buf = deepcomm.Buffer(max_tokens_per_rank=256, hidden=1024, backend="reference")
+    buf._backend.destroy()
+    buf._backend, buf._takes_fingerprints = backend, True
+    buf._x_dtypes = backend.capabilities.x_dtypes
+    return buf
 
 
 def _median_us(fn, reps=REPS) -> float:
@@ -89,7 +107,25 @@ def main(json_path: str) -> None:
             ctx.dispatch_call(0, 1, 2, 3, 4, 5, 0, T, 0, E, 0, 0, 0, 0, 0, 2 * H, 0, 0, 0, 0, 0, 0, T, 24, 1, 0, 1.0,
                               cached_words)
 
+        buf = _buffer_over(b)
+        bh = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)[-1]
+
+        def buf_fresh():
+            ctx.calls.clear()
+            buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
+
+        def buf_cached():
+            ctx.calls.clear()
+            buf.dispatch(x, handle=bh)
+
+        def buf_combine():
+            ctx.combines.clear()
+            buf.combine(x, bh)
+
         cases = {
+            "Buffer.dispatch fresh (bf16, ids, weights)": buf_fresh,
+            "Buffer.dispatch cached (bf16)": buf_cached,
+            "Buffer.combine": buf_combine,
             "backend fresh dispatch (bf16, ids, weights)": fresh,
             "backend cached dispatch (bf16)": cached,
             "backend combine": combine,
