@@ -21,7 +21,7 @@ from dev.profile_kernels import _kernel_times  # noqa: E402
 from tests.helpers.nccl_run import run_on_gpus  # noqa: E402
 
 TOKENS, TRACE_TOKENS, SMS, E = 4096, (128, 4096), (8, 24), 256
-DISPATCH_VARIANTS = ((8, 0), (16, 0), (8, 1), (16, 1))  # (unroll, prefetch); the first is the default
+DISPATCH_VARIANTS = ((16, 1), (8, 0), (16, 0), (8, 1))  # (unroll, prefetch); the first is the default
 COMBINE_CONFIGS = (0, 1, 2, 3, 4, 5)  # 0 is the default
 CALLS, TRACE_CALLS = 20, 30
 
@@ -76,6 +76,14 @@ def _ugly_ids(idx: torch.Tensor) -> torch.Tensor:
     return ugly
 
 
+def _received_rows(buf, out):
+    """A worst-case-size dispatch's outputs with recv_x cut to the received rows: the kernels leave the padding
+    rows of recv_x unwritten (docs/api.md), so only the other outputs are defined there."""
+    handle = out[4]
+    n = int(handle.count_matrix[:, buf.rank].sum())
+    return (out[0][:n], *out[1:])
+
+
 def _dispatch_checks(buf, x, fp8, idx, w, tokens):
     """name -> (call, result snapshot): the dispatches every variant's outputs are compared on."""
     ugly = _ugly_ids(idx)
@@ -85,8 +93,8 @@ def _dispatch_checks(buf, x, fp8, idx, w, tokens):
         "fresh fp8": lambda: buf.dispatch(fp8, topk_idx=idx, topk_weights=w, num_experts=E),
         "fresh bf16 ugly ids": lambda: buf.dispatch(x, topk_idx=ugly, topk_weights=w, num_experts=E),
         "fresh fp8 ugly ids": lambda: buf.dispatch(fp8, topk_idx=ugly, topk_weights=w, num_experts=E),
-        "fresh bf16 worst-case rows": lambda: buf.dispatch(x, topk_idx=ugly, topk_weights=w, num_experts=E,
-                                                           num_worst_tokens=tokens),
+        "fresh bf16 worst-case rows": lambda: _received_rows(buf, buf.dispatch(
+            x, topk_idx=ugly, topk_weights=w, num_experts=E, num_worst_tokens=tokens)),
         "cached fp8": lambda: buf.dispatch(fp8, handle=h_plain),
     }
 

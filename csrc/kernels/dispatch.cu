@@ -362,8 +362,10 @@ void launch_dispatch_as(const DispatchArgs& args, int num_blocks, const NvlLayou
   dispatch_kernel<false, kUnroll, kPrefetch><<<num_blocks, kDispatchThreads, 0, stream>>>(args, layout, peers, ctx);
 }
 
-// The vector-store variant (tuning.hpp, for measurement runs): DEEPCOMM_DISPATCH_UNROLL 8 (the default) or 16
-// vectors per lane in flight, DEEPCOMM_DISPATCH_PREFETCH 1 to load the next token's metadata early.
+// The vector-store variant (tuning.hpp): DEEPCOMM_DISPATCH_UNROLL 16 (the default) or 8 vectors per lane in
+// flight, DEEPCOMM_DISPATCH_PREFETCH 1 (the default) loads the next token's metadata early. At world size 1,
+// 4096 tokens, 24 SMs, unroll 16 with prefetch took 64.0 / 40.0 us (BF16 / FP8) where unroll 8 without took 76.4 /
+// 53.5 (dev/profile_sweep.py).
 void launch_dispatch(const DispatchArgs& args, int num_blocks, const NvlLayout& layout, const Peers& peers,
                      const WaitCtx& ctx, cudaStream_t stream) {
   DC_HOST_ASSERT(num_blocks >= 1 && num_blocks <= kMaxBlocks, "dispatch: num_sms out of range");

@@ -385,7 +385,7 @@ void launch_hier_combine(const HierCombineArgs& a, const KeyTable& keys, const W
   DC_HOST_ASSERT(a.held_stride == h.stride && a.w_off == h.w_off,
                  "hier_combine: held_stride and w_off must be those of HierHeldRow(hidden, topk, fp8)");
   DC_HOST_ASSERT(a.hidden % 8 == 0 && reinterpret_cast<uintptr_t>(a.own_x) % 16 == 0 &&
-                     reinterpret_cast<uintptr_t>(a.own_w) % 4 == 0 && (a.topk == 0 || a.own_w != nullptr),
+                     reinterpret_cast<uintptr_t>(a.own_w) % 4 == 0,
                  "hier_combine: own_x must be 16-byte aligned bf16 rows (hidden % 8 == 0), own_w fp32 rows");
   DC_HOST_ASSERT(a.partial_stride % 16 == 0 && a.partial_stride >= 4 * (int64_t(a.hidden) + a.topk),
                  "hier_combine: partial_stride % 16 and >= 4 * (hidden + topk)");

@@ -160,7 +160,7 @@ struct HierCombineArgs {
   int hidden, topk;
   bool fp8;                    // held x is e4m3 + scales (hidden % 128 == 0)
   const uint16_t* own_x;       // bf16 [real][hidden], 16-byte aligned: our rows (our own tokens' at own_begin..)
-  const float* own_w;          // fp32 [real][topk] or null when topk == 0
+  const float* own_w;          // fp32 [real][topk]; null when topk == 0 or real == 0 (never read)
   int own_begin;
   const int64_t* gather;       // [R][3]
   const int32_t* route;        // [N][max_rows][G + 1], from the dispatch

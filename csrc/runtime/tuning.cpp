@@ -13,8 +13,8 @@ int from_env(const char* env, int fallback) { return env != nullptr && *env != '
 std::atomic<int>* knobs() {
   static std::atomic<int> values[kTuneKnobs];
   static const bool read = [] {
-    values[kTuneDispatchUnroll].store(from_env(std::getenv("DEEPCOMM_DISPATCH_UNROLL"), 8));
-    values[kTuneDispatchPrefetch].store(from_env(std::getenv("DEEPCOMM_DISPATCH_PREFETCH"), 0));
+    values[kTuneDispatchUnroll].store(from_env(std::getenv("DEEPCOMM_DISPATCH_UNROLL"), 16));
+    values[kTuneDispatchPrefetch].store(from_env(std::getenv("DEEPCOMM_DISPATCH_PREFETCH"), 1));
     values[kTuneCombineConfig].store(from_env(std::getenv("DEEPCOMM_COMBINE_CONFIG"), 0));
     return true;
   }();

@@ -7,7 +7,7 @@
 namespace dc {
 
 enum TuningKnob : int {
-  kTuneDispatchUnroll = 0,    // DEEPCOMM_DISPATCH_UNROLL: 16-byte vectors per lane in flight per pass (8, 16)
+  kTuneDispatchUnroll = 0,    // DEEPCOMM_DISPATCH_UNROLL: 16-byte vectors per lane in flight per pass (16, 8)
   kTuneDispatchPrefetch = 1,  // DEEPCOMM_DISPATCH_PREFETCH: 1 loads a warp's next token's metadata early
   kTuneCombineConfig = 2,     // DEEPCOMM_COMBINE_CONFIG: combine's compiled warp split (combine.cu)
   kTuneKnobs = 3,

@@ -58,6 +58,9 @@ def check_cases(rank, world, gpn, buf, ref, totals, expected, label):
     kernel_head = HEADER if buf._backend.kernels is not None else 0
     first_head = HEADER if agrees or kernel_head else 0  # the launch of a cached dispatch or a combine
     count_head = HEADER if agrees else 0
+    # a combine on the kernels with several GPUs per node carries the words of every GPU of our node in its header
+    # (their strip on the receiving node: hier_kernels.hpp, words_at)
+    combine_head = HEADER * G if agrees and kernel_head and G > 1 else first_head
     # the kernels' count round also carries our tokens per expert (E int32): the receivers' rows per expert
     count_experts = 4 * E if buf._backend.kernels is not None else 0
     node, local = divmod(rank, G)
@@ -127,7 +130,7 @@ def check_cases(rank, world, gpn, buf, ref, totals, expected, label):
         after = totals()
         for peer in peers:  # node partials go back to their source
             got = _delta(after[peer], before[peer])
-            want = expected([first_head + combine_bytes(peer, 2 * H, 4 * K)])
+            want = expected([combine_head + combine_bytes(peer, 2 * H, 4 * K)])
             assert got == want, f"{what}: combine, {label} to {peer}: {got}, expected {want}"
         if H % 128 == 0:  # the FP8 combine needs whole 128-value blocks
             before = totals()
@@ -136,6 +139,6 @@ def check_cases(rank, world, gpn, buf, ref, totals, expected, label):
             after = totals()
             for peer in peers:
                 got = _delta(after[peer], before[peer])
-                want = expected([first_head + combine_bytes(peer, H + H // 128 * 4, 0)])
+                want = expected([combine_head + combine_bytes(peer, H + H // 128 * 4, 0)])
                 assert got == want, f"{what}: fp8 combine, {label} to {peer}: {got}, expected {want}"
 
