@@ -1,6 +1,6 @@
 """Host cost of the NVLink backend's normal-mode Python, on a CPU box: the backend of tests/helpers/nvl_stand_ins.py
-(its crossing into C++ a recorded stand-in, its arena views plain torch tensors that give their block back at once),
-alone and behind a Buffer (world size 1 over gloo), timed per call (median). It measures what changes in the Python of a call (the
+(its crossing into C++ a recorded stand-in, its arena the C++ core's over host memory), alone and behind a
+Buffer (world size 1 over gloo), timed per call (median). It measures what changes in the Python of a call (the
 Buffer's checks and fingerprint, the stream order, the arena, the handle), not the GPU host's absolute times, which
 dev/profile_host.py and dev/profile_host_parts.py take on a GPU: `python dev/profile_host_cpu.py [--json PATH]`."""
 from __future__ import annotations
@@ -33,14 +33,6 @@ class _Patches:
     def undo(self):
         for obj, name, old in reversed(self.saved):
             setattr(obj, name, old)
-
-
-def _cheap_views(arena, offset, size, specs, owned=True):
-    """Views as torch tensors (about a device view's cost); the block goes back at once (nothing holds it)."""
-    from deepcomm.cuda.arena import _Block
-    if owned:
-        _Block(arena, offset, size)
-    return [torch.empty(shape, dtype=dtype) for _, shape, dtype in specs]
 
 
 def _buffer_over(backend):
@@ -78,7 +70,7 @@ def main(json_path: str) -> None:
     from deepcomm import validation as v
     patches = _Patches()
     try:
-        state = cpu_backend(patches.setattr, views=_cheap_views)
+        state = cpu_backend(patches.setattr)
         b, ctx = state.b, state.ctx
         T, H, K, E = 128, 1024, 8, 8
         x = torch.zeros(T, H, dtype=torch.bfloat16)

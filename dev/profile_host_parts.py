@@ -40,7 +40,7 @@ def _cases(buf, idx, w, x, fp8, h, y):
     import deepcomm.validation as v
     from deepcomm import agreement
     from deepcomm.handle import Handle
-    from deepcomm.cuda.arena import _View
+    from deepcomm.cuda.arena import as_device_bytes
     be = buf._backend
     dev = be.device
     words = agreement.dispatch(1, 1, x, None, None, None, h)
@@ -56,6 +56,12 @@ def _cases(buf, idx, w, x, fp8, h, y):
     def one_view():
         r = be.arena.reserve(nbytes)
         be.arena.views(r[0], r[1], [(0, (h.num_recv, x.shape[1]), torch.bfloat16)])
+
+    def three_views():  # a fresh BF16 dispatch's outputs: x, topk_idx, topk_weights
+        n, k = h.num_recv, idx.shape[1]
+        r = be.arena.reserve(nbytes + n * k * 12 + 1024)
+        be.arena.views(r[0], r[1], [(0, (n, x.shape[1]), torch.bfloat16), (nbytes, (n, k), torch.int64),
+                                    (nbytes + n * k * 8, (n, k), torch.float32)])
 
     return {
         # whole calls
@@ -80,10 +86,9 @@ def _cases(buf, idx, w, x, fp8, h, y):
         "be._enter_normal": be._enter_normal,
         "arena reserve+release": reserve_release,
         "arena reserve + one bf16 view": one_view,
+        "arena reserve + three views": three_views,
         "raw current stream": lambda: torch._C._cuda_getCurrentRawStream(di),
-        "as_tensor(_View)": lambda: torch.as_tensor(_View(None, base, (128, 7168), "<i2"), device=dev),
-        "as_tensor + view(bf16)": lambda: torch.as_tensor(_View(None, base, (128, 7168), "<i2"),
-                                                          device=dev).view(torch.bfloat16),
+        "as_tensor (CAI), for comparison": lambda: as_device_bytes(base, 128 * 7168 * 2, dev),
         "torch.empty [128,7168] bf16": lambda: torch.empty(128, 7168, dtype=torch.bfloat16, device=dev),
         "read_error crossing": lambda: be.C.read_error(be.nvl.err_host),
         "x.data_ptr": x.data_ptr,

@@ -15,4 +15,5 @@ PYBIND11_MODULE(_C, m) {
   register_layouts(m);
   register_nvlink(m);
   register_low_latency(m);
+  register_arena(m);
 }

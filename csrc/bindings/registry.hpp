@@ -11,6 +11,7 @@ void register_layouts(pybind11::module_& m);      // layouts.cpp: NVLink buffer,
                                                   // internode rows and regions
 void register_nvlink(pybind11::module_& m);       // nvlink.cpp: the layout kernel, NvlContext (normal mode)
 void register_low_latency(pybind11::module_& m);  // low_latency.cpp: LlContext
+void register_arena(pybind11::module_& m);        // arena.cpp: ArenaCore (dispatch outputs as DLPack views)
 
 // transport.cpp: the submodule deepcomm._C.transport (mlx5 WQEs, host queue pair, emulated NIC, CPU proxy), then
 // the parts below inside it.

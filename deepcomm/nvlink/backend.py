@@ -165,7 +165,7 @@ class CudaBackend:
         # When more dispatch outputs are alive than the arena holds (e.g. training keeps every layer's recv_x for
         # backward), a dispatch lands in this bounce area (``worst`` bytes past the arena) and is copied out into
         # ordinary torch tensors.
-        self.bounce_offset = arena
+        self.bounce_offset, self.bounce_bytes = arena, worst
         # end-of-call events (recorded once here, so that their CUDA events exist for the C++ side) and the event
         # the communication stream records on the caller's stream to wait for it
         self._events = [torch.cuda.Event() for _ in range(EVENT_RING)]
@@ -472,7 +472,7 @@ class CudaBackend:
         is recorded after the copies."""
         if reserved is not None:
             return _carve(self.arena, reserved, lay, n, call, with_idx)
-        out = _carve(self.arena, (self.bounce_offset, 0), lay, n, call, with_idx, bounce=True)
+        out = _carve(self.arena, (self.bounce_offset, self.bounce_bytes), lay, n, call, with_idx, bounce=True)
         wait, run, flags, _, end = call.order
         run_stream = torch.cuda.ExternalStream(run, device=self.device)
         with torch.cuda.stream(run_stream):

@@ -4,7 +4,6 @@ tests/normal/test_cuda_host_path.py checks the host path with them; dev/profile_
 import contextlib
 import types
 
-import numpy as np
 import torch
 
 from deepcomm._ext import load_extension
@@ -14,7 +13,7 @@ C = load_extension()
 if C is not None:
     from deepcomm.config import Config
     from deepcomm.nvlink import backend as B
-    from deepcomm.cuda.arena import Arena, _Block
+    from deepcomm.cuda.arena import Arena
     from deepcomm.cuda.call_errors import CallErrors
     B._load_flags(C)
 
@@ -48,24 +47,6 @@ class FakeCtx:
         self.combines.append(dict(flags=flags, wait=wait, run=run, prev=prev, end=end))
 
 
-class _Host:
-    """A numpy buffer exposing an arena range to torch on the CPU; holds the range's owner like a device view."""
-
-    def __init__(self, owner, nbytes):
-        self.owner, self.buf = owner, np.zeros(max(nbytes, 1), np.uint8)
-        self.__array_interface__ = self.buf.__array_interface__
-
-
-def host_views(arena, offset, size, specs, owned=True):
-    owner = _Block(arena, offset, size) if owned else None
-    out = []
-    for off, shape, dtype in specs:
-        nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
-        raw = torch.from_numpy(np.asarray(_Host(owner, nbytes)))[:nbytes]
-        out.append(raw.view(dtype).view(*shape))
-    return out
-
-
 class FakeEvent:
     def __init__(self, handle):
         self.cuda_event, self.recorded = handle, 0
@@ -74,18 +55,17 @@ class FakeEvent:
         self.recorded += 1
 
 
-def cpu_backend(setattr_, views=None):
+def cpu_backend(setattr_):
     """A CudaBackend of world size 1 (1024 hidden, 256 tokens) whose CUDA side is the stand-ins above; ``setattr_``
     (monkeypatch.setattr, or any (obj, name, value[, raising]) setter that undoes itself) patches torch's stream
-    calls and the backend's stream queries. ``views``: how the arena's views are made (default: numpy-backed,
-    each holding its block's owner as the device views do). Returns a namespace: ``b`` (the backend), ``ctx``
+    calls and the backend's stream queries. The arena and its bounce area are host memory, its views the C++
+    core's (deepcomm/cuda/arena.py) as on the device. Returns a namespace: ``b`` (the backend), ``ctx``
     (its FakeCtx), and ``stream`` / ``capturing`` (what the backend sees as the caller's stream and the capture
     state: set them to steer it)."""
     monkeypatch = types.SimpleNamespace(setattr=setattr_)
     state = types.SimpleNamespace(stream=CALLER, capturing=False, waited_streams=[])
     monkeypatch.setattr(B, "_current_stream", lambda index: state.stream)
     monkeypatch.setattr(B, "is_capturing", lambda: state.capturing)
-    monkeypatch.setattr(Arena, "views", views or host_views)
     monkeypatch.setattr(torch.cuda, "ExternalStream", lambda ptr, device=None: ptr)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: CALLER)
@@ -94,10 +74,11 @@ def cpu_backend(setattr_, views=None):
     b.C, b.rank, b.world_size, b.device, b._device_index = C, 0, 1, torch.device("cpu"), 0
     b.config = Config(num_sms=24, timeout_s=5, max_tokens_per_rank=256, hidden=1024)
     arena_bytes, worst = B.arena_sizes(C, 1, 256, 1024)
-    b.arena = Arena(0, arena_bytes, None)
+    state.memory = torch.zeros(arena_bytes + worst, dtype=torch.uint8)  # the arena, then the bounce area
+    b.arena = Arena(state.memory.data_ptr(), arena_bytes, None)
     b.nvl = types.SimpleNamespace(ctx=FakeCtx(), layout={"arena": 4096}, broken=False,
                                   check_error=lambda **kw: None, owed=[])
-    b.bounce_offset = arena_bytes
+    b.bounce_offset, b.bounce_bytes = arena_bytes, worst
     b.comm_stream = types.SimpleNamespace(cuda_stream=COMM, wait_stream=state.waited_streams.append)
     b._events = [FakeEvent(100 + i) for i in range(B.EVENT_RING)]
     b._event_handles = [e.cuda_event for e in b._events]

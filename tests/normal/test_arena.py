@@ -1,8 +1,22 @@
-"""The dispatch-output arena's bookkeeping (deepcomm/cuda/arena.py), on CPU: ranges are taken from the free list,
-a range whose launch failed goes back with release(), and freed neighbours coalesce."""
+"""The dispatch-output arena (deepcomm/cuda/arena.py over csrc/runtime/arena_core.hpp), on CPU: ranges are taken
+from the free list, a range whose launch failed goes back with release(), freed neighbours coalesce; its views are
+typed tensors over host memory here (DLPack, as over device memory on a GPU), and a range returns when the last
+view of it, or of anything derived from one, dies, on whichever thread that happens."""
+import gc
+import threading
+
+import pytest
 import torch
 
+from deepcomm._ext import load_extension
 from deepcomm.cuda.arena import ALIGN, Arena
+
+pytestmark = pytest.mark.skipif(load_extension() is None, reason="deepcomm._C is not built")
+
+
+def _host_arena(nbytes):
+    memory = torch.zeros(nbytes, dtype=torch.uint8)
+    return memory, Arena(memory.data_ptr(), nbytes, None)
 
 
 def test_reserve_release_coalesce():
@@ -24,3 +38,75 @@ def test_releases_are_counted():
     assert arena.releases == 0
     arena.release(*got)
     assert arena.releases == 1  # the CUDA backend's _order compares this with the count it last saw
+
+
+def test_trim_gives_the_tail_back_at_once():
+    arena = Arena(0, 8 * ALIGN, torch.device("cpu"))
+    off, size = arena.reserve(6 * ALIGN)
+    assert arena.trim(off, size, ALIGN + 1) == (off, 2 * ALIGN)
+    assert arena.free_bytes() == 6 * ALIGN and arena.releases == 0
+    assert arena.trim(off, 2 * ALIGN, 0) == (off, ALIGN)  # never below one ALIGN
+
+
+def test_views_are_typed_windows_of_the_range():
+    memory, arena = _host_arena(16 * ALIGN)
+    arena.reserve(ALIGN)  # the next range starts one ALIGN in
+    off, size = arena.reserve(4 * ALIGN)
+    specs = [(0, (4, 8), torch.bfloat16), (64, (4, 2), torch.float32), (128, (4, 2), torch.int64),
+             (192, (3,), torch.int32), (256, (2, 8), torch.float8_e4m3fn), (512, (0, 7168), torch.bfloat16)]
+    views = arena.views(off, size, specs)
+    base = memory.data_ptr() + off
+    for v, (at, shape, dtype) in zip(views, specs):
+        assert v.dtype == dtype and tuple(v.shape) == shape and v.is_contiguous() and v.device.type == "cpu"
+        assert v.data_ptr() == (base + at if v.numel() else 0)  # torch reports 0 for an empty tensor
+    views[1].copy_(torch.arange(8, dtype=torch.float32).view(4, 2))
+    assert torch.equal(memory[off + 64:off + 96].view(torch.float32), torch.arange(8, dtype=torch.float32))
+    views[2][3, 1] = -(2 ** 40)
+    assert int(memory[off + 128 + 56:off + 128 + 64].view(torch.int64)) == -(2 ** 40)
+    memory[off + 256:off + 272] = 0x38  # e4m3 0x38 == 1.0
+    assert torch.equal(views[4].float(), torch.ones(2, 8))
+
+
+def test_the_range_returns_when_the_last_view_or_derived_tensor_dies():
+    memory, arena = _host_arena(8 * ALIGN)
+    off, size = arena.reserve(2 * ALIGN)
+    x, w = arena.views(off, size, [(0, (4, 16), torch.bfloat16), (128, (4, 4), torch.float32)])
+    rows = x[1:3].view(torch.int16)  # derived: holds the block too
+    del x, w
+    gc.collect()
+    assert arena.free_bytes() == 6 * ALIGN and arena.releases == 0
+    del rows
+    assert arena.releases == 1 and arena.free_bytes() == 8 * ALIGN
+    assert arena.reserve(8 * ALIGN) == (0, 8 * ALIGN)
+
+
+def test_a_view_dropped_on_another_thread_gives_its_range_back():
+    memory, arena = _host_arena(8 * ALIGN)
+    off, size = arena.reserve(ALIGN)
+    box = arena.views(off, size, [(0, (8,), torch.int64)])
+    worker = threading.Thread(target=box.clear)
+    worker.start()
+    worker.join()
+    assert arena.releases == 1 and arena.free_bytes() == 8 * ALIGN
+
+
+def test_views_of_an_unowned_range_never_return_it():
+    memory, arena = _host_arena(4 * ALIGN)
+    bounce = (2 * ALIGN, 2 * ALIGN)  # past the part this arena hands out, as the bounce area is
+    small = Arena(memory.data_ptr(), 2 * ALIGN, None)
+    (v,) = small.views(*bounce, [(0, (4,), torch.float32)], owned=False)
+    assert v.data_ptr() == memory.data_ptr() + 2 * ALIGN
+    del v
+    assert small.releases == 0 and small.free_bytes() == 2 * ALIGN
+
+
+def test_a_view_outside_its_range_raises_and_leaves_the_range_reserved():
+    memory, arena = _host_arena(4 * ALIGN)
+    off, size = arena.reserve(ALIGN)
+    with pytest.raises(IndexError, match="outside the range"):
+        arena.views(off, size, [(0, (4,), torch.int32), (ALIGN - 8, (4,), torch.int32)])
+    assert arena.releases == 0 and arena.free_bytes() == 3 * ALIGN
+    with pytest.raises(IndexError, match="outside the arena"):
+        arena.views(3 * ALIGN, 2 * ALIGN, [(0, (4,), torch.int32)])
+    arena.release(off, size)
+    assert arena.free_bytes() == 4 * ALIGN

@@ -1,0 +1,106 @@
+// deepcomm._C.ArenaCore: the dispatch-output arena (runtime/arena_core.hpp). Its views leave as DLPack capsules
+// handed to the consumer given at construction (a DLPack importer such as torch's), so one crossing returns every
+// typed tensor of a call; the module itself knows no framework.
+#include <Python.h>
+#include <pybind11/pybind11.h>
+
+#include <stdexcept>
+#include <vector>
+
+#include "../runtime/arena_core.hpp"
+#include "registry.hpp"
+
+namespace py = pybind11;
+
+namespace dc::bindings {
+
+namespace {
+
+void capsule_destructor(PyObject* capsule) {  // a capsule no consumer took: its view dies with it
+  if (PyCapsule_IsValid(capsule, dlpack::kCapsuleName)) {
+    auto* m = static_cast<dlpack::ManagedTensor*>(PyCapsule_GetPointer(capsule, dlpack::kCapsuleName));
+    m->deleter(m);
+  }
+}
+
+int64_t as_int(PyObject* o, const char* what) {
+  const long long v = PyLong_AsLongLong(o);
+  if (v == -1 && PyErr_Occurred()) {
+    PyErr_Clear();
+    throw py::type_error(std::string("ArenaCore.views: ") + what + " must be an int");
+  }
+  return v;
+}
+
+// specs: a sequence of (byte offset, shape tuple, DLPack type code, bits), read with the C API (this is per call)
+std::vector<ArenaViewSpec> read_specs(py::handle specs) {
+  py::sequence seq = py::reinterpret_borrow<py::sequence>(specs);
+  std::vector<ArenaViewSpec> out(seq.size());
+  for (size_t i = 0; i < out.size(); ++i) {
+    py::handle item = seq[i];
+    if (!PyTuple_Check(item.ptr()) || PyTuple_GET_SIZE(item.ptr()) != 4)
+      throw py::type_error("ArenaCore.views: a spec is (offset, shape, type code, bits)");
+    PyObject* t = item.ptr();
+    ArenaViewSpec& s = out[i];
+    s.offset = as_int(PyTuple_GET_ITEM(t, 0), "offset");
+    PyObject* shape = PyTuple_GET_ITEM(t, 1);
+    if (!PyTuple_Check(shape) || PyTuple_GET_SIZE(shape) < 1 || PyTuple_GET_SIZE(shape) > 4)
+      throw py::type_error("ArenaCore.views: shape must be a tuple of 1 to 4 ints");
+    s.ndim = int(PyTuple_GET_SIZE(shape));
+    for (int d = 0; d < s.ndim; ++d) s.shape[d] = as_int(PyTuple_GET_ITEM(shape, d), "shape");
+    s.dtype = dlpack::DataType{uint8_t(as_int(PyTuple_GET_ITEM(t, 2), "type code")),
+                               uint8_t(as_int(PyTuple_GET_ITEM(t, 3), "bits")), 1};
+  }
+  return out;
+}
+
+struct BoundArena {
+  ArenaCore core;
+  py::object consumer;
+};
+
+}  // namespace
+
+void register_arena(py::module_& m) {
+  m.attr("DLPACK_CPU") = int(dlpack::kCPU);
+  m.attr("DLPACK_CUDA") = int(dlpack::kCUDA);
+  py::class_<BoundArena>(m, "ArenaCore")
+      .def(py::init([](uintptr_t base, int64_t nbytes, int64_t align, int device_type, int device_id,
+                       py::object consumer) {
+             return new BoundArena{ArenaCore(base, nbytes, align, dlpack::Device{device_type, device_id}),
+                                   std::move(consumer)};
+           }),
+           py::arg("base"), py::arg("nbytes"), py::arg("align"), py::arg("device_type"), py::arg("device_id"),
+           py::arg("consumer"))
+      .def("reserve", [](BoundArena& a, int64_t nbytes) -> py::object {
+        auto r = a.core.reserve(nbytes);
+        if (!r) return py::none();
+        return py::make_tuple(r->first, r->second);
+      })
+      .def("trim", [](BoundArena& a, int64_t offset, int64_t size, int64_t used) {
+        auto r = a.core.trim(offset, size, used);
+        return py::make_tuple(r.first, r.second);
+      })
+      .def("release", [](BoundArena& a, int64_t offset, int64_t size) { a.core.release(offset, size); })
+      .def("free_bytes", [](BoundArena& a) { return a.core.free_bytes(); })
+      .def_property_readonly("releases", [](const BoundArena& a) { return a.core.releases(); })
+      .def("views", [](BoundArena& a, int64_t offset, int64_t size, bool owned, py::handle specs) {
+        const std::vector<ArenaViewSpec> parsed = read_specs(specs);
+        std::vector<dlpack::ManagedTensor*> made = a.core.views(offset, size, owned, parsed);
+        std::vector<py::object> capsules;  // each owns its view until the consumer takes it
+        capsules.reserve(made.size());
+        for (auto* v : made) {
+          PyObject* c = PyCapsule_New(v, dlpack::kCapsuleName, capsule_destructor);
+          if (c == nullptr) {
+            v->deleter(v);
+            throw py::error_already_set();
+          }
+          capsules.push_back(py::reinterpret_steal<py::object>(c));
+        }
+        py::tuple out(capsules.size());
+        for (size_t i = 0; i < capsules.size(); ++i) out[i] = a.consumer(capsules[i]);
+        return out;
+      }, py::arg("offset"), py::arg("size"), py::arg("owned"), py::arg("specs"));
+}
+
+}  // namespace dc::bindings
