@@ -43,11 +43,13 @@ def unpack_rows(out: torch.Tensor, parts: Sequence[torch.Tensor], row_bytes: Seq
 def dispatch_outputs(received: List[torch.Tensor], num_x_parts: int, is_pair: bool, has_weights: bool,
                      handle: Optional[Handle], rank: int, world: int, num_experts: int, num_tokens: int, hidden: int,
                      is_token_in_rank: torch.Tensor, send_pos: torch.Tensor, count_matrix: torch.Tensor,
-                     expert_alignment: int, per_expert: Optional[List[int]] = None):
+                     expert_alignment: int, per_expert: Optional[List[int]] = None, ids_local: bool = False):
     """The dispatch result from the received rows (ordered by source rank, then token), one tensor per part as
     sent: x (or its FP8 values and scales), then, without a handle, the global top-k ids and the source token
     index, then the weights if any. ``per_expert``: the rows per local expert, aligned, when the caller already
-    knows them (from the counts it exchanged); else they are counted from the received ids (a host sync)."""
+    knows them (from the counts it exchanged); else they are counted from the received ids (a host sync).
+    ``ids_local``: the ids are local already and the weights of the other slots zero (the internode kernels split
+    them so: csrc/runtime/hier_rows.hpp dispatch_unpack_slot)."""
     recv_x = tuple(received[:num_x_parts]) if is_pair else received[0]
     recv_topk_weights = received[-1] if has_weights else None
     if handle is not None:
@@ -56,8 +58,8 @@ def dispatch_outputs(received: List[torch.Tensor], num_x_parts: int, is_pair: bo
 
     recv_global_idx, recv_src_idx = received[num_x_parts], received[num_x_parts + 1]
     experts_per_rank = num_experts // world
-    recv_topk_idx = layout.to_local_experts(recv_global_idx, rank, experts_per_rank)
-    if recv_topk_weights is not None:
+    recv_topk_idx = recv_global_idx if ids_local else layout.to_local_experts(recv_global_idx, rank, experts_per_rank)
+    if recv_topk_weights is not None and not ids_local:
         recv_topk_weights = torch.where(recv_topk_idx >= 0, recv_topk_weights,
                                         torch.zeros_like(recv_topk_weights))
     if per_expert is None:

@@ -148,6 +148,7 @@ struct HierDispatchLaunch {
   bool with_idx = false, with_weights = false;
   int num_tokens = 0;
   uintptr_t out_x = 0, out_scales = 0, out_topk_idx = 0, out_src_idx = 0, out_weights = 0;
+  int64_t first_expert = 0, local_experts = 0;  // HierRecvDst: local_experts > 0 makes the received ids local
   int num_recv = 0;
   uintptr_t masks = 0, rdma_slot = 0;
   std::vector<int64_t> rows_to, rows_from;
@@ -162,6 +163,7 @@ struct HierDispatchLaunch {
     if (topk < 0 || topk > kTopkMax) bad("topk must be in [0, " + std::to_string(kTopkMax) + "]");
     if (num_tokens < 0) bad("num_tokens must be >= 0");
     if (num_recv < 0) bad("num_recv must be >= 0");
+    if (local_experts < 0 || first_expert < 0) bad("first_expert and local_experts must be >= 0");
     if (max_rows < 0) bad("max_rows must be >= 0");
     check_node_rows(rows_to, common.num_nodes, "rows_to");
     check_node_rows(rows_from, common.num_nodes, "rows_from");
@@ -181,7 +183,7 @@ struct HierDispatchLaunch {
     a.mask_off = uint32_t(a.row.mask_off);
     a.num_tokens = num_tokens;
     a.out = HierRecvDst{ptr<uint8_t>(out_x), ptr<uint8_t>(out_scales), ptr<int64_t>(out_topk_idx),
-                        ptr<int32_t>(out_src_idx), ptr<float>(out_weights)};
+                        ptr<int32_t>(out_src_idx), ptr<float>(out_weights), first_expert, local_experts};
     a.num_recv = num_recv;
     a.masks = ptr<const int32_t>(masks);
     a.rdma_slot = ptr<const int32_t>(rdma_slot);

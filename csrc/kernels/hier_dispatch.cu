@@ -174,8 +174,9 @@ __device__ __forceinline__ bool forward_source(const HierDispatchArgs& a, int m,
 }
 
 // Forward block b, once every node GPU's arrive says our area is complete: rows [b * n / nb, (b + 1) * n / nb) of
-// our area (n = num_recv) into the output tensors, one warp per row (x as 16-byte vectors, the rest word by word:
-// runtime/hier_rows.hpp). The rows were written during the launch by node GPUs: coherent loads.
+// our area (n = num_recv) into the output tensors, one warp per row (x as 16-byte vectors, the rest word by word,
+// the top-k slots of a fresh dispatch a lane each, as local ids and masked weights: runtime/hier_rows.hpp). The rows
+// were written during the launch by node GPUs: coherent loads.
 __device__ __forceinline__ void unpack_received(const HierDispatchArgs& a, int b, const WaitCtx& ctx) {
   const HierTopo& t = a.topo;
   for (int g = 0; g < t.gpus; ++g)
@@ -192,6 +193,13 @@ __device__ __forceinline__ void unpack_received(const HierDispatchArgs& a, int b
       const uint32_t w[4] = {uint32_t(q.x), uint32_t(q.y), uint32_t(q.z), uint32_t(q.w)};
 #pragma unroll
       for (int j = 0; j < 4; ++j) dispatch_unpack_word(a.row, a.out, i, 16 * v + 4 * j, w[j]);
+    }
+    if (dispatch_unpacks_slots(a.row, a.out) && lane < a.row.topk) {  // topk <= 32: a lane per slot
+      const auto* at = reinterpret_cast<const uint8_t*>(row);
+      const auto* id = reinterpret_cast<const uint32_t*>(at + a.row.idx_off + 8 * lane);
+      const uint32_t weight =
+          a.row.w_off >= 0 ? ptx::ld_relaxed_gpu_u32(reinterpret_cast<const uint32_t*>(at + a.row.w_off) + lane) : 0u;
+      dispatch_unpack_slot(a.row, a.out, i, lane, ptx::ld_relaxed_gpu_u32(id), ptx::ld_relaxed_gpu_u32(id + 1), weight);
     }
   }
 }

@@ -49,13 +49,22 @@ struct HierRowSrc {
 };
 
 // Where a received row's parts go (row-major; null for a part not wanted).
+// With local_experts > 0 and ids in the row, the top-k slots are split by dispatch_unpack_slot instead: the ids
+// become the receiver's local ids (e - first_expert where that is in [0, local_experts), else -1) and the weights
+// of the other slots +0, as the reference backend returns them (deepcomm/layout.py to_local_experts).
 struct HierRecvDst {
   uint8_t* x;                // [n][x_bytes]
   uint8_t* scales;           // [n][scale_bytes]
   int64_t* topk_idx;         // [n][K]
   int32_t* src_idx;          // [n]
   float* weights;            // [n][K]
+  int64_t first_expert = 0;  // the receiver's first expert: rank * local_experts
+  int64_t local_experts = 0;  // 0: ids and weights as they travelled
 };
+
+DC_HD bool dispatch_unpacks_slots(const HierDispatchRow& r, const HierRecvDst& d) {
+  return d.local_experts > 0 && r.idx_off >= 0;
+}
 
 DC_HD uint32_t load_word(const void* base, int64_t byte) {
   return *reinterpret_cast<const uint32_t*>(reinterpret_cast<const uint8_t*>(base) + byte);
@@ -87,12 +96,26 @@ DC_HD void dispatch_unpack_word(const HierDispatchRow& r, const HierRecvDst& d, 
   } else if (r.scale_off >= 0 && o < r.scale_off + r.scale_bytes) {
     store_word(d.scales, i * r.scale_bytes + o - r.scale_off, v);
   } else if (r.idx_off >= 0 && o >= r.idx_off && o < r.idx_off + 8 * r.topk) {
-    if (d.topk_idx != nullptr) store_word(d.topk_idx, i * 8 * r.topk + o - r.idx_off, v);
+    if (d.topk_idx != nullptr && !dispatch_unpacks_slots(r, d))
+      store_word(d.topk_idx, i * 8 * r.topk + o - r.idx_off, v);
   } else if (o == r.src_off) {
     if (d.src_idx != nullptr) d.src_idx[i] = int32_t(v);
   } else if (r.w_off >= 0 && o >= r.w_off && o < r.w_off + 4 * r.topk) {
-    if (d.weights != nullptr) store_word(d.weights, i * 4 * r.topk + o - r.w_off, v);
+    if (d.weights != nullptr && !dispatch_unpacks_slots(r, d))
+      store_word(d.weights, i * 4 * r.topk + o - r.w_off, v);
   }
+}
+
+// Top-k slot k of received row i (with dispatch_unpacks_slots): its id from the row's two words at idx_off + 8k
+// (low, high) and its weight word at w_off + 4k (0 when the row has none), as the receiver's local id and masked
+// weight.
+DC_HD void dispatch_unpack_slot(const HierDispatchRow& r, const HierRecvDst& d, int64_t i, int64_t k, uint32_t id_lo,
+                                uint32_t id_hi, uint32_t weight) {
+  const int64_t e = int64_t((uint64_t(id_hi) << 32) | uint64_t(id_lo));
+  const int64_t local = e - d.first_expert;
+  const bool mine = e >= 0 && local >= 0 && local < d.local_experts;
+  if (d.topk_idx != nullptr) d.topk_idx[i * r.topk + k] = mine ? local : -1;
+  if (r.w_off >= 0 && d.weights != nullptr) store_word(d.weights, (i * r.topk + k) * 4, mine ? weight : 0u);
 }
 
 // A combine's held row (what a holder sends for a token it holds: over NVLink to the token's forwarder, and as is

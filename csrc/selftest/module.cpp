@@ -200,18 +200,25 @@ void register_hier_rows(py::module_& m) {
   m.def("hier_unpack_rows_host", [](int64_t x_bytes, int64_t scale_bytes, int64_t topk, bool with_idx,
                                     bool with_weights, int gpus, uintptr_t rows, int64_t n, uintptr_t out_x,
                                     uintptr_t out_scales, uintptr_t out_topk_idx, uintptr_t out_src_idx,
-                                    uintptr_t out_weights) {
+                                    uintptr_t out_weights, int64_t first_expert, int64_t local_experts) {
     const HierDispatchRow r(x_bytes, scale_bytes, topk, with_idx, with_weights, gpus);
     const HierRecvDst dst{reinterpret_cast<uint8_t*>(out_x), reinterpret_cast<uint8_t*>(out_scales),
                           reinterpret_cast<int64_t*>(out_topk_idx), reinterpret_cast<int32_t*>(out_src_idx),
-                          reinterpret_cast<float*>(out_weights)};
-    for (int64_t i = 0; i < n; ++i)
-      for (int64_t o = 0; o < r.stride; o += 4)
-        dispatch_unpack_word(r, dst, i, o, load_word(reinterpret_cast<const uint8_t*>(rows), i * r.stride + o));
+                          reinterpret_cast<float*>(out_weights), first_expert, local_experts};
+    const auto* at = reinterpret_cast<const uint8_t*>(rows);
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t o = 0; o < r.stride; o += 4) dispatch_unpack_word(r, dst, i, o, load_word(at, i * r.stride + o));
+      if (!dispatch_unpacks_slots(r, dst)) continue;
+      for (int64_t k = 0; k < r.topk; ++k)  // the kernel gives each slot a lane
+        dispatch_unpack_slot(r, dst, i, k, load_word(at, i * r.stride + r.idx_off + 8 * k),
+                             load_word(at, i * r.stride + r.idx_off + 8 * k + 4),
+                             r.w_off >= 0 ? load_word(at, i * r.stride + r.w_off + 4 * k) : 0u);
+    }
   }, py::arg("x_bytes"), py::arg("scale_bytes"), py::arg("topk"), py::arg("with_idx"), py::arg("with_weights"),
      py::arg("gpus"), py::arg("rows"), py::arg("n"), py::arg("out_x"), py::arg("out_scales"), py::arg("out_topk_idx"),
-     py::arg("out_src_idx"), py::arg("out_weights"),
-     "Split n dispatch rows [n][stride] into the outputs (0: not wanted).");
+     py::arg("out_src_idx"), py::arg("out_weights"), py::arg("first_expert") = 0, py::arg("local_experts") = 0,
+     "Split n dispatch rows [n][stride] into the outputs (0: not wanted); local_experts > 0: local ids and masked "
+     "weights (HierRecvDst).");
   m.def("hier_held_rows_host", [](int64_t hidden, int64_t topk, uintptr_t x, uintptr_t weights, int64_t n,
                                   uintptr_t out) {
     // bf16 held rows: x as is, then the tail words (the kernel's fp8 variant quantizes x with fp8_cast.cuh)

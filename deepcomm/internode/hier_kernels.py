@@ -213,7 +213,7 @@ class HierKernels:
             launch = self.dispatch_launch(  # a row of 16 bytes of x (and the node mask), from no token
                 words=True, x=0, scales=0, topk_idx=0, topk_weights=0, x_bytes=16, scale_bytes=0, topk=0,
                 with_idx=False, with_weights=False, num_tokens=0, out_x=0, out_scales=0, out_topk_idx=0,
-                out_src_idx=0, out_weights=0, num_recv=0, masks=0, rdma_slot=0, rows_to=none,
+                out_src_idx=0, out_weights=0, first_expert=0, local_experts=0, num_recv=0, masks=0, rdma_slot=0, rows_to=none,
                 rows_from=none, first_row=zeros.data_ptr(), route=zeros.data_ptr(), singles=zeros.data_ptr(),
                 max_rows=1)
             self._launch("hier_dispatch", launch, fingerprint)
@@ -221,16 +221,28 @@ class HierKernels:
         self.event = torch.cuda.Event()
         self.event.record(stream)
 
-    def _check_area(self, rows_into: List[int], stride: int) -> None:
-        most = max(rows_into) * stride if rows_into else 0
+    def check_fits(self, counts: List[List[int]], ncounts: List[List[int]], slot_stride: int, area_stride: int,
+                   header_bytes: int = RAIL_HEADER_BYTES, combine: bool = False) -> None:
+        """The rows of a launch against the receive slots and the NVLink areas of every rank, not only ours, from
+        the counts every rank has (``counts`` [R][R], ``ncounts`` [R][N]): every rank refuses the same launch
+        with the same ValueError, so that none goes on to launch while another has refused (which would time out
+        there). A dispatch puts sum(counts[:, d]) rows into d's area; a combine, the rows of every rail source of
+        d's forwarder for every GPU of d's node (hier_kernels.hpp)."""
+        comm = self.comm
+        R, N, G = comm.world_size, comm.num_nodes, comm.gpus
+        widest = max((n for row in ncounts for n in row), default=0) * slot_stride  # every rail block of the call
+        if widest + header_bytes > self.tr.slot_bytes:
+            raise ValueError(f"x: a block of {widest} bytes between rail ranks exceeds the receive slot "
+                             f"({self.tr.slot_bytes - header_bytes} bytes); raise max_tokens_per_rank or hidden")
+        if combine:
+            into = [sum(counts[comm.rank_of(m, r % G)][e] for m in range(N) for e in comm.node_ranks(r // G))
+                    for r in range(R)]
+        else:
+            into = [sum(counts[s][d] for s in range(R)) for d in range(R)]
+        most = max(into, default=0) * area_stride
         if most > self.link.area_bytes:
             raise ValueError(f"x: {most} bytes of rows into one GPU's NVLink area exceed it ({self.link.area_bytes} "
                              "bytes); raise max_tokens_per_rank or hidden of the Buffer")
-
-    def _check_slot(self, nbytes: int, header_bytes: int = RAIL_HEADER_BYTES) -> None:
-        if nbytes + header_bytes > self.tr.slot_bytes:
-            raise ValueError(f"x: a block of {nbytes} bytes between rail ranks exceeds the receive slot "
-                             f"({self.tr.slot_bytes - header_bytes} bytes); raise max_tokens_per_rank or hidden")
 
 
 def _rdma_slots(in_node: torch.Tensor) -> torch.Tensor:
@@ -245,9 +257,9 @@ def dispatch_plan(comm: HierComm, counts: List[List[int]], ncounts: List[List[in
     """The routing fields of one dispatch launch (hier_kernels.hpp HierDispatchArgs), from the count matrix
     ``counts`` [R][R], the node counts ``ncounts`` [R][N] (``counts`` itself with one GPU per node) and our
     ``in_rank`` bool [T, R]: ``rows_to`` / ``rows_from`` [N], ``first_row`` [N][G], ``max_rows``, ``rdma_slot``
-    int32 [T, N], ``masks`` int32 [T, N] (None with one GPU per node), and ``area_rows`` (rows into each node GPU's
-    area, for the size check). Host lists and CPU-or-device tensors on ``in_rank``'s device; no launch."""
-    rank, R, N, G = comm.rank, comm.world_size, comm.num_nodes, comm.gpus
+    int32 [T, N] and ``masks`` int32 [T, N] (None with one GPU per node). Host lists and CPU-or-device tensors on
+    ``in_rank``'s device; no launch."""
+    rank, N, G = comm.rank, comm.num_nodes, comm.gpus
     T = in_rank.shape[0]
     node = comm.node_ranks()
     rows_to = [ncounts[rank][m] for m in range(N)]
@@ -256,16 +268,15 @@ def dispatch_plan(comm: HierComm, counts: List[List[int]], ncounts: List[List[in
     first_row = [[sum(counts[q][d] for q in range(comm.rank_of(m, comm.local))) for d in node] for m in range(N)]
     return dict(rows_to=rows_to, rows_from=rows_from, first_row=first_row, max_rows=max(rows_from + [1]),
                 rdma_slot=_rdma_slots(in_rank.view(T, N, G).any(dim=2)),
-                masks=node_masks(in_rank, N, G).contiguous() if G > 1 else None,
-                area_rows=[sum(counts[s][d] for s in range(R)) for d in node])
+                masks=node_masks(in_rank, N, G).contiguous() if G > 1 else None)
 
 
 def combine_plan(comm: HierComm, counts: List[List[int]], is_token_in_rank: torch.Tensor, held_stride: int,
                  partial_stride: int) -> dict:
     """The routing fields of one combine launch (hier_kernels.hpp HierCombineArgs): ``held`` / ``begins`` [R] (rows
-    we hold per source and where they start), ``gather`` [R][3], ``area_off`` [N][G], ``into`` (rows into our
-    area) and ``recv_off`` int64 [T, N] (where token t's partial from node m lands: >= 0 an fp32 partial at that
-    byte offset, <= -2 a held row at ``-recv_off - 2``, -1 none). No launch."""
+    we hold per source and where they start), ``gather`` [R][3], ``area_off`` [N][G] and ``recv_off`` int64 [T, N]
+    (where token t's partial from node m lands: >= 0 an fp32 partial at that byte offset, <= -2 a held row at
+    ``-recv_off - 2``, -1 none). No launch."""
     rank, R, N, G = comm.rank, comm.world_size, comm.num_nodes, comm.gpus
     T = is_token_in_rank.shape[0]
     held = [counts[s][rank] for s in range(R)]
@@ -276,8 +287,6 @@ def combine_plan(comm: HierComm, counts: List[List[int]], is_token_in_rank: torc
     node = comm.node_ranks()
     area_off = [[combine_area_row(comm, counts, comm.rank_of(m, comm.local), d) * held_stride
                  if counts[comm.rank_of(m, comm.local)][d] else 0 for d in node] for m in range(N)]
-    # rows into our area: every node GPU's rows for every source of our rail (ours for ourselves excluded)
-    into = sum(counts[comm.rank_of(m, comm.local)][d] for m in range(N) for d in node)
 
     holders = is_token_in_rank.view(T, N, G).sum(dim=2)  # [T, N]
     recv_off = torch.full((T, N), -1, dtype=torch.int64, device=is_token_in_rank.device)
@@ -292,7 +301,7 @@ def combine_plan(comm: HierComm, counts: List[List[int]], is_token_in_rank: torc
         n1 = one.to(torch.int64).sum()
         recv_off[:, m] = torch.where(one, -(r1 * held_stride) - 2,
                                      torch.where(several, n1 * held_stride + r2 * partial_stride, recv_off[:, m]))
-    return dict(held=held, begins=begins, gather=gather, area_off=area_off, into=into, recv_off=recv_off)
+    return dict(held=held, begins=begins, gather=gather, area_off=area_off, recv_off=recv_off)
 
 
 # ---------------------------------------------------------------------------------------------------------- dispatch
@@ -394,9 +403,7 @@ def dispatch(k: HierKernels, x, topk_idx: Optional[torch.Tensor], topk_weights: 
 
     plan = dispatch_plan(comm, counts, ncounts, in_rank, stride)
     rows_to, rows_from, max_rows, masks = plan["rows_to"], plan["rows_from"], plan["max_rows"], plan["masks"]
-    for n in rows_to + rows_from:
-        k._check_slot(n * stride)
-    k._check_area(plan["area_rows"], stride)
+    k.check_fits(counts, ncounts, stride, stride)
     n_recv = sum(counts[s][rank] for s in range(R))
     received = recv_outputs(n_recv, x_parts, K, ids is not None, weights is not None, dev)
     outs = dict(zip(("out_x", "out_scales")[:len(x_parts)], received))
@@ -416,7 +423,8 @@ def dispatch(k: HierKernels, x, topk_idx: Optional[torch.Tensor], topk_weights: 
             topk_idx=ids.data_ptr() if ids is not None else 0,
             topk_weights=weights.data_ptr() if weights is not None else 0, x_bytes=x_bytes,
             scale_bytes=scale_bytes, topk=K, with_idx=ids is not None, with_weights=weights is not None,
-            num_tokens=T, num_recv=n_recv,
+            num_tokens=T, num_recv=n_recv, first_expert=rank * (num_experts // R) if ids is not None else 0,
+            local_experts=num_experts // R if ids is not None else 0,
             **{f: outs[f].data_ptr() if f in outs else 0
                for f in ("out_x", "out_scales", "out_topk_idx", "out_src_idx", "out_weights")},
             masks=masks.data_ptr() if masks is not None else 0, rdma_slot=slots.data_ptr(), rows_to=rows_to,
@@ -425,7 +433,7 @@ def dispatch(k: HierKernels, x, topk_idx: Optional[torch.Tensor], topk_weights: 
 
     out = dispatch_outputs(received, len(rows), is_pair, topk_weights is not None, handle, rank, R,
                            num_experts, T, rows[0].shape[1], in_rank, send_pos, count_matrix,
-                           expert_alignment, per_expert=per_expert)
+                           expert_alignment, per_expert=per_expert, ids_local=True)
     if handle is None:
         out = out[:4] + (dataclasses.replace(out[4], node_count_matrix=node_counts,
                                              node_route=NodeRoute(route, singles, rows_from, counts, ncounts)),)
@@ -455,10 +463,9 @@ def combine(k: HierKernels, x: torch.Tensor, handle: Handle, topk_weights: Optio
     partial_stride = round_up(4 * H + 4 * K, 16)
     plan = combine_plan(comm, counts, handle.is_token_in_rank, held_stride, partial_stride)
     begins, gather, area_off, recv_off = plan["begins"], plan["gather"], plan["area_off"], plan["recv_off"]
-    k._check_area([plan["into"]], held_stride)
     words = k.words_in_strip(fingerprint)
-    for n in info.rows_from:
-        k._check_slot(n * max(held_stride, partial_stride), k.header_bytes(words, True))
+    k.check_fits(counts, info.node_counts, max(held_stride, partial_stride), held_stride,
+                 k.header_bytes(words, True), combine=True)
 
     out_x = torch.empty(T, H, dtype=x.dtype, device=dev)
     out_w = torch.empty(T, K, dtype=torch.float32, device=dev) if w is not None else None

@@ -172,3 +172,49 @@ def test_deferred_agreement_compares_later_with_the_reference_text():
         agreement.check([good, good, bad])
     assert str(got.value) == str(want.value)
     d.raise_pending()  # raised once
+
+
+def _local_fits(comm, counts, ncounts, stride, slot_bytes, area_bytes):
+    """What one rank alone could check of a dispatch: its own rail blocks and its node's areas."""
+    N = comm.num_nodes
+    rail = [ncounts[comm.rank][m] for m in range(N)] + [ncounts[comm.rank_of(m, comm.local)][comm.node]
+                                                         for m in range(N)]
+    area = [sum(counts[s][d] for s in range(comm.world_size)) for d in comm.node_ranks()]
+    return max(rail) * stride + 64 <= slot_bytes and max(area) * stride <= area_bytes
+
+
+@pytest.mark.parametrize("what", ["slot", "area", "combine area"])
+def test_a_launch_too_large_for_one_rank_is_refused_on_every_rank_alike(what):
+    """Rank 0 sends many rows to node 1: only some ranks' own blocks and areas are too small, yet every rank (2
+    nodes x 2 GPUs) refuses with the same message, from the counts every rank has after the count round."""
+    from deepcomm.internode.hier_kernels import HierKernels
+    R, G, stride = 4, 2, 16
+    counts = [[1] * R for _ in range(R)]
+    counts[0][2] = counts[0][3] = 50  # rank 0's tokens for node 1's GPUs
+    ncounts = [[max(counts[s][0], counts[s][1]), max(counts[s][2], counts[s][3])] for s in range(R)]
+    slot = 64 + stride * (50 if what != "slot" else 10)
+    area = stride * (1000 if what == "slot" else 20)
+    texts, alone = set(), []
+    for rank in range(R):
+        comm = HierComm(None, None, rank, R, G, torch.device("cpu"))
+        k = types.SimpleNamespace(comm=comm, tr=types.SimpleNamespace(slot_bytes=slot),
+                                  link=types.SimpleNamespace(area_bytes=area))
+        alone.append(_local_fits(comm, counts, ncounts, stride, slot, area))
+        with pytest.raises(ValueError, match="^x: ") as got:
+            HierKernels.check_fits(k, counts, ncounts, stride, stride, combine=what == "combine area")
+        texts.add(str(got.value))
+    assert len(texts) == 1, texts
+    if what != "combine area":
+        assert any(alone), "some rank's own blocks fit: a per-rank check would have let it launch"
+
+
+def test_a_launch_that_fits_everywhere_passes():
+    from deepcomm.internode.hier_kernels import HierKernels
+    counts = [[3, 1, 2, 0], [0, 4, 1, 1], [2, 2, 2, 2], [1, 0, 0, 5]]
+    ncounts = [[max(r[0], r[1]), max(r[2], r[3])] for r in counts]
+    for rank in range(4):
+        comm = HierComm(None, None, rank, 4, 2, torch.device("cpu"))
+        k = types.SimpleNamespace(comm=comm, tr=types.SimpleNamespace(slot_bytes=64 + 5 * 32),
+                                  link=types.SimpleNamespace(area_bytes=16 * 32))
+        HierKernels.check_fits(k, counts, ncounts, 32, 32)
+        HierKernels.check_fits(k, counts, ncounts, 32, 32, combine=True)

@@ -16,6 +16,7 @@ from deepcomm.fp8 import pack_ue8m0, per_token_cast_to_fp8
 from deepcomm.internode.hier_kernels import recv_outputs
 from deepcomm.internode.hier_normal import node_masks, pack_rows, payload_parts
 from deepcomm.internode.internode_layout import dispatch_row, held_row
+from deepcomm.layout import to_local_experts
 
 S = load_selftest()
 pytestmark = pytest.mark.skipif(S is None, reason=f"deepcomm._selftest is not available ({selftest_error()})")
@@ -90,6 +91,24 @@ def test_dispatch_rows_built_and_split_like_torch(T, H, kind, K, fresh, weighted
     for o, p, u in zip(outs, parts, unpack_rows(want, parts, row_bytes)):
         assert torch.equal(o.view(torch.uint8), p.view(torch.uint8)) and torch.equal(o.view(torch.uint8),
                                                                                    u.view(torch.uint8))
+
+    if fresh:  # the kernels' split of a fresh dispatch: local ids and masked weights, as the reference returns them
+        for rank, L in ((0, 16), (3, 16), (1, 64), (5, 7)):
+            local = recv_outputs(n, xs, K, fresh, weighted, torch.device("cpu"))
+            for o in local:
+                o.view(torch.uint8).fill_(0xCD)
+            S.hier_unpack_rows_host(row_bytes[0], scale_bytes, K, fresh, weighted, G, got.data_ptr(), n,
+                                    *(_ptr(o) for o in local[:len(xs)]), *([0] if len(xs) == 1 else []),
+                                    _ptr(local[len(xs)]), _ptr(local[len(xs) + 1]),
+                                    _ptr(local[-1]) if weighted else 0, first_expert=rank * L, local_experts=L)
+            want_ids = to_local_experts(idx, rank, L)
+            assert torch.equal(local[len(xs)], want_ids), (rank, L)
+            assert torch.equal(local[len(xs) + 1], torch.arange(n, dtype=torch.int32))
+            for o, p in zip(local[:len(xs)], xs):
+                assert torch.equal(o.view(torch.uint8), p.view(torch.uint8))
+            if weighted:
+                masked = torch.where(want_ids >= 0, w, torch.zeros_like(w))
+                assert torch.equal(local[-1].view(torch.int32), masked.view(torch.int32))
 
 
 def test_recv_outputs_own_their_block():
