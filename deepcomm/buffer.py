@@ -197,7 +197,6 @@ class Buffer:
         if num_worst_tokens == 0 and handle is None and self._device.type == "cuda" and v.is_capturing():
             v.fail("num_worst_tokens", "a fresh dispatch inside CUDA graph capture needs num_worst_tokens > 0 "
                    "(the output size cannot be read back while capturing)")
-        extra = dict(num_worst_tokens=num_worst_tokens, previous_event=previous_event, async_finish=async_finish)
         num_tokens, _, _ = v.check_dispatch_x(x, self._device, self._x_dtypes, self.config.hidden,
                                               self.config.max_tokens_per_rank)
         if handle is None and is_token_in_rank is not None:  # ---- route-only (deepcomm/route_only.py) ----
@@ -229,8 +228,8 @@ class Buffer:
             agreed = self._agree(lambda: self._dispatch_fields(x, topk_idx, topk_weights, handle.num_experts, handle),
                                  lambda: agreement.dispatch(self._calls, self._buffer_word, x, topk_idx,
                                                             topk_weights, None, handle))
-            return backend.dispatch(x, None, topk_weights, handle.num_experts, handle, expert_alignment, **extra,
-                                    **agreed)
+            return backend.dispatch(x, None, topk_weights, handle.num_experts, handle, expert_alignment,
+                                    num_worst_tokens, previous_event, async_finish, **agreed)
         if topk_idx is None:
             v.fail("topk_idx", "required when no handle is given")
         v.check_num_experts(num_experts, self._world_size)
@@ -241,7 +240,8 @@ class Buffer:
         agreed = self._agree(lambda: self._dispatch_fields(x, topk_idx, topk_weights, num_experts, None),
                              lambda: agreement.dispatch(self._calls, self._buffer_word, x, topk_idx, topk_weights,
                                                         num_experts, None))
-        out = backend.dispatch(x, topk_idx, topk_weights, num_experts, None, expert_alignment, **extra, **agreed)
+        out = backend.dispatch(x, topk_idx, topk_weights, num_experts, None, expert_alignment, num_worst_tokens,
+                               previous_event, async_finish, **agreed)
         out[-1].buffer_id, out[-1].call = self.buffer_id, self._calls
         return out
 

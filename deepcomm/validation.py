@@ -57,6 +57,23 @@ def check_int(name: str, value, minimum: Optional[int] = None, maximum: Optional
 def check_tensor(name: str, t, dtypes: Sequence[torch.dtype], device: torch.device, ndim: int,
                  shape: Optional[Sequence[Optional[int]]] = None) -> torch.Tensor:
     """Type, dtype, device, rank, optional shape (``None`` entries are free) and contiguity."""
+    if isinstance(t, torch.Tensor):  # the accepted case first, in few attribute reads: it runs for every tensor
+        got = t.shape
+        if t.dtype in dtypes and len(got) == ndim and t.is_contiguous() and _on_device(t, device):
+            if shape is None:
+                return t
+            for i in range(min(len(shape), ndim)):  # a plain loop: a generator over zip() costs a microsecond
+                if shape[i] is not None and got[i] != shape[i]:
+                    break
+            else:
+                return t
+    _check_tensor_slowly(name, t, dtypes, device, ndim, shape)
+    return t
+
+
+def _check_tensor_slowly(name: str, t, dtypes: Sequence[torch.dtype], device: torch.device, ndim: int,
+                         shape: Optional[Sequence[Optional[int]]]) -> None:
+    """check_tensor's checks one by one, raising for the first that fails."""
     if not isinstance(t, torch.Tensor):
         fail(name, f"expected a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
@@ -66,14 +83,13 @@ def check_tensor(name: str, t, dtypes: Sequence[torch.dtype], device: torch.devi
     if t.dim() != ndim:
         fail(name, f"expected {ndim} dimensions, got shape {tuple(t.shape)}")
     if shape is not None:
-        got = t.shape  # a plain loop: a generator over zip() costs a microsecond per call, every call
+        got = t.shape
         for i in range(min(len(shape), len(got))):
             if shape[i] is not None and got[i] != shape[i]:
                 want = tuple("*" if s is None else s for s in shape)
                 fail(name, f"expected shape {want}, got {tuple(got)}".replace("'*'", "*"))
     if not t.is_contiguous():
         fail(name, "expected a contiguous tensor")
-    return t
 
 
 def _on_device(t: torch.Tensor, device: torch.device) -> bool:
@@ -162,8 +178,14 @@ def check_dispatch_x(x, device: torch.device, dtypes: Sequence[torch.dtype], max
         check_fp8_scales("x[1]", scales, num_tokens, hidden, device)
         check_num_tokens("x[0]", num_tokens, max_tokens, "max_tokens_per_rank")
         return num_tokens, hidden, True
-    if isinstance(x, torch.Tensor) and x.dtype == FP8_DTYPE:
-        fail("x", "float8_e4m3fn input must be passed as a (values, scales) pair")
+    if isinstance(x, torch.Tensor):  # the accepted case in one pass (every call); else the checks one by one
+        got = x.shape
+        if (x.dtype in dtypes and x.dtype != FP8_DTYPE and len(got) == 2 and got[1] % ROW_ALIGN == 0
+                and got[1] <= max_hidden and got[0] <= max_tokens and x.is_contiguous()
+                and x.data_ptr() % DATA_ALIGN == 0 and _on_device(x, device)):
+            return got[0], got[1], False
+        if x.dtype == FP8_DTYPE:
+            fail("x", "float8_e4m3fn input must be passed as a (values, scales) pair")
     check_tensor("x", x, dtypes, device, 2)
     check_aligned("x", x)
     num_tokens, hidden = x.shape

@@ -27,8 +27,8 @@ COMMON = dict(num_nodes=2, gpus=2, node=1, local=0, peers=0x100, num_peers=1, lk
               rdma_blocks=4, nvl_blocks=4, err_dev=0x80, timeout_s=2.5, seq_ptr=0x90)
 DISPATCH = dict(x=0x200, scales=0, topk_idx=0x400, topk_weights=0x410, x_bytes=32, scale_bytes=0, topk=2,
                 with_idx=True, with_weights=True, num_tokens=9, out_x=0x420, out_scales=0, out_topk_idx=0x430,
-                out_src_idx=0x440, out_weights=0x450, num_recv=11, masks=0x210, rdma_slot=0x220, rows_to=[3, 4],
-                rows_from=[5, 6], first_row=0x230, route=0x240, singles=0x250, max_rows=6)
+                out_src_idx=0x440, out_weights=0x450, first_expert=16, local_experts=8, num_recv=11, masks=0x210,
+                rdma_slot=0x220, rows_to=[3, 4], rows_from=[5, 6], first_row=0x230, route=0x240, singles=0x250, max_rows=6)
 COMBINE = dict(held_stride=32, w_off=16, hidden=8, topk=2, fp8=False, own_x=0x310, own_w=0x320,
                own_begin=1, gather=0x330, route=0x340, singles=0x350, max_rows=6, rows_from=[5, 6],
                area_off=0x360, partial_stride=48, recv_off=0x370, num_tokens=9, out_x=0x380, out_w=0x390)
@@ -58,6 +58,7 @@ def test_fields_read_back_as_built():
         assert getattr(common, key) == value, key
     d = T.HierDispatchLaunch(common=common, **DISPATCH)
     assert d.common.area == [0x10, 0x20] and d.rows_to == [3, 4] and d.max_rows == 6
+    assert (d.first_expert, d.local_experts) == (16, 8)
     c = T.HierCombineLaunch(common=common, **COMBINE)
     assert c.common.epoch == 5 and c.rows_from == [5, 6] and c.out_w == 0x390
 
@@ -95,6 +96,7 @@ def test_shared_values_out_of_range_name_the_field(change, field):
     ("dispatch", dict(num_tokens=-1), "num_tokens"), ("dispatch", dict(max_rows=-1), "max_rows"),
     ("dispatch", dict(x_bytes=24), "x_bytes"), ("dispatch", dict(scale_bytes=6), "scale_bytes"),
     ("dispatch", dict(topk=33), "topk"), ("dispatch", dict(num_recv=-1), "num_recv"),
+    ("dispatch", dict(local_experts=-1), "local_experts"), ("dispatch", dict(first_expert=-3), "first_expert"),
     ("combine", dict(rows_from=[5, 6, 7]), "rows_from"), ("combine", dict(hidden=0), "hidden"),
     ("combine", dict(topk=-1), "topk"), ("combine", dict(own_begin=-2), "own_begin"),
 ])
