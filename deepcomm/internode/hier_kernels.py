@@ -34,9 +34,9 @@ from . import hier_agree
 from ..cuda.align import round_up
 from .deferred_agree import DeferredAgreement, write_headers
 from .hier_comm import HierComm
-from .hier_normal import combine_area_row, count_row, node_masks
+from .hier_normal import combine_area_rows, count_row, node_masks
 from .host_tables import device_table
-from .internode_layout import dispatch_row, extension, held_row
+from .internode_layout import dispatch_row, held_row
 from .internode_rows import RAIL_HEADER_BYTES
 from .mapped_words import MappedWords
 from .nic_transport import CHUNK_BYTES, LOG_WQEBBS
@@ -281,26 +281,27 @@ def combine_plan(comm: HierComm, counts: List[List[int]], is_token_in_rank: torc
     T = is_token_in_rank.shape[0]
     held = [counts[s][rank] for s in range(R)]
     begins = [sum(held[:s]) for s in range(R)]
+    # the first rows of the blocks in our node's forwarders' areas, one table per forwarder (local index)
+    areas = [combine_area_rows(comm, counts, g, comm.node) for g in range(G)]
     gather = [[begins[s], held[s] if s != rank else 0,
-               combine_area_row(comm, counts, s, rank) * held_stride if held[s] and s != rank else 0]
+               areas[s % G][(s, rank)] * held_stride if held[s] and s != rank else 0]
               for s in range(R)]
-    node = comm.node_ranks()
-    area_off = [[combine_area_row(comm, counts, comm.rank_of(m, comm.local), d) * held_stride
-                 if counts[comm.rank_of(m, comm.local)][d] else 0 for d in node] for m in range(N)]
+    ours = areas[comm.local]
+    area_off = [[ours[(comm.rank_of(m, comm.local), d)] * held_stride
+                 if counts[comm.rank_of(m, comm.local)][d] else 0 for d in comm.node_ranks()] for m in range(N)]
 
+    # Every node at once (a constant number of torch calls, whatever N): a token one GPU of node m holds comes as
+    # its held row, ranked among those (r1); one several hold comes as an fp32 partial after node m's n1 held rows,
+    # ranked among those (r2). Our own node's partials are all fp32, ranked among the tokens our node holds: the
+    # second case with n1 = 0.
     holders = is_token_in_rank.view(T, N, G).sum(dim=2)  # [T, N]
-    recv_off = torch.full((T, N), -1, dtype=torch.int64, device=is_token_in_rank.device)
-    for m in range(N):
-        if m == comm.node:  # our own partials: row = the token's place among ours our node holds
-            slot = _rdma_slots(holders[:, m:m + 1] > 0)[:, 0].to(torch.int64)
-            recv_off[:, m] = torch.where(slot >= 0, slot * partial_stride, recv_off[:, m])
-            continue
-        one, several = holders[:, m] == 1, holders[:, m] > 1
-        r1 = torch.cumsum(one.to(torch.int64), 0) - 1
-        r2 = torch.cumsum(several.to(torch.int64), 0) - 1
-        n1 = one.to(torch.int64).sum()
-        recv_off[:, m] = torch.where(one, -(r1 * held_stride) - 2,
-                                     torch.where(several, n1 * held_stride + r2 * partial_stride, recv_off[:, m]))
+    one = holders == 1
+    one[:, comm.node] = False
+    several = (holders > 0) & ~one
+    r1 = one.cumsum(0, dtype=torch.int64) - 1
+    r2 = several.cumsum(0, dtype=torch.int64) - 1
+    n1 = one.sum(0, dtype=torch.int64)  # [N]
+    recv_off = torch.where(one, r1 * -held_stride - 2, torch.where(several, n1 * held_stride + r2 * partial_stride, -1))
     return dict(held=held, begins=begins, gather=gather, area_off=area_off, recv_off=recv_off)
 
 
@@ -347,22 +348,14 @@ def _kernel_rows(t: torch.Tensor) -> torch.Tensor:
 def recv_outputs(n: int, x_parts: List[torch.Tensor], topk: int, with_idx: bool, with_weights: bool,
                  device: torch.device) -> List[torch.Tensor]:
     """The tensors a dispatch's ``n`` received rows are written into by the kernel, in the rows' part order (x, or
-    the FP8 values and scales, then with ``with_idx`` the global top-k ids int64 [n, K] and the source token index
-    int32 [n], then with ``with_weights`` the weights fp32 [n, K]): typed views of one block laid out as
-    DispatchOutLayout (csrc/runtime/nvl_layout.hpp), which lives while any of them does."""
-    x_bytes = [part_row_bytes(p) for p in x_parts]
-    lay = extension().dispatch_out_layout(n, x_bytes[0], x_bytes[1] if len(x_parts) > 1 else 0, topk)
-    block = torch.empty(lay["total"], dtype=torch.uint8, device=device)
-
-    def view(at: str, row_bytes: int, dtype: torch.dtype, shape) -> torch.Tensor:
-        o = lay[at]
-        return block[o:o + n * row_bytes].view(dtype).view(n, *shape)
-
-    out = [view(at, nbytes, p.dtype, p.shape[1:]) for at, nbytes, p in zip(("x", "scales"), x_bytes, x_parts)]
+    the FP8 values and scales, then with ``with_idx`` the top-k ids int64 [n, K] and the source token index int32
+    [n], then with ``with_weights`` the weights fp32 [n, K]): one allocation each (cheaper on the host than typed
+    views of one block, at three torch calls per view)."""
+    out = [torch.empty(n, *p.shape[1:], dtype=p.dtype, device=device) for p in x_parts]
     if with_idx:
-        out += [view("topk_idx", 8 * topk, torch.int64, (topk,)), view("src_idx", 4, torch.int32, ())]
+        out += [torch.empty(n, topk, dtype=torch.int64, device=device), torch.empty(n, dtype=torch.int32, device=device)]
     if with_weights:
-        out.append(view("topk_weights", 4 * topk, torch.float32, (topk,)))
+        out.append(torch.empty(n, topk, dtype=torch.float32, device=device))
     return out
 
 

@@ -26,7 +26,7 @@ Combine, the reverse:
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -209,18 +209,23 @@ def dispatch(comm: HierComm, x, topk_idx: Optional[torch.Tensor], topk_weights: 
 
 
 # ----------------------------------------------------------------------------------------------------------- combine
-def combine_area_row(comm: HierComm, counts: List[List[int]], s: int, d: int) -> int:
-    """First row of block (source s, holder d) in the area of s's forwarder on d's node: the forwarder's rail
-    sources ascending, then the node's ranks ascending."""
-    node = d // comm.gpus
-    row = 0
+def combine_area_rows(comm: HierComm, counts: List[List[int]], local: int, node: int) -> Dict[Tuple[int, int], int]:
+    """First row of every block (source q, holder e) in the area of the forwarder with local index ``local`` on
+    node ``node``: the forwarder's rail sources ascending (the ranks with that local index), then the node's ranks
+    ascending."""
+    rows, row = {}, 0
+    holders = comm.node_ranks(node)
     for m in range(comm.num_nodes):
-        q = comm.rank_of(m, s % comm.gpus)
-        for e in comm.node_ranks(node):
-            if (q, e) == (s, d):
-                return row
+        q = comm.rank_of(m, local)
+        for e in holders:
+            rows[(q, e)] = row
             row += counts[q][e]
-    raise AssertionError("unreachable: (s, d) is in the loop")
+    return rows
+
+
+def combine_area_row(comm: HierComm, counts: List[List[int]], s: int, d: int) -> int:
+    """First row of block (source s, holder d) in the area of s's forwarder on d's node (combine_area_rows)."""
+    return combine_area_rows(comm, counts, s % comm.gpus, d // comm.gpus)[(s, d)]
 
 
 def combine(comm: HierComm, x: torch.Tensor, handle: Handle, topk_weights: Optional[torch.Tensor],

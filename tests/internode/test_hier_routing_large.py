@@ -197,3 +197,40 @@ def test_dispatch_plan_lands_rows_where_the_reference_does(nodes):
                     assert holders[t, m] > 1 and off == n1 * 48 + (-k - 1) * 64, (r, m, t, k, off)
             absent = set(range(T)) - set(mine)
             assert all(int(plan["recv_off"][t, m]) == -1 for t in absent)
+
+
+def _recv_off_node_by_node(node, N, G, in_rank, held_stride, partial_stride):
+    """combine_plan's recv_off as its contract reads (hier_kernels.hpp), one node at a time: our own node's tokens
+    an fp32 partial each, ranked among the tokens our node holds; another node's a held row (one holder, ranked
+    among those) or an fp32 partial after that node's held rows (several holders, ranked among those); -1 none."""
+    T = in_rank.shape[0]
+    holders = in_rank.view(T, N, G).sum(dim=2).tolist()
+    out = torch.full((T, N), -1, dtype=torch.int64)
+    for m in range(N):
+        col = [h[m] for h in holders]
+        if m == node:
+            ranked = [t for t in range(T) if col[t] > 0]
+            for i, t in enumerate(ranked):
+                out[t, m] = i * partial_stride
+            continue
+        ones = [t for t in range(T) if col[t] == 1]
+        many = [t for t in range(T) if col[t] > 1]
+        for i, t in enumerate(ones):
+            out[t, m] = -(i * held_stride) - 2
+        for i, t in enumerate(many):
+            out[t, m] = len(ones) * held_stride + i * partial_stride
+    return out
+
+
+@pytest.mark.parametrize("N,G", [(2, 1), (3, 2), (4, 8), (32, 1)])
+def test_combine_plan_recv_off_equals_its_contract(N, G):
+    gen = torch.Generator().manual_seed(N * 10 + G)
+    R, T = N * G, 300
+    in_rank = torch.rand(T, R, generator=gen) < 0.15
+    in_rank[::17] = False  # tokens routed nowhere
+    in_rank[5, :] = True  # and one everywhere
+    counts = [[1] * R for _ in range(R)]
+    for rank in {0, R - 1, R // 2}:
+        comm = HierComm(None, None, rank, R, G, torch.device("cpu"))
+        plan = hier_kernels.combine_plan(comm, counts, in_rank, 48, 80)
+        assert torch.equal(plan["recv_off"], _recv_off_node_by_node(comm.node, N, G, in_rank, 48, 80)), rank

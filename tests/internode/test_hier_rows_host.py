@@ -111,17 +111,16 @@ def test_dispatch_rows_built_and_split_like_torch(T, H, kind, K, fresh, weighted
                 assert torch.equal(local[-1].view(torch.int32), masked.view(torch.int32))
 
 
-def test_recv_outputs_own_their_block():
+def test_recv_outputs_have_the_parts_shapes_and_do_not_overlap():
     gen = torch.Generator().manual_seed(3)
     xs = _x_parts(gen, 4, 256, "fp8")
     outs = recv_outputs(6, xs, 3, True, True, torch.device("cpu"))
     assert [(o.dtype, tuple(o.shape)) for o in outs] == [
         (torch.float8_e4m3fn, (6, 256)), (torch.float32, (6, 2)), (torch.int64, (6, 3)), (torch.int32, (6,)),
         (torch.float32, (6, 3))]
-    spans = sorted((o.data_ptr() - outs[0].data_ptr(), o.numel() * o.element_size()) for o in outs)
-    assert all(a % 256 == 0 for a, _ in spans)  # one block, 256-byte aligned parts, none overlapping
+    spans = sorted((o.data_ptr(), o.numel() * o.element_size()) for o in outs)
+    assert all(a % 16 == 0 for a, _ in spans)  # the kernel stores x in 16-byte vectors
     assert all(a + n <= b for (a, n), (b, _) in zip(spans, spans[1:]))
-    assert all(o.untyped_storage().data_ptr() == outs[0].untyped_storage().data_ptr() for o in outs)
     empty = recv_outputs(0, xs, 3, False, True, torch.device("cpu"))
     assert [tuple(o.shape) for o in empty] == [(0, 256), (0, 2), (0, 3)]
 
