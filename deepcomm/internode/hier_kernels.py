@@ -22,6 +22,7 @@ put-with-signal; no NIC blocks). "nvshmem-host" keeps hier_normal.py.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import List, Optional
 
 import torch
@@ -247,8 +248,8 @@ class HierKernels:
 
 def _rdma_slots(in_node: torch.Tensor) -> torch.Tensor:
     """int32 ``[T, N]``: the row of token t in the section for node m (tokens in order), -1 where m needs none."""
-    ranks = torch.cumsum(in_node.to(torch.int32), dim=0, dtype=torch.int32) - 1
-    return torch.where(in_node, ranks, torch.full_like(ranks, -1)).contiguous()
+    ranks = torch.cumsum(in_node, dim=0, dtype=torch.int32) - 1
+    return torch.where(in_node, ranks, -1)
 
 
 # ------------------------------------------------------------------------------------------------------- launch plans
@@ -265,7 +266,8 @@ def dispatch_plan(comm: HierComm, counts: List[List[int]], ncounts: List[List[in
     rows_to = [ncounts[rank][m] for m in range(N)]
     rows_from = [ncounts[comm.rank_of(m, comm.local)][comm.node] for m in range(N)]
     # node GPU d's rows from rail source (m, local) start after every lower source rank's rows for d
-    first_row = [[sum(counts[q][d] for q in range(comm.rank_of(m, comm.local))) for d in node] for m in range(N)]
+    below = [list(itertools.accumulate((counts[q][d] for q in range(comm.world_size)), initial=0)) for d in node]
+    first_row = [[below[g][comm.rank_of(m, comm.local)] for g in range(G)] for m in range(N)]
     return dict(rows_to=rows_to, rows_from=rows_from, first_row=first_row, max_rows=max(rows_from + [1]),
                 rdma_slot=_rdma_slots(in_rank.view(T, N, G).any(dim=2)),
                 masks=node_masks(in_rank, N, G).contiguous() if G > 1 else None)
