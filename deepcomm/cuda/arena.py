@@ -36,6 +36,12 @@ _DLPACK = {torch.bfloat16: (4, 16), torch.float32: (2, 32), torch.int64: (0, 64)
 _VIEWED = {torch.float8_e4m3fn: torch.uint8}
 
 
+def _dlpack_importer():
+    """torch's importer of a DLPack capsule: its raw form where this torch has it (no protocol checks per call),
+    else the public one, which takes capsules too."""
+    return getattr(torch._C, "_from_dlpack", None) or torch.utils.dlpack.from_dlpack
+
+
 class Arena:
     """The free list and the views of one arena (csrc/runtime/arena_core.hpp, ``deepcomm._C.ArenaCore``).
     ``reserve(nbytes)`` -> ``(offset, size)`` or None when full; ``trim(offset, size, used)`` keeps the first
@@ -53,7 +59,7 @@ class Arena:
         index = (device.index if device.index is not None else torch.cuda.current_device()) if on_cuda else 0
         self.base_ptr, self.nbytes, self.device = base_ptr, nbytes, device
         self._core = C.ArenaCore(base_ptr, nbytes, ALIGN, C.DLPACK_CUDA if on_cuda else C.DLPACK_CPU, index,
-                                 torch._C._from_dlpack)
+                                 _dlpack_importer())
         # the core's methods themselves: no Python frame in between on the per-call path
         self.reserve, self.trim, self.release = self._core.reserve, self._core.trim, self._core.release
         self.free_bytes = self._core.free_bytes
