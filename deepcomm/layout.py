@@ -43,9 +43,20 @@ def get_dispatch_layout(topk_idx: torch.Tensor, num_experts: int,
 
 def send_positions(is_token_in_rank: torch.Tensor) -> torch.Tensor:
     """int32 ``[T, R]``: index of token ``t`` among the tokens sent to rank ``r`` (``-1`` if not sent)."""
-    mask = is_token_in_rank.to(torch.int32)
-    pos = torch.cumsum(mask, dim=0, dtype=torch.int32) - 1
-    return torch.where(is_token_in_rank, pos, torch.full_like(pos, -1))
+    pos = torch.cumsum(is_token_in_rank, dim=0, dtype=torch.int32) - 1
+    return torch.where(is_token_in_rank, pos, -1)
+
+
+def route_and_expert_counts(topk_idx: torch.Tensor, num_experts: int,
+                            world_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(token_in_rank(...), tokens_per_expert(...) as int32)`` from one scatter of the ids (half the torch calls
+    of the two apart: a backend's per-call path; the reference keeps the two definitions above)."""
+    T = topk_idx.shape[0]
+    named = torch.zeros(T, num_experts + 1, dtype=torch.bool, device=topk_idx.device)
+    named.scatter_(1, torch.where(topk_idx >= 0, topk_idx, num_experts), True)
+    named = named[:, :num_experts]
+    in_rank = named.view(T, world_size, num_experts // world_size).any(dim=2)
+    return in_rank, named.sum(dim=0, dtype=torch.int32)
 
 
 def send_order(is_token_in_rank: torch.Tensor) -> torch.Tensor:

@@ -105,14 +105,14 @@ def count_row(comm: HierComm, topk_idx: torch.Tensor, num_experts: int, T: int, 
     node ``[N]``, with ``expert_counts`` tokens per expert ``[E]`` (each token once per expert it names: summed
     over the sources, a receiver's slice is its rows per local expert, so it needs no look at the rows)."""
     R, N, G = comm.world_size, comm.num_nodes, comm.gpus
-    in_rank = layout.token_in_rank(topk_idx, num_experts, R)
+    in_rank, per_expert = layout.route_and_expert_counts(topk_idx, num_experts, R)
     send_pos = layout.send_positions(in_rank)
     in_node = in_rank.view(T, N, G).any(dim=2)
     pieces = [in_rank.sum(dim=0, dtype=torch.int32)]
     if G > 1:
         pieces.append(in_node.sum(dim=0, dtype=torch.int32))
     if expert_counts:
-        pieces.append(layout.tokens_per_expert(topk_idx, num_experts).to(torch.int32))
+        pieces.append(per_expert)
     if fingerprint is not None:
         pieces.insert(0, device_table(list(fingerprint), torch.int32, in_rank.device))
     row = torch.cat(pieces) if len(pieces) > 1 else pieces[0]

@@ -18,6 +18,9 @@ def test_layout_matches_loops(world, experts, tokens, slots):
     assert torch.equal(per_expert, want_expert)
     assert torch.equal(in_rank, want_in_rank)
     assert torch.equal(layout.send_positions(in_rank), want_pos)
+    fused_in_rank, fused_per_expert = layout.route_and_expert_counts(idx, experts, world)  # the backends' form
+    assert fused_in_rank.dtype == torch.bool and fused_per_expert.dtype == torch.int32
+    assert torch.equal(fused_in_rank, want_in_rank) and torch.equal(fused_per_expert, want_expert)
 
 
 def test_token_counts_once_per_rank_and_minus_one_nowhere():
