@@ -232,3 +232,41 @@ def test_combine_takes_the_same_stream_order(env):
     assert c["run"] == c["wait"] == CALLER and c["end"] == 0 and out.shape == (64, 1024) and out_w.shape == (64, 4)
     b.combine(torch.zeros(64, 1024, dtype=torch.bfloat16), h, None, async_finish=True)
     assert ctx.combines[-1]["run"] == COMM and not ctx.combines[-1]["flags"] & B.CALLER_WAITS
+
+
+class _TorchOps:
+    """Counts the torch operators (aten) run inside it: on a GPU each one costs microseconds of host time."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        outer = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                outer.ops.append(str(func.overloadpacket))
+                return func(*args, **(kwargs or {}))
+
+        self.ops, self.mode = [], Mode()
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
+def test_plain_calls_run_at_most_one_torch_operator(env):
+    """A plain fresh dispatch allocates its workspace, a combine its output, and nothing else is a torch operator:
+    the outputs are DLPack views of the arena, the rest is the one crossing (each operator costs host time)."""
+    b = env.b
+    x, idx, w, E = _inputs()
+    *_, h = b.dispatch(x, idx, w, E, None, 1)
+    for name, call, most in (("fresh", lambda: b.dispatch(x, idx, w, E, None, 1), ["aten.empty"]),
+                             ("cached", lambda: b.dispatch(x, None, w, E, h, 1), []),
+                             ("combine", lambda: b.combine(x, h, None), ["aten.empty"])):
+        with _TorchOps() as counted:
+            out = call()
+        del out
+        assert counted.ops == most, f"{name}: {counted.ops}"
