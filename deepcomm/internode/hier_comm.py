@@ -142,8 +142,11 @@ class HierComm:
         flat = t.contiguous().reshape(-1).view(torch.uint8)
         nbytes = flat.numel()
         stride = round_up(nbytes, 16)
-        mine = torch.zeros(1, stride, dtype=torch.uint8, device=self.device)
-        mine[0, :nbytes] = flat
+        if nbytes == stride:  # already whole 16-byte rows (count_row pads its row so): sent as it is
+            mine = flat.view(1, stride)
+        else:
+            mine = torch.zeros(1, stride, dtype=torch.uint8, device=self.device)
+            mine[0, :nbytes] = flat
         got = self.rail_exchange({m: [mine] for m in self.other_nodes}, {m: stride for m in self.other_nodes}, stage,
                                  wait=wait)
         rail_rows = [mine if m == self.node else got[m].view(1, stride) for m in range(N)]
@@ -153,7 +156,8 @@ class HierComm:
                     hop.put(g, self.rank_of(m, self.local) * stride, rail_rows[m])
             if words and self.gpus > 1:
                 hier_agree.put_rail_words(self, hop, rail_rows)
-        rows = self.node_area()[:R * stride].view(R, stride)[:, :nbytes].clone()
+        rows = self.node_area()[:R * stride].view(R, stride)
+        rows = (rows if nbytes == stride else rows[:, :nbytes]).clone()
         if words and self.gpus > 1:
             rows[:, :RAIL_HEADER_BYTES] = hier_agree.strip_words(self)
         return rows.reshape(-1).view(t.dtype).reshape(R, *t.shape)

@@ -94,7 +94,7 @@ def fresh_route(comm: HierComm, topk_idx: torch.Tensor, num_experts: int, T: int
         hier_agree.check(gathered[:, :agreement.WORDS].tolist(), fingerprint)
         gathered = gathered[:, agreement.WORDS:]
     count_matrix = gathered[:, :R].contiguous()
-    node_counts = gathered[:, R:].contiguous() if G > 1 else count_matrix
+    node_counts = gathered[:, R:R + comm.num_nodes].contiguous() if G > 1 else count_matrix
     return in_rank, send_pos, in_node, count_matrix, node_counts
 
 
@@ -103,7 +103,8 @@ def count_row(comm: HierComm, topk_idx: torch.Tensor, num_experts: int, T: int, 
     """``(is_token_in_rank, send_pos, in_node, row)``: the route from the ids, and our int32 row of the count
     round, on the ids' device, no host sync: [the call's words], tokens per rank ``[R]``, with G > 1 tokens per
     node ``[N]``, with ``expert_counts`` tokens per expert ``[E]`` (each token once per expert it names: summed
-    over the sources, a receiver's slice is its rows per local expert, so it needs no look at the rows)."""
+    over the sources, a receiver's slice is its rows per local expert, so it needs no look at the rows), then
+    zeros to a multiple of 4 values."""
     R, N, G = comm.world_size, comm.num_nodes, comm.gpus
     in_rank, per_expert = layout.route_and_expert_counts(topk_idx, num_experts, R)
     send_pos = layout.send_positions(in_rank)
@@ -115,8 +116,10 @@ def count_row(comm: HierComm, topk_idx: torch.Tensor, num_experts: int, T: int, 
         pieces.append(per_expert)
     if fingerprint is not None:
         pieces.insert(0, device_table(list(fingerprint), torch.int32, in_rank.device))
-    row = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-    return in_rank, send_pos, in_node, row
+    pad = -sum(p.numel() for p in pieces) % 4  # whole 16-byte rows: the count round sends the row as it is
+    if pad:
+        pieces.append(torch.zeros(pad, dtype=torch.int32, device=in_rank.device))
+    return in_rank, send_pos, in_node, torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
 
 def payload_parts(rows: List[torch.Tensor], topk_idx: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor],
