@@ -22,6 +22,7 @@ put-with-signal; no NIC blocks). "nvshmem-host" keeps hier_normal.py.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from typing import List, Optional
 
@@ -151,7 +152,8 @@ class HierKernels:
             credit=tr.mem.ptr + tr.offsets["credit"] if puts else 0, nvshmem_puts=puts,
             slot_bytes=tr.slot_bytes, header_bytes=header_bytes, emulate_nic=not puts, nic_blocks=self.nic_blocks,
             area=link.area_ptrs(), free_words=link.word_ptrs("free"), arrive_words=link.word_ptrs("arrive"),
-            epoch=link.next_epoch(), words_at=hier_agree.strip_at(comm) if words else -1, counters=self.counters.data_ptr(), rdma_blocks=self.rdma_blocks,
+            epoch=link.next_epoch(), words_at=hier_agree.strip_at(comm) if words else -1,
+            counters=self.counters.data_ptr(), rdma_blocks=self.rdma_blocks,
             nvl_blocks=self.nvl_blocks, err_dev=tr.err_dev, timeout_s=tr.timeout_s, seq_ptr=tr.seq.data_ptr())
 
     def words_in_strip(self, fingerprint) -> bool:
@@ -214,9 +216,9 @@ class HierKernels:
             launch = self.dispatch_launch(  # a row of 16 bytes of x (and the node mask), from no token
                 words=True, x=0, scales=0, topk_idx=0, topk_weights=0, x_bytes=16, scale_bytes=0, topk=0,
                 with_idx=False, with_weights=False, num_tokens=0, out_x=0, out_scales=0, out_topk_idx=0,
-                out_src_idx=0, out_weights=0, first_expert=0, local_experts=0, num_recv=0, masks=0, rdma_slot=0, rows_to=none,
-                rows_from=none, first_row=zeros.data_ptr(), route=zeros.data_ptr(), singles=zeros.data_ptr(),
-                max_rows=1)
+                out_src_idx=0, out_weights=0, first_expert=0, local_experts=0, num_recv=0, masks=0, rdma_slot=0,
+                rows_to=none, rows_from=none, first_row=zeros.data_ptr(), route=zeros.data_ptr(),
+                singles=zeros.data_ptr(), max_rows=1)
             self._launch("hier_dispatch", launch, fingerprint)
         self._last_stream = stream
         self.event = torch.cuda.Event()
@@ -273,6 +275,15 @@ def dispatch_plan(comm: HierComm, counts: List[List[int]], ncounts: List[List[in
                 masks=node_masks(in_rank, N, G).contiguous() if G > 1 else None)
 
 
+@functools.lru_cache(maxsize=64)
+def _other_nodes(num_nodes: int, node: int, device: torch.device) -> torch.Tensor:
+    """bool ``[N]``: every node but ``node`` (made once per shape: a column assignment per call costs three torch
+    calls)."""
+    mask = torch.ones(num_nodes, dtype=torch.bool)
+    mask[node] = False
+    return mask.to(device)
+
+
 def combine_plan(comm: HierComm, counts: List[List[int]], is_token_in_rank: torch.Tensor, held_stride: int,
                  partial_stride: int) -> dict:
     """The routing fields of one combine launch (hier_kernels.hpp HierCombineArgs): ``held`` / ``begins`` [R] (rows
@@ -297,8 +308,7 @@ def combine_plan(comm: HierComm, counts: List[List[int]], is_token_in_rank: torc
     # ranked among those (r2). Our own node's partials are all fp32, ranked among the tokens our node holds: the
     # second case with n1 = 0.
     holders = is_token_in_rank.view(T, N, G).sum(dim=2)  # [T, N]
-    one = holders == 1
-    one[:, comm.node] = False
+    one = (holders == 1) & _other_nodes(N, comm.node, is_token_in_rank.device)
     several = (holders > 0) & ~one
     r1 = one.cumsum(0, dtype=torch.int64) - 1
     r2 = several.cumsum(0, dtype=torch.int64) - 1
@@ -355,7 +365,8 @@ def recv_outputs(n: int, x_parts: List[torch.Tensor], topk: int, with_idx: bool,
     views of one block, at three torch calls per view)."""
     out = [torch.empty(n, *p.shape[1:], dtype=p.dtype, device=device) for p in x_parts]
     if with_idx:
-        out += [torch.empty(n, topk, dtype=torch.int64, device=device), torch.empty(n, dtype=torch.int32, device=device)]
+        out += [torch.empty(n, topk, dtype=torch.int64, device=device),
+                torch.empty(n, dtype=torch.int32, device=device)]
     if with_weights:
         out.append(torch.empty(n, topk, dtype=torch.float32, device=device))
     return out
@@ -464,14 +475,15 @@ def combine(k: HierKernels, x: torch.Tensor, handle: Handle, topk_weights: Optio
 
     out_x = torch.empty(T, H, dtype=x.dtype, device=dev)
     out_w = torch.empty(T, K, dtype=torch.float32, device=dev) if w is not None else None
-    gather_t = device_table(gather, torch.int64, dev)
-    area_t = device_table(area_off, torch.int64, dev)
+    tables = device_table([v for row in gather for v in row] + [v for row in area_off for v in row], torch.int64, dev)
+    gather_ptr = tables.data_ptr()
+    area_ptr = gather_ptr + 8 * 3 * R  # area_off [N][G] right after gather [R][3]: one copy to the device
     with torch.cuda.device(dev):
         k._launch("hier_combine", k.combine_launch(
             words=words, held_stride=held_stride, w_off=w_off, hidden=H, topk=K, fp8=bool(use_fp8),
             own_x=xs.data_ptr(), own_w=w.data_ptr() if w is not None else 0, own_begin=begins[rank],
-            gather=gather_t.data_ptr(), route=info.route.data_ptr(), singles=info.singles.data_ptr(),
-            max_rows=info.route.shape[1], rows_from=info.rows_from, area_off=area_t.data_ptr(),
+            gather=gather_ptr, route=info.route.data_ptr(), singles=info.singles.data_ptr(),
+            max_rows=info.route.shape[1], rows_from=info.rows_from, area_off=area_ptr,
             partial_stride=partial_stride, recv_off=recv_off.data_ptr(), num_tokens=T, out_x=out_x.data_ptr(),
             out_w=out_w.data_ptr() if out_w is not None else 0), fingerprint)
     k.end_call(stream)

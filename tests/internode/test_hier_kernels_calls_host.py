@@ -218,3 +218,55 @@ def test_a_launch_that_fits_everywhere_passes():
                                   link=types.SimpleNamespace(area_bytes=16 * 32))
         HierKernels.check_fits(k, counts, ncounts, 32, 32)
         HierKernels.check_fits(k, counts, ncounts, 32, 32, combine=True)
+
+
+def _int64s(ptr, n):
+    import ctypes
+    return list((ctypes.c_int64 * n).from_address(ptr)) if n else []
+
+
+@pytest.mark.parametrize("nodes,gpn", [(2, 1), (2, 2)])
+def test_calls_hand_their_kernels_the_plans_tables(nodes, gpn):
+    """The host path of a fresh dispatch, a cached one and a combine with the kernels recorded instead of run
+    (tests/helpers/hier_stand_ins.py): the dispatch asks for local ids from this rank's first expert, and the
+    combine's gather and area tables, read at the pointers it passes (one copy to the device holds both), are the
+    combine plan's."""
+    from deepcomm.internode import hier_kernels as hk
+    from tests.helpers.hier_stand_ins import kernels_on_threads, no_device, world_for
+    M, H, K = 24, 64, 3
+    R = nodes * gpn
+    E = 4 * R
+    world = world_for(nodes, gpn, M, H)
+
+    def fn(rank):
+        k = kernels_on_threads(world, rank, nodes, gpn, M, H)
+        seen = {}
+
+        def launch(kernel, launch, fingerprint=None):
+            fields = launch[1]
+            if kernel == "hier_combine":  # the tables live only during the call: read them now
+                N, G = nodes, gpn
+                seen["gather"] = _int64s(fields["gather"], 3 * R)
+                seen["area_off"] = _int64s(fields["area_off"], N * G)
+            seen[kernel] = fields
+
+        k._launch = launch
+        gen = torch.Generator().manual_seed(rank)
+        x = torch.randn(M, H, generator=gen).to(torch.bfloat16)
+        idx = torch.rand(M, E, generator=gen).topk(K, dim=1).indices
+        w = torch.rand(M, K, generator=gen)
+        h = hk.dispatch(k, x, idx, w, E, None, 1, None)[4]
+        fresh = seen["hier_dispatch"]
+        assert (fresh["first_expert"], fresh["local_experts"]) == (rank * (E // R), E // R)
+        hk.dispatch(k, x, None, w, E, h, 1, None)
+        assert seen["hier_dispatch"]["local_experts"] == 0  # a cached dispatch has no ids to make local
+        y = torch.randn(h.num_recv, H, generator=gen).to(torch.bfloat16)
+        hk.combine(k, y, h, torch.rand(h.num_recv, K, generator=gen), False, None)
+        held = hk.held_row(H, K, False)["stride"]
+        plan = hk.combine_plan(k.comm, h.node_route.counts, h.is_token_in_rank, held, hk.round_up(4 * H + 4 * K, 16))
+        assert seen["gather"] == [v for row in plan["gather"] for v in row]
+        assert seen["area_off"] == [v for row in plan["area_off"] for v in row]
+        return True
+
+    with no_device():
+        assert all(run(world, fn))
