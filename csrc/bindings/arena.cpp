@@ -89,10 +89,10 @@ void register_arena(py::module_& m) {
         std::vector<dlpack::ManagedTensor*> made = a.core.views(offset, size, owned, parsed);
         std::vector<py::object> capsules;  // each owns its view until the consumer takes it
         capsules.reserve(made.size());
-        for (auto* v : made) {
-          PyObject* c = PyCapsule_New(v, dlpack::kCapsuleName, capsule_destructor);
-          if (c == nullptr) {
-            v->deleter(v);
+        for (size_t i = 0; i < made.size(); ++i) {
+          PyObject* c = PyCapsule_New(made[i], dlpack::kCapsuleName, capsule_destructor);
+          if (c == nullptr) {  // the views not yet in a capsule die here, those in one with their capsule
+            for (size_t j = i; j < made.size(); ++j) made[j]->deleter(made[j]);
             throw py::error_already_set();
           }
           capsules.push_back(py::reinterpret_steal<py::object>(c));
