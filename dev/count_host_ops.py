@@ -96,6 +96,9 @@ def internode_calls(nodes: int, gpus: int) -> dict:
         with Counted() as c:
             hk.combine(k, y, h, yw, False, None)
         got["combine"] = c
+        with Counted() as c:
+            hk.combine(k, y, h, yw, False, None)
+        got["combine again (same handle)"] = c
         return got
 
     with no_device():

@@ -45,6 +45,9 @@ from .nic_transport import CHUNK_BYTES, LOG_WQEBBS
 from .sm_split import nic_blocks_for, split_sms
 
 
+COMBINE_TABLES = 4  # combine layouts (strides) a route keeps the device tables of
+
+
 @dataclasses.dataclass
 class NodeRoute:
     """What a dispatch's forwarding decided, for the combine (kept in ``Handle.node_route``)."""
@@ -53,6 +56,10 @@ class NodeRoute:
     rows_from: List[int]       # rows the rail rank of each node sent us
     counts: List[List[int]]    # the count matrix, on the host
     node_counts: List[List[int]]  # the node counts [R][N], on the host (``counts`` itself with one GPU per node)
+    # The device tables later calls with this route read as they are (the kernels never write them), made once:
+    # the dispatch's "rdma_slot", "masks" and "first_row" for its cached dispatches; a combine's (recv_off, gather
+    # and area tables) under its (held_stride, partial_stride).
+    tables: dict = dataclasses.field(default_factory=dict)
 
 
 class HierKernels:
@@ -256,12 +263,13 @@ def _rdma_slots(in_node: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------------------------- launch plans
 def dispatch_plan(comm: HierComm, counts: List[List[int]], ncounts: List[List[int]], in_rank: torch.Tensor,
-                  stride: int) -> dict:
+                  stride: int, tables: Optional[dict] = None) -> dict:
     """The routing fields of one dispatch launch (hier_kernels.hpp HierDispatchArgs), from the count matrix
     ``counts`` [R][R], the node counts ``ncounts`` [R][N] (``counts`` itself with one GPU per node) and our
     ``in_rank`` bool [T, R]: ``rows_to`` / ``rows_from`` [N], ``first_row`` [N][G], ``max_rows``, ``rdma_slot``
     int32 [T, N] and ``masks`` int32 [T, N] (None with one GPU per node). Host lists and CPU-or-device tensors on
-    ``in_rank``'s device; no launch."""
+    ``in_rank``'s device; no launch. ``tables``: a fresh dispatch's NodeRoute.tables, whose ``rdma_slot`` and
+    ``masks`` a cached dispatch of its route takes as they are."""
     rank, N, G = comm.rank, comm.num_nodes, comm.gpus
     T = in_rank.shape[0]
     node = comm.node_ranks()
@@ -270,8 +278,10 @@ def dispatch_plan(comm: HierComm, counts: List[List[int]], ncounts: List[List[in
     # node GPU d's rows from rail source (m, local) start after every lower source rank's rows for d
     below = [list(itertools.accumulate((counts[q][d] for q in range(comm.world_size)), initial=0)) for d in node]
     first_row = [[below[g][comm.rank_of(m, comm.local)] for g in range(G)] for m in range(N)]
-    return dict(rows_to=rows_to, rows_from=rows_from, first_row=first_row, max_rows=max(rows_from + [1]),
-                rdma_slot=_rdma_slots(in_rank.view(T, N, G).any(dim=2)),
+    plan = dict(rows_to=rows_to, rows_from=rows_from, first_row=first_row, max_rows=max(rows_from + [1]))
+    if tables:
+        return dict(plan, rdma_slot=tables["rdma_slot"], masks=tables["masks"])
+    return dict(plan, rdma_slot=_rdma_slots(in_rank.view(T, N, G).any(dim=2)),
                 masks=node_masks(in_rank, N, G).contiguous() if G > 1 else None)
 
 
@@ -407,7 +417,8 @@ def dispatch(k: HierKernels, x, topk_idx: Optional[torch.Tensor], topk_weights: 
     row = dispatch_row(x_bytes, scale_bytes, K, ids is not None, weights is not None, G)
     stride = row["stride"]
 
-    plan = dispatch_plan(comm, counts, ncounts, in_rank, stride)
+    tables = handle.node_route.tables if handle is not None else None
+    plan = dispatch_plan(comm, counts, ncounts, in_rank, stride, tables)
     rows_to, rows_from, max_rows, masks = plan["rows_to"], plan["rows_from"], plan["max_rows"], plan["masks"]
     k.check_fits(counts, ncounts, stride, stride)
     n_recv = sum(counts[s][rank] for s in range(R))
@@ -420,7 +431,7 @@ def dispatch(k: HierKernels, x, topk_idx: Optional[torch.Tensor], topk_weights: 
     route = torch.empty(N, max_rows, G + 1, dtype=torch.int32, device=dev)
     singles = torch.empty(N, dtype=torch.int32, device=dev)
     slots = plan["rdma_slot"]
-    first = device_table(plan["first_row"], torch.int32, dev)
+    first = tables["first_row"] if tables else device_table(plan["first_row"], torch.int32, dev)
     agreed = fingerprint if handle is not None else None  # a fresh dispatch compared them in its count round
     with torch.cuda.device(dev):
         k._launch("hier_dispatch", k.dispatch_launch(
@@ -442,7 +453,9 @@ def dispatch(k: HierKernels, x, topk_idx: Optional[torch.Tensor], topk_weights: 
                            expert_alignment, per_expert=per_expert, ids_local=True)
     if handle is None:
         out = out[:4] + (dataclasses.replace(out[4], node_count_matrix=node_counts,
-                                             node_route=NodeRoute(route, singles, rows_from, counts, ncounts)),)
+                                             node_route=NodeRoute(route, singles, rows_from, counts, ncounts,
+                                                                  dict(rdma_slot=slots, masks=masks,
+                                                                       first_row=first))),)
     k.end_call(stream)
     return out
 
@@ -467,21 +480,29 @@ def combine(k: HierKernels, x: torch.Tensor, handle: Handle, topk_weights: Optio
     held = held_row(H, K, bool(use_fp8))
     held_stride, w_off = held["stride"], held["w_off"]
     partial_stride = round_up(4 * H + 4 * K, 16)
-    plan = combine_plan(comm, counts, handle.is_token_in_rank, held_stride, partial_stride)
-    begins, gather, area_off, recv_off = plan["begins"], plan["gather"], plan["area_off"], plan["recv_off"]
+    made = info.tables.get((held_stride, partial_stride))  # a second combine of this route (backward): as made
+    if made is None:
+        plan = combine_plan(comm, counts, handle.is_token_in_rank, held_stride, partial_stride)
+        gather, area_off = plan["gather"], plan["area_off"]
+        # area_off [N][G] right after gather [R][3]: one copy to the device
+        table = device_table([v for row in gather for v in row] + [v for row in area_off for v in row],
+                             torch.int64, dev)
+        made = (plan["begins"][rank], plan["recv_off"], table)
+        if len(info.tables) < COMBINE_TABLES:
+            info.tables[(held_stride, partial_stride)] = made
+    own_begin, recv_off, table = made
     words = k.words_in_strip(fingerprint)
     k.check_fits(counts, info.node_counts, max(held_stride, partial_stride), held_stride,
                  k.header_bytes(words, True), combine=True)
 
     out_x = torch.empty(T, H, dtype=x.dtype, device=dev)
     out_w = torch.empty(T, K, dtype=torch.float32, device=dev) if w is not None else None
-    tables = device_table([v for row in gather for v in row] + [v for row in area_off for v in row], torch.int64, dev)
-    gather_ptr = tables.data_ptr()
-    area_ptr = gather_ptr + 8 * 3 * R  # area_off [N][G] right after gather [R][3]: one copy to the device
+    gather_ptr = table.data_ptr()
+    area_ptr = gather_ptr + 8 * 3 * R
     with torch.cuda.device(dev):
         k._launch("hier_combine", k.combine_launch(
             words=words, held_stride=held_stride, w_off=w_off, hidden=H, topk=K, fp8=bool(use_fp8),
-            own_x=xs.data_ptr(), own_w=w.data_ptr() if w is not None else 0, own_begin=begins[rank],
+            own_x=xs.data_ptr(), own_w=w.data_ptr() if w is not None else 0, own_begin=own_begin,
             gather=gather_ptr, route=info.route.data_ptr(), singles=info.singles.data_ptr(),
             max_rows=info.route.shape[1], rows_from=info.rows_from, area_off=area_ptr,
             partial_stride=partial_stride, recv_off=recv_off.data_ptr(), num_tokens=T, out_x=out_x.data_ptr(),

@@ -261,11 +261,21 @@ def test_calls_hand_their_kernels_the_plans_tables(nodes, gpn):
         hk.dispatch(k, x, None, w, E, h, 1, None)
         assert seen["hier_dispatch"]["local_experts"] == 0  # a cached dispatch has no ids to make local
         y = torch.randn(h.num_recv, H, generator=gen).to(torch.bfloat16)
-        hk.combine(k, y, h, torch.rand(h.num_recv, K, generator=gen), False, None)
         held = hk.held_row(H, K, False)["stride"]
         plan = hk.combine_plan(k.comm, h.node_route.counts, h.is_token_in_rank, held, hk.round_up(4 * H + 4 * K, 16))
-        assert seen["gather"] == [v for row in plan["gather"] for v in row]
-        assert seen["area_off"] == [v for row in plan["area_off"] for v in row]
+        first = None
+        for _ in range(2):  # the second combine of the route takes the first's device tables as they are
+            hk.combine(k, y, h, torch.rand(h.num_recv, K, generator=gen), False, None)
+            assert seen["gather"] == [v for row in plan["gather"] for v in row]
+            assert seen["area_off"] == [v for row in plan["area_off"] for v in row]
+            ptrs = (seen["hier_combine"]["gather"], seen["hier_combine"]["recv_off"])
+            assert first is None or ptrs == first
+            first = ptrs
+        assert torch.equal(h.node_route.tables[(held, hk.round_up(4 * H + 4 * K, 16))][1], plan["recv_off"])
+        hk.dispatch(k, x, None, w, E, h, 1, None)  # a cached dispatch: the fresh one's slots, masks and first rows
+        cached, tables = seen["hier_dispatch"], h.node_route.tables
+        assert cached["rdma_slot"] == tables["rdma_slot"].data_ptr() == fresh["rdma_slot"]
+        assert cached["first_row"] == tables["first_row"].data_ptr() == fresh["first_row"]
         return True
 
     with no_device():
