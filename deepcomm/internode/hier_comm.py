@@ -150,6 +150,10 @@ class HierComm:
         got = self.rail_exchange({m: [mine] for m in self.other_nodes}, {m: stride for m in self.other_nodes}, stage,
                                  wait=wait)
         rail_rows = [mine if m == self.node else got[m].view(1, stride) for m in range(N)]
+        if self.gpus == 1:  # the rail is every rank, in rank order: no NVLink hop to take
+            rows = torch.cat(rail_rows)
+            rows = rows if nbytes == stride else rows[:, :nbytes]
+            return rows.reshape(-1).view(t.dtype).reshape(R, *t.shape)
         with self.node_hop(stage + ":node", wait=wait) as hop:
             for g in range(self.gpus):
                 for m in range(N):
