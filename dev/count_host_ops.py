@@ -40,16 +40,27 @@ class Counted(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def nvlink_calls() -> dict:
-    from tests.helpers.nvl_stand_ins import cpu_backend
-    undo = []
+class _Patches:
+    """setattr that undoes itself (the stand-ins patch torch.cuda and the backend's stream queries)."""
 
-    def setattr_(obj, name, value, raising=True):
-        undo.append((obj, name, getattr(obj, name, None)))
+    def __init__(self):
+        self.saved = []
+
+    def setattr(self, obj, name, value, raising=True):
+        self.saved.append((obj, name, getattr(obj, name, None)))
         setattr(obj, name, value)
 
+    def undo(self):
+        for obj, name, value in reversed(self.saved):
+            setattr(obj, name, value)
+        self.saved.clear()
+
+
+def nvlink_calls() -> dict:
+    from tests.helpers.nvl_stand_ins import cpu_backend
+    patches = _Patches()
     try:
-        b = cpu_backend(setattr_).b
+        b = cpu_backend(patches.setattr).b
         T, H, K, E = 128, 1024, 8, 8
         x, idx, w = torch.zeros(T, H, dtype=torch.bfloat16), torch.zeros(T, K, dtype=torch.int64), torch.zeros(T, K)
         *_, h = b.dispatch(x, idx, w, E, None, 1)
@@ -63,22 +74,22 @@ def nvlink_calls() -> dict:
             out[name] = c
         return out
     finally:
-        for obj, name, value in reversed(undo):
-            setattr(obj, name, value)
+        patches.undo()
 
 
 def internode_calls(nodes: int, gpus: int) -> dict:
     from deepcomm import agreement
     from deepcomm.internode import hier_kernels as hk
-    from tests.helpers.hier_stand_ins import kernels_on_threads, no_device, world_for
-    from tests.helpers.threaded_world import run
+    from deepcomm.internode.internode_rows import max_node_row_bytes
+    from tests.helpers.hier_stand_ins import recording_kernels, recording_world
+    from tests.helpers.threaded_world import World, run
     M, H, K = 64, 256, 8
     R = nodes * gpus
     E = 16 * R
-    world = world_for(nodes, gpus, M, H)
+    world = World(R, gpus, area_bytes=R * M * max_node_row_bytes(H), timeout_s=120.0)
 
     def rank_calls(rank):
-        k = kernels_on_threads(world, rank, nodes, gpus, M, H)
+        k = recording_kernels(world, rank, [], M, H)
         gen = torch.Generator().manual_seed(rank)
         x = torch.randn(M, H, generator=gen).to(torch.bfloat16)
         idx = torch.rand(M, E, generator=gen).topk(K, dim=1).indices
@@ -101,8 +112,12 @@ def internode_calls(nodes: int, gpus: int) -> dict:
         got["combine again (same handle)"] = c
         return got
 
-    with no_device():
+    patches = _Patches()
+    try:
+        recording_world(patches.setattr)
         return run(world, rank_calls)[0]
+    finally:
+        patches.undo()
 
 
 def main() -> None:

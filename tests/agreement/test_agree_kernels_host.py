@@ -1,6 +1,6 @@
 """Call agreement of the internode kernels' host side at several GPUs per node (deepcomm/internode/hier_kernels.py,
 hier_agree.py, deferred_agree.py), on the CPU: the ranks are threads and the launches are recorded instead of run
-(tests/internode/test_hier_launch_args.py). 2 nodes x 2 GPUs:
+(tests/helpers/hier_stand_ins.py). 2 nodes x 2 GPUs:
 
 - a fresh dispatch's count round carries every rank's words through the strip, so ranks whose count rows differ
   in length (num_experts) or a rank that rejected its dispatch still raise the reference text on every rank;
@@ -19,7 +19,8 @@ from deepcomm import agreement
 from deepcomm.internode import hier_agree, hier_kernels
 from deepcomm.internode.internode_rows import RAIL_HEADER_BYTES, max_node_row_bytes
 from tests.helpers.threaded_world import World, run
-from tests.internode.test_hier_launch_args import C, E, H, K, M, _kernels, _recording_world
+from tests.helpers.hier_stand_ins import recording_kernels, recording_world
+from tests.internode.test_hier_launch_args import C, E, H, K, M
 
 pytestmark = pytest.mark.skipif(C is None, reason="deepcomm._C is not built (no nvcc at install time)")
 
@@ -62,11 +63,11 @@ def test_fresh_dispatch_count_round_compares_every_rank(monkeypatch, odd):
     """Rank 3 (neither rank 0's node nor its rail) counts for twice the experts, so its count row is longer; or
     rejects its dispatch and joins the count round with its words only. Every other rank raises the reference
     text of every rank's words."""
-    _recording_world(monkeypatch)
+    recording_world(monkeypatch.setattr)
     world = _world()
 
     def fn(rank):
-        k = _kernels(world, rank, [])
+        k = recording_kernels(world, rank, [], M, H)
         k.tr.whole_slots = True  # a slot holds stale bytes past a shorter block, as on a GPU
         x, idx, w = _inputs(rank)
         if rank == R - 1 and odd == "rejected":
@@ -87,11 +88,11 @@ def test_fresh_dispatch_count_round_compares_every_rank(monkeypatch, odd):
 
 def test_agreeing_count_round_keeps_the_counts(monkeypatch):
     """With every rank agreeing the count round's words come from the strip and its counts are every rank's."""
-    _recording_world(monkeypatch)
+    recording_world(monkeypatch.setattr)
     world = _world()
 
     def fn(rank):
-        k = _kernels(world, rank, [])
+        k = recording_kernels(world, rank, [], M, H)
         x, idx, w = _inputs(rank)
         words = agreement.dispatch(1, BUF, x, idx, w, E, None)
         _, _, count_matrix, _, counts, _, _ = hier_kernels.fresh_counts(k, idx, E, x.shape[0], 1, words)
@@ -126,13 +127,13 @@ def test_cached_dispatch_and_combine_take_the_words_into_the_strip(monkeypatch):
     """A cached dispatch and a combine with words: the launch names the strip (words_at) and, for the combine,
     a header per node GPU; the host then compares the strip: the agreeing cached dispatch passes, the combine
     where rank 3 has no topk_weights raises the reference text on every rank."""
-    _recording_world(monkeypatch)
+    recording_world(monkeypatch.setattr)
     _events(monkeypatch)
     world = _world()
 
     def fn(rank):
         launches = []
-        k = _with_send_area(_kernels(world, rank, launches))
+        k = _with_send_area(recording_kernels(world, rank, launches, M, H))
         x, idx, w = _inputs(rank)
         *_, handle = hier_kernels.dispatch(k, x, idx, w, E, None, 1, agreement.dispatch(1, BUF, x, idx, w, E, None))
         handle.call = 1
@@ -160,13 +161,13 @@ def test_cached_dispatch_and_combine_take_the_words_into_the_strip(monkeypatch):
 
 @pytest.mark.parametrize("op", ["dispatch", "combine"])
 def test_a_rejected_cached_dispatch_or_combine_launches_with_no_rows(monkeypatch, op):
-    _recording_world(monkeypatch)
+    recording_world(monkeypatch.setattr)
     _events(monkeypatch)
     world = _world()
 
     def fn(rank):
         launches = []
-        k = _with_send_area(_kernels(world, rank, launches))
+        k = _with_send_area(recording_kernels(world, rank, launches, M, H))
         words = agreement.rejected(op, 4, BUF, ValueError("x: must be bfloat16"))
         k.reject(words, cached=op == "dispatch")
         (kind, launch), = launches

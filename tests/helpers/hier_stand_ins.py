@@ -1,23 +1,22 @@
 """Stand-ins for the CUDA side of the internode kernels' calls (deepcomm/internode/hier_kernels.py), so that their
-host path runs on a CPU box with the ranks as threads (tests/helpers/threaded_world.py): the count round over the
-threads' rail and node stand-ins, the launch plans and output allocations, and a recorded launch in place of the
-kernels (whose outputs therefore stay unwritten). dev/count_host_ops.py counts the torch operators of each call."""
+host path runs on a CPU box with the ranks as threads (tests/helpers/threaded_world.py): a HierKernels over the
+threads' rail and node stand-ins whose transport module records each typed launch instead of running it (the
+kernels' outputs therefore stay unwritten), and torch.cuda's stream, event and device calls made harmless.
+tests/internode/test_hier_launch_args.py and tests/agreement/test_agree_kernels_host.py check what the calls build;
+dev/count_host_ops.py counts their torch operators."""
 from __future__ import annotations
 
-import contextlib
 import types
 
 import torch
 
-from deepcomm.internode import hier_kernels
-from deepcomm.internode.deferred_agree import DeferredAgreement
-from deepcomm.internode.hier_comm import HierComm
-from deepcomm.internode.internode_rows import max_node_row_bytes, rail_slot_bytes
-from tests.helpers.threaded_world import NodeArea, RailTransport, World
+from deepcomm._ext import load_extension
+from tests.helpers.threaded_world import NodeArea, RailTransport
 
 
 class QueuedRail(RailTransport):
-    """A RailTransport that takes the kernels' queued rounds (``wait=False``) and has an empty error record."""
+    """A RailTransport that takes the kernels' queued rounds (``wait=False``, recorded in ``waits``) and has an
+    empty error record."""
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
@@ -30,49 +29,71 @@ class QueuedRail(RailTransport):
     def check_error(self):
         pass
 
+    def refuse_if_broken(self):
+        pass
 
-class QuietArea(NodeArea):
-    """A NodeArea with an empty error record and the area size the kernels' checks read."""
 
-    def __init__(self, world, rank, area_bytes):
-        super().__init__(world, rank)
-        self.area_bytes = area_bytes
+class RecordedArea(NodeArea):
+    """A NodeArea with the pointers and epochs a launch names (made up: nothing reads them) and an empty error
+    record."""
+    broken, epoch = False, 0
+
+    def area_ptrs(self):
+        return [0x1000 * (g + 1) for g in range(self.gpus)]
+
+    def word_ptrs(self, name):
+        return [0x100 * (g + 1) + (8 if name == "free" else 16) for g in range(self.gpus)]
+
+    def next_epoch(self):
+        self.epoch += 1
+        return self.epoch
 
     def check_error(self):
         pass
 
 
-def world_for(nodes: int, gpus: int, max_tokens: int, hidden: int) -> World:
-    R = nodes * gpus
-    return World(R, gpus, area_bytes=R * max_tokens * max_node_row_bytes(hidden), timeout_s=120.0)
+def recording_world(setattr_) -> None:
+    """torch.cuda's stream and event calls made harmless on the CPU (the launcher only orders and records), through
+    ``setattr_`` (monkeypatch.setattr, or any (obj, name, value) setter that undoes itself)."""
+    stream = types.SimpleNamespace(cuda_stream=5, wait_stream=lambda s: None)
+    setattr_(torch.cuda, "current_stream", lambda device=None: stream)
+    setattr_(torch.cuda, "Event", lambda: types.SimpleNamespace(record=lambda s=None: None))
+
+    class _Device:
+        def __init__(self, device):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    setattr_(torch.cuda, "device", _Device)
 
 
-def kernels_on_threads(world: World, rank: int, nodes: int, gpus: int, max_tokens: int, hidden: int):
-    """The ``k`` (HierKernels' interface) of thread ``rank``: its HierComm over the threads, deferred agreement,
-    the real size checks, and launches recorded in ``k.launches`` instead of run. Call inside ``no_device()``."""
-    R = nodes * gpus
-    tr = QueuedRail(world, rank, rail_slot_bytes(max_tokens, hidden), [m * gpus + rank % gpus for m in range(nodes)])
-    tr.timeout_s = 120.0
-    link = QuietArea(world, rank, R * max_tokens * max_node_row_bytes(hidden))
-    comm = HierComm(tr, link, rank, R, gpus, torch.device("cpu"))
-    k = types.SimpleNamespace(comm=comm, tr=tr, link=link, agreement=DeferredAgreement(), launches=[])
-    k.begin_call = lambda: None
-    k.end_call = lambda stream: None
-    k.words_in_strip = lambda fingerprint: False
-    k.header_bytes = lambda words, combine: hier_kernels.RAIL_HEADER_BYTES
-    k.check_fits = lambda *a, **kw: hier_kernels.HierKernels.check_fits(k, *a, **kw)
-    k.dispatch_launch = lambda **fields: ("dispatch", fields)
-    k.combine_launch = lambda **fields: ("combine", fields)
-    k._launch = lambda kernel, launch, fingerprint=None: k.launches.append((kernel, launch))
+def recording_kernels(world, rank: int, launches: list, max_tokens: int, hidden: int):
+    """A HierKernels over the threaded ``world`` for up to ``max_tokens`` tokens of ``hidden``, whose transport
+    module records each launch in ``launches`` as ``(kind, typed launch)`` instead of running it."""
+    from deepcomm.internode.deferred_agree import DeferredAgreement
+    from deepcomm.internode.hier_comm import HierComm
+    from deepcomm.internode.hier_kernels import HierKernels
+    from deepcomm.internode.internode_rows import rail_slot_bytes
+    G, N = world.gpus, world.world_size // world.gpus
+    T = load_extension().transport
+    module = types.SimpleNamespace(
+        HierLaunch=T.HierLaunch, HierDispatchLaunch=T.HierDispatchLaunch, HierCombineLaunch=T.HierCombineLaunch,
+        hier_dispatch=lambda launch, keys, stream: launches.append(("dispatch", launch)),
+        hier_combine=lambda launch, keys, stream: launches.append(("combine", launch)))
+    tr = QueuedRail(world, rank, rail_slot_bytes(max_tokens, hidden) + 64, [m * G + rank % G for m in range(N)])
+    tr.T, tr.keys, tr.round, tr.seq, tr.lkey, tr.err_dev, tr.timeout_s = module, None, 0, torch.zeros(1), 7, 0x80, 2.0
+    tr.mem, tr.offsets = types.SimpleNamespace(ptr=0x10000), {"send": 0, "recv": 0x100, "signal": 0x200, "credit": 0}
+    link = RecordedArea(world, rank)
+    comm = HierComm(tr, link, rank, world.world_size, G, torch.device("cpu"))
+    k = HierKernels.__new__(HierKernels)
+    k.comm, k.tr, k.link, k.device_puts = comm, tr, link, None
+    k.counters, k.agreement = torch.zeros(4, dtype=torch.int32), DeferredAgreement()
+    k.event, k._last_stream = None, None
+    k.peer_table = torch.zeros(max(1, N - 1), 4, dtype=torch.int64)
+    k.rdma_blocks, k.nvl_blocks, k.nic_blocks = 3, 5, 2
     return k
-
-
-@contextlib.contextmanager
-def no_device():
-    """The calls enter ``torch.cuda.device(dev)`` around their launch: a no-op for the CPU stand-ins."""
-    saved = torch.cuda.device
-    torch.cuda.device = lambda device: contextlib.nullcontext()
-    try:
-        yield
-    finally:
-        torch.cuda.device = saved

@@ -19,24 +19,10 @@ from deepcomm.internode.hier_kernels import fresh_counts
 from deepcomm.internode.hier_normal import pack_rows
 from deepcomm.internode.internode_rows import max_node_row_bytes, rail_slot_bytes
 from deepcomm.reference import normal
-from tests.helpers.threaded_world import NodeArea, RailTransport, ThreadComm, World, run
+from tests.helpers.hier_stand_ins import QueuedRail, recording_kernels, recording_world
+from tests.helpers.threaded_world import NodeArea, ThreadComm, World, run
 
 E, K, H, M = 24, 3, 64, 40
-
-
-class QueuedRail(RailTransport):
-    """RailTransport that records whether each round was asked to wait (the kernels' count round must not)."""
-
-    def __init__(self, *args, **kw):
-        super().__init__(*args, **kw)
-        self.waits = []
-
-    def exchange(self, send_bytes, send_begin, wait=True):
-        self.waits.append(wait)
-        super().exchange(send_bytes, send_begin)
-
-    def check_error(self):
-        pass
 
 
 class CountedArea(NodeArea):
@@ -226,57 +212,45 @@ def _int64s(ptr, n):
 
 
 @pytest.mark.parametrize("nodes,gpn", [(2, 1), (2, 2)])
-def test_calls_hand_their_kernels_the_plans_tables(nodes, gpn):
-    """The host path of a fresh dispatch, a cached one and a combine with the kernels recorded instead of run
-    (tests/helpers/hier_stand_ins.py): the dispatch asks for local ids from this rank's first expert, and the
-    combine's gather and area tables, read at the pointers it passes (one copy to the device holds both), are the
-    combine plan's."""
+def test_calls_hand_their_kernels_the_plans_tables(monkeypatch, nodes, gpn):
+    """The host path of a fresh dispatch, a cached one and combines with the launches recorded instead of run
+    (tests/helpers/hier_stand_ins.py): the fresh dispatch asks for local ids from this rank's first expert (a
+    cached one for none) and a cached dispatch takes the fresh one's slot and first-row tables; the combine's
+    gather and area tables, read at the pointers it passes (one copy to the device holds both), are the combine
+    plan's, and a second combine of the route gets the first one's tables."""
     from deepcomm.internode import hier_kernels as hk
-    from tests.helpers.hier_stand_ins import kernels_on_threads, no_device, world_for
-    M, H, K = 24, 64, 3
+    recording_world(monkeypatch.setattr)
     R = nodes * gpn
     E = 4 * R
-    world = world_for(nodes, gpn, M, H)
+    world = World(R, gpn, area_bytes=R * M * max_node_row_bytes(H), timeout_s=120.0)
 
     def fn(rank):
-        k = kernels_on_threads(world, rank, nodes, gpn, M, H)
-        seen = {}
-
-        def launch(kernel, launch, fingerprint=None):
-            fields = launch[1]
-            if kernel == "hier_combine":  # the tables live only during the call: read them now
-                N, G = nodes, gpn
-                seen["gather"] = _int64s(fields["gather"], 3 * R)
-                seen["area_off"] = _int64s(fields["area_off"], N * G)
-            seen[kernel] = fields
-
-        k._launch = launch
+        launches = []
+        k = recording_kernels(world, rank, launches, M, H)
         gen = torch.Generator().manual_seed(rank)
         x = torch.randn(M, H, generator=gen).to(torch.bfloat16)
         idx = torch.rand(M, E, generator=gen).topk(K, dim=1).indices
         w = torch.rand(M, K, generator=gen)
         h = hk.dispatch(k, x, idx, w, E, None, 1, None)[4]
-        fresh = seen["hier_dispatch"]
-        assert (fresh["first_expert"], fresh["local_experts"]) == (rank * (E // R), E // R)
+        fresh = launches[-1][1]
+        assert (fresh.first_expert, fresh.local_experts) == (rank * (E // R), E // R)
         hk.dispatch(k, x, None, w, E, h, 1, None)
-        assert seen["hier_dispatch"]["local_experts"] == 0  # a cached dispatch has no ids to make local
+        cached, tables = launches[-1][1], h.node_route.tables
+        assert cached.local_experts == 0  # a cached dispatch has no ids to make local
+        assert cached.rdma_slot == tables["rdma_slot"].data_ptr() == fresh.rdma_slot
+        assert cached.first_row == tables["first_row"].data_ptr() == fresh.first_row
         y = torch.randn(h.num_recv, H, generator=gen).to(torch.bfloat16)
-        held = hk.held_row(H, K, False)["stride"]
-        plan = hk.combine_plan(k.comm, h.node_route.counts, h.is_token_in_rank, held, hk.round_up(4 * H + 4 * K, 16))
+        held, partial = hk.held_row(H, K, False)["stride"], hk.round_up(4 * H + 4 * K, 16)
+        plan = hk.combine_plan(k.comm, h.node_route.counts, h.is_token_in_rank, held, partial)
         first = None
-        for _ in range(2):  # the second combine of the route takes the first's device tables as they are
+        for _ in range(2):
             hk.combine(k, y, h, torch.rand(h.num_recv, K, generator=gen), False, None)
-            assert seen["gather"] == [v for row in plan["gather"] for v in row]
-            assert seen["area_off"] == [v for row in plan["area_off"] for v in row]
-            ptrs = (seen["hier_combine"]["gather"], seen["hier_combine"]["recv_off"])
-            assert first is None or ptrs == first
-            first = ptrs
-        assert torch.equal(h.node_route.tables[(held, hk.round_up(4 * H + 4 * K, 16))][1], plan["recv_off"])
-        hk.dispatch(k, x, None, w, E, h, 1, None)  # a cached dispatch: the fresh one's slots, masks and first rows
-        cached, tables = seen["hier_dispatch"], h.node_route.tables
-        assert cached["rdma_slot"] == tables["rdma_slot"].data_ptr() == fresh["rdma_slot"]
-        assert cached["first_row"] == tables["first_row"].data_ptr() == fresh["first_row"]
+            launch = launches[-1][1]  # its tables live on in the route: read them after the call
+            assert _int64s(launch.gather, 3 * R) == [v for row in plan["gather"] for v in row]
+            assert _int64s(launch.area_off, nodes * gpn) == [v for row in plan["area_off"] for v in row]
+            assert first is None or (launch.gather, launch.recv_off) == first
+            first = (launch.gather, launch.recv_off)
+        assert torch.equal(tables[(held, partial)][1], plan["recv_off"])
         return True
 
-    with no_device():
-        assert all(run(world, fn))
+    assert all(run(world, fn))

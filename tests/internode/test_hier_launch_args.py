@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import os
 import re
-import types
 
 import pytest
 import torch
 
 from deepcomm._ext import load_extension
 
+from tests.helpers.hier_stand_ins import recording_kernels, recording_world
 from tests.helpers.paths import ROOT
 
 C = load_extension()
@@ -137,80 +137,6 @@ def test_the_nvshmem_module_takes_the_same_objects():
 E, K, H, M = 16, 2, 64, 32
 
 
-def _recording_world(monkeypatch):
-    """torch.cuda's stream and event calls made harmless on the CPU (the launcher only orders and records)."""
-    stream = types.SimpleNamespace(cuda_stream=5, wait_stream=lambda s: None)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
-    monkeypatch.setattr(torch.cuda, "Event", lambda: types.SimpleNamespace(record=lambda s=None: None))
-
-    class _Device:
-        def __init__(self, device):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-    monkeypatch.setattr(torch.cuda, "device", _Device)
-
-
-def _kernels(world, rank, launches):
-    """A HierKernels over the threaded world whose transport module records each launch instead of running it."""
-    from deepcomm.internode.deferred_agree import DeferredAgreement
-    from deepcomm.internode.hier_comm import HierComm
-    from deepcomm.internode.hier_kernels import HierKernels
-    from deepcomm.internode.internode_rows import rail_slot_bytes
-    from tests.helpers.threaded_world import NodeArea, RailTransport
-
-    G, N = world.gpus, world.world_size // world.gpus
-    T = C.transport
-    module = types.SimpleNamespace(
-        HierLaunch=T.HierLaunch, HierDispatchLaunch=T.HierDispatchLaunch, HierCombineLaunch=T.HierCombineLaunch,
-        hier_dispatch=lambda launch, keys, stream: launches.append(("dispatch", launch)),
-        hier_combine=lambda launch, keys, stream: launches.append(("combine", launch)))
-
-    class Rail(RailTransport):
-        def exchange(self, send_bytes, send_begin, wait=True):
-            super().exchange(send_bytes, send_begin)
-
-        def check_error(self):
-            pass
-
-        def refuse_if_broken(self):
-            pass
-
-    class Area(NodeArea):
-        broken, epoch = False, 0
-
-        def area_ptrs(self):
-            return [0x1000 * (g + 1) for g in range(self.gpus)]
-
-        def word_ptrs(self, name):
-            return [0x100 * (g + 1) + (8 if name == "free" else 16) for g in range(self.gpus)]
-
-        def next_epoch(self):
-            self.epoch += 1
-            return self.epoch
-
-        def check_error(self):
-            pass
-
-    tr = Rail(world, rank, rail_slot_bytes(M, H) + 64, [m * G + rank % G for m in range(N)])
-    tr.T, tr.keys, tr.round, tr.seq, tr.lkey, tr.err_dev, tr.timeout_s = module, None, 0, torch.zeros(1), 7, 0x80, 2.0
-    tr.mem, tr.offsets = types.SimpleNamespace(ptr=0x10000), {"send": 0, "recv": 0x100, "signal": 0x200, "credit": 0}
-    link = Area(world, rank)
-    comm = HierComm(tr, link, rank, world.world_size, G, torch.device("cpu"))
-    k = HierKernels.__new__(HierKernels)
-    k.comm, k.tr, k.link, k.device_puts = comm, tr, link, None
-    k.counters, k.agreement = torch.zeros(4, dtype=torch.int32), DeferredAgreement()
-    k.event, k._last_stream = None, None
-    k.peer_table = torch.zeros(max(1, N - 1), 4, dtype=torch.int64)
-    k.rdma_blocks, k.nvl_blocks, k.nic_blocks = 3, 5, 2
-    return k
-
-
 @pytest.mark.parametrize("nodes,gpn", [(2, 1), (2, 2)])
 def test_hier_kernels_builds_typed_launches(monkeypatch, nodes, gpn):
     from deepcomm.internode import hier_kernels
@@ -218,13 +144,13 @@ def test_hier_kernels_builds_typed_launches(monkeypatch, nodes, gpn):
     from deepcomm.internode.internode_rows import max_node_row_bytes
     from tests.helpers.threaded_world import World, run
 
-    _recording_world(monkeypatch)
+    recording_world(monkeypatch.setattr)
     R = nodes * gpn
     world = World(R, gpn, area_bytes=R * M * max_node_row_bytes(H), timeout_s=120.0)
 
     def fn(rank):
         launches = []
-        k = _kernels(world, rank, launches)
+        k = recording_kernels(world, rank, launches, M, H)
         gen = torch.Generator().manual_seed(rank)
         T = 5 + rank
         idx = torch.rand(T, E, generator=gen).topk(K, dim=1).indices.contiguous()
