@@ -56,9 +56,10 @@ class NodeRoute:
     rows_from: List[int]       # rows the rail rank of each node sent us
     counts: List[List[int]]    # the count matrix, on the host
     node_counts: List[List[int]]  # the node counts [R][N], on the host (``counts`` itself with one GPU per node)
-    # The device tables later calls with this route read as they are (the kernels never write them), made once:
-    # the dispatch's "rdma_slot", "masks" and "first_row" for its cached dispatches; a combine's (recv_off, gather
-    # and area tables) under its (held_stride, partial_stride).
+    # What later calls with this route take as it is, made once: the device tables the kernels only read (the
+    # dispatch's "rdma_slot", "masks" and "first_row" for its cached dispatches; under "combine", a combine's
+    # (own_begin, recv_off, gather and area tables) by (held_stride, partial_stride)), and the route's extents
+    # ("extents", combine) that check_fits compares.
     tables: dict = dataclasses.field(default_factory=dict)
 
 
@@ -232,27 +233,43 @@ class HierKernels:
         self.event.record(stream)
 
     def check_fits(self, counts: List[List[int]], ncounts: List[List[int]], slot_stride: int, area_stride: int,
-                   header_bytes: int = RAIL_HEADER_BYTES, combine: bool = False) -> None:
+                   header_bytes: int = RAIL_HEADER_BYTES, combine: bool = False,
+                   tables: Optional[dict] = None) -> None:
         """The rows of a launch against the receive slots and the NVLink areas of every rank, not only ours, from
         the counts every rank has (``counts`` [R][R], ``ncounts`` [R][N]): every rank refuses the same launch
         with the same ValueError, so that none goes on to launch while another has refused (which would time out
         there). A dispatch puts sum(counts[:, d]) rows into d's area; a combine, the rows of every rail source of
-        d's forwarder for every GPU of d's node (hier_kernels.hpp)."""
-        comm = self.comm
-        R, N, G = comm.world_size, comm.num_nodes, comm.gpus
-        widest = max((n for row in ncounts for n in row), default=0) * slot_stride  # every rail block of the call
+        d's forwarder for every GPU of d's node (hier_kernels.hpp). ``tables``: the route's NodeRoute.tables, which
+        keep the extents (route_extents) for the route's later calls."""
+        key = ("extents", combine)
+        extents = tables.get(key) if tables is not None else None
+        if extents is None:
+            extents = route_extents(self.comm, counts, ncounts, combine)
+            if tables is not None:
+                tables[key] = extents
+        widest_rows, most_rows = extents
+        widest = widest_rows * slot_stride  # the largest rail block of the call
         if widest + header_bytes > self.tr.slot_bytes:
             raise ValueError(f"x: a block of {widest} bytes between rail ranks exceeds the receive slot "
                              f"({self.tr.slot_bytes - header_bytes} bytes); raise max_tokens_per_rank or hidden")
-        if combine:
-            into = [sum(counts[comm.rank_of(m, r % G)][e] for m in range(N) for e in comm.node_ranks(r // G))
-                    for r in range(R)]
-        else:
-            into = [sum(counts[s][d] for s in range(R)) for d in range(R)]
-        most = max(into, default=0) * area_stride
+        most = most_rows * area_stride
         if most > self.link.area_bytes:
             raise ValueError(f"x: {most} bytes of rows into one GPU's NVLink area exceed it ({self.link.area_bytes} "
                              "bytes); raise max_tokens_per_rank or hidden of the Buffer")
+
+
+def route_extents(comm: HierComm, counts: List[List[int]], ncounts: List[List[int]], combine: bool) -> tuple:
+    """``(widest, most)`` in rows, over every rank of a route: the largest rail block (every entry of ``ncounts``
+    travels as one) and the most rows into one GPU's NVLink area (a dispatch: every source's rows for that GPU; a
+    combine: the forwarder with local index l on node n gets its rail sources' rows for node n's GPUs). O(R^2)
+    additions, done in C by sum/zip: HierKernels.check_fits, once per route and kind."""
+    G = comm.gpus
+    widest = max(map(max, ncounts), default=0)
+    if combine:
+        to_node = [list(map(sum, zip(*[iter(row)] * G))) for row in counts]  # [R][N]: rows for each node's GPUs
+        rail = [list(map(sum, zip(*to_node[l::G]))) for l in range(G)]  # [G][N]: summed over a local index's rail
+        return widest, max(map(max, rail), default=0)
+    return widest, max(map(sum, zip(*counts)), default=0)
 
 
 def _rdma_slots(in_node: torch.Tensor) -> torch.Tensor:
@@ -268,20 +285,21 @@ def dispatch_plan(comm: HierComm, counts: List[List[int]], ncounts: List[List[in
     ``counts`` [R][R], the node counts ``ncounts`` [R][N] (``counts`` itself with one GPU per node) and our
     ``in_rank`` bool [T, R]: ``rows_to`` / ``rows_from`` [N], ``first_row`` [N][G], ``max_rows``, ``rdma_slot``
     int32 [T, N] and ``masks`` int32 [T, N] (None with one GPU per node). Host lists and CPU-or-device tensors on
-    ``in_rank``'s device; no launch. ``tables``: a fresh dispatch's NodeRoute.tables, whose ``rdma_slot`` and
-    ``masks`` a cached dispatch of its route takes as they are."""
+    ``in_rank``'s device; no launch. ``tables``: a fresh dispatch's NodeRoute.tables, whose ``rdma_slot``,
+    ``masks`` and ``first_row`` table a cached dispatch of its route takes as they are (``first_row`` is then
+    None)."""
     rank, N, G = comm.rank, comm.num_nodes, comm.gpus
     T = in_rank.shape[0]
     node = comm.node_ranks()
     rows_to = [ncounts[rank][m] for m in range(N)]
     rows_from = [ncounts[comm.rank_of(m, comm.local)][comm.node] for m in range(N)]
+    plan = dict(rows_to=rows_to, rows_from=rows_from, max_rows=max(rows_from + [1]))
+    if tables:
+        return dict(plan, first_row=None, rdma_slot=tables["rdma_slot"], masks=tables["masks"])
     # node GPU d's rows from rail source (m, local) start after every lower source rank's rows for d
     below = [list(itertools.accumulate((counts[q][d] for q in range(comm.world_size)), initial=0)) for d in node]
     first_row = [[below[g][comm.rank_of(m, comm.local)] for g in range(G)] for m in range(N)]
-    plan = dict(rows_to=rows_to, rows_from=rows_from, first_row=first_row, max_rows=max(rows_from + [1]))
-    if tables:
-        return dict(plan, rdma_slot=tables["rdma_slot"], masks=tables["masks"])
-    return dict(plan, rdma_slot=_rdma_slots(in_rank.view(T, N, G).any(dim=2)),
+    return dict(plan, first_row=first_row, rdma_slot=_rdma_slots(in_rank.view(T, N, G).any(dim=2)),
                 masks=node_masks(in_rank, N, G).contiguous() if G > 1 else None)
 
 
@@ -417,10 +435,11 @@ def dispatch(k: HierKernels, x, topk_idx: Optional[torch.Tensor], topk_weights: 
     row = dispatch_row(x_bytes, scale_bytes, K, ids is not None, weights is not None, G)
     stride = row["stride"]
 
-    tables = handle.node_route.tables if handle is not None else None
-    plan = dispatch_plan(comm, counts, ncounts, in_rank, stride, tables)
+    reuse = handle is not None  # a cached dispatch: its route's tables as the fresh dispatch made them
+    tables = handle.node_route.tables if reuse else {}
+    plan = dispatch_plan(comm, counts, ncounts, in_rank, stride, tables if reuse else None)
     rows_to, rows_from, max_rows, masks = plan["rows_to"], plan["rows_from"], plan["max_rows"], plan["masks"]
-    k.check_fits(counts, ncounts, stride, stride)
+    k.check_fits(counts, ncounts, stride, stride, tables=tables)
     n_recv = sum(counts[s][rank] for s in range(R))
     received = recv_outputs(n_recv, x_parts, K, ids is not None, weights is not None, dev)
     outs = dict(zip(("out_x", "out_scales")[:len(x_parts)], received))
@@ -431,7 +450,7 @@ def dispatch(k: HierKernels, x, topk_idx: Optional[torch.Tensor], topk_weights: 
     route = torch.empty(N, max_rows, G + 1, dtype=torch.int32, device=dev)
     singles = torch.empty(N, dtype=torch.int32, device=dev)
     slots = plan["rdma_slot"]
-    first = tables["first_row"] if tables else device_table(plan["first_row"], torch.int32, dev)
+    first = tables["first_row"] if reuse else device_table(plan["first_row"], torch.int32, dev)
     agreed = fingerprint if handle is not None else None  # a fresh dispatch compared them in its count round
     with torch.cuda.device(dev):
         k._launch("hier_dispatch", k.dispatch_launch(
@@ -454,7 +473,7 @@ def dispatch(k: HierKernels, x, topk_idx: Optional[torch.Tensor], topk_weights: 
     if handle is None:
         out = out[:4] + (dataclasses.replace(out[4], node_count_matrix=node_counts,
                                              node_route=NodeRoute(route, singles, rows_from, counts, ncounts,
-                                                                  dict(rdma_slot=slots, masks=masks,
+                                                                  dict(tables, rdma_slot=slots, masks=masks,
                                                                        first_row=first))),)
     k.end_call(stream)
     return out
@@ -480,7 +499,8 @@ def combine(k: HierKernels, x: torch.Tensor, handle: Handle, topk_weights: Optio
     held = held_row(H, K, bool(use_fp8))
     held_stride, w_off = held["stride"], held["w_off"]
     partial_stride = round_up(4 * H + 4 * K, 16)
-    made = info.tables.get((held_stride, partial_stride))  # a second combine of this route (backward): as made
+    combines = info.tables.setdefault("combine", {})
+    made = combines.get((held_stride, partial_stride))  # a second combine of this route (backward): as made
     if made is None:
         plan = combine_plan(comm, counts, handle.is_token_in_rank, held_stride, partial_stride)
         gather, area_off = plan["gather"], plan["area_off"]
@@ -488,12 +508,12 @@ def combine(k: HierKernels, x: torch.Tensor, handle: Handle, topk_weights: Optio
         table = device_table([v for row in gather for v in row] + [v for row in area_off for v in row],
                              torch.int64, dev)
         made = (plan["begins"][rank], plan["recv_off"], table)
-        if len(info.tables) < COMBINE_TABLES:
-            info.tables[(held_stride, partial_stride)] = made
+        if len(combines) < COMBINE_TABLES:
+            combines[(held_stride, partial_stride)] = made
     own_begin, recv_off, table = made
     words = k.words_in_strip(fingerprint)
     k.check_fits(counts, info.node_counts, max(held_stride, partial_stride), held_stride,
-                 k.header_bytes(words, True), combine=True)
+                 k.header_bytes(words, True), combine=True, tables=info.tables)
 
     out_x = torch.empty(T, H, dtype=x.dtype, device=dev)
     out_w = torch.empty(T, K, dtype=torch.float32, device=dev) if w is not None else None

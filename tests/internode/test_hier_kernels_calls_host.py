@@ -194,6 +194,25 @@ def test_a_launch_too_large_for_one_rank_is_refused_on_every_rank_alike(what):
         assert any(alone), "some rank's own blocks fit: a per-rank check would have let it launch"
 
 
+@pytest.mark.parametrize("nodes,gpn", [(2, 1), (2, 2), (2, 3), (3, 2), (4, 8), (12, 1)])
+def test_route_extents_are_every_ranks_largest_block_and_area(nodes, gpn):
+    """route_extents against the definitions rank by rank: the widest rail block is the largest node count; a
+    dispatch fills rank d's area with every source's rows for d; a combine fills the area of the forwarder (local
+    l, node n) with the rows of every rank of rail l for every GPU of node n."""
+    from deepcomm.internode.hier_kernels import route_extents
+    gen = torch.Generator().manual_seed(nodes * 10 + gpn)
+    R = nodes * gpn
+    counts = torch.randint(0, 50, (R, R), generator=gen).tolist()
+    ncounts = torch.randint(0, 50, (R, nodes), generator=gen).tolist()
+    comm = HierComm(None, None, 0, R, gpn, torch.device("cpu"))
+    widest = max(n for row in ncounts for n in row)
+    area = max(sum(counts[s][d] for s in range(R)) for d in range(R))
+    forwarders = [sum(counts[comm.rank_of(m, r % gpn)][e] for m in range(nodes) for e in comm.node_ranks(r // gpn))
+                  for r in range(R)]
+    assert route_extents(comm, counts, ncounts, False) == (widest, area)
+    assert route_extents(comm, counts, ncounts, True) == (widest, max(forwarders))
+
+
 def test_a_launch_that_fits_everywhere_passes():
     from deepcomm.internode.hier_kernels import HierKernels
     counts = [[3, 1, 2, 0], [0, 4, 1, 1], [2, 2, 2, 2], [1, 0, 0, 5]]
@@ -250,7 +269,7 @@ def test_calls_hand_their_kernels_the_plans_tables(monkeypatch, nodes, gpn):
             assert _int64s(launch.area_off, nodes * gpn) == [v for row in plan["area_off"] for v in row]
             assert first is None or (launch.gather, launch.recv_off) == first
             first = (launch.gather, launch.recv_off)
-        assert torch.equal(tables[(held, partial)][1], plan["recv_off"])
+        assert torch.equal(tables["combine"][(held, partial)][1], plan["recv_off"])
         return True
 
     assert all(run(world, fn))
