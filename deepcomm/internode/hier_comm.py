@@ -152,8 +152,21 @@ class HierComm:
         rail_rows = [mine if m == self.node else got[m].view(1, stride) for m in range(N)]
         if self.gpus == 1:  # the rail is every rank, in rank order: no NVLink hop to take
             rows = torch.cat(rail_rows)
-            rows = rows if nbytes == stride else rows[:, :nbytes]
-            return rows.reshape(-1).view(t.dtype).reshape(R, *t.shape)
+        else:
+            with self.node_hop(stage + ":node", wait=wait) as hop:
+                for g in range(self.gpus):
+                    for m in range(N):
+                        hop.put(g, self.rank_of(m, self.local) * stride, rail_rows[m])
+                if words:
+                    hier_agree.put_rail_words(self, hop, rail_rows)
+            rows = self.node_area()[:R * stride].view(R, stride)
+        if nbytes < stride:
+            rows = rows[:, :nbytes]
+        if self.gpus > 1:
+            rows = rows.clone()  # out of our node area, which the next hop overwrites
+            if words:
+                rows[:, :RAIL_HEADER_BYTES] = hier_agree.strip_words(self)
+        return rows.reshape(-1).view(t.dtype).reshape(R, *t.shape)
         with self.node_hop(stage + ":node", wait=wait) as hop:
             for g in range(self.gpus):
                 for m in range(N):
