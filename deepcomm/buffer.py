@@ -215,7 +215,8 @@ class Buffer:
             v.fail("is_token_in_rank" if is_token_in_rank is not None else "num_tokens_per_expert",
                    "only for a route-only dispatch (is_token_in_rank without a handle)")
         if handle is not None:
-            v.check_handle(handle, Handle, self.buffer_id)
+            if type(handle) is not Handle or handle.buffer_id != self.buffer_id:
+                v.check_handle(handle, Handle, self.buffer_id)
             if num_tokens != handle.num_tokens:
                 v.fail("x", f"expected {handle.num_tokens} rows (handle.num_tokens), got {num_tokens}")
             if num_experts is not None and num_experts != handle.num_experts:
@@ -252,7 +253,8 @@ class Buffer:
         travel as e4m3 with one fp32 scale per 128 values (bf16 ``x``, ``H % 128 == 0``; same value on every
         rank); lossy, see docs/api.md."""
         backend = self._live()
-        v.check_handle(handle, Handle, self.buffer_id)
+        if type(handle) is not Handle or handle.buffer_id != self.buffer_id:
+            v.check_handle(handle, Handle, self.buffer_id)
         v.check_combine_x(x, handle, self._device, self._x_dtypes, self.config.hidden, use_fp8)
         if topk_weights is not None:
             v.check_topk_weights(topk_weights, (handle.num_recv, None), self._device)

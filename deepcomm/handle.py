@@ -11,15 +11,20 @@ class WorkspaceView:
     """One of a Handle's tensors not made yet: a strided view of a workspace tensor, made when first read. A
     fresh dispatch of the CUDA backend returns its routing tensors this way (each view costs microseconds of host
     time per call, and most handles only go back to combine or a cached dispatch, which need pointers)."""
-    __slots__ = ("base", "shape", "strides", "offset", "dtype")
+    __slots__ = ("base", "shape", "strides", "offset", "dtype", "ptr")
 
-    def __init__(self, base: torch.Tensor, shape, strides, offset: int, dtype: Optional[torch.dtype] = None):
-        # offset and strides in elements of ``dtype`` (the base's when None)
+    def __init__(self, base: torch.Tensor, shape, strides, offset: int, dtype: Optional[torch.dtype] = None,
+                 ptr: Optional[int] = None):
+        # offset and strides in elements of ``dtype`` (the base's when None); ``ptr``: the view's address, where
+        # the maker knows it already (else worked out on first ask)
         self.base, self.shape, self.strides, self.offset, self.dtype = base, shape, strides, offset, dtype
+        self.ptr = ptr
 
     def data_ptr(self) -> int:
-        size = self.base.element_size() if self.dtype is None else self.dtype.itemsize
-        return self.base.data_ptr() + self.offset * size
+        if self.ptr is None:
+            size = self.base.element_size() if self.dtype is None else self.dtype.itemsize
+            self.ptr = self.base.data_ptr() + self.offset * size
+        return self.ptr
 
     def make(self) -> torch.Tensor:
         base = self.base if self.dtype is None else self.base.view(self.dtype)

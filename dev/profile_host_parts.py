@@ -45,7 +45,7 @@ def _cases(buf, idx, w, x, fp8, h, y):
     dev = be.device
     words = agreement.dispatch(1, 1, x, None, None, None, h)
     cwords = agreement.combine(1, 1, y, h, None, False)
-    nbytes = be._out_bytes(type("C", (), dict(x_row_bytes=x.shape[1] * 2, scale_row_bytes=0, K=0))(), h.num_recv)
+    nbytes = be.C.dispatch_out_layout(h.num_recv, x.shape[1] * 2, 0, 0)["total"]
     base = be.arena.base_ptr
     di = be._device_index
 

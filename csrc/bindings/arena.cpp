@@ -7,7 +7,7 @@
 #include <stdexcept>
 #include <vector>
 
-#include "../runtime/arena_core.hpp"
+#include "arena_views.hpp"
 #include "registry.hpp"
 
 namespace py = pybind11;
@@ -54,12 +54,38 @@ std::vector<ArenaViewSpec> read_specs(py::handle specs) {
   return out;
 }
 
-struct BoundArena {
-  ArenaCore core;
-  py::object consumer;
-};
-
 }  // namespace
+
+py::tuple consume_views(BoundArena& a, int64_t offset, int64_t size, bool owned,
+                        const std::vector<ArenaViewSpec>& specs) {
+  std::vector<dlpack::ManagedTensor*> made = a.core.views(offset, size, owned, specs);
+  std::vector<py::object> capsules;  // each owns its view until the consumer takes it
+  capsules.reserve(made.size());
+  for (size_t i = 0; i < made.size(); ++i) {
+    PyObject* c = PyCapsule_New(made[i], dlpack::kCapsuleName, capsule_destructor);
+    if (c == nullptr) {  // the views not yet in a capsule die here, those in one with their capsule
+      for (size_t j = i; j < made.size(); ++j) made[j]->deleter(made[j]);
+      throw py::error_already_set();
+    }
+    capsules.push_back(py::reinterpret_steal<py::object>(c));
+  }
+  py::tuple out(capsules.size());
+  for (size_t i = 0; i < capsules.size(); ++i) out[i] = a.consumer(capsules[i]);
+  return out;
+}
+
+py::tuple dispatch_outputs(BoundArena& a, int64_t offset, int64_t size, bool owned, const DispatchOutputs& o,
+                           int64_t n) {
+  const DispatchViewSpecs v = dispatch_view_specs(o, n);
+  py::tuple made = consume_views(a, offset, size, owned, v.specs);
+  py::tuple out(4);
+  for (int i = 0; i < 4; ++i) {
+    py::object view = py::none();
+    if (v.slot[i] >= 0) view = made[size_t(v.slot[i])];
+    out[i] = view;
+  }
+  return out;
+}
 
 void register_arena(py::module_& m) {
   m.attr("DLPACK_CPU") = int(dlpack::kCPU);
@@ -85,22 +111,16 @@ void register_arena(py::module_& m) {
       .def("free_bytes", [](BoundArena& a) { return a.core.free_bytes(); })
       .def_property_readonly("releases", [](const BoundArena& a) { return a.core.releases(); })
       .def("views", [](BoundArena& a, int64_t offset, int64_t size, bool owned, py::handle specs) {
-        const std::vector<ArenaViewSpec> parsed = read_specs(specs);
-        std::vector<dlpack::ManagedTensor*> made = a.core.views(offset, size, owned, parsed);
-        std::vector<py::object> capsules;  // each owns its view until the consumer takes it
-        capsules.reserve(made.size());
-        for (size_t i = 0; i < made.size(); ++i) {
-          PyObject* c = PyCapsule_New(made[i], dlpack::kCapsuleName, capsule_destructor);
-          if (c == nullptr) {  // the views not yet in a capsule die here, those in one with their capsule
-            for (size_t j = i; j < made.size(); ++j) made[j]->deleter(made[j]);
-            throw py::error_already_set();
-          }
-          capsules.push_back(py::reinterpret_steal<py::object>(c));
-        }
-        py::tuple out(capsules.size());
-        for (size_t i = 0; i < capsules.size(); ++i) out[i] = a.consumer(capsules[i]);
-        return out;
-      }, py::arg("offset"), py::arg("size"), py::arg("owned"), py::arg("specs"));
+        return consume_views(a, offset, size, owned, read_specs(specs));
+      }, py::arg("offset"), py::arg("size"), py::arg("owned"), py::arg("specs"))
+      // a dispatch's (x, scales, topk_idx, topk_weights) over a range, as dispatch_into makes them (the bounce area)
+      .def("dispatch_views", [](BoundArena& a, int64_t offset, int64_t size, bool owned, int64_t n, int x_type,
+                                int64_t x_row_bytes, int scale_type, int64_t scale_row_bytes, int64_t topk,
+                                bool with_idx, bool with_weights) {
+        return dispatch_outputs(a, offset, size, owned,
+                                DispatchOutputs{x_type, x_row_bytes, scale_type, scale_row_bytes, topk, with_idx,
+                                                with_weights}, n);
+      });
 }
 
 }  // namespace dc::bindings

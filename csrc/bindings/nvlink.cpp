@@ -13,7 +13,9 @@
 #include "../runtime/error_record.cuh"
 #include "../runtime/nvl_calls.hpp"
 #include "../runtime/nvl_context.hpp"
+#include "../runtime/nvl_layout.hpp"
 #include "../runtime/tuning.hpp"
+#include "arena_views.hpp"
 #include "args.hpp"
 #include "layout_dict.hpp"
 #include "registry.hpp"
@@ -43,6 +45,43 @@ TuningKnob tuning_knob(const std::string& name) {
   if (name == "DEEPCOMM_DISPATCH_PREFETCH") return kTuneDispatchPrefetch;
   if (name == "DEEPCOMM_COMBINE_CONFIG") return kTuneCombineConfig;
   throw py::value_error("knob: not a tuning knob: " + name);
+}
+
+// One dispatch crossing's steps and arguments from the positional arguments of dispatch_call / dispatch_into.
+NvlDispatchCall dispatch_call_of(const NvlContext& c, int flags, uintptr_t topk_idx, int T, int K, int E,
+                                 uintptr_t in_rank, uintptr_t send_pos, uintptr_t notify_out, uint64_t host_tag,
+                                 uintptr_t x, int64_t x_row_bytes, uintptr_t scales, int64_t scale_row_bytes,
+                                 uintptr_t topk_weights, uintptr_t count_matrix, uintptr_t invalid_count,
+                                 int64_t out_block, int64_t out_rows, int num_blocks, int expert_alignment,
+                                 uintptr_t src_idx_copy, double wait_timeout_s, const Words& fingerprint) {
+  NvlDispatchCall call;
+  call.begin = flags & kCallBegin; call.notify = flags & kCallNotify; call.bump = flags & kCallBump;
+  call.payload = flags & kCallPayload; call.wait = flags & kCallWait; call.finish = flags & kCallFinish;
+  call.notify_args = NotifyArgs{ptr<const int64_t>(topk_idx), T, K, E, ptr<bool>(in_rank), ptr<int>(send_pos),
+                                ptr<int>(notify_out), (flags & kCallWait) ? c.counts_device : nullptr, host_tag};
+  call.notify_args.trace = c.notify_trace;
+  const int R = c.layout.num_ranks;
+  call.dispatch = DispatchArgs{ptr<const void>(x), ptr<const void>(scales), ptr<const int64_t>(topk_idx),
+                               ptr<const float>(topk_weights), ptr<int>(send_pos), ptr<int>(count_matrix),
+                               ptr<const int>(invalid_count), (flags & kCallReportInvalid) != 0, T, K, E / R,
+                               x_row_bytes, scale_row_bytes, out_block, out_rows, ptr<int>(src_idx_copy)};
+  // the words travel with the call's first exchange: notify's counts, or a cached dispatch's mailbox
+  if (call.notify) call.notify_args.agree = fingerprint_of(fingerprint);
+  else if (call.bump) call.dispatch.agree = fingerprint_of(fingerprint);
+  call.num_blocks = num_blocks;
+  call.expert_alignment = expert_alignment;
+  call.wait_timeout_s = wait_timeout_s;
+  return call;
+}
+
+NvlDispatchResult run_dispatch(const NvlContext& c, const StreamOrder& order, const NvlDispatchCall& call) {
+  py::gil_scoped_release release;  // the wait for the counts must not hold other Python threads
+  return nvl_dispatch(c, order, call);
+}
+
+// (status, num_recv, bad_all, bad_mine, aligned rows per local expert, `out`, microseconds waited for the counts)
+py::tuple dispatch_result(const NvlDispatchResult& r, py::object out) {
+  return py::make_tuple(r.status, r.num_recv, r.bad_all, r.bad_mine, r.per_expert, std::move(out), r.waited_us);
 }
 
 }  // namespace
@@ -108,33 +147,50 @@ void register_nvlink(py::module_& m) {
                                int64_t out_block, int64_t out_rows,
                                int num_blocks, int expert_alignment, uintptr_t src_idx_copy, double wait_timeout_s,
                                const Words& fingerprint) {
-        NvlDispatchCall call;
-        call.begin = flags & kCallBegin; call.notify = flags & kCallNotify; call.bump = flags & kCallBump;
-        call.payload = flags & kCallPayload; call.wait = flags & kCallWait; call.finish = flags & kCallFinish;
-        call.notify_args = NotifyArgs{ptr<const int64_t>(topk_idx), T, K, E, ptr<bool>(in_rank), ptr<int>(send_pos),
-                                      ptr<int>(notify_out), (flags & kCallWait) ? c.counts_device : nullptr,
-                                      host_tag};
-        call.notify_args.trace = c.notify_trace;
-        const int R = c.layout.num_ranks;
-        call.dispatch = DispatchArgs{ptr<const void>(x), ptr<const void>(scales),
-                                     ptr<const int64_t>(topk_idx),
-                                     ptr<const float>(topk_weights), ptr<int>(send_pos), ptr<int>(count_matrix),
-                                     ptr<const int>(invalid_count), (flags & kCallReportInvalid) != 0, T, K, E / R,
-                                     x_row_bytes, scale_row_bytes, out_block, out_rows, ptr<int>(src_idx_copy)};
-        // the words travel with the call's first exchange: notify's counts, or a cached dispatch's mailbox
-        if (call.notify) call.notify_args.agree = fingerprint_of(fingerprint);
-        else if (call.bump) call.dispatch.agree = fingerprint_of(fingerprint);
-        call.num_blocks = num_blocks;
-        call.expert_alignment = expert_alignment;
-        call.wait_timeout_s = wait_timeout_s;
+        const NvlDispatchCall call = dispatch_call_of(
+            c, flags, topk_idx, T, K, E, in_rank, send_pos, notify_out, host_tag, x, x_row_bytes, scales,
+            scale_row_bytes, topk_weights, count_matrix, invalid_count, out_block, out_rows, num_blocks,
+            expert_alignment, src_idx_copy, wait_timeout_s, fingerprint);
+        const NvlDispatchResult r = run_dispatch(c, stream_order(caller, comm, previous, start, end, flags), call);
+        return dispatch_result(r, py::make_tuple(r.out[0], r.out[1], r.out[2], r.out[3], r.out[4], r.out[5]));
+      })
+      // dispatch_call into a block of `arena` (an ArenaCore over this buffer's arena region, which starts `arena_at`
+      // bytes into the buffer) reserved for `reserve_rows` rows, with the outputs' views made in the same crossing:
+      // None when the arena has no such block (nothing launched), else dispatch_call's tuple with the views
+      // (x, scales, topk_idx, topk_weights; None where not returned) in place of the offsets, or None where the
+      // counts came back bad (status 2 / 3: the block is given back; status 1 keeps it, the buffer is broken).
+      // A waited call keeps only the block's first bytes for the rows that came. x_type / scale_type: the
+      // outputs' packed DLPack types (runtime/dispatch_views.hpp); topk_idx comes back where one was given.
+      .def("dispatch_into", [](const NvlContext& c, BoundArena& arena, int64_t arena_at, int64_t reserve_rows,
+                               int x_type, int scale_type, int flags, uintptr_t caller, uintptr_t comm,
+                               uintptr_t previous, uintptr_t start, uintptr_t end,
+                               uintptr_t topk_idx, int T, int K, int E, uintptr_t in_rank, uintptr_t send_pos,
+                               uintptr_t notify_out, uint64_t host_tag,
+                               uintptr_t x, int64_t x_row_bytes, uintptr_t scales, int64_t scale_row_bytes,
+                               uintptr_t topk_weights, uintptr_t count_matrix, uintptr_t invalid_count,
+                               int64_t out_rows, int num_blocks, int expert_alignment, uintptr_t src_idx_copy,
+                               double wait_timeout_s, const Words& fingerprint) -> py::object {
+        const auto got = arena.core.reserve(DispatchOutLayout(reserve_rows, x_row_bytes, scale_row_bytes, K).total);
+        if (!got) return py::none();
+        NvlDispatchCall call = dispatch_call_of(
+            c, flags, topk_idx, T, K, E, in_rank, send_pos, notify_out, host_tag, x, x_row_bytes, scales,
+            scale_row_bytes, topk_weights, count_matrix, invalid_count, arena_at + got->first, out_rows, num_blocks,
+            expert_alignment, src_idx_copy, wait_timeout_s, fingerprint);
         NvlDispatchResult r;
-        {
-          py::gil_scoped_release release;  // the wait for the counts must not hold other Python threads
-          r = nvl_dispatch(c, stream_order(caller, comm, previous, start, end, flags), call);
+        try {
+          r = run_dispatch(c, stream_order(caller, comm, previous, start, end, flags), call);
+        } catch (...) {
+          arena.core.release(got->first, got->second);  // nothing of this call reads the block
+          throw;
         }
-        return py::make_tuple(r.status, r.num_recv, r.bad_all, r.bad_mine, r.per_expert,
-                              py::make_tuple(r.out[0], r.out[1], r.out[2], r.out[3], r.out[4], r.out[5]),
-                              r.waited_us);
+        if (r.status != 0) {
+          if (r.status != 1) arena.core.release(got->first, got->second);  // the payload kernel returned at once
+          return dispatch_result(r, py::none());
+        }
+        const ArenaCore::Range kept = call.wait ? arena.core.trim(got->first, got->second, r.out[5]) : *got;
+        const DispatchOutputs outputs{x_type, x_row_bytes, scale_type, scale_row_bytes, K, topk_idx != 0,
+                                      topk_weights != 0};
+        return dispatch_result(r, dispatch_outputs(arena, kept.first, kept.second, true, outputs, r.num_recv));
       })
       .def("combine_call", [](const NvlContext& c, int flags, uintptr_t caller, uintptr_t comm, uintptr_t previous,
                               uintptr_t start, uintptr_t end, int num_blocks, uintptr_t x, uintptr_t topk_weights,

@@ -29,11 +29,11 @@ def as_device_bytes(ptr: int, nbytes: int, device: torch.device, owner=None) -> 
     return torch.as_tensor(_DeviceBytes(ptr, nbytes, owner), device=device)
 
 
-# DLPack (type code, bits) of the dtypes an output is made of. FP8 leaves as uint8 and is viewed back: not every
-# torch version imports DLPack's float8 codes.
+# DLPack (type code, bits) of the dtypes an output is made of. FP8 (DLPack's float8_e4m3fn code) is imported as
+# such where this torch reads that code (Arena probes it once), else leaves as uint8 and is viewed back.
 _DLPACK = {torch.bfloat16: (4, 16), torch.float32: (2, 32), torch.int64: (0, 64), torch.int32: (0, 32),
-           torch.int16: (0, 16), torch.uint8: (1, 8)}
-_VIEWED = {torch.float8_e4m3fn: torch.uint8}
+           torch.int16: (0, 16), torch.uint8: (1, 8), torch.float8_e4m3fn: (10, 8)}
+_AS_BYTES = {torch.float8_e4m3fn: torch.uint8}
 
 
 def _dlpack_importer():
@@ -63,18 +63,43 @@ class Arena:
         # the core's methods themselves: no Python frame in between on the per-call path
         self.reserve, self.trim, self.release = self._core.reserve, self._core.trim, self._core.release
         self.free_bytes = self._core.free_bytes
+        self._viewed = {dtype: bytes_dtype for dtype, bytes_dtype in _AS_BYTES.items() if not self._imports(dtype)}
+
+    @property
+    def core(self):
+        """The C++ core (``deepcomm._C.ArenaCore``), for a call that reserves and makes views in its own crossing."""
+        return self._core
 
     @property
     def releases(self) -> int:
         return self._core.releases
+
+    def _imports(self, dtype: torch.dtype) -> bool:
+        """Whether this torch's DLPack importer makes ``dtype`` from its code (a view over the arena's first
+        bytes, never written)."""
+        if self.nbytes < 1:
+            return False
+        try:
+            (t,) = self._core.views(0, 1, False, ((0, (1,), *_DLPACK[dtype]),))
+        except Exception:  # the importer refuses the code
+            return False
+        return t.dtype == dtype
+
+    def dlpack_type(self, dtype: torch.dtype) -> tuple:
+        """``(packed DLPack type, dtype to view into or None)`` of an output of ``dtype``: the type the core makes
+        it as (code << 8 | bits, csrc/runtime/dispatch_views.hpp), and the dtype it is viewed as after, where this
+        torch cannot import ``dtype`` itself."""
+        viewed = self._viewed.get(dtype)
+        code, bits = _DLPACK[viewed if viewed is not None else dtype]
+        return code << 8 | bits, (dtype if viewed is not None else None)
 
     def views(self, offset: int, size: int, specs, owned: bool = True) -> List[torch.Tensor]:
         """Typed tensors over a reserved range, one per ``(byte offset in the range, shape, dtype)``, made in one
         crossing; the range returns to the arena when the last of them dies (``owned=False``: a range that is not
         the free list's, such as the bounce area past the arena's end, and never returns)."""
         made = list(self._core.views(offset, size, owned, tuple(
-            (off, shape, *_DLPACK[_VIEWED.get(dtype, dtype)]) for off, shape, dtype in specs)))
+            (off, shape, *_DLPACK[self._viewed.get(dtype, dtype)]) for off, shape, dtype in specs)))
         for i, spec in enumerate(specs):
-            if spec[2] in _VIEWED:
+            if spec[2] in self._viewed:
                 made[i] = made[i].view(spec[2])
         return made

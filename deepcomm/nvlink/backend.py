@@ -63,15 +63,27 @@ def _remember(cache: dict, key, value):
 
 
 class _Call:
-    """What one dispatch moves: the payload tensors and their row sizes, its fingerprint's words and its stream
-    order (from _order)."""
-    __slots__ = ("values", "scales", "weights", "K", "x_row_bytes", "scale_row_bytes", "order", "words")
+    """What one dispatch moves: the payload tensors and their row sizes, its outputs' DLPack types (Arena.dlpack_type),
+    its fingerprint's words and its stream order (from _order)."""
+    __slots__ = ("values", "scales", "weights", "K", "x_row_bytes", "scale_row_bytes", "x_type", "x_view",
+                 "scale_type", "order", "words")
 
     def __init__(self, values: torch.Tensor, scales: Optional[torch.Tensor], weights: Optional[torch.Tensor],
-                 K: int, words: tuple):
+                 K: int, words: tuple, types: dict):
         self.values, self.scales, self.weights, self.K, self.words = values, scales, weights, K, words
         self.x_row_bytes = values.shape[1] * values.element_size()
-        self.scale_row_bytes = scales.shape[1] * scales.element_size() if scales is not None else 0
+        self.x_type, self.x_view = types[values.dtype]
+        if scales is not None:
+            self.scale_row_bytes = scales.shape[1] * scales.element_size()
+            self.scale_type = types[scales.dtype][0]
+        else:
+            self.scale_row_bytes = self.scale_type = 0
+
+    def typed(self, views: tuple) -> tuple:
+        """The outputs a crossing made, with x viewed as its dtype where the arena made it as bytes."""
+        if self.x_view is not None:
+            return (views[0].view(self.x_view),) + tuple(views[1:])
+        return views
 
 
 class _Recv:
@@ -83,26 +95,26 @@ class _Recv:
         self.out, self.per_expert, self.keep = out, per_expert, keep
 
 
-def _carve(arena: Arena, reserved, lay, n: int, call: _Call, with_idx: bool, bounce: bool = False) -> tuple:
-    """The dispatch outputs ``(x, scales, topk_idx, topk_weights)`` over one output block (``reserved``: its
-    offset and size in the arena; ``lay``: DispatchOutLayout offsets x, scales, topk_idx, topk_weights, src_idx,
-    total for ``n`` rows, as the C++ side returned them). One typed tensor per output, each holding the block,
-    which returns to the arena when the last of them dies (the bounce area is not the arena's: nothing returns)."""
-    values, scales, weights, K = call.values, call.scales, call.weights, call.K
-    specs = [(lay[0], (n, values.shape[1]), values.dtype)]
-    if scales is not None:
-        specs.append((lay[1], (n, scales.shape[1]), scales.dtype))
-    if with_idx:
-        specs.append((lay[2], (n, K), torch.int64))
-    if weights is not None:
-        specs.append((lay[3], (n, K), torch.float32))
-    views = arena.views(reserved[0], reserved[1], specs, owned=not bounce)
-    if len(views) == 1:
-        return views[0], None, None, None
-    it = iter(views)
-    x = next(it)
-    return (x, next(it) if scales is not None else None, next(it) if with_idx else None,
-            next(it) if weights is not None else None)
+def _carve(arena: Arena, reserved, n: int, call: _Call, with_idx: bool, bounce: bool = False) -> tuple:
+    """The dispatch outputs ``(x, scales, topk_idx, topk_weights)`` (None where absent) over one output block
+    (``reserved``: its offset and size in the arena) carved for ``n`` rows (csrc/runtime/dispatch_views.hpp), made
+    in one crossing. Each holds the block, which returns to the arena when the last of them dies (the bounce area
+    is not the arena's: nothing returns)."""
+    return call.typed(arena.core.dispatch_views(reserved[0], reserved[1], not bounce, n, call.x_type, call.x_row_bytes,
+                                                call.scale_type, call.scale_row_bytes, call.K, with_idx,
+                                                call.weights is not None))
+
+
+class _OutputTypes(dict):
+    """dtype -> Arena.dlpack_type(dtype), asked of the arena once per dtype."""
+
+    def __init__(self, arena: Arena):
+        super().__init__()
+        self._arena = arena
+
+    def __missing__(self, dtype):
+        self[dtype] = got = self._arena.dlpack_type(dtype)
+        return got
 
 
 def _current_stream(device_index: int) -> int:
@@ -161,6 +173,8 @@ class CudaBackend:
                                  config.max_tokens_per_rank, config.hidden, C.TOPK_MAX, arena + worst, config.timeout_s)
             self.comm_stream = torch.cuda.Stream(device)
         self.arena = Arena(self.nvl.arena_ptr, arena, device)
+        self._types = _OutputTypes(self.arena)
+        self._arena_at = self.nvl.layout["arena"]  # the arena's offset in the NVLink buffer
         self._releases_seen = 0  # arena releases already covered by a wait on the caller's stream (_order)
         # When more dispatch outputs are alive than the arena holds (e.g. training keeps every layer's recv_x for
         # backward), a dispatch lands in this bounce area (``worst`` bytes past the arena) and is copied out into
@@ -180,10 +194,9 @@ class CudaBackend:
         self._last_end = 0  # the end event of the last call, when it ran on the communication stream
         self._last_captured = False  # the last call was made while a CUDA graph was captured
         self._device_index = device.index if device.index is not None else torch.cuda.current_device()
-        self._bounce_pending = False  # a bounced dispatch's copies still read the bounce area (see _outputs)
+        self._bounce_pending = False  # a bounced dispatch's copies still read the bounce area (see _bounced)
         self._tag = 0  # the host's number for a fresh dispatch's counts (csrc/runtime/dispatch_counts.hpp)
         self._capacity_rows = world_size * config.max_tokens_per_rank  # rows a rank can receive
-        self._out_bytes_cache = {}
         self._work_cache = {}  # fresh dispatch workspace layouts by (T, L, rows) (_work_layout)
         self.bounced_calls = 0  # dispatches whose rows went through the bounce area (diagnostics)
         self.last_wait_us = 0.0  # host time the last fresh dispatch waited for its counts (diagnostics)
@@ -311,7 +324,7 @@ class CudaBackend:
             values, scales = x, None
         K = topk_idx.shape[1] if topk_idx is not None else (topk_weights.shape[1] if topk_weights is not None else 0)
         self._enter_normal()
-        call = _Call(values, scales, topk_weights, K, words_or_none(fingerprint))
+        call = _Call(values, scales, topk_weights, K, words_or_none(fingerprint), self._types)
         call.order = self._order(previous_event, async_finish)
         if handle is None:
             recv, handle_out = self._fresh(call, topk_idx, num_experts, expert_alignment, num_worst_tokens)
@@ -326,19 +339,24 @@ class CudaBackend:
         recv_x = (out_x, out_scales) if scales is not None else out_x
         return recv_x, out_idx, out_w, recv.per_expert, handle_out
 
-    def _call(self, call: "_Call", steps: int, topk_idx_ptr: int, T: int, E: int, in_rank_ptr: int,
-              send_pos_ptr: int, notify_out_ptr: int, tag: int, count_matrix_ptr: int, invalid_ptr: int,
-              out_block: int, out_rows: int, alignment: int, src_copy_ptr: int):
-        """One crossing into NvlContext.dispatch_call (the argument order is the binding's): ``steps`` of the call,
-        in the stream order of ``call.order`` (from _order)."""
+    def _cross(self, call: "_Call", steps: int, reserve_rows: Optional[int], topk_idx_ptr: int, T: int, E: int,
+               in_rank_ptr: int, send_pos_ptr: int, notify_out_ptr: int, tag: int, count_matrix_ptr: int,
+               invalid_ptr: int, out_block: int, out_rows: int, alignment: int, src_copy_ptr: int):
+        """One crossing (the argument order is the binding's): ``steps`` of the call, in the stream order of
+        ``call.order`` (from _order). ``reserve_rows`` None: NvlContext.dispatch_call, rows into ``out_block`` (the
+        bounce area, or no payload); else NvlContext.dispatch_into, rows into an arena block it reserves for that
+        many rows, the outputs' views made in the same crossing (None: no such block free, nothing launched)."""
         v, sc, w = call.values, call.scales, call.weights
         wait, run, flags, prev, end = call.order
-        return self.nvl.ctx.dispatch_call(
-            steps | flags, wait, run, prev, self._start_handle, end,
-            topk_idx_ptr, T, call.K, E, in_rank_ptr, send_pos_ptr, notify_out_ptr, tag,
-            v.data_ptr(), call.x_row_bytes, sc.data_ptr() if sc is not None else 0, call.scale_row_bytes,
-            w.data_ptr() if w is not None else 0, count_matrix_ptr, invalid_ptr, out_block, out_rows,
-            self.config.num_sms, alignment, src_copy_ptr, self._wait_timeout_s, call.words)
+        head = (steps | flags, wait, run, prev, self._start_handle, end,
+                topk_idx_ptr, T, call.K, E, in_rank_ptr, send_pos_ptr, notify_out_ptr, tag,
+                v.data_ptr(), call.x_row_bytes, sc.data_ptr() if sc is not None else 0, call.scale_row_bytes,
+                w.data_ptr() if w is not None else 0, count_matrix_ptr, invalid_ptr)
+        tail = (self.config.num_sms, alignment, src_copy_ptr, self._wait_timeout_s, call.words)
+        if reserve_rows is None:
+            return self.nvl.ctx.dispatch_call(*head, out_block, out_rows, *tail)
+        return self.nvl.ctx.dispatch_into(self.arena.core, self._arena_at, reserve_rows, call.x_type, call.scale_type,
+                                          *head, out_rows, *tail)
 
     def _fresh(self, call: "_Call", topk_idx: torch.Tensor, num_experts: int, expert_alignment: int,
                num_worst_tokens: int):
@@ -355,46 +373,52 @@ class CudaBackend:
         notify_ptr = work_ptr + 4 * notify_at
         invalid_ptr = work_ptr + 4 * bad_at
         src_ptr = work_ptr + 4 * src_at
-        rows = num_worst_tokens if num_worst_tokens else -1  # -1: the kernel carves for the rows that arrive
         args = (topk_idx.data_ptr(), T, num_experts, work_ptr + 4 * in_rank_at, send_ptr, notify_ptr)
-        reserved = self.arena.reserve(self._out_bytes(call, num_worst_tokens or self._capacity_rows))
+        bounce_block = self._arena_at + self.bounce_offset
         self._tag += 1
         if num_worst_tokens:
             # No host wait (graph-capturable): worst-case-sized outputs, counts stay on the device, and bad expert
             # ids stop the dispatch kernel on every rank (reported at the next call).
-            block_off = reserved[0] if reserved is not None else self.bounce_offset
-            res = self._call(call, BEGIN | NOTIFY | PAYLOAD | REPORT_INVALID | (FINISH if reserved else 0),
-                             *args, 0, notify_ptr, invalid_ptr, self.nvl.layout["arena"] + block_off, rows, 1,
-                             src_ptr)
+            rows = num_worst_tokens
+            steps = BEGIN | NOTIFY | PAYLOAD | REPORT_INVALID
+            res = self._cross(call, steps | FINISH, rows, *args, 0, notify_ptr, invalid_ptr, 0, rows, 1, src_ptr)
+            if res is None:  # no block free: into the bounce area
+                res = self._cross(call, steps, None, *args, 0, notify_ptr, invalid_ptr, bounce_block, rows, 1, src_ptr)
+                out = self._bounced(call, rows, with_idx=True)
+            else:
+                out = call.typed(res[5])
             per_expert = self._device_counts(call, work[per_expert_at:per_expert_at + L], expert_alignment)
-        elif reserved is not None:
-            # The payload is launched right behind notify, into a block reserved for the worst case; the wait for
-            # the counts overlaps it, and the block's unused tail goes back to the arena.
-            res = self._call(call, BEGIN | NOTIFY | PAYLOAD | WAIT | FINISH, *args, self._tag, notify_ptr, invalid_ptr,
-                             self.nvl.layout["arena"] + reserved[0], rows, expert_alignment, src_ptr)
-            self._fresh_status(res, num_experts, reserved)
-            self.last_wait_us = res[6]
-            reserved = self.arena.trim(*reserved, res[5][5])
-            per_expert = res[4]
         else:
-            # The arena has no worst-case block free: learn the size first, then place the rows exactly.
-            res = self._call(call, BEGIN | NOTIFY | WAIT, *args, self._tag, notify_ptr, invalid_ptr, 0, -1,
-                             expert_alignment, 0)
-            self._fresh_status(res, num_experts, None)
+            # The payload is launched right behind notify, into a block reserved for the worst case (-1 rows: the
+            # kernel carves it for the rows that arrive); the wait for the counts overlaps it, and the block's unused
+            # tail goes back to the arena.
+            res = self._cross(call, BEGIN | NOTIFY | PAYLOAD | WAIT | FINISH, self._capacity_rows, *args, self._tag,
+                              notify_ptr, invalid_ptr, 0, -1, expert_alignment, src_ptr)
+            if res is not None:
+                self._fresh_status(res, num_experts)
+                out = call.typed(res[5])
+            else:
+                # The arena has no worst-case block free: learn the size first, then place the rows exactly.
+                res = self._cross(call, BEGIN | NOTIFY | WAIT, None, *args, self._tag, notify_ptr, invalid_ptr, 0, -1,
+                                  expert_alignment, 0)
+                self._fresh_status(res, num_experts)
+                rows = res[1]
+                placed = self._cross(call, PAYLOAD | FINISH, rows, *args, 0, notify_ptr, 0, 0, rows, 1, src_ptr)
+                if placed is None:
+                    self._cross(call, PAYLOAD, None, *args, 0, notify_ptr, 0, bounce_block, rows, 1, src_ptr)
+                    out = self._bounced(call, rows, with_idx=True)
+                else:
+                    out = call.typed(placed[5])
             self.last_wait_us = res[6]
-            per_expert, rows = res[4], res[1]
-            reserved = self.arena.reserve(res[5][5])
-            block_off = reserved[0] if reserved is not None else self.bounce_offset
-            res = self._call(call, PAYLOAD | (FINISH if reserved else 0), *args, 0, notify_ptr, 0,
-                             self.nvl.layout["arena"] + block_off, rows, 1, src_ptr)
+            per_expert = res[4]
         n = res[1]
-        out = self._outputs(call, reserved, res[5], n, with_idx=True)
         recv = _Recv(out, per_expert, (work,))
         handle = Handle(buffer_id=-1, num_experts=num_experts, num_tokens=T, hidden=call.values.shape[1],
                         num_recv=n, is_token_in_rank=WorkspaceView(work, (T, R), (R, 1), 4 * in_rank_at, torch.bool),
-                        send_pos=WorkspaceView(work, (T, R), (R, 1), send_at),
-                        count_matrix=WorkspaceView(work, (R, R), (R, 1), counts_at),
-                        recv_src_idx=WorkspaceView(work, (n,), (1,), src_at), num_recv_tokens_per_expert=per_expert)
+                        send_pos=WorkspaceView(work, (T, R), (R, 1), send_at, ptr=send_ptr),
+                        count_matrix=WorkspaceView(work, (R, R), (R, 1), counts_at, ptr=work_ptr + 4 * counts_at),
+                        recv_src_idx=WorkspaceView(work, (n,), (1,), src_at, ptr=src_ptr),
+                        num_recv_tokens_per_expert=per_expert)
         return recv, handle
 
     def _device_counts(self, call: "_Call", counts: torch.Tensor, alignment: int) -> torch.Tensor:
@@ -408,9 +432,10 @@ class CudaBackend:
         per_expert.record_stream(torch.cuda.current_stream(self.device))
         return per_expert
 
-    def _fresh_status(self, res, num_experts: int, reserved) -> None:
+    def _fresh_status(self, res, num_experts: int) -> None:
         """A fresh dispatch's wait came back without counts (timeout) or with bad expert ids (a ValueError on every
-        rank: all of them read the same counts, and their payload kernels returned at once)."""
+        rank: all of them read the same counts, and their payload kernels returned at once; dispatch_into gave its
+        block back)."""
         status = res[0]
         if status == 0:
             return
@@ -419,8 +444,6 @@ class CudaBackend:
             self.nvl.broken = True
             raise CommTimeoutError(self.rank, None, "notify:counts (host)",
                                    f"no counts after {self._wait_timeout_s:.1f} s")
-        if reserved is not None:
-            self.arena.release(*reserved)
         if status == 3:  # the ranks' fingerprints differ: nothing was dispatched on any rank (agree_record.py)
             raise dispatch_disagreement(self.C, self.nvl.counts_host, self.world_size, self.rank, self.nvl.owed)
         if res[3]:
@@ -437,23 +460,17 @@ class CudaBackend:
 
     def _cached(self, call: "_Call", handle: Handle):
         n = handle.num_recv
-        reserved = self.arena.reserve(self._out_bytes(call, n))
-        block_off = reserved[0] if reserved is not None else self.bounce_offset
-        res = self._call(call, BEGIN | BUMP | PAYLOAD | (FINISH if reserved else 0), 0, handle.num_tokens,
-                         handle.num_experts, 0, field_ptr(handle, "send_pos"), 0, 0, field_ptr(handle, "count_matrix"), 0,
-                         self.nvl.layout["arena"] + block_off, n, 1, 0)
-        out = self._outputs(call, reserved, res[5], n, with_idx=False)
+        args = (0, handle.num_tokens, handle.num_experts, 0, field_ptr(handle, "send_pos"), 0, 0,
+                field_ptr(handle, "count_matrix"), 0)
+        res = self._cross(call, BEGIN | BUMP | PAYLOAD | FINISH, n, *args, 0, n, 1, 0)
+        if res is not None:
+            out = call.typed(res[5])
+        else:  # no block free: into the bounce area
+            self._cross(call, BEGIN | BUMP | PAYLOAD, None, *args, self._arena_at + self.bounce_offset, n, 1, 0)
+            out = self._bounced(call, n, with_idx=False)
         per_expert = handle.num_recv_tokens_per_expert
-        per_expert = per_expert.clone() if torch.is_tensor(per_expert) else list(per_expert)
+        per_expert = per_expert.clone() if isinstance(per_expert, torch.Tensor) else list(per_expert)
         return _Recv(out, per_expert, ())
-
-    def _out_bytes(self, call: "_Call", rows: int) -> int:
-        key = (rows, call.x_row_bytes, call.scale_row_bytes, call.K)
-        total = self._out_bytes_cache.get(key)
-        if total is None:
-            total = _remember(self._out_bytes_cache, key,
-                              self.C.dispatch_out_layout(rows, call.x_row_bytes, call.scale_row_bytes, call.K)["total"])
-        return total
 
     def _work_layout(self, T: int, L: int, rows: int) -> tuple:
         """A fresh dispatch's workspace offsets (int32 elements) for ``T`` tokens, ``L`` local experts and room for
@@ -466,13 +483,10 @@ class CudaBackend:
             lay = _remember(self._work_cache, key, tuple(w[k] for k in WORK_PARTS))
         return lay
 
-    def _outputs(self, call: "_Call", reserved, lay, n: int, with_idx: bool):
-        """The output tensors over the output block (DispatchOutLayout offsets ``lay`` for ``n`` rows). Rows that
-        went to the bounce area (arena full) are copied into ordinary tensors on the run stream; the call's end
-        is recorded after the copies."""
-        if reserved is not None:
-            return _carve(self.arena, reserved, lay, n, call, with_idx)
-        out = _carve(self.arena, (self.bounce_offset, self.bounce_bytes), lay, n, call, with_idx, bounce=True)
+    def _bounced(self, call: "_Call", n: int, with_idx: bool):
+        """The outputs of a dispatch whose ``n`` rows went to the bounce area (the arena was full), copied into
+        ordinary tensors on the run stream; the call's end is recorded after the copies."""
+        out = _carve(self.arena, (self.bounce_offset, self.bounce_bytes), n, call, with_idx, bounce=True)
         wait, run, flags, _, end = call.order
         run_stream = torch.cuda.ExternalStream(run, device=self.device)
         with torch.cuda.stream(run_stream):

@@ -22,7 +22,7 @@ LAYOUT_KEYS = ("x", "scales", "topk_idx", "topk_weights", "src_idx", "total")
 
 
 class FakeCtx:
-    """Records each dispatch_call / combine_call and answers as the C++ side would for rows arriving ``recv`` (the
+    """Records each dispatch_call / dispatch_into / combine_call and answers as the C++ side would for rows arriving ``recv`` (the
     rank's own token count when None) with ``status``."""
 
     def __init__(self):
@@ -42,6 +42,28 @@ class FakeCtx:
         lay = C.dispatch_out_layout(n, x_row_bytes, scale_row_bytes, K) if n >= 0 else None
         per_expert = [-(-n // alignment) * alignment] + [0] * (E - 1) if waited else []
         return (0, n, 0, 0, per_expert, tuple(lay[k] for k in LAYOUT_KEYS) if lay else (0,) * 6, 2.0)
+
+    def dispatch_into(self, arena, arena_at, reserve_rows, x_type, scale_type, flags, wait, run, prev, start, end,
+                      topk_idx, T, K, E, in_rank, send_pos, notify_out, tag, x, x_row_bytes, scales, scale_row_bytes,
+                      weights, count_matrix, invalid, out_rows, num_blocks, alignment, src_copy, timeout_s,
+                      fingerprint):
+        """dispatch_call into an arena block, as the binding does it: None without a block of ``reserve_rows`` rows;
+        the block given back on bad counts, trimmed to the rows after a wait, its views made by the arena's core."""
+        got = arena.reserve(C.dispatch_out_layout(reserve_rows, x_row_bytes, scale_row_bytes, K)["total"])
+        if got is None:
+            return None
+        res = self.dispatch_call(flags, wait, run, prev, start, end, topk_idx, T, K, E, in_rank, send_pos, notify_out,
+                                 tag, x, x_row_bytes, scales, scale_row_bytes, weights, count_matrix, invalid,
+                                 arena_at + got[0], out_rows, num_blocks, alignment, src_copy, timeout_s, fingerprint)
+        self.calls[-1]["reserve_rows"] = reserve_rows
+        if res[0]:
+            if res[0] != 1:
+                arena.release(*got)
+            return res[:5] + (None,) + res[6:]
+        kept = arena.trim(*got, res[5][5]) if flags & B.WAIT else got
+        views = arena.dispatch_views(kept[0], kept[1], True, res[1], x_type, x_row_bytes, scale_type,
+                                     scale_row_bytes, K, topk_idx != 0, weights != 0)
+        return res[:5] + (views,) + res[6:]
 
     def combine_call(self, flags, wait, run, prev, start, end, *rest):
         self.combines.append(dict(flags=flags, wait=wait, run=run, prev=prev, end=end))
@@ -87,7 +109,8 @@ def cpu_backend(setattr_):
     b._releases_seen, b._bounce_pending, b._tag = 0, False, 0
     b.errors = CallErrors(b.nvl)
     b.meet = ModeMeet(b.nvl, b.device)
-    b._capacity_rows, b._out_bytes_cache, b.last_wait_us, b.bounced_calls = 256, {}, 0.0, 0
+    b._capacity_rows, b.last_wait_us, b.bounced_calls = 256, 0.0, 0
+    b._types, b._arena_at = B._OutputTypes(b.arena), b.nvl.layout["arena"]
     b._work_cache = {}
     b._wait_timeout_s = 8.5
     state.b, state.ctx = b, b.nvl.ctx

@@ -110,3 +110,50 @@ def test_a_view_outside_its_range_raises_and_leaves_the_range_reserved():
         arena.views(3 * ALIGN, 2 * ALIGN, [(0, (4,), torch.int32)])
     arena.release(off, size)
     assert arena.free_bytes() == 4 * ALIGN
+
+
+@pytest.mark.parametrize("fp8_imported", [True, False])
+@pytest.mark.parametrize("with_scales,with_idx,with_weights", [(False, False, False), (True, True, True),
+                                                                (False, True, False), (True, False, True)])
+def test_dispatch_views_sit_where_the_exported_layout_carves_the_block(fp8_imported, with_scales, with_idx,
+                                                                       with_weights):
+    C = load_extension()
+    memory, arena = _host_arena(64 * ALIGN)
+    if not fp8_imported:  # as on a torch whose DLPack importer lacks float8: made as bytes, viewed back
+        arena._viewed = {torch.float8_e4m3fn: torch.uint8}
+    elif arena._viewed:
+        pytest.skip("this torch's DLPack importer does not make float8_e4m3fn")
+    n, H, K = 5, 256, 3
+    dtype = torch.float8_e4m3fn if with_scales else torch.bfloat16
+    row = H * dtype.itemsize
+    scale_row = H // 128 * 4 if with_scales else 0
+    lay = C.dispatch_out_layout(n, row, scale_row, K)
+    off, size = arena.reserve(lay["total"])
+    x_type, x_view = arena.dlpack_type(dtype)
+    assert (x_view is None) == (fp8_imported or dtype != torch.float8_e4m3fn)
+    got = arena.core.dispatch_views(off, size, True, n, x_type, row, arena.dlpack_type(torch.float32)[0], scale_row,
+                                    K, with_idx, with_weights)
+    assert len(got) == 4
+    x = got[0] if x_view is None else got[0].view(x_view)
+    base = memory.data_ptr() + off
+    assert x.dtype == dtype and tuple(x.shape) == (n, H) and x.data_ptr() == base + lay["x"]
+    want = [(with_scales, "scales", (n, H // 128), torch.float32), (with_idx, "topk_idx", (n, K), torch.int64),
+            (with_weights, "topk_weights", (n, K), torch.float32)]
+    for t, (present, key, shape, dt) in zip(got[1:], want):
+        if not present:
+            assert t is None
+            continue
+        assert t.dtype == dt and tuple(t.shape) == shape and t.data_ptr() == base + lay[key]
+    del x, got, t
+    gc.collect()
+    assert arena.free_bytes() == 64 * ALIGN  # the block came back with its last view
+
+
+def test_dispatch_views_refuse_rows_that_are_not_whole_elements():
+    memory, arena = _host_arena(8 * ALIGN)
+    off, size = arena.reserve(4 * ALIGN)
+    bf16 = arena.dlpack_type(torch.bfloat16)[0]
+    with pytest.raises(ValueError, match="not whole elements"):
+        arena.core.dispatch_views(off, size, True, 2, bf16, 63, 0, 0, 0, False, False)
+    with pytest.raises((ValueError, IndexError), match="outside the range"):  # more rows than the range holds
+        arena.core.dispatch_views(off, size, True, 64, bf16, 64, 0, 0, 0, False, False)

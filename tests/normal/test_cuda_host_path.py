@@ -191,6 +191,43 @@ def test_full_arena_learns_the_size_first_then_places_rows_exactly(env):
     del kept
 
 
+@pytest.mark.parametrize("fp8_imported", [True, False])
+def test_fp8_outputs_in_the_arena_and_through_the_bounce_area(env, fp8_imported):
+    """FP8 rows and their scales come back typed from the arena block (one crossing) and, with the arena full,
+    from the bounce area (the kernel call without FINISH, the copies recording the end), whether this torch imports
+    DLPack's float8 code or the x bytes are viewed back."""
+    b, ctx = env.b, env.ctx
+    if not fp8_imported:
+        b.arena._viewed = {torch.float8_e4m3fn: torch.uint8}
+    elif b.arena._viewed:
+        pytest.skip("this torch's DLPack importer does not make float8_e4m3fn")
+    T, H, K, E = 64, 1024, 4, 8
+    x, s = torch.zeros(T, H, dtype=torch.float8_e4m3fn), torch.zeros(T, H // 128)
+    idx, w = torch.zeros(T, K, dtype=torch.int64), torch.zeros(T, K)
+
+    def check(out, with_idx):
+        (rx, rs), ridx, rw = out[0], out[1], out[2]
+        assert rx.dtype == torch.float8_e4m3fn and rx.shape == (T, H) and rs.shape == (T, H // 128)
+        assert rs.dtype == torch.float32 and rw.shape == (T, K)
+        assert (ridx.shape == (T, K) and ridx.dtype == torch.int64) if with_idx else ridx is None
+
+    first = b.dispatch((x, s), idx, w, E, None, 1)
+    check(first, True)
+    assert ctx.calls[-1]["reserve_rows"] == b._capacity_rows
+    h = first[4]
+    check(b.dispatch((x, s), None, w, E, h, 1), False)
+    assert ctx.calls[-1]["reserve_rows"] == T
+    full = b.arena.reserve(b.arena.free_bytes())  # nothing left: the next dispatches bounce
+    ctx.calls.clear()
+    check(b.dispatch((x, s), idx, w, E, None, 1), True)
+    sized, placed = ctx.calls
+    assert sized["flags"] & B.WAIT and placed["out_block"] == b._arena_at + b.bounce_offset
+    assert not placed["flags"] & B.FINISH and "reserve_rows" not in placed
+    check(b.dispatch((x, s), None, w, E, h, 1), False)
+    assert ctx.calls[-1]["out_block"] == b._arena_at + b.bounce_offset and b.bounced_calls == 2
+    b.arena.release(*full)
+
+
 def test_bad_ids_raise_on_every_rank_and_give_the_block_back(env):
     b, ctx = env.b, env.ctx
     ctx.status, ctx.bad_mine = 2, 3
