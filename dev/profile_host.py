@@ -119,11 +119,11 @@ class _Recorder:
             self.results[flags] = self.real.dispatch_call(flags, *args)
         return self.results[flags]
 
-    def dispatch_into(self, arena, arena_at, reserve_rows, x_type, scale_type, flags, *args):
+    def dispatch_into(self, arena, arena_at, reserve_rows, x_type, scale_type, with_idx, with_weights, flags, *args):
         # replayed, the outputs are the recorded call's views (their making counts as crossing)
         if self.real is not None:
             self.results["into", flags] = self.real.dispatch_into(arena, arena_at, reserve_rows, x_type, scale_type,
-                                                                  flags, *args)
+                                                                  with_idx, with_weights, flags, *args)
         return self.results["into", flags]
 
     def combine_call(self, *args):

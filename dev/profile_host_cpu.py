@@ -96,7 +96,8 @@ def main(json_path: str) -> None:
 
         def fake_crossing():  # what a cached dispatch's crossing costs the stand-in (reserve, record, views)
             ctx.calls.clear()
-            ctx.dispatch_into(b.arena.core, b._arena_at, T, b._types[torch.bfloat16][0], 0, 0, 1, 2, 3, 4, 5, 0, T, 0,
+            ctx.dispatch_into(b.arena.core, b._arena_at, T, b._types[torch.bfloat16][0], 0, False, False, 0, 1, 2, 3,
+                              4, 5, 0, T, 0,
                               E, 0, 0, 0, 0, 0, 2 * H, 0, 0, 0, 0, 0, T, 24, 1, 0, 1.0, cached_words)
 
         buf = _buffer_over(b)

@@ -160,9 +160,10 @@ void register_nvlink(py::module_& m) {
       // (x, scales, topk_idx, topk_weights; None where not returned) in place of the offsets, or None where the
       // counts came back bad (status 2 / 3: the block is given back; status 1 keeps it, the buffer is broken).
       // A waited call keeps only the block's first bytes for the rows that came. x_type / scale_type: the
-      // outputs' packed DLPack types (runtime/dispatch_views.hpp); topk_idx comes back where one was given.
+      // outputs' packed DLPack types (runtime/dispatch_views.hpp); with_idx / with_weights: whether topk_idx /
+      // topk_weights come back (said, not read from the pointers: an empty tensor's pointer may be null).
       .def("dispatch_into", [](const NvlContext& c, BoundArena& arena, int64_t arena_at, int64_t reserve_rows,
-                               int x_type, int scale_type, int flags, uintptr_t caller, uintptr_t comm,
+                               int x_type, int scale_type, bool with_idx, bool with_weights, int flags, uintptr_t caller, uintptr_t comm,
                                uintptr_t previous, uintptr_t start, uintptr_t end,
                                uintptr_t topk_idx, int T, int K, int E, uintptr_t in_rank, uintptr_t send_pos,
                                uintptr_t notify_out, uint64_t host_tag,
@@ -188,8 +189,7 @@ void register_nvlink(py::module_& m) {
           return dispatch_result(r, py::none());
         }
         const ArenaCore::Range kept = call.wait ? arena.core.trim(got->first, got->second, r.out[5]) : *got;
-        const DispatchOutputs outputs{x_type, x_row_bytes, scale_type, scale_row_bytes, K, topk_idx != 0,
-                                      topk_weights != 0};
+        const DispatchOutputs outputs{x_type, x_row_bytes, scale_type, scale_row_bytes, K, with_idx, with_weights};
         return dispatch_result(r, dispatch_outputs(arena, kept.first, kept.second, true, outputs, r.num_recv));
       })
       .def("combine_call", [](const NvlContext& c, int flags, uintptr_t caller, uintptr_t comm, uintptr_t previous,

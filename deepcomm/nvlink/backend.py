@@ -65,12 +65,13 @@ def _remember(cache: dict, key, value):
 class _Call:
     """What one dispatch moves: the payload tensors and their row sizes, its outputs' DLPack types (Arena.dlpack_type),
     its fingerprint's words and its stream order (from _order)."""
-    __slots__ = ("values", "scales", "weights", "K", "x_row_bytes", "scale_row_bytes", "x_type", "x_view",
+    __slots__ = ("values", "scales", "weights", "K", "fresh", "x_row_bytes", "scale_row_bytes", "x_type", "x_view",
                  "scale_type", "order", "words")
 
     def __init__(self, values: torch.Tensor, scales: Optional[torch.Tensor], weights: Optional[torch.Tensor],
-                 K: int, words: tuple, types: dict):
-        self.values, self.scales, self.weights, self.K, self.words = values, scales, weights, K, words
+                 K: int, fresh: bool, words: tuple, types: dict):
+        # fresh: a dispatch without a handle, whose outputs include the received topk_idx
+        self.values, self.scales, self.weights, self.K, self.fresh, self.words = values, scales, weights, K, fresh, words
         self.x_row_bytes = values.shape[1] * values.element_size()
         self.x_type, self.x_view = types[values.dtype]
         if scales is not None:
@@ -95,13 +96,13 @@ class _Recv:
         self.out, self.per_expert, self.keep = out, per_expert, keep
 
 
-def _carve(arena: Arena, reserved, n: int, call: _Call, with_idx: bool, bounce: bool = False) -> tuple:
+def _carve(arena: Arena, reserved, n: int, call: _Call, bounce: bool = False) -> tuple:
     """The dispatch outputs ``(x, scales, topk_idx, topk_weights)`` (None where absent) over one output block
     (``reserved``: its offset and size in the arena) carved for ``n`` rows (csrc/runtime/dispatch_views.hpp), made
     in one crossing. Each holds the block, which returns to the arena when the last of them dies (the bounce area
     is not the arena's: nothing returns)."""
     return call.typed(arena.core.dispatch_views(reserved[0], reserved[1], not bounce, n, call.x_type, call.x_row_bytes,
-                                                call.scale_type, call.scale_row_bytes, call.K, with_idx,
+                                                call.scale_type, call.scale_row_bytes, call.K, call.fresh,
                                                 call.weights is not None))
 
 
@@ -324,7 +325,7 @@ class CudaBackend:
             values, scales = x, None
         K = topk_idx.shape[1] if topk_idx is not None else (topk_weights.shape[1] if topk_weights is not None else 0)
         self._enter_normal()
-        call = _Call(values, scales, topk_weights, K, words_or_none(fingerprint), self._types)
+        call = _Call(values, scales, topk_weights, K, handle is None, words_or_none(fingerprint), self._types)
         call.order = self._order(previous_event, async_finish)
         if handle is None:
             recv, handle_out = self._fresh(call, topk_idx, num_experts, expert_alignment, num_worst_tokens)
@@ -356,7 +357,7 @@ class CudaBackend:
         if reserve_rows is None:
             return self.nvl.ctx.dispatch_call(*head, out_block, out_rows, *tail)
         return self.nvl.ctx.dispatch_into(self.arena.core, self._arena_at, reserve_rows, call.x_type, call.scale_type,
-                                          *head, out_rows, *tail)
+                                          call.fresh, w is not None, *head, out_rows, *tail)
 
     def _fresh(self, call: "_Call", topk_idx: torch.Tensor, num_experts: int, expert_alignment: int,
                num_worst_tokens: int):
@@ -384,7 +385,7 @@ class CudaBackend:
             res = self._cross(call, steps | FINISH, rows, *args, 0, notify_ptr, invalid_ptr, 0, rows, 1, src_ptr)
             if res is None:  # no block free: into the bounce area
                 res = self._cross(call, steps, None, *args, 0, notify_ptr, invalid_ptr, bounce_block, rows, 1, src_ptr)
-                out = self._bounced(call, rows, with_idx=True)
+                out = self._bounced(call, rows)
             else:
                 out = call.typed(res[5])
             per_expert = self._device_counts(call, work[per_expert_at:per_expert_at + L], expert_alignment)
@@ -406,7 +407,7 @@ class CudaBackend:
                 placed = self._cross(call, PAYLOAD | FINISH, rows, *args, 0, notify_ptr, 0, 0, rows, 1, src_ptr)
                 if placed is None:
                     self._cross(call, PAYLOAD, None, *args, 0, notify_ptr, 0, bounce_block, rows, 1, src_ptr)
-                    out = self._bounced(call, rows, with_idx=True)
+                    out = self._bounced(call, rows)
                 else:
                     out = call.typed(placed[5])
             self.last_wait_us = res[6]
@@ -467,7 +468,7 @@ class CudaBackend:
             out = call.typed(res[5])
         else:  # no block free: into the bounce area
             self._cross(call, BEGIN | BUMP | PAYLOAD, None, *args, self._arena_at + self.bounce_offset, n, 1, 0)
-            out = self._bounced(call, n, with_idx=False)
+            out = self._bounced(call, n)
         per_expert = handle.num_recv_tokens_per_expert
         per_expert = per_expert.clone() if isinstance(per_expert, torch.Tensor) else list(per_expert)
         return _Recv(out, per_expert, ())
@@ -483,10 +484,10 @@ class CudaBackend:
             lay = _remember(self._work_cache, key, tuple(w[k] for k in WORK_PARTS))
         return lay
 
-    def _bounced(self, call: "_Call", n: int, with_idx: bool):
+    def _bounced(self, call: "_Call", n: int):
         """The outputs of a dispatch whose ``n`` rows went to the bounce area (the arena was full), copied into
         ordinary tensors on the run stream; the call's end is recorded after the copies."""
-        out = _carve(self.arena, (self.bounce_offset, self.bounce_bytes), n, call, with_idx, bounce=True)
+        out = _carve(self.arena, (self.bounce_offset, self.bounce_bytes), n, call, bounce=True)
         wait, run, flags, _, end = call.order
         run_stream = torch.cuda.ExternalStream(run, device=self.device)
         with torch.cuda.stream(run_stream):

@@ -43,7 +43,8 @@ class FakeCtx:
         per_expert = [-(-n // alignment) * alignment] + [0] * (E - 1) if waited else []
         return (0, n, 0, 0, per_expert, tuple(lay[k] for k in LAYOUT_KEYS) if lay else (0,) * 6, 2.0)
 
-    def dispatch_into(self, arena, arena_at, reserve_rows, x_type, scale_type, flags, wait, run, prev, start, end,
+    def dispatch_into(self, arena, arena_at, reserve_rows, x_type, scale_type, with_idx, with_weights, flags, wait,
+                      run, prev, start, end,
                       topk_idx, T, K, E, in_rank, send_pos, notify_out, tag, x, x_row_bytes, scales, scale_row_bytes,
                       weights, count_matrix, invalid, out_rows, num_blocks, alignment, src_copy, timeout_s,
                       fingerprint):
@@ -62,7 +63,7 @@ class FakeCtx:
             return res[:5] + (None,) + res[6:]
         kept = arena.trim(*got, res[5][5]) if flags & B.WAIT else got
         views = arena.dispatch_views(kept[0], kept[1], True, res[1], x_type, x_row_bytes, scale_type,
-                                     scale_row_bytes, K, topk_idx != 0, weights != 0)
+                                     scale_row_bytes, K, with_idx, with_weights)
         return res[:5] + (views,) + res[6:]
 
     def combine_call(self, flags, wait, run, prev, start, end, *rest):

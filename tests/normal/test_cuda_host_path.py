@@ -191,6 +191,18 @@ def test_full_arena_learns_the_size_first_then_places_rows_exactly(env):
     del kept
 
 
+def test_a_rank_with_no_tokens_still_gets_ids_and_weights_of_the_rows_it_receives(env):
+    """An empty topk_idx / topk_weights may have a null data pointer: which outputs come back is said, not read
+    from the pointers."""
+    b, ctx = env.b, env.ctx
+    ctx.recv = 5
+    x, idx, w, E = _inputs(T=0)
+    recv_x, recv_idx, recv_w, per_expert, h = b.dispatch(x, idx, w, E, None, 1)
+    assert recv_x.shape == (5, 1024) and recv_idx.shape == (5, 4) and recv_w.shape == (5, 4)
+    recv_x, recv_idx, recv_w, _, _ = b.dispatch(x, None, w, E, h, 1)
+    assert recv_x.shape == (5, 1024) and recv_idx is None and recv_w.shape == (5, 4)
+
+
 @pytest.mark.parametrize("fp8_imported", [True, False])
 def test_fp8_outputs_in_the_arena_and_through_the_bounce_area(env, fp8_imported):
     """FP8 rows and their scales come back typed from the arena block (one crossing) and, with the arena full,
