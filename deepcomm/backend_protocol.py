@@ -20,6 +20,10 @@ class Capabilities:
     # get_dispatch_layout's expert ids are range-checked by its kernel, without a host sync: a bad id raises
     # ValueError at the rank's next call on the Buffer or synchronize(), not at once
     checks_layout_ids_on_device: bool = False
+    # ``joined_calls`` counts the collective calls whose first exchange this rank has entered (counted as it
+    # enters, before anything is sent), over every call kind: a call that raised with the count unchanged never
+    # joined its exchange, and Buffer rejects it (``reject``) so that the other ranks raise instead of waiting
+    counts_joined_calls: bool = False
 
 
 @runtime_checkable

@@ -17,6 +17,7 @@ from .backends import group_device, make_backend
 from .buffer_report import log_buffer_created
 from .call_check import CallChecker, resolve_check_calls
 from .config import DEFAULT_HIDDEN, DEFAULT_TIMEOUT_S, Config, default_num_sms
+from .errors import CommTimeoutError
 from .gpu_share import GPU_SMS_ENV, usable_sms
 from .handle import Handle, LowLatencyHandle
 from .rendezvous import default_store, wait_for_group
@@ -36,10 +37,11 @@ def _collective(op: str):
         def call(self, *args, **kwargs):
             self._calls += 1
             self._pending_op = op
+            self._joined_at = -1
             try:
                 return method(self, *args, **kwargs)
             except Exception as e:
-                if self._pending_op is not None:
+                if self._pending_op is not None or self._never_joined(e):
                     self._pending_op = None
                     self._reject(op, e, _handle_argument(method, self, args, kwargs))
                 raise
@@ -70,6 +72,8 @@ class Buffer:
         self._pending_op = None
         self._calls = 0  # collective calls made on this Buffer (agreement.Word.CALL)
         self._takes_fingerprints = False
+        self._counts_joined = False  # the backend counts the calls that entered their first exchange
+        self._joined_at = -1  # its count when the current call's backend part began (-1: not counted)
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("deepcomm.Buffer: torch.distributed is not initialized "
                                "(call torch.distributed.init_process_group first)")
@@ -117,6 +121,8 @@ class Buffer:
         caps = self._backend.capabilities  # deepcomm/backend_protocol.py
         # the backend compares fingerprints in each call's first exchange and has reject() (deepcomm/agreement.py)
         self._takes_fingerprints = caps.takes_fingerprints
+        # an error inside the backend before the call's first exchange is rejected as an argument error is
+        self._counts_joined = caps.takes_fingerprints and caps.counts_joined_calls
         # dtypes of a non-FP8 x the backend takes in normal mode (the CUDA backend: bf16 only)
         self._x_dtypes = caps.x_dtypes
         buffer_registry.register(self)  # for the custom ops of torch.compile (deepcomm/custom_ops.py)
@@ -231,13 +237,15 @@ class Buffer:
                                                             topk_weights, None, handle))
             return backend.dispatch(x, None, topk_weights, handle.num_experts, handle, expert_alignment,
                                     num_worst_tokens, previous_event, async_finish, **agreed)
-        if topk_idx is None:
-            v.fail("topk_idx", "required when no handle is given")
-        v.check_num_experts(num_experts, self._world_size)
-        v.check_topk_idx(topk_idx, num_tokens, num_experts, self._device,
-                         check_values=not backend.capabilities.checks_expert_ids_on_device)
-        if topk_weights is not None:
-            v.check_topk_weights(topk_weights, tuple(topk_idx.shape), self._device)
+        ids_on_device = backend.capabilities.checks_expert_ids_on_device
+        if not (ids_on_device and v.routing_accepted(topk_idx, topk_weights, num_tokens, num_experts,
+                                                     self._world_size, self._device)):
+            if topk_idx is None:
+                v.fail("topk_idx", "required when no handle is given")
+            v.check_num_experts(num_experts, self._world_size)
+            v.check_topk_idx(topk_idx, num_tokens, num_experts, self._device, check_values=not ids_on_device)
+            if topk_weights is not None:
+                v.check_topk_weights(topk_weights, tuple(topk_idx.shape), self._device)
         agreed = self._agree(lambda: self._dispatch_fields(x, topk_idx, topk_weights, num_experts, None),
                              lambda: agreement.dispatch(self._calls, self._buffer_word, x, topk_idx, topk_weights,
                                                         num_experts, None))
@@ -281,7 +289,16 @@ class Buffer:
         op, self._pending_op = self._pending_op, None
         if self._call_checker is not None:  # the fields cost host time: built only when compared
             self._call_checker.agree(op, fields() if callable(fields) else fields)
+        elif self._counts_joined:
+            self._joined_at = self._backend.joined_calls
         return {} if words is None else {"fingerprint": words}
+
+    def _never_joined(self, error: Exception) -> bool:
+        """Whether the call that raised ``error`` inside the backend (after _agree) never entered its first
+        exchange (Capabilities.counts_joined_calls): then the other ranks are in it, or soon will be, and must be
+        told, as for a rejected argument. A timeout has no exchange left to join."""
+        return (self._joined_at >= 0 and not isinstance(error, CommTimeoutError) and self._backend is not None
+                and self._backend.joined_calls == self._joined_at)
 
     def _reject(self, op: str, error: Exception, handle=None) -> None:
         """This rank's call ``op`` raised ``error`` before its exchange: tell the other ranks, which are in that

@@ -146,6 +146,22 @@ def check_topk_idx(topk_idx, num_tokens: int, num_experts: int, device: torch.de
     return topk_idx
 
 
+def routing_accepted(topk_idx, topk_weights, num_tokens: int, num_experts, world_size: int,
+                     device: torch.device) -> bool:
+    """Whether a fresh dispatch's num_experts, topk_idx and topk_weights pass check_num_experts, check_topk_idx
+    (values left to the device) and check_topk_weights, in one pass over plain tensors: the accepted case of every
+    fresh dispatch. False sends the caller through those checks, which name what is wrong."""
+    if type(num_experts) is not int or num_experts < 1 or num_experts % world_size or type(topk_idx) is not torch.Tensor:
+        return False
+    got = topk_idx.shape
+    if (topk_idx.dtype != torch.int64 or len(got) != 2 or got[0] != num_tokens or got[1] > MAX_TOPK
+            or not topk_idx.is_contiguous() or not _on_device(topk_idx, device)):
+        return False
+    return topk_weights is None or (
+        type(topk_weights) is torch.Tensor and topk_weights.dtype == torch.float32 and topk_weights.shape == got
+        and topk_weights.is_contiguous() and _on_device(topk_weights, device))
+
+
 def check_topk_weights(topk_weights, shape: Sequence[Optional[int]], device: torch.device,
                        name: str = "topk_weights") -> torch.Tensor:
     return check_tensor(name, topk_weights, (torch.float32,), device, 2, shape)

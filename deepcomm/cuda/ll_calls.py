@@ -67,6 +67,9 @@ class LowLatencyEngine:
         self.memory = memory  # "ipc" or "nvshmem" (deepcomm.config.LL_MEMORY_KINDS)
         self.blocks = blocks  # blocks of every low-latency kernel (low_latency_blocks)
         self.buffer: Optional[LlBuffer] = None  # made at the first call (_buffer_for)
+        # calls that entered their first exchange (a host exchange of a new shape, or a launch), counted as they
+        # enter: CudaBackend.joined_calls (deepcomm/backend_protocol.py, Capabilities.counts_joined_calls)
+        self.joined = 0
 
     def buffer_info(self) -> dict:
         """Which memory the low-latency buffer uses and its bytes (0 until the first low-latency call)."""
@@ -89,6 +92,7 @@ class LowLatencyEngine:
         laying out their buffers differently."""
         key = (num_experts, max_tokens, hidden)
         if self.buffer is None or self.buffer.key != key:
+            self.joined += 1  # the host exchanges below are this call's first
             if self.buffer is not None and fingerprint is not None:
                 self._agree_on_new_shape(fingerprint)
             self.close()
@@ -207,6 +211,7 @@ class LowLatencyEngine:
         call left is raised once the receive half is launched: here without a hook, else by the hook. Returns the
         hook."""
         phases = self.C.LL_PHASES  # enum LlPhases (csrc/kernels/ll_phases.hpp)
+        self.joined += 1
         if not return_recv_hook and after_send is None:
             launch(phases["both"], stream)
             self.errors.raise_pending()
@@ -282,6 +287,7 @@ class LowLatencyEngine:
         ptrs = (x.data_ptr(), topk_weights.data_ptr(), topk_idx.data_ptr(), out.data_ptr())
         if ll.put_peers:
             # the send half waits for every source's weights: put peers get ours first (a weights-only launch)
+            self.joined += 1
             ll.ctx.combine(self.C.LL_PHASES["weights"], blocks, *ptrs, T, K, slot, use_fp8, stream, words)
             ll.put_weights(slot, stream, self.record.masked)
         # the receive half reads x (our own tokens' partial), topk_idx and topk_weights, and writes out

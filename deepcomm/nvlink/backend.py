@@ -155,7 +155,8 @@ class CudaBackend:
     # csrc/runtime/agree_record.hpp), and reject() joins that exchange for a rejected call.
     capabilities = Capabilities(x_dtypes=(torch.bfloat16,), takes_fingerprints=True,
                                 checks_expert_ids_on_device=True, checks_layout_ids_on_device=True,
-                                checks_low_latency_ids_on_device=LowLatencyEngine.checks_ids_on_device)
+                                checks_low_latency_ids_on_device=LowLatencyEngine.checks_ids_on_device,
+                                counts_joined_calls=True)
 
     def __init__(self, group, config, rank: int, world_size: int, device: torch.device):
         C = load_extension()
@@ -197,6 +198,7 @@ class CudaBackend:
         self._device_index = device.index if device.index is not None else torch.cuda.current_device()
         self._bounce_pending = False  # a bounced dispatch's copies still read the bounce area (see _bounced)
         self._tag = 0  # the host's number for a fresh dispatch's counts (csrc/runtime/dispatch_counts.hpp)
+        self._joined = 0  # normal-mode crossings made (joined_calls)
         self._capacity_rows = world_size * config.max_tokens_per_rank  # rows a rank can receive
         self._work_cache = {}  # fresh dispatch workspace layouts by (T, L, rows) (_work_layout)
         self.bounced_calls = 0  # dispatches whose rows went through the bounce area (diagnostics)
@@ -262,6 +264,12 @@ class CudaBackend:
         self._event = self._events[self._event_i]
         self._last_stream, self._last_end = comm, self._event_handles[self._event_i]
         return caller, comm, flags, prev, self._last_end
+
+    @property
+    def joined_calls(self) -> int:
+        """Collective calls that entered their first exchange, counted as they enter (Capabilities.counts_joined_calls):
+        every crossing of a normal-mode call and every low-latency first exchange."""
+        return self._joined + self.ll.joined
 
     @property
     def event(self) -> Optional[torch.cuda.Event]:
@@ -347,6 +355,7 @@ class CudaBackend:
         ``call.order`` (from _order). ``reserve_rows`` None: NvlContext.dispatch_call, rows into ``out_block`` (the
         bounce area, or no payload); else NvlContext.dispatch_into, rows into an arena block it reserves for that
         many rows, the outputs' views made in the same crossing (None: no such block free, nothing launched)."""
+        self._joined += 1  # counted before the crossing: an error inside it may come after the launch
         v, sc, w = call.values, call.scales, call.weights
         wait, run, flags, prev, end = call.order
         head = (steps | flags, wait, run, prev, self._start_handle, end,
@@ -414,12 +423,11 @@ class CudaBackend:
             per_expert = res[4]
         n = res[1]
         recv = _Recv(out, per_expert, (work,))
-        handle = Handle(buffer_id=-1, num_experts=num_experts, num_tokens=T, hidden=call.values.shape[1],
-                        num_recv=n, is_token_in_rank=WorkspaceView(work, (T, R), (R, 1), 4 * in_rank_at, torch.bool),
-                        send_pos=WorkspaceView(work, (T, R), (R, 1), send_at, ptr=send_ptr),
-                        count_matrix=WorkspaceView(work, (R, R), (R, 1), counts_at, ptr=work_ptr + 4 * counts_at),
-                        recv_src_idx=WorkspaceView(work, (n,), (1,), src_at, ptr=src_ptr),
-                        num_recv_tokens_per_expert=per_expert)
+        handle = Handle.of_fresh_dispatch(
+            num_experts, T, call.values.shape[1], n, WorkspaceView(work, (T, R), (R, 1), 4 * in_rank_at, torch.bool),
+            WorkspaceView(work, (T, R), (R, 1), send_at, ptr=send_ptr),
+            WorkspaceView(work, (R, R), (R, 1), counts_at, ptr=work_ptr + 4 * counts_at),
+            WorkspaceView(work, (n,), (1,), src_at, ptr=src_ptr), per_expert)
         return recv, handle
 
     def _device_counts(self, call: "_Call", counts: torch.Tensor, alignment: int) -> torch.Tensor:
@@ -513,6 +521,7 @@ class CudaBackend:
         wait, run, flags, prev, end = self._order(previous_event, async_finish)
         out = torch.empty(T, H, dtype=x.dtype, device=self.device)
         out_w = torch.empty(T, K, dtype=torch.float32, device=self.device) if topk_weights is not None else None
+        self._joined += 1
         self.nvl.ctx.combine_call(flags, wait, run, prev, self._start_handle, end, self.config.num_sms, x.data_ptr(),
                                   topk_weights.data_ptr() if topk_weights is not None else 0,
                                   field_ptr(handle, "recv_src_idx"), field_ptr(handle, "count_matrix"),

@@ -27,7 +27,7 @@ class ReferenceBackend:
     # expert ids are checked by Buffer (reading them here is cheap anyway)
     capabilities = Capabilities(x_dtypes=(torch.bfloat16, torch.float16, torch.float32, torch.float64),
                                 takes_fingerprints=True, checks_expert_ids_on_device=False,
-                                checks_low_latency_ids_on_device=False)
+                                checks_low_latency_ids_on_device=False, counts_joined_calls=True)
     event = None  # every call has finished when it returns
 
     def __init__(self, group, config: Config, rank: int, world_size: int, device: torch.device,
@@ -40,6 +40,11 @@ class ReferenceBackend:
                     if buffer_number is not None and device.type == "cpu" else None)
         self.comm = Comm(group, rank, world_size, device, config.timeout_s, make_own_group=make_own)
         self.masked: frozenset = frozenset()
+
+    @property
+    def joined_calls(self) -> int:
+        """Calls whose first exchange (Comm.agree, every call kind's) this rank has entered."""
+        return self.comm.joined if self.comm is not None else 0
 
     def reject(self, fingerprint, handle=None) -> None:
         """This rank's own validation rejected its call (``fingerprint``'s REJECTED word says why): take part in the

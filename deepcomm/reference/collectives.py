@@ -36,6 +36,7 @@ class Comm:
         self._make_own_group = make_own_group
         self.own_group = None
         self.broken = False
+        self.joined = 0  # calls' first exchanges entered (agree): ReferenceBackend.joined_calls
 
     def _own(self, stage: str):
         """The group of our own (made now if not yet), or None."""
@@ -88,6 +89,7 @@ class Comm:
         R = self.world_size
         if fingerprint is None:
             return None if counts is None else self.all_gather(counts.to(torch.int32), stage)
+        self.joined += 1
         head = torch.zeros(agreement.WORDS + R, dtype=torch.int32)
         head[:agreement.WORDS] = torch.tensor(fingerprint, dtype=torch.int32)
         if counts is not None:

@@ -241,6 +241,59 @@ def test_a_rank_failing_otherwise_is_named_too():
     assert ok0 and ok1
 
 
+def _fails_inside_the_backend(rank, world):
+    """A rank whose call fails inside the backend after its arguments were accepted, before the call's first
+    exchange (as an allocation that runs out of memory would): the other ranks raise naming it instead of waiting
+    for it, and the Buffer takes the next agreeing call everywhere."""
+    import time
+    failer = 1
+    x, idx, w = _inputs(rank)
+    out = {}
+    for kind, method in (("dispatch", "dispatch"), ("cached dispatch", "dispatch"), ("combine", "combine"),
+                         ("low_latency_dispatch", "low_latency_dispatch"),
+                         ("low_latency_combine", "low_latency_combine")):
+        buf = _buffer(timeout_s=20.0)
+        recv_x, _, recv_w, _, handle = buf.dispatch(x, idx, w, num_experts=E)
+        ll_x, _, ll_handle, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+        call = {"dispatch": lambda: buf.dispatch(x, idx, w, num_experts=E),
+                "cached dispatch": lambda: buf.dispatch(x, handle=handle),
+                "combine": lambda: buf.combine(recv_x, handle, recv_w),
+                "low_latency_dispatch": lambda: buf.low_latency_dispatch(x, idx, M, E, use_fp8=False),
+                "low_latency_combine": lambda: buf.low_latency_combine(ll_x, idx, w, ll_handle)}[kind]
+        if rank == failer:
+            def failing(*args, **kwargs):
+                raise RuntimeError("out of memory (simulated, inside the backend)")
+            setattr(buf._backend, method, failing)
+        t0 = time.monotonic()
+        try:
+            call()
+            out[kind] = "returned"
+        except (ValueError, RuntimeError) as e:
+            out[kind] = f"{type(e).__name__}: {e}"
+        out[kind + " seconds"] = time.monotonic() - t0
+        if rank == failer:
+            delattr(buf._backend, method)
+        out[kind + " after"] = _same(_step(buf, rank), _step(_buffer(), rank))
+        buf.destroy()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_call_failing_inside_the_backend_before_its_exchange_raises_everywhere(world):
+    results = run_ranks(_fails_inside_the_backend, world, timeout=300)
+    calls = {"dispatch": 3, "cached dispatch": 3, "combine": 3, "low_latency_dispatch": 3, "low_latency_combine": 3}
+    for rank, out in enumerate(results):
+        for kind, number in calls.items():
+            op = kind.replace("cached ", "")
+            if rank == 1:
+                assert out[kind] == "RuntimeError: out of memory (simulated, inside the backend)", out[kind]
+            else:
+                assert out[kind] == (f"ValueError: call: rank 1 rejected {op} call #{number} on this Buffer "
+                                     f"(see that rank's error); no rank ran the call"), (rank, kind, out[kind])
+                assert out[kind + " seconds"] < 15, (rank, kind, out[kind + " seconds"])  # not the 20 s timeout
+            assert out[kind + " after"], (rank, kind)
+
+
 # ---- a skipped call: a timeout, then a rebuild ----------------------------------------------------------------
 def _skips(rank, world):
     from deepcomm.errors import CommTimeoutError

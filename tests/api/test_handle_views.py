@@ -41,3 +41,15 @@ def test_handles_stay_dataclasses():
     h2 = dataclasses.replace(h, num_recv=7)
     assert h2.num_recv == 7 and torch.equal(h2.send_pos, h.send_pos) and h2.send_pos.shape == (3, 2)
     assert h2 == dataclasses.replace(h2)
+
+
+def test_the_fresh_dispatch_constructor_stores_what_init_does():
+    work = torch.arange(22, dtype=torch.int32)
+    views = (WorkspaceView(work, (3, 2), (2, 1), 80, torch.bool), WorkspaceView(work, (3, 2), (2, 1), 0),
+             WorkspaceView(work, (2, 2), (2, 1), 6), WorkspaceView(work, (5,), (1,), 10))
+    fast = Handle.of_fresh_dispatch(4, 3, 8, 5, *views, [2, 3])
+    slow = Handle(buffer_id=-1, num_experts=4, num_tokens=3, hidden=8, num_recv=5, is_token_in_rank=views[0],
+                  send_pos=views[1], count_matrix=views[2], recv_src_idx=views[3], num_recv_tokens_per_expert=[2, 3])
+    assert fast.__dict__.keys() == slow.__dict__.keys()
+    assert all(fast.__dict__[k] is slow.__dict__[k] or fast.__dict__[k] == slow.__dict__[k] for k in slow.__dict__)
+    assert fast.recv_src_idx.tolist() == list(range(10, 15)) and fast.call == 0 and fast.node_route is None

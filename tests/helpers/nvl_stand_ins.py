@@ -107,7 +107,8 @@ def cpu_backend(setattr_):
     b._event_handles = [e.cuda_event for e in b._events]
     b._start_event, b._start_handle = FakeEvent(99), 99
     b._event_i, b._event, b._last_stream, b._last_end, b._last_captured = 0, None, None, 0, False
-    b._releases_seen, b._bounce_pending, b._tag = 0, False, 0
+    b._releases_seen, b._bounce_pending, b._tag, b._joined = 0, False, 0, 0
+    b.ll = types.SimpleNamespace(joined=0)  # no low-latency engine: its count of joined calls only
     b.errors = CallErrors(b.nvl)
     b.meet = ModeMeet(b.nvl, b.device)
     b._capacity_rows, b.last_wait_us, b.bounced_calls = 256, 0.0, 0

@@ -138,6 +138,15 @@ def test_no_put_peers_one_fused_launch():
     ll = types.SimpleNamespace(put_peers=[1], put=lambda kind, slot, stream, masked: seen.append(("put", kind)))
     calls._launch(lambda phases, s: seen.append(phases), False, 5, after_send=calls._puts(ll, 1, 0))
     assert seen == [phases["send"], ("put", 1), phases["recv"]]
+    # each call's launch counts as its joined exchange before it is made (CudaBackend.joined_calls), even one
+    # that fails inside
+    assert calls.joined == 2
+
+    def failing(phases, s):
+        raise RuntimeError("launch failed")
+    with pytest.raises(RuntimeError, match="launch failed"):
+        calls._launch(failing, False, 5)
+    assert calls.joined == 3
 
 
 def test_call_words_travel_inside_the_put_sections():

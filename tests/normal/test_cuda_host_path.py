@@ -319,3 +319,32 @@ def test_plain_calls_run_at_most_one_torch_operator(env):
             out = call()
         del out
         assert counted.ops == most, f"{name}: {counted.ops}"
+
+
+def test_joined_calls_count_each_crossing_before_it_is_made(env, monkeypatch):
+    """Capabilities.counts_joined_calls: an error before a call's first crossing leaves joined_calls unchanged (the
+    Buffer then rejects the call for the other ranks); one from inside the crossing, which may come after the
+    launch, counts as joined (nothing is rejected twice)."""
+    b, ctx = env.b, env.ctx
+    assert B.CudaBackend.capabilities.counts_joined_calls
+    x, idx, w, E = _inputs()
+    before = b.joined_calls
+    h = b.dispatch(x, idx, w, E, None, 1)[4]
+    assert b.joined_calls == before + 1
+    b.combine(torch.zeros(64, 1024, dtype=torch.bfloat16), h, None)
+    assert b.joined_calls == before + 2
+
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("out of memory (simulated)")
+    with monkeypatch.context() as m:
+        m.setattr(B.torch, "empty", no_memory)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            b.dispatch(x, idx, w, E, None, 1)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            b.combine(torch.zeros(64, 1024, dtype=torch.bfloat16), h, None)
+    assert b.joined_calls == before + 2
+    with monkeypatch.context() as m:
+        m.setattr(ctx, "dispatch_into", no_memory)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            b.dispatch(x, None, None, E, h, 1)
+    assert b.joined_calls == before + 3
