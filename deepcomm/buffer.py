@@ -41,9 +41,11 @@ def _collective(op: str):
             try:
                 return method(self, *args, **kwargs)
             except Exception as e:
-                if self._pending_op is not None or self._never_joined(e):
+                if self._pending_op is not None:
                     self._pending_op = None
                     self._reject(op, e, _handle_argument(method, self, args, kwargs))
+                elif self._never_joined(e):  # the store (check_calls) agreed already: the peers are in the backend
+                    self._reject_in_backend(op, e, _handle_argument(method, self, args, kwargs))
                 raise
             finally:
                 self._pending_op = None
@@ -289,7 +291,7 @@ class Buffer:
         op, self._pending_op = self._pending_op, None
         if self._call_checker is not None:  # the fields cost host time: built only when compared
             self._call_checker.agree(op, fields() if callable(fields) else fields)
-        elif self._counts_joined:
+        if self._counts_joined:
             self._joined_at = self._backend.joined_calls
         return {} if words is None else {"fingerprint": words}
 
@@ -307,7 +309,11 @@ class Buffer:
         if self._call_checker is not None:
             self._call_checker.agree(op, {}, error=str(error))
         elif self._takes_fingerprints and self._backend is not None:
-            self._backend.reject(agreement.rejected(op, self._calls, self._buffer_word, error), handle=handle)
+            self._reject_in_backend(op, error, handle)
+
+    def _reject_in_backend(self, op: str, error: Exception, handle=None) -> None:
+        """Join call ``op``'s first exchange in the backend as a rejected call (the peers raise naming this rank)."""
+        self._backend.reject(agreement.rejected(op, self._calls, self._buffer_word, error), handle=handle)
 
     @staticmethod
     def _dispatch_fields(x, topk_idx, topk_weights, num_experts, handle) -> dict:

@@ -54,7 +54,8 @@ class InternodeBackend:
     # kernels and of the torch routing carries every rank's words too
     capabilities = Capabilities(x_dtypes=(torch.bfloat16,), takes_fingerprints=True,
                                 checks_expert_ids_on_device=False,
-                                checks_low_latency_ids_on_device=LowLatencyEngine.checks_ids_on_device)
+                                checks_low_latency_ids_on_device=LowLatencyEngine.checks_ids_on_device,
+                                counts_joined_calls=True)
 
     @property
     def event(self):
@@ -88,17 +89,13 @@ class InternodeBackend:
             else:
                 hier_agree.join_rejected(self.comm, fingerprint)
 
-    def _refused_before_exchange(self, fingerprint, error: BaseException, round_before, handle=None) -> None:
-        """A ValueError of this backend's own (``error``: a limit such as the top-k or a slot's size, a handle of
-        another path) in a call that made no exchange yet (``_exchanges()`` is still ``round_before``):
-        join the call's first exchange as a rejected call, so the peers raise instead of waiting for it
-        (``handle``: the call's, which picks that exchange)."""
-        if fingerprint is not None and self._exchanges() == round_before:
-            self.reject(hier_agree.rejected_words(fingerprint, error), handle=handle)
-
-    def _exchanges(self):
-        """(rail rounds, NVLink stages) made so far: a call that made neither has not begun its first exchange."""
-        return self.transport.round, self.link.epoch
+    @property
+    def joined_calls(self) -> int:
+        """Exchanges entered so far (Capabilities.counts_joined_calls): rail rounds and NVLink stages, each counted
+        as it starts (a limit a round checks first, such as a block over the receive slot, raises before), and the
+        low-latency engine's first exchanges. A call that raised with this unchanged never began its first
+        exchange: the Buffer rejects it for the peers (with the call's handle, which picks that exchange)."""
+        return self.transport.round + self.link.epoch + self.ll.engine.joined
 
     def __init__(self, group, config: Config, rank: int, world_size: int, device: torch.device, C):
         self.config, self.rank, self.world_size, self.device = config, rank, world_size, device
@@ -165,41 +162,31 @@ class InternodeBackend:
     def dispatch(self, x, topk_idx, topk_weights, num_experts, handle, expert_alignment, num_worst_tokens=0,
                  previous_event=None, async_finish=False, fingerprint=None):
         self._normal_mode_check()
-        round_before = self._exchanges()
-        try:
-            for t in (topk_idx, topk_weights):
-                if t is not None:
-                    self._check_topk(t.shape[1])
-            if handle is not None and torch.is_tensor(handle.num_recv_tokens_per_expert):
-                num_worst_tokens = handle.num_recv
-            with torch.cuda.device(self.device):
-                if self.kernels is not None:
-                    self.kernels.check_deferred()
-                    out = hier_kernels.dispatch(self.kernels, x, topk_idx, topk_weights, num_experts, handle,
-                                                expert_alignment, fingerprint)
-                else:
-                    out = hier_normal.dispatch(self.comm, x, topk_idx, topk_weights, num_experts, handle,
-                                               expert_alignment, fingerprint)
-        except ValueError as e:
-            self._refused_before_exchange(fingerprint, e, round_before, handle)
-            raise
+        for t in (topk_idx, topk_weights):
+            if t is not None:
+                self._check_topk(t.shape[1])
+        if handle is not None and torch.is_tensor(handle.num_recv_tokens_per_expert):
+            num_worst_tokens = handle.num_recv
+        with torch.cuda.device(self.device):
+            if self.kernels is not None:
+                self.kernels.check_deferred()
+                out = hier_kernels.dispatch(self.kernels, x, topk_idx, topk_weights, num_experts, handle,
+                                            expert_alignment, fingerprint)
+            else:
+                out = hier_normal.dispatch(self.comm, x, topk_idx, topk_weights, num_experts, handle,
+                                           expert_alignment, fingerprint)
         return pad_to_worst(out, num_worst_tokens, handle is not None) if num_worst_tokens else out
 
     def combine(self, x, handle, topk_weights, previous_event=None, async_finish=False, use_fp8=False,
                 fingerprint=None):
         self._normal_mode_check()
-        round_before = self._exchanges()
-        try:
-            if topk_weights is not None:
-                self._check_topk(topk_weights.shape[1])
-            with torch.cuda.device(self.device):
-                if self.kernels is not None:
-                    self.kernels.check_deferred()
-                    return hier_kernels.combine(self.kernels, x, handle, topk_weights, use_fp8, fingerprint)
-                return hier_normal.combine(self.comm, x, handle, topk_weights, use_fp8, fingerprint)
-        except ValueError as e:
-            self._refused_before_exchange(fingerprint, e, round_before)
-            raise
+        if topk_weights is not None:
+            self._check_topk(topk_weights.shape[1])
+        with torch.cuda.device(self.device):
+            if self.kernels is not None:
+                self.kernels.check_deferred()
+                return hier_kernels.combine(self.kernels, x, handle, topk_weights, use_fp8, fingerprint)
+            return hier_normal.combine(self.comm, x, handle, topk_weights, use_fp8, fingerprint)
 
     # low-latency mode (internode_ll.py)
     def low_latency_dispatch(self, *args, **kwargs):

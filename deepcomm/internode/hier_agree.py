@@ -67,13 +67,6 @@ def rail_rows(tr, rail: Sequence[int], rank: int, fingerprint: Sequence[int]) ->
     return [list(fingerprint) if s == rank else got[s] for s in rail]
 
 
-def rejected_words(fingerprint: Sequence[int], error: BaseException) -> agreement.Fingerprint:
-    """The words of this call once this rank's backend refused it (``error``) before its first exchange."""
-    op, call, buffer = (fingerprint[agreement.Word.OP], fingerprint[agreement.Word.CALL],
-                        fingerprint[agreement.Word.BUFFER])
-    return agreement.make(op, call, buffer, rejected=agreement.reject_code(error))
-
-
 # ---- several GPUs per node: the strip of words in every node GPU's NVLink area ----------------------------------
 # One header per rank, rail-major, as the extension lays it out (WordsStrip, csrc/runtime/internode_layout.hpp):
 # the words of one rail are contiguous (one put per node GPU in a count round, one run per rail in the kernels).
