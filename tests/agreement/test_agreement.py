@@ -241,7 +241,7 @@ def test_a_rank_failing_otherwise_is_named_too():
     assert ok0 and ok1
 
 
-def _fails_inside_the_backend(rank, world):
+def _fails_inside_the_backend(rank, world, check_calls=False):
     """A rank whose call fails inside the backend after its arguments were accepted, before the call's first
     exchange (as an allocation that runs out of memory would): the other ranks raise naming it instead of waiting
     for it, and the Buffer takes the next agreeing call everywhere."""
@@ -252,7 +252,7 @@ def _fails_inside_the_backend(rank, world):
     for kind, method in (("dispatch", "dispatch"), ("cached dispatch", "dispatch"), ("combine", "combine"),
                          ("low_latency_dispatch", "low_latency_dispatch"),
                          ("low_latency_combine", "low_latency_combine")):
-        buf = _buffer(timeout_s=20.0)
+        buf = _buffer(timeout_s=20.0, check_calls=check_calls)
         recv_x, _, recv_w, _, handle = buf.dispatch(x, idx, w, num_experts=E)
         ll_x, _, ll_handle, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
         call = {"dispatch": lambda: buf.dispatch(x, idx, w, num_experts=E),
@@ -278,9 +278,10 @@ def _fails_inside_the_backend(rank, world):
     return out
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_a_call_failing_inside_the_backend_before_its_exchange_raises_everywhere(world):
-    results = run_ranks(_fails_inside_the_backend, world, timeout=300)
+@pytest.mark.parametrize("world,check_calls", [(2, False), (3, False), (2, True)])
+def test_a_call_failing_inside_the_backend_before_its_exchange_raises_everywhere(world, check_calls):
+    """With check_calls on too: the store agreed on the call already, the peers wait in the backend's exchange."""
+    results = run_ranks(_fails_inside_the_backend, world, check_calls, timeout=300)
     calls = {"dispatch": 3, "cached dispatch": 3, "combine": 3, "low_latency_dispatch": 3, "low_latency_combine": 3}
     for rank, out in enumerate(results):
         for kind, number in calls.items():
