@@ -87,6 +87,18 @@ py::tuple dispatch_outputs(BoundArena& a, int64_t offset, int64_t size, bool own
   return out;
 }
 
+namespace {
+
+// What into_block's Python launch reports (the fields of NvlDispatchResult it reads), and what it returned.
+struct ReportedLaunch {
+  int status = 0;
+  int num_recv = 0;
+  int64_t out[6] = {0, 0, 0, 0, 0, 0};  // out[5]: the bytes the rows use
+  py::object returned;
+};
+
+}  // namespace
+
 void register_arena(py::module_& m) {
   m.attr("DLPACK_CPU") = int(dlpack::kCPU);
   m.attr("DLPACK_CUDA") = int(dlpack::kCUDA);
@@ -120,6 +132,25 @@ void register_arena(py::module_& m) {
         return dispatch_outputs(a, offset, size, owned,
                                 DispatchOutputs{x_type, x_row_bytes, scale_type, scale_row_bytes, topk, with_idx,
                                                 with_weights}, n);
+      })
+      // NvlContext.dispatch_into's arena side (arena_views.hpp into_block) around a Python `launch(offset)` that
+      // returns (status, rows, bytes the rows use, anything): None when no block of `need` bytes is free, else
+      // (what launch returned, the views or None). The CPU stand-ins of the kernels go through it.
+      .def("into_block", [](BoundArena& a, int64_t need, bool waited, int x_type, int64_t x_row_bytes,
+                            int scale_type, int64_t scale_row_bytes, int64_t topk, bool with_idx, bool with_weights,
+                            py::function launch) -> py::object {
+        const DispatchOutputs o{x_type, x_row_bytes, scale_type, scale_row_bytes, topk, with_idx, with_weights};
+        auto got = into_block(a, need, waited, o, [&](int64_t offset) {
+          py::tuple t = launch(offset);
+          ReportedLaunch r;
+          r.status = t[0].cast<int>();
+          r.num_recv = t[1].cast<int>();
+          r.out[5] = t[2].cast<int64_t>();
+          r.returned = t[3];
+          return r;
+        });
+        if (!got) return py::none();
+        return py::make_tuple(got->result.returned, got->views);
       });
 }
 

@@ -163,34 +163,25 @@ void register_nvlink(py::module_& m) {
       // outputs' packed DLPack types (runtime/dispatch_views.hpp); with_idx / with_weights: whether topk_idx /
       // topk_weights come back (said, not read from the pointers: an empty tensor's pointer may be null).
       .def("dispatch_into", [](const NvlContext& c, BoundArena& arena, int64_t arena_at, int64_t reserve_rows,
-                               int x_type, int scale_type, bool with_idx, bool with_weights, int flags, uintptr_t caller, uintptr_t comm,
-                               uintptr_t previous, uintptr_t start, uintptr_t end,
+                               int x_type, int scale_type, bool with_idx, bool with_weights, int flags,
+                               uintptr_t caller, uintptr_t comm, uintptr_t previous, uintptr_t start, uintptr_t end,
                                uintptr_t topk_idx, int T, int K, int E, uintptr_t in_rank, uintptr_t send_pos,
                                uintptr_t notify_out, uint64_t host_tag,
                                uintptr_t x, int64_t x_row_bytes, uintptr_t scales, int64_t scale_row_bytes,
                                uintptr_t topk_weights, uintptr_t count_matrix, uintptr_t invalid_count,
                                int64_t out_rows, int num_blocks, int expert_alignment, uintptr_t src_idx_copy,
                                double wait_timeout_s, const Words& fingerprint) -> py::object {
-        const auto got = arena.core.reserve(DispatchOutLayout(reserve_rows, x_row_bytes, scale_row_bytes, K).total);
-        if (!got) return py::none();
-        NvlDispatchCall call = dispatch_call_of(
-            c, flags, topk_idx, T, K, E, in_rank, send_pos, notify_out, host_tag, x, x_row_bytes, scales,
-            scale_row_bytes, topk_weights, count_matrix, invalid_count, arena_at + got->first, out_rows, num_blocks,
-            expert_alignment, src_idx_copy, wait_timeout_s, fingerprint);
-        NvlDispatchResult r;
-        try {
-          r = run_dispatch(c, stream_order(caller, comm, previous, start, end, flags), call);
-        } catch (...) {
-          arena.core.release(got->first, got->second);  // nothing of this call reads the block
-          throw;
-        }
-        if (r.status != 0) {
-          if (r.status != 1) arena.core.release(got->first, got->second);  // the payload kernel returned at once
-          return dispatch_result(r, py::none());
-        }
-        const ArenaCore::Range kept = call.wait ? arena.core.trim(got->first, got->second, r.out[5]) : *got;
         const DispatchOutputs outputs{x_type, x_row_bytes, scale_type, scale_row_bytes, K, with_idx, with_weights};
-        return dispatch_result(r, dispatch_outputs(arena, kept.first, kept.second, true, outputs, r.num_recv));
+        auto got = into_block(arena, DispatchOutLayout(reserve_rows, x_row_bytes, scale_row_bytes, K).total,
+                              (flags & kCallWait) != 0, outputs, [&](int64_t offset) {
+          const NvlDispatchCall call = dispatch_call_of(
+              c, flags, topk_idx, T, K, E, in_rank, send_pos, notify_out, host_tag, x, x_row_bytes, scales,
+              scale_row_bytes, topk_weights, count_matrix, invalid_count, arena_at + offset, out_rows, num_blocks,
+              expert_alignment, src_idx_copy, wait_timeout_s, fingerprint);
+          return run_dispatch(c, stream_order(caller, comm, previous, start, end, flags), call);
+        });
+        if (!got) return py::none();
+        return dispatch_result(got->result, got->views);
       })
       .def("combine_call", [](const NvlContext& c, int flags, uintptr_t caller, uintptr_t comm, uintptr_t previous,
                               uintptr_t start, uintptr_t end, int num_blocks, uintptr_t x, uintptr_t topk_weights,

@@ -48,22 +48,23 @@ class FakeCtx:
                       topk_idx, T, K, E, in_rank, send_pos, notify_out, tag, x, x_row_bytes, scales, scale_row_bytes,
                       weights, count_matrix, invalid, out_rows, num_blocks, alignment, src_copy, timeout_s,
                       fingerprint):
-        """dispatch_call into an arena block, as the binding does it: None without a block of ``reserve_rows`` rows;
-        the block given back on bad counts, trimmed to the rows after a wait, its views made by the arena's core."""
-        got = arena.reserve(C.dispatch_out_layout(reserve_rows, x_row_bytes, scale_row_bytes, K)["total"])
+        """dispatch_call into an arena block through the binding's own arena side (ArenaCore.into_block): None
+        without a block of ``reserve_rows`` rows; the block given back on bad counts, trimmed to the rows after a
+        wait, its views made by the arena's core."""
+        def launch(offset):
+            res = self.dispatch_call(flags, wait, run, prev, start, end, topk_idx, T, K, E, in_rank, send_pos,
+                                     notify_out, tag, x, x_row_bytes, scales, scale_row_bytes, weights, count_matrix,
+                                     invalid, arena_at + offset, out_rows, num_blocks, alignment, src_copy, timeout_s,
+                                     fingerprint)
+            self.calls[-1]["reserve_rows"] = reserve_rows
+            return res[0], res[1], res[5][5], res
+
+        need = C.dispatch_out_layout(reserve_rows, x_row_bytes, scale_row_bytes, K)["total"]
+        got = arena.into_block(need, bool(flags & B.WAIT), x_type, x_row_bytes, scale_type, scale_row_bytes, K,
+                               with_idx, with_weights, launch)
         if got is None:
             return None
-        res = self.dispatch_call(flags, wait, run, prev, start, end, topk_idx, T, K, E, in_rank, send_pos, notify_out,
-                                 tag, x, x_row_bytes, scales, scale_row_bytes, weights, count_matrix, invalid,
-                                 arena_at + got[0], out_rows, num_blocks, alignment, src_copy, timeout_s, fingerprint)
-        self.calls[-1]["reserve_rows"] = reserve_rows
-        if res[0]:
-            if res[0] != 1:
-                arena.release(*got)
-            return res[:5] + (None,) + res[6:]
-        kept = arena.trim(*got, res[5][5]) if flags & B.WAIT else got
-        views = arena.dispatch_views(kept[0], kept[1], True, res[1], x_type, x_row_bytes, scale_type,
-                                     scale_row_bytes, K, with_idx, with_weights)
+        res, views = got
         return res[:5] + (views,) + res[6:]
 
     def combine_call(self, flags, wait, run, prev, start, end, *rest):

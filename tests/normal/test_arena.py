@@ -157,3 +157,41 @@ def test_dispatch_views_refuse_rows_that_are_not_whole_elements():
         arena.core.dispatch_views(off, size, True, 2, bf16, 63, 0, 0, 0, False, False)
     with pytest.raises((ValueError, IndexError), match="outside the range"):  # more rows than the range holds
         arena.core.dispatch_views(off, size, True, 64, bf16, 64, 0, 0, 0, False, False)
+
+
+def test_into_block_keeps_trims_or_gives_back_the_block_by_the_launch_s_status():
+    """ArenaCore.into_block, the arena side of NvlContext.dispatch_into (csrc/bindings/arena_views.hpp)."""
+    C = load_extension()
+    memory, arena = _host_arena(64 * ALIGN)
+    bf16 = arena.dlpack_type(torch.bfloat16)[0]
+    n, row = 4, 256
+    used = C.dispatch_out_layout(n, row, 0, 0)["total"]
+    offsets = []
+
+    def into(need, status, waited=True, rows=n, fail=False):
+        def launch(offset):
+            offsets.append(offset)
+            if fail:
+                raise RuntimeError("launch failed")
+            return status, rows, used, ("launched", offset)
+        return arena.core.into_block(need, waited, bf16, row, 0, 0, 0, False, False, launch)
+
+    full = 64 * ALIGN
+    got, views = into(16 * ALIGN, 0)
+    assert got == ("launched", 0) and views[0].shape == (n, 128) and views[1:] == (None, None, None)
+    assert arena.free_bytes() == full - used  # trimmed to the rows' bytes
+    del views
+    gc.collect()
+    assert arena.free_bytes() == full
+    got, views = into(16 * ALIGN, 0, waited=False)
+    assert arena.free_bytes() == full - 16 * ALIGN  # a call that did not wait keeps its whole block
+    del views
+    gc.collect()
+    assert into(16 * ALIGN, 2) == (("launched", 0), None) and arena.free_bytes() == full  # bad counts: back
+    assert into(16 * ALIGN, 1)[1] is None and arena.free_bytes() == full - 16 * ALIGN  # broken buffer: kept
+    arena.release(0, 16 * ALIGN)
+    with pytest.raises(RuntimeError, match="launch failed"):
+        into(16 * ALIGN, 0, fail=True)
+    assert arena.free_bytes() == full
+    offsets.clear()
+    assert into(full + ALIGN, 0) is None and offsets == []  # no block that large: nothing launched
