@@ -151,7 +151,9 @@ def routing_accepted(topk_idx, topk_weights, num_tokens: int, num_experts, world
     """Whether a fresh dispatch's num_experts, topk_idx and topk_weights pass check_num_experts, check_topk_idx
     (values left to the device) and check_topk_weights, in one pass over plain tensors: the accepted case of every
     fresh dispatch. False sends the caller through those checks, which name what is wrong."""
-    if type(num_experts) is not int or num_experts < 1 or num_experts % world_size or type(topk_idx) is not torch.Tensor:
+    if type(num_experts) is not int or num_experts < 1 or num_experts % world_size:
+        return False
+    if type(topk_idx) is not torch.Tensor:
         return False
     got = topk_idx.shape
     if (topk_idx.dtype != torch.int64 or len(got) != 2 or got[0] != num_tokens or got[1] > MAX_TOPK

@@ -71,7 +71,8 @@ class _Call:
     def __init__(self, values: torch.Tensor, scales: Optional[torch.Tensor], weights: Optional[torch.Tensor],
                  K: int, fresh: bool, words: tuple, types: dict):
         # fresh: a dispatch without a handle, whose outputs include the received topk_idx
-        self.values, self.scales, self.weights, self.K, self.fresh, self.words = values, scales, weights, K, fresh, words
+        self.values, self.scales, self.weights, self.K = values, scales, weights, K
+        self.fresh, self.words = fresh, words
         self.x_row_bytes = values.shape[1] * values.element_size()
         self.x_type, self.x_view = types[values.dtype]
         if scales is not None:

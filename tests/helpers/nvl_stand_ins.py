@@ -22,8 +22,8 @@ LAYOUT_KEYS = ("x", "scales", "topk_idx", "topk_weights", "src_idx", "total")
 
 
 class FakeCtx:
-    """Records each dispatch_call / dispatch_into / combine_call and answers as the C++ side would for rows arriving ``recv`` (the
-    rank's own token count when None) with ``status``."""
+    """Records each dispatch_call / dispatch_into / combine_call and answers as the C++ side would for rows
+    arriving ``recv`` (the rank's own token count when None) with ``status``."""
 
     def __init__(self):
         self.calls, self.combines = [], []
