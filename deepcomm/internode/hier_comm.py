@@ -59,6 +59,7 @@ class HierComm:
         self.node, self.local = divmod(rank, gpus_per_node)
         self.other_nodes = [m for m in range(self.num_nodes) if m != self.node]
         self.traffic: Counter = Counter()
+        self._empty = torch.empty(0, dtype=torch.uint8, device=self.device)  # what a rail rank sent: nothing
 
     # ---- topology ----
     def rank_of(self, node: int, local: int) -> int:
@@ -111,8 +112,7 @@ class HierComm:
             tr.exchange(send_bytes, send_begin)
         else:
             tr.exchange(send_bytes, send_begin, wait=False)
-        empty = torch.empty(0, dtype=torch.uint8, device=self.device)
-        return {m: tr.recv_view(self.rank_of(m, self.local), 1, recv_bytes[m])[0] if recv_bytes[m] else empty
+        return {m: tr.recv_view(self.rank_of(m, self.local), 1, recv_bytes[m])[0] if recv_bytes[m] else self._empty
                 for m in self.other_nodes}
 
     # ---- NVLink hop ----
@@ -139,7 +139,7 @@ class HierComm:
         with a call's words (hier_agree.py); with several GPUs per node they also travel through the strip, so
         every rank's words land in place even where the ranks disagree about the row's length."""
         R, N = self.world_size, self.num_nodes
-        flat = t.contiguous().reshape(-1).view(torch.uint8)
+        flat = (t if t.dim() == 1 and t.is_contiguous() else t.contiguous().reshape(-1)).view(torch.uint8)
         nbytes = flat.numel()
         stride = round_up(nbytes, 16)
         if nbytes == stride:  # already whole 16-byte rows (count_row pads its row so): sent as it is
@@ -166,15 +166,7 @@ class HierComm:
             rows = rows.clone()  # out of our node area, which the next hop overwrites
             if words:
                 rows[:, :RAIL_HEADER_BYTES] = hier_agree.strip_words(self)
-        return rows.reshape(-1).view(t.dtype).reshape(R, *t.shape)
-        with self.node_hop(stage + ":node", wait=wait) as hop:
-            for g in range(self.gpus):
-                for m in range(N):
-                    hop.put(g, self.rank_of(m, self.local) * stride, rail_rows[m])
-            if words and self.gpus > 1:
-                hier_agree.put_rail_words(self, hop, rail_rows)
-        rows = self.node_area()[:R * stride].view(R, stride)
-        rows = (rows if nbytes == stride else rows[:, :nbytes]).clone()
-        if words and self.gpus > 1:
-            rows[:, :RAIL_HEADER_BYTES] = hier_agree.strip_words(self)
-        return rows.reshape(-1).view(t.dtype).reshape(R, *t.shape)
+        out = rows.view(t.dtype)  # [R, elements of one row]
+        if not out.is_contiguous():  # rows cut from their 16-byte stride (count_row pads its row: not there)
+            out = out.contiguous()
+        return out if t.dim() == 1 else out.view(R, *t.shape)

@@ -280,14 +280,15 @@ def _rdma_slots(in_node: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------------------------- launch plans
 def dispatch_plan(comm: HierComm, counts: List[List[int]], ncounts: List[List[int]], in_rank: torch.Tensor,
-                  stride: int, tables: Optional[dict] = None) -> dict:
+                  stride: int, tables: Optional[dict] = None, send_pos: Optional[torch.Tensor] = None) -> dict:
     """The routing fields of one dispatch launch (hier_kernels.hpp HierDispatchArgs), from the count matrix
     ``counts`` [R][R], the node counts ``ncounts`` [R][N] (``counts`` itself with one GPU per node) and our
     ``in_rank`` bool [T, R]: ``rows_to`` / ``rows_from`` [N], ``first_row`` [N][G], ``max_rows``, ``rdma_slot``
     int32 [T, N] and ``masks`` int32 [T, N] (None with one GPU per node). Host lists and CPU-or-device tensors on
     ``in_rank``'s device; no launch. ``tables``: a fresh dispatch's NodeRoute.tables, whose ``rdma_slot``,
     ``masks`` and ``first_row`` table a cached dispatch of its route takes as they are (``first_row`` is then
-    None)."""
+    None). ``send_pos``: the route's send positions, which with one GPU per node are the rdma slots themselves
+    (each node is one rank)."""
     rank, N, G = comm.rank, comm.num_nodes, comm.gpus
     T = in_rank.shape[0]
     node = comm.node_ranks()
@@ -299,6 +300,8 @@ def dispatch_plan(comm: HierComm, counts: List[List[int]], ncounts: List[List[in
     # node GPU d's rows from rail source (m, local) start after every lower source rank's rows for d
     below = [list(itertools.accumulate((counts[q][d] for q in range(comm.world_size)), initial=0)) for d in node]
     first_row = [[below[g][comm.rank_of(m, comm.local)] for g in range(G)] for m in range(N)]
+    if G == 1 and send_pos is not None:
+        return dict(plan, first_row=first_row, rdma_slot=send_pos, masks=None)
     return dict(plan, first_row=first_row, rdma_slot=_rdma_slots(in_rank.view(T, N, G).any(dim=2)),
                 masks=node_masks(in_rank, N, G).contiguous() if G > 1 else None)
 
@@ -437,7 +440,7 @@ def dispatch(k: HierKernels, x, topk_idx: Optional[torch.Tensor], topk_weights: 
 
     reuse = handle is not None  # a cached dispatch: its route's tables as the fresh dispatch made them
     tables = handle.node_route.tables if reuse else {}
-    plan = dispatch_plan(comm, counts, ncounts, in_rank, stride, tables if reuse else None)
+    plan = dispatch_plan(comm, counts, ncounts, in_rank, stride, tables if reuse else None, send_pos=send_pos)
     rows_to, rows_from, max_rows, masks = plan["rows_to"], plan["rows_from"], plan["max_rows"], plan["masks"]
     k.check_fits(counts, ncounts, stride, stride, tables=tables)
     n_recv = sum(counts[s][rank] for s in range(R))

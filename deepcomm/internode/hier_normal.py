@@ -108,7 +108,7 @@ def count_row(comm: HierComm, topk_idx: torch.Tensor, num_experts: int, T: int, 
     R, N, G = comm.world_size, comm.num_nodes, comm.gpus
     in_rank, per_expert = layout.route_and_expert_counts(topk_idx, num_experts, R)
     send_pos = layout.send_positions(in_rank)
-    in_node = in_rank.view(T, N, G).any(dim=2)
+    in_node = in_rank if G == 1 else in_rank.view(T, N, G).any(dim=2)
     pieces = [in_rank.sum(dim=0, dtype=torch.int32)]
     if G > 1:
         pieces.append(in_node.sum(dim=0, dtype=torch.int32))

@@ -234,3 +234,22 @@ def test_combine_plan_recv_off_equals_its_contract(N, G):
         comm = HierComm(None, None, rank, R, G, torch.device("cpu"))
         plan = hier_kernels.combine_plan(comm, counts, in_rank, 48, 80)
         assert torch.equal(plan["recv_off"], _recv_off_node_by_node(comm.node, N, G, in_rank, 48, 80)), rank
+
+
+def test_with_one_gpu_per_node_the_rdma_slots_are_the_send_positions():
+    """dispatch_plan takes a fresh dispatch's send positions as its rdma slots at one GPU per node (each node is one
+    rank), instead of deriving them again: the same table."""
+    from deepcomm import layout
+    world, tokens, experts = 16, 40, 64
+    gen = torch.Generator().manual_seed(5)
+    for r in (0, 7, 15):
+        idx = torch.stack([torch.randperm(experts, generator=gen)[:6] for _ in range(tokens)])
+        idx[::5, 2] = -1
+        in_rank = layout.token_in_rank(idx, experts, world)
+        counts = [[0] * world for _ in range(world)]
+        derived = hier_kernels.dispatch_plan(_topo(r, world, 1), counts, counts, in_rank, 16)
+        send_pos = layout.send_positions(in_rank)
+        taken = hier_kernels.dispatch_plan(_topo(r, world, 1), counts, counts, in_rank, 16, send_pos=send_pos)
+        assert taken["rdma_slot"] is send_pos and torch.equal(derived["rdma_slot"], send_pos)
+        assert derived["rdma_slot"].dtype == send_pos.dtype == torch.int32
+        assert taken["first_row"] == derived["first_row"] and taken["masks"] is derived["masks"] is None
