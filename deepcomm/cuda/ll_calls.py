@@ -18,9 +18,11 @@ import torch
 import torch.distributed as dist
 
 from .. import agreement
+from ..errors import CommTimeoutError
 from ..gpu_share import shares_gpu, usable_sms
 from ..handle import LowLatencyHandle
 from .agree_record import words_or_none
+from .host_words import HostWords
 from .ll_buffer import LlBuffer, pdl_mode
 
 
@@ -70,6 +72,7 @@ class LowLatencyEngine:
         # calls that entered their first exchange (a host exchange of a new shape, or a launch), counted as they
         # enter: CudaBackend.joined_calls (deepcomm/backend_protocol.py, Capabilities.counts_joined_calls)
         self.joined = 0
+        self.host_words = HostWords(group, rank, world_size)  # the words of a call that makes the buffer
 
     def buffer_info(self) -> dict:
         """Which memory the low-latency buffer uses and its bytes (0 until the first low-latency call)."""
@@ -160,10 +163,14 @@ class LowLatencyEngine:
             raise err
 
     def _agree_on_host(self, fingerprint) -> None:
-        """Every rank's words in one host exchange (only where a low-latency buffer is made); ValueError on every
-        rank when they differ (agreement.check: the same text everywhere)."""
-        rows = [None] * self.world_size
-        dist.all_gather_object(rows, list(fingerprint), group=self.group)
+        """Every rank's words in one host exchange (only where a low-latency buffer is made), bounded by the
+        Buffer's timeout (host_words.py); ValueError on every rank when they differ (agreement.check: the same text
+        everywhere)."""
+        try:
+            rows = self.host_words.gather(fingerprint, self.record.timeout_ns / 1e9)
+        except CommTimeoutError as e:
+            self.record.broken, self.record.broken_peer = True, e.peer  # the ranks' exchanges are out of step now
+            raise
         agreement.check(rows)
 
     def reject(self, fingerprint, handle=None) -> None:

@@ -192,7 +192,7 @@ class _LlCtx:
 def _ll_backend(monkeypatch, ll):
     from deepcomm.cuda.call_errors import CallErrors
     from deepcomm.cuda.ll_calls import LowLatencyEngine
-    record = types.SimpleNamespace(check_error=lambda **kw: None)
+    record = types.SimpleNamespace(check_error=lambda **kw: None, timeout_ns=int(1e9))
     b = LowLatencyEngine(None, None, 0, 2, torch.device("cpu"), record, CallErrors(record), "ipc", 4)
     b.buffer = ll
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=CALLER))
