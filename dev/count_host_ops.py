@@ -40,25 +40,9 @@ class Counted(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-class _Patches:
-    """setattr that undoes itself (the stand-ins patch torch.cuda and the backend's stream queries)."""
-
-    def __init__(self):
-        self.saved = []
-
-    def setattr(self, obj, name, value, raising=True):
-        self.saved.append((obj, name, getattr(obj, name, None)))
-        setattr(obj, name, value)
-
-    def undo(self):
-        for obj, name, value in reversed(self.saved):
-            setattr(obj, name, value)
-        self.saved.clear()
-
-
 def nvlink_calls() -> dict:
-    from tests.helpers.nvl_stand_ins import cpu_backend
-    patches = _Patches()
+    from tests.helpers.nvl_stand_ins import Patches, cpu_backend
+    patches = Patches()
     try:
         b = cpu_backend(patches.setattr).b
         T, H, K, E = 128, 1024, 8, 8
@@ -82,6 +66,7 @@ def internode_calls(nodes: int, gpus: int) -> dict:
     from deepcomm.internode import hier_kernels as hk
     from deepcomm.internode.internode_rows import max_node_row_bytes
     from tests.helpers.hier_stand_ins import recording_kernels, recording_world
+    from tests.helpers.nvl_stand_ins import Patches
     from tests.helpers.threaded_world import World, run
     M, H, K = 64, 256, 8
     R = nodes * gpus
@@ -112,7 +97,7 @@ def internode_calls(nodes: int, gpus: int) -> dict:
         got["combine again (same handle)"] = c
         return got
 
-    patches = _Patches()
+    patches = Patches()
     try:
         recording_world(patches.setattr)
         return run(world, rank_calls)[0]

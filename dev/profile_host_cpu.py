@@ -15,24 +15,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the repository, for tests.helpers
-from tests.helpers.nvl_stand_ins import C, cpu_backend  # noqa: E402
+from tests.helpers.nvl_stand_ins import C, Patches, cpu_backend  # noqa: E402
 
 REPS = 20000
-
-
-class _Patches:
-    """monkeypatch.setattr's shape, undone by undo()."""
-
-    def __init__(self):
-        self.saved = []
-
-    def setattr(self, obj, name, value, raising=True):
-        self.saved.append((obj, name, getattr(obj, name, None)))
-        setattr(obj, name, value)
-
-    def undo(self):
-        for obj, name, old in reversed(self.saved):
-            setattr(obj, name, old)
 
 
 def _buffer_over(backend):
@@ -68,7 +53,7 @@ def _median_us(fn, reps=REPS) -> float:
 def main(json_path: str) -> None:
     from deepcomm import agreement
     from deepcomm import validation as v
-    patches = _Patches()
+    patches = Patches()
     try:
         state = cpu_backend(patches.setattr)
         b, ctx = state.b, state.ctx

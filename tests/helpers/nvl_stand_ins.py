@@ -71,6 +71,23 @@ class FakeCtx:
         self.combines.append(dict(flags=flags, wait=wait, run=run, prev=prev, end=end))
 
 
+class Patches:
+    """monkeypatch.setattr's shape outside pytest (the dev/ tools' runs of the stand-ins): undo() puts back every
+    attribute set, newest first."""
+
+    def __init__(self):
+        self.saved = []
+
+    def setattr(self, obj, name, value, raising=True):
+        self.saved.append((obj, name, getattr(obj, name, None)))
+        setattr(obj, name, value)
+
+    def undo(self):
+        for obj, name, old in reversed(self.saved):
+            setattr(obj, name, old)
+        self.saved.clear()
+
+
 class FakeEvent:
     def __init__(self, handle):
         self.cuda_event, self.recorded = handle, 0
