@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -307,12 +307,12 @@ def dispatch_plan(comm: HierComm, counts: List[List[int]], ncounts: List[List[in
 
 
 @functools.lru_cache(maxsize=64)
-def _other_nodes(num_nodes: int, node: int, device: torch.device) -> torch.Tensor:
-    """bool ``[N]``: every node but ``node`` (made once per shape: a column assignment per call costs three torch
-    calls)."""
+def _other_nodes(num_nodes: int, node: int, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """bool ``[N]`` masks ``(every node but node, node alone)`` (made once per shape: a column assignment per call
+    costs three torch calls)."""
     mask = torch.ones(num_nodes, dtype=torch.bool)
     mask[node] = False
-    return mask.to(device)
+    return mask.to(device), (~mask).to(device)
 
 
 def combine_plan(comm: HierComm, counts: List[List[int]], is_token_in_rank: torch.Tensor, held_stride: int,
@@ -338,9 +338,13 @@ def combine_plan(comm: HierComm, counts: List[List[int]], is_token_in_rank: torc
     # its held row, ranked among those (r1); one several hold comes as an fp32 partial after node m's n1 held rows,
     # ranked among those (r2). Our own node's partials are all fp32, ranked among the tokens our node holds: the
     # second case with n1 = 0.
-    holders = is_token_in_rank.view(T, N, G).sum(dim=2)  # [T, N]
-    one = (holders == 1) & _other_nodes(N, comm.node, is_token_in_rank.device)
-    several = (holders > 0) & ~one
+    other, own = _other_nodes(N, comm.node, is_token_in_rank.device)
+    if G == 1:  # one GPU per node: a token's node holds it on one GPU or none
+        one, several = is_token_in_rank & other, is_token_in_rank & own
+    else:
+        holders = is_token_in_rank.view(T, N, G).sum(dim=2)  # [T, N]
+        one = (holders == 1) & other
+        several = (holders > 0) & ~one
     r1 = one.cumsum(0, dtype=torch.int64) - 1
     r2 = several.cumsum(0, dtype=torch.int64) - 1
     n1 = one.sum(0, dtype=torch.int64)  # [N]
@@ -496,8 +500,12 @@ def combine(k: HierKernels, x: torch.Tensor, handle: Handle, topk_weights: Optio
     dev, H, T = x.device, x.shape[1], handle.num_tokens
     stream = k.begin_call()
     real = sum(counts[s][rank] for s in range(R))  # rows we hold (x may be worst-case sized)
-    xs = _kernel_rows(x[:real])  # the kernel builds the held rows from these (quantized with use_fp8)
-    w = topk_weights[:real].to(torch.float32).contiguous() if topk_weights is not None else None
+    # the kernel builds the held rows from these (quantized with use_fp8); cut only where x is worst-case sized
+    xs = _kernel_rows(x if x.shape[0] == real else x[:real])
+    w = None
+    if topk_weights is not None:
+        w = topk_weights if topk_weights.shape[0] == real else topk_weights[:real]
+        w = w.to(torch.float32).contiguous()
     K = w.shape[1] if w is not None else 0
     held = held_row(H, K, bool(use_fp8))
     held_stride, w_off = held["stride"], held["w_off"]
