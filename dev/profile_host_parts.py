@@ -53,15 +53,18 @@ def _cases(buf, idx, w, x, fp8, h, y):
         r = be.arena.reserve(nbytes)
         be.arena.release(*r)
 
-    def one_view():
+    # the views as a dispatch's crossing makes them (ArenaCore.dispatch_views over DispatchOutLayout)
+    bf16 = be.arena.dlpack_type(torch.bfloat16)[0]
+    n, k = h.num_recv, idx.shape[1]
+    three_bytes = be.C.dispatch_out_layout(n, x.shape[1] * 2, 0, k)["total"]
+
+    def one_view():  # a cached BF16 dispatch's output: x
         r = be.arena.reserve(nbytes)
-        be.arena.views(r[0], r[1], [(0, (h.num_recv, x.shape[1]), torch.bfloat16)])
+        be.arena.core.dispatch_views(r[0], r[1], True, n, bf16, x.shape[1] * 2, 0, 0, 0, False, False)
 
     def three_views():  # a fresh BF16 dispatch's outputs: x, topk_idx, topk_weights
-        n, k = h.num_recv, idx.shape[1]
-        r = be.arena.reserve(nbytes + n * k * 12 + 1024)
-        be.arena.views(r[0], r[1], [(0, (n, x.shape[1]), torch.bfloat16), (nbytes, (n, k), torch.int64),
-                                    (nbytes + n * k * 8, (n, k), torch.float32)])
+        r = be.arena.reserve(three_bytes)
+        be.arena.core.dispatch_views(r[0], r[1], True, n, bf16, x.shape[1] * 2, 0, 0, k, True, True)
 
     return {
         # whole calls
