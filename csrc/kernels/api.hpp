@@ -84,6 +84,9 @@ struct DispatchArgs {
   bool advance_seq;           // this kernel starts the call: it advances the call number (a cached dispatch)
   Fingerprint agree;          // a cached dispatch's words (w[0] == 0: none; a fresh one agrees in notify): they
                               // travel with the mailbox, and on a difference no rank moves a row (kStageDisagree)
+  // launched right behind this call's notify kernel with programmatic dependent launch (runtime/pdl_launch.hpp):
+  // its blocks are resident while notify ends, and start the moment it completes instead of a launch later
+  bool after_notify = false;
 };
 void launch_dispatch(const DispatchArgs& args, int num_blocks, const NvlLayout& layout, const Peers& peers,
                      const WaitCtx& ctx, cudaStream_t stream);

@@ -12,6 +12,7 @@
 #include <cstring>
 
 #include "../runtime/call_entry.cuh"
+#include "../runtime/pdl_launch.hpp"
 #include "../runtime/smem_opt_in.hpp"
 #include "../runtime/tuning.hpp"
 #include "../runtime/cuda_check.hpp"
@@ -163,6 +164,9 @@ __device__ __forceinline__ void dispatch_tokens_lane_dests(const DispatchArgs& a
 template <bool kBulk, int kUnroll = kDispatchUnroll, bool kPrefetch = false>
 __global__ void __launch_bounds__(kDispatchThreads, 1)
     dispatch_kernel(DispatchArgs a, NvlLayout layout, Peers peers, WaitCtx ctx_in) {
+  // Behind notify (after_notify): everything below reads what notify wrote, so first wait for it to complete
+  // (a no-op for a launch without programmatic dependent launch).
+  ptx::grid_dependency_wait();
   uint8_t* self = peers.base[ctx_in.rank];
   // A fresh dispatch's number was advanced by notify; a cached one starts here.
   const WaitCtx ctx = a.advance_seq
@@ -359,7 +363,8 @@ bool dispatch_uses_bulk_copies(const DispatchArgs& args) {
 template <int kUnroll, bool kPrefetch>
 void launch_dispatch_as(const DispatchArgs& args, int num_blocks, const NvlLayout& layout, const Peers& peers,
                         const WaitCtx& ctx, cudaStream_t stream) {
-  dispatch_kernel<false, kUnroll, kPrefetch><<<num_blocks, kDispatchThreads, 0, stream>>>(args, layout, peers, ctx);
+  launch_kernel(dispatch_kernel<false, kUnroll, kPrefetch>, num_blocks, kDispatchThreads, 0, stream, args.after_notify,
+                args, layout, peers, ctx);
 }
 
 // The vector-store variant (tuning.hpp): DEEPCOMM_DISPATCH_UNROLL 16 (the default) or 8 vectors per lane in
@@ -375,7 +380,8 @@ void launch_dispatch(const DispatchArgs& args, int num_blocks, const NvlLayout& 
   if (dispatch_uses_bulk_copies(args)) {
     const int smem = kDispatchThreads / 32 * BulkChunking(args.x_row_bytes).warp_smem();
     opt_in_dynamic_smem<dispatch_kernel<true>>(smem);
-    dispatch_kernel<true><<<num_blocks, kDispatchThreads, smem, stream>>>(args, layout, peers, ctx);
+    launch_kernel(dispatch_kernel<true>, num_blocks, kDispatchThreads, smem, stream, args.after_notify, args, layout,
+                  peers, ctx);
   } else {
     const int unroll = tuning(kTuneDispatchUnroll);
     const bool prefetch = tuning(kTuneDispatchPrefetch) != 0;

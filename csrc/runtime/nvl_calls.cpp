@@ -58,6 +58,7 @@ NvlDispatchResult nvl_dispatch(const NvlContext& c, const StreamOrder& order, co
   if (call.payload) {
     DispatchArgs d = call.dispatch;
     d.advance_seq = call.bump;  // a fresh dispatch's notify advanced it already
+    d.after_notify = call.notify;
     launch_dispatch(d, call.num_blocks, c.layout, c.peers, c.wait_ctx(), order.comm);
   }
   if (call.dispatch.out_rows >= 0) r.num_recv = int(call.dispatch.out_rows);
