@@ -27,10 +27,9 @@ void register_launch_args(py::module_& m) {
       .field("slot_bytes", &L::slot_bytes).field("header_bytes", &L::header_bytes)
       .field("emulate_nic", &L::emulate_nic).field("nic_blocks", &L::nic_blocks)
       .field("area", &L::area).field("free_words", &L::free_words).field("arrive_words", &L::arrive_words)
-      .field("epoch", &L::epoch).field("words_at", &L::words_at).field("counters", &L::counters).field("rdma_blocks", &L::rdma_blocks)
-      .field("nvl_blocks", &L::nvl_blocks).field("err_dev", &L::err_dev).field("timeout_s", &L::timeout_s)
-      .field("seq_ptr", &L::seq_ptr)
-      .done();
+      .field("epoch", &L::epoch).field("words_at", &L::words_at).field("counters", &L::counters)
+      .field("counters_next", &L::counters_next).field("rdma_blocks", &L::rdma_blocks)
+      .field("nvl_blocks", &L::nvl_blocks).field("err_dev", &L::err_dev).field("timeout_s", &L::timeout_s).done();
 
   using D = dc::bindings::HierDispatchLaunch;
   dc::bindings::ArgsClass<D>(m, "HierDispatchLaunch", "One hierarchical dispatch (hier_kernels.hpp HierDispatchArgs)")

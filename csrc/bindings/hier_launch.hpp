@@ -53,12 +53,12 @@ struct HierLaunch {
   uint64_t epoch = 0;
   int64_t words_at = -1;  // the words strip's offset in every area, or -1 (hier_kernels.hpp HierNode)
   // launch
-  uintptr_t counters = 0;
+  uintptr_t counters = 0;       // this launch's block-done counters [4], zero at its start
+  uintptr_t counters_next = 0;  // the next launch's [4], zeroed by this one at entry (its own were, by the last)
   int rdma_blocks = 0, nvl_blocks = 0;
   // waits
   uintptr_t err_dev = 0;
   double timeout_s = 0;
-  uintptr_t seq_ptr = 0;
 
   void check() const {
     using hier_detail::bad;
@@ -114,8 +114,9 @@ struct HierLaunch {
     return n;
   }
   WaitCtx wait_ctx() const {
-    return WaitCtx{hier_detail::ptr<ErrorRecord>(err_dev), uint64_t(timeout_s * 1e9), node * gpus + local, 0,
-                   hier_detail::ptr<const uint64_t>(seq_ptr)};
+    // the launch's number is its exchange round, known to the host (no device counter to read or fill)
+    return WaitCtx{hier_detail::ptr<ErrorRecord>(err_dev), uint64_t(timeout_s * 1e9), node * gpus + local, round,
+                   nullptr};
   }
   // The fields of HierDispatchArgs / HierCombineArgs this part holds.
   template <typename Args>
@@ -124,6 +125,7 @@ struct HierLaunch {
     a.rdma = rdma();
     a.nvl = node_link();
     a.counters = hier_detail::ptr<uint32_t>(counters);
+    a.counters_next = hier_detail::ptr<uint32_t>(counters_next);
     a.rdma_blocks = rdma_blocks;
     a.nvl_blocks = nvl_blocks;
   }

@@ -15,10 +15,10 @@ namespace py = pybind11;
 using namespace dc;
 using namespace dc::transport;
 
-// The bounded waits of one launch: the host-mapped error record, the timeout, our rank, our device round counter.
-static WaitCtx wait_ctx(uintptr_t err_dev, double timeout_s, int rank, uintptr_t seq_ptr) {
-  return WaitCtx{reinterpret_cast<ErrorRecord*>(err_dev), uint64_t(timeout_s * 1e9), rank, 0,
-                 reinterpret_cast<const uint64_t*>(seq_ptr)};
+// The bounded waits of one launch: the host-mapped error record, the timeout, our rank, and the launch's number
+// (its round or epoch, which the host knows: the kernels take it as is, with no device counter to fill first).
+static WaitCtx wait_ctx(uintptr_t err_dev, double timeout_s, int rank, uint64_t seq) {
+  return WaitCtx{reinterpret_cast<ErrorRecord*>(err_dev), uint64_t(timeout_s * 1e9), rank, seq, nullptr};
 }
 
 void dc::bindings::register_internode(py::module_& m) {
@@ -29,7 +29,7 @@ void dc::bindings::register_internode(py::module_& m) {
   m.attr("NIC_MAX_BLOCKS") = kNicMaxBlocks;
   m.def("internode_exchange", [](uintptr_t peers, int num_peers, uint32_t lkey, uint64_t round, uint32_t chunk_bytes,
                                  uint32_t log_wqebbs, uint32_t log_cqes, const KeyTable& keys, uintptr_t err_dev,
-                                 double timeout_s, int rank, uintptr_t seq_ptr, uintptr_t stream, int nic_blocks) {
+                                 double timeout_s, int rank, uintptr_t stream, int nic_blocks) {
     if (log_wqebbs < 2 || log_wqebbs > kMaxLogWqebbs || log_cqes < log_wqebbs || log_cqes > kMaxLogCqes)
       throw std::invalid_argument("log_wqebbs must be in [2, 15] and log_cqes in [log_wqebbs, 16]");
     InternodeExchangeArgs a{};
@@ -41,11 +41,11 @@ void dc::bindings::register_internode(py::module_& m) {
     a.log_wqebbs = log_wqebbs;
     a.log_cqes = log_cqes;
     a.nic_blocks = nic_blocks;
-    launch_internode_exchange(a, keys, wait_ctx(err_dev, timeout_s, rank, seq_ptr),
+    launch_internode_exchange(a, keys, wait_ctx(err_dev, timeout_s, rank, round),
                               reinterpret_cast<cudaStream_t>(stream));
   }, py::arg("peers"), py::arg("num_peers"), py::arg("lkey"), py::arg("round"), py::arg("chunk_bytes"),
      py::arg("log_wqebbs"), py::arg("log_cqes"), py::arg("keys"), py::arg("err_dev"), py::arg("timeout_s"),
-     py::arg("rank"), py::arg("seq_ptr"), py::arg("stream"), py::arg("nic_blocks") = 1,
+     py::arg("rank"), py::arg("stream"), py::arg("nic_blocks") = 1,
      "Launch one exchange round; peers: device int64 [num_peers][INTERNODE_PEER_FIELDS] (InternodePeer); "
      "nic_blocks: blocks per queue pair's emulated NIC, 1..NIC_MAX_BLOCKS.");
 
@@ -53,7 +53,7 @@ void dc::bindings::register_internode(py::module_& m) {
   m.attr("STAGE_NODE_BARRIER") = int(kStageNodeBarrier);
   m.attr("MAX_NODE_GPUS") = kMaxNodeGpus;
   m.def("node_barrier", [](uintptr_t flags, const std::vector<uintptr_t>& peer_flags, int local, int first_rank,
-                           uint64_t epoch, uintptr_t err_dev, double timeout_s, uintptr_t seq_ptr, uintptr_t stream) {
+                           uint64_t epoch, uintptr_t err_dev, double timeout_s, uintptr_t stream) {
     if (peer_flags.empty() || peer_flags.size() > size_t(kMaxNodeGpus))
       throw std::invalid_argument("peer_flags: one pointer per GPU of the node, 1.." + std::to_string(kMaxNodeGpus));
     if (local < 0 || size_t(local) >= peer_flags.size()) throw std::invalid_argument("local: outside [0, gpus)");
@@ -64,10 +64,10 @@ void dc::bindings::register_internode(py::module_& m) {
     a.local = local;
     a.first_rank = first_rank;
     a.epoch = epoch;
-    launch_node_barrier(a, wait_ctx(err_dev, timeout_s, first_rank + local, seq_ptr),
+    launch_node_barrier(a, wait_ctx(err_dev, timeout_s, first_rank + local, epoch),
                         reinterpret_cast<cudaStream_t>(stream));
   }, py::arg("flags"), py::arg("peer_flags"), py::arg("local"), py::arg("first_rank"), py::arg("epoch"),
-     py::arg("err_dev"), py::arg("timeout_s"), py::arg("seq_ptr"), py::arg("stream"),
+     py::arg("err_dev"), py::arg("timeout_s"), py::arg("stream"),
      "Launch one barrier among the GPUs of a node (csrc/kernels/node_barrier.hpp); flags: our u64 [gpus].");
 
   // Words the host learns through mapped memory, tagged (csrc/kernels/host_words.hpp; deepcomm/internode/
@@ -103,7 +103,7 @@ void dc::bindings::register_internode(py::module_& m) {
   m.attr("STAGE_NVSHMEM_SIGNAL") = int(kStageNvshmemSignal);
   m.attr("MAX_COUNTER_WAIT_RANKS") = kMaxCounterWaitRanks;
   m.def("wait_counters", [](uintptr_t counters, int world_size, int rank, const std::vector<int>& peers,
-                            uint64_t target, int stage, uintptr_t err_dev, double timeout_s, uintptr_t seq_ptr,
+                            uint64_t target, int stage, uintptr_t err_dev, double timeout_s, uint64_t seq,
                             uintptr_t stream) {
     CounterWaitArgs a{reinterpret_cast<const uint64_t*>(counters), world_size, rank, target, stage, {}};
     for (int p : peers) {
@@ -111,9 +111,9 @@ void dc::bindings::register_internode(py::module_& m) {
         throw std::invalid_argument("peers: rank " + std::to_string(p) + " outside [0, world_size) or our own");
       a.peer_mask[p / 32] |= 1u << (p % 32);
     }
-    launch_counter_wait(a, wait_ctx(err_dev, timeout_s, rank, seq_ptr), reinterpret_cast<cudaStream_t>(stream));
+    launch_counter_wait(a, wait_ctx(err_dev, timeout_s, rank, seq), reinterpret_cast<cudaStream_t>(stream));
   }, py::arg("counters"), py::arg("world_size"), py::arg("rank"), py::arg("peers"), py::arg("target"),
-     py::arg("stage"), py::arg("err_dev"), py::arg("timeout_s"), py::arg("seq_ptr"), py::arg("stream"),
+     py::arg("stage"), py::arg("err_dev"), py::arg("timeout_s"), py::arg("seq"), py::arg("stream"),
      "Launch a bounded wait until counters[p] >= target for every p in peers (device u64 [world_size]); a "
      "timeout is recorded in the error record with `stage`.");
 }

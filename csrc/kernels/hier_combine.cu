@@ -355,7 +355,8 @@ __device__ __forceinline__ void nvl_role(const HierCombineArgs& a, const WaitCtx
 static_assert(sizeof(HierCombineArgs) < 4000, "HierCombineArgs must fit the kernel parameters");
 
 __global__ void __launch_bounds__(kHierThreads) hier_combine_kernel(HierCombineArgs a, KeyTable keys, WaitCtx ctx_in) {
-  const WaitCtx ctx = ctx_in.resolved();
+  const WaitCtx& ctx = ctx_in;  // its seq is the launch's round (hier_launch.hpp)
+  zero_next_counters(a.counters_next);
   const int b = int(blockIdx.x), warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
   if (b < a.rdma_blocks) {
     rdma_role(a, ctx, b, warp, lane);

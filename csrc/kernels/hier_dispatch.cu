@@ -249,7 +249,8 @@ __device__ __forceinline__ void forward_block(const HierDispatchArgs& a, int b, 
 
 __global__ void __launch_bounds__(kHierThreads) hier_dispatch_kernel(HierDispatchArgs a, KeyTable keys,
                                                                      WaitCtx ctx_in) {
-  const WaitCtx ctx = ctx_in.resolved();
+  const WaitCtx& ctx = ctx_in;  // its seq is the launch's round (hier_launch.hpp)
+  zero_next_counters(a.counters_next);
   const int blk = int(blockIdx.x);
   const int poster = a.rdma_blocks + a.nvl_blocks;
   if (blk < a.rdma_blocks) {

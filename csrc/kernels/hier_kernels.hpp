@@ -121,7 +121,8 @@ struct HierDispatchArgs {
   int32_t* route;              // out [N][max_rows][G + 1]
   int32_t* singles;            // out [N]
   int max_rows;                // >= every rows_from[m]
-  uint32_t* counters;          // [4], zeroed before the launch on the same stream
+  uint32_t* counters;          // [4], zero at the launch's start (the launch before zeroed them)
+  uint32_t* counters_next;     // [4], the next launch's: zeroed here at entry
   int rdma_blocks, nvl_blocks;
 };
 
@@ -173,7 +174,8 @@ struct HierCombineArgs {
   int num_tokens;
   uint16_t* out_x;             // bf16 [T][hidden]
   float* out_w;                // fp32 [T][topk] or null
-  uint32_t* counters;          // [4], zeroed before the launch
+  uint32_t* counters;          // [4], zero at the launch's start (the launch before zeroed them)
+  uint32_t* counters_next;     // [4], the next launch's: zeroed here at entry
   int rdma_blocks, nvl_blocks;
 };
 

@@ -46,6 +46,13 @@ __device__ __forceinline__ void copy_headers(int n, Src src_of, Dst dst_of) {
   __syncthreads();
 }
 
+// First thing in a launch: block 0 zeroes the next launch's counters (the launches alternate between two sets of
+// [4]). No block of this launch touches them, and the next launch starts after this one ends (stream order), so
+// the zeroing needs no launch of its own.
+__device__ __forceinline__ void zero_next_counters(uint32_t* next) {
+  if (blockIdx.x == 0 && threadIdx.x < 4 && next != nullptr) next[threadIdx.x] = 0u;
+}
+
 // Block-wide: every thread's earlier stores are visible at system scope, then thread 0 adds 1 to the launch
 // counter. Returns (in every thread) the count before our add, so the caller can tell it was the last block.
 __device__ __forceinline__ uint32_t block_done(uint32_t* counter) {

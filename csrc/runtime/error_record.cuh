@@ -63,7 +63,8 @@ struct ErrorRecord {
 
 // What every waiting kernel needs to bound its waits. The collective's sequence number lives on the device
 // (advanced by the call's first kernel: notify, or enter_call() in call_entry.cuh), so captured CUDA graphs get a
-// new number on every replay; later kernels of the call read it once at entry with resolved().
+// new number on every replay; later kernels of the call read it once at entry with resolved(). A kernel whose
+// number the host knows (the internode launches: their exchange round or node epoch) is given it in seq instead.
 struct WaitCtx {
   ErrorRecord* err;          // device pointer to the mapped host record
   uint64_t timeout_ns;

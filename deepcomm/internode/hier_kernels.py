@@ -72,7 +72,7 @@ class HierKernels:
         self.comm = comm
         self.tr, self.link = comm.transport, comm.link
         self.device_puts = device_puts
-        self.counters = torch.zeros(4, dtype=torch.int32, device=comm.device)
+        self._make_counters(comm.device)
         self.agreement = DeferredAgreement()  # cached dispatches' and combines' words, compared later
         self.counts = MappedWords(self.tr.C, self.tr.T, comm.device)  # a fresh dispatch's counts, to the host
         self.event: Optional[torch.cuda.Event] = None  # the end of the last call, on its stream
@@ -139,6 +139,13 @@ class HierKernels:
     def close(self) -> None:
         self.counts.close()
 
+    def _make_counters(self, device: torch.device) -> None:
+        """The launches' block-done counters: two sets of 4, used in turn; each launch zeroes the other set at entry
+        for the next one (hier_roles.cuh zero_next_counters), so that no launch of its own zeroes them."""
+        self.counters = torch.zeros(2, 4, dtype=torch.int32, device=device)
+        self._counter_sets = (self.counters.data_ptr(), self.counters.data_ptr() + 16)
+        self._counter_set = 0  # the set the next launch counts in
+
     # ---- one launch ----
     def _common(self, words: bool = False, header_bytes: int = RAIL_HEADER_BYTES):
         """The part every launch shares (deepcomm._C.transport.HierLaunch, checked when built); starts the
@@ -146,9 +153,8 @@ class HierKernels:
         per node, and carries every rank's words into our strip (``words_at``, hier_agree.py)."""
         comm, tr, link = self.comm, self.tr, self.link
         tr.refuse_if_broken()
-        tr.round += 1
-        tr.seq.fill_(tr.round)
-        self.counters.zero_()
+        tr.round += 1  # also the launch's number in its waits' error records (hier_launch.hpp wait_ctx)
+        mine, next_set = self._counter_sets[self._counter_set], self._counter_sets[self._counter_set ^ 1]
         puts = self.device_puts is not None
         return tr.T.HierLaunch(
             num_nodes=comm.num_nodes, gpus=comm.gpus, node=comm.node, local=comm.local,
@@ -161,8 +167,8 @@ class HierKernels:
             slot_bytes=tr.slot_bytes, header_bytes=header_bytes, emulate_nic=not puts, nic_blocks=self.nic_blocks,
             area=link.area_ptrs(), free_words=link.word_ptrs("free"), arrive_words=link.word_ptrs("arrive"),
             epoch=link.next_epoch(), words_at=hier_agree.strip_at(comm) if words else -1,
-            counters=self.counters.data_ptr(), rdma_blocks=self.rdma_blocks,
-            nvl_blocks=self.nvl_blocks, err_dev=tr.err_dev, timeout_s=tr.timeout_s, seq_ptr=tr.seq.data_ptr())
+            counters=mine, counters_next=next_set, rdma_blocks=self.rdma_blocks,
+            nvl_blocks=self.nvl_blocks, err_dev=tr.err_dev, timeout_s=tr.timeout_s)
 
     def words_in_strip(self, fingerprint) -> bool:
         """Whether a launch carrying ``fingerprint`` takes every rank's words to our strip (several GPUs per node):
@@ -196,6 +202,7 @@ class HierKernels:
             getattr(self.device_puts, kernel)(launch, stream.cuda_stream)
         else:
             getattr(self.tr.T, kernel)(launch, self.tr.keys, stream.cuda_stream)
+        self._counter_set ^= 1  # launched: it zeroes the other set, which the next launch counts in
         if fingerprint is not None and not fingerprint[agreement.Word.REJECTED]:
             if self.words_in_strip(fingerprint):
                 self.agreement.add_strip(comm, fingerprint)

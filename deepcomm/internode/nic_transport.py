@@ -89,7 +89,6 @@ class NicTransport(ExchangeRecord):
             stream = torch.cuda.current_stream(device).cuda_stream
             for i in range(P):
                 self.T.device_qp_init(self.qp_ptr(i), LOG_WQEBBS, LOG_WQEBBS, 0, stream)
-            self.seq = torch.zeros(1, dtype=torch.int64, device=device)
             self.err_host, self.err_dev = C.host_mapped_alloc(C.error_record_bytes())
             C.clear_error(self.err_host)
             self.round = 0
@@ -145,10 +144,9 @@ class NicTransport(ExchangeRecord):
         with torch.cuda.device(self.device):  # the launcher uses the current device
             stream = torch.cuda.current_stream(self.device)
             table = device_table(rows, torch.int64, self.device)  # no host sync (host_tables.py)
-            self.seq.fill_(self.round)
             self.T.internode_exchange(table.data_ptr(), len(self.peers), self.lkey, self.round, CHUNK_BYTES,
                                       LOG_WQEBBS, LOG_WQEBBS, self.keys, self.err_dev, self.timeout_s, me,
-                                      self.seq.data_ptr(), stream.cuda_stream, nic_blocks=self.nic_blocks)
+                                      stream.cuda_stream, nic_blocks=self.nic_blocks)
             if not wait:
                 return
             stream.synchronize()

@@ -51,7 +51,6 @@ class NodeLink(RecordedWaits):
             self._bases: List[int] = [self.mem.peer_ptrs[self.first_rank + i] for i in range(G)]
             self._flags: List[int] = [b + self.layout["flags"] for b in self._bases]  # the barrier's words
             self.region = as_device_bytes(self.mem.ptr + self.flags_bytes, self.area_bytes, device, owner=self.mem)
-            self.seq = torch.zeros(1, dtype=torch.int64, device=device)
             self.err_host, self.err_dev = C.host_mapped_alloc(C.error_record_bytes())
             C.clear_error(self.err_host)
         except BaseException:
@@ -107,9 +106,8 @@ class NodeLink(RecordedWaits):
         self.epoch += 1
         self.stage = stage
         stream = torch.cuda.current_stream(self.device)
-        self.seq.fill_(self.epoch)
         self.C.transport.node_barrier(self.mem.ptr + self.layout["flags"], self._flags, self.local, self.first_rank,
-                                      self.epoch, self.err_dev, self.timeout_s, self.seq.data_ptr(), stream.cuda_stream)
+                                      self.epoch, self.err_dev, self.timeout_s, stream.cuda_stream)
 
     def synchronize(self) -> None:
         """Wait for the current stream, then raise CommTimeoutError if a barrier timed out (nothing to wait for

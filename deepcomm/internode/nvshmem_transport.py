@@ -125,7 +125,6 @@ class NvshmemTransport(ExchangeRecord):
         try:
             self.base = self.mem.ptr
             self.region = as_device_bytes(self.base, self.region_bytes, device, owner=self.mem)
-            self.seq = torch.zeros(1, dtype=torch.int64, device=device)  # the round, for the error record
             self.err_host, self.err_dev = C.host_mapped_alloc(C.error_record_bytes())
             C.clear_error(self.err_host)
             self.round = 0
@@ -159,7 +158,6 @@ class NvshmemTransport(ExchangeRecord):
         self.round = r
         with torch.cuda.device(self.device):
             stream = torch.cuda.current_stream(self.device)
-            self.seq.fill_(r)
             self._issue(credit_ops(self.base, self.offsets, self.rank, self.world_size, r, self.peers),
                         stream.cuda_stream)
             self._wait("credit", r, stream.cuda_stream)
@@ -191,7 +189,7 @@ class NvshmemTransport(ExchangeRecord):
     def _wait(self, name: str, target: int, stream: int) -> None:
         stage = self.T.STAGE_NVSHMEM_CREDIT if name == "credit" else self.T.STAGE_NVSHMEM_SIGNAL
         self.T.wait_counters(self.base + self.offsets[name], self.world_size, self.rank, self.peers, target, stage,
-                             self.err_dev, self.timeout_s, self.seq.data_ptr(), stream)
+                             self.err_dev, self.timeout_s, self.round, stream)
 
     # ---- statistics ----
     def transfer_totals(self) -> Dict[int, Dict[str, int]]:

@@ -86,13 +86,14 @@ def recording_kernels(world, rank: int, launches: list, max_tokens: int, hidden:
         hier_dispatch=lambda launch, keys, stream: launches.append(("dispatch", launch)),
         hier_combine=lambda launch, keys, stream: launches.append(("combine", launch)))
     tr = QueuedRail(world, rank, rail_slot_bytes(max_tokens, hidden) + 64, [m * G + rank % G for m in range(N)])
-    tr.T, tr.keys, tr.round, tr.seq, tr.lkey, tr.err_dev, tr.timeout_s = module, None, 0, torch.zeros(1), 7, 0x80, 2.0
+    tr.T, tr.keys, tr.round, tr.lkey, tr.err_dev, tr.timeout_s = module, None, 0, 7, 0x80, 2.0
     tr.mem, tr.offsets = types.SimpleNamespace(ptr=0x10000), {"send": 0, "recv": 0x100, "signal": 0x200, "credit": 0}
     link = RecordedArea(world, rank)
     comm = HierComm(tr, link, rank, world.world_size, G, torch.device("cpu"))
     k = HierKernels.__new__(HierKernels)
     k.comm, k.tr, k.link, k.device_puts = comm, tr, link, None
-    k.counters, k.agreement = torch.zeros(4, dtype=torch.int32), DeferredAgreement()
+    k.agreement = DeferredAgreement()
+    k._make_counters(torch.device("cpu"))
     k.event, k._last_stream = None, None
     k.peer_table = torch.zeros(max(1, N - 1), 4, dtype=torch.int64)
     k.rdma_blocks, k.nvl_blocks, k.nic_blocks = 3, 5, 2

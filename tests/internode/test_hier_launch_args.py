@@ -24,7 +24,7 @@ COMMON = dict(num_nodes=2, gpus=2, node=1, local=0, peers=0x100, num_peers=1, lk
               log_wqebbs=6, log_cqes=6, send=0x1000, recv=0x2000, signal=0x3000, signal_target=3, credit=0,
               nvshmem_puts=False, slot_bytes=1 << 20, header_bytes=64, emulate_nic=True, nic_blocks=2,
               area=[0x10, 0x20], free_words=[0x30, 0x40], arrive_words=[0x50, 0x60], epoch=5, words_at=-1, counters=0x70,
-              rdma_blocks=4, nvl_blocks=4, err_dev=0x80, timeout_s=2.5, seq_ptr=0x90)
+              counters_next=0x90, rdma_blocks=4, nvl_blocks=4, err_dev=0x80, timeout_s=2.5)
 DISPATCH = dict(x=0x200, scales=0, topk_idx=0x400, topk_weights=0x410, x_bytes=32, scale_bytes=0, topk=2,
                 with_idx=True, with_weights=True, num_tokens=9, out_x=0x420, out_scales=0, out_topk_idx=0x430,
                 out_src_idx=0x440, out_weights=0x450, first_expert=16, local_experts=8, num_recv=11, masks=0x210,
@@ -172,7 +172,9 @@ def test_hier_kernels_builds_typed_launches(monkeypatch, nodes, gpn):
             assert c.area == k.link.area_ptrs() and c.free_words == k.link.word_ptrs("free")
             assert c.arrive_words == k.link.word_ptrs("arrive") and c.header_bytes == RAIL_HEADER_BYTES
             assert (c.rdma_blocks, c.nvl_blocks, c.nic_blocks) == (3, 5, 2) and c.emulate_nic and not c.nvshmem_puts
-            assert c.counters == k.counters.data_ptr() and c.seq_ptr == k.tr.seq.data_ptr() and c.timeout_s == 2.0
+            # the launches count in the two counter sets in turn, each zeroing the other for the next
+            mine, other = k.counters.data_ptr() + 16 * (i % 2), k.counters.data_ptr() + 16 * ((i + 1) % 2)
+            assert c.counters == mine and c.counters_next == other and c.timeout_s == 2.0
         recv_rows = sum(counts[s][rank] for s in range(R))
         for i, (_, d) in enumerate(launches[:2]):
             assert d.num_tokens == T and d.rows_to == plan["rows_to"] and d.rows_from == plan["rows_from"]
