@@ -7,32 +7,31 @@ from typing import List, Optional, Union
 import torch
 
 
-class WorkspaceView:
-    """One of a Handle's tensors not made yet: a strided view of a workspace tensor, made when first read. A
-    fresh dispatch of the CUDA backend returns its routing tensors this way (each view costs microseconds of host
-    time per call, and most handles only go back to combine or a cached dispatch, which need pointers)."""
-    __slots__ = ("base", "shape", "strides", "offset", "dtype", "ptr")
+class WorkspaceViews:
+    """Handle tensors not made yet: named strided views of one workspace tensor, each made when its field is first
+    read. A fresh dispatch of the CUDA backend returns its routing tensors this way, one object in the four fields
+    (each view costs microseconds of host time per call, and most handles only go back to combine or a cached
+    dispatch, which need pointers). ``specs``: field name -> ``(shape, strides, offset, dtype)``, offset and
+    strides in elements of ``dtype`` (the base's when None), a shape of None meaning ``(n,)``; one mapping serves
+    every call of a workspace layout."""
+    __slots__ = ("base", "base_ptr", "specs", "n")
 
-    def __init__(self, base: torch.Tensor, shape, strides, offset: int, dtype: Optional[torch.dtype] = None,
-                 ptr: Optional[int] = None):
-        # offset and strides in elements of ``dtype`` (the base's when None); ``ptr``: the view's address, where
-        # the maker knows it already (else worked out on first ask)
-        self.base, self.shape, self.strides, self.offset, self.dtype = base, shape, strides, offset, dtype
-        self.ptr = ptr
+    def __init__(self, base: torch.Tensor, specs: dict, n: int = 0, base_ptr: Optional[int] = None):
+        self.base, self.specs, self.n = base, specs, n
+        self.base_ptr = base.data_ptr() if base_ptr is None else base_ptr
 
-    def data_ptr(self) -> int:
-        if self.ptr is None:
-            size = self.base.element_size() if self.dtype is None else self.dtype.itemsize
-            self.ptr = self.base.data_ptr() + self.offset * size
-        return self.ptr
+    def data_ptr(self, name: str) -> int:
+        _, _, offset, dtype = self.specs[name]
+        return self.base_ptr + offset * (self.base.element_size() if dtype is None else dtype.itemsize)
 
-    def make(self) -> torch.Tensor:
-        base = self.base if self.dtype is None else self.base.view(self.dtype)
-        return base.as_strided(self.shape, self.strides, self.offset)
+    def make(self, name: str) -> torch.Tensor:
+        shape, strides, offset, dtype = self.specs[name]
+        base = self.base if dtype is None else self.base.view(dtype)
+        return base.as_strided((self.n,) if shape is None else shape, strides, offset)
 
 
 class _MadeOnRead:
-    """A Handle field that may hold a WorkspaceView: it becomes its tensor on first read and stays one."""
+    """A Handle field that may hold WorkspaceViews: it becomes its tensor on first read and stays one."""
 
     def __set_name__(self, owner, name: str) -> None:
         self.name, self.slot = name, "_" + name
@@ -41,8 +40,8 @@ class _MadeOnRead:
         if obj is None:  # looked up on the class: the field has no default
             raise AttributeError(self.name)
         value = obj.__dict__[self.slot]
-        if type(value) is WorkspaceView:
-            value = obj.__dict__[self.slot] = value.make()
+        if type(value) is WorkspaceViews:
+            value = obj.__dict__[self.slot] = value.make(self.name)
         return value
 
     def __set__(self, obj, value) -> None:
@@ -52,6 +51,8 @@ class _MadeOnRead:
 def field_ptr(handle, name: str) -> int:
     """The device address of ``handle``'s tensor field ``name`` without making a view that is not made yet."""
     value = handle.__dict__.get("_" + name)
+    if type(value) is WorkspaceViews:
+        return value.data_ptr(name)
     if value is None:
         value = getattr(handle, name)
     return value.data_ptr()
@@ -85,17 +86,17 @@ class Handle:
     call: int = 0
 
     @classmethod
-    def of_fresh_dispatch(cls, num_experts: int, num_tokens: int, hidden: int, num_recv: int, is_token_in_rank,
-                          send_pos, count_matrix, recv_src_idx, num_recv_tokens_per_expert) -> "Handle":
-        """The handle a fresh dispatch returns (buffer_id -1 until its Buffer sets it), made without the generated
-        __init__: one dict of every field's storage, where that __init__ costs microseconds per dispatch (a
-        setattr per field, through _MadeOnRead for four of them). tests/api/test_handle_views.py checks that it
-        stores exactly what __init__ does."""
+    def of_fresh_dispatch(cls, num_experts: int, num_tokens: int, hidden: int, num_recv: int,
+                          route: WorkspaceViews, num_recv_tokens_per_expert) -> "Handle":
+        """The handle a fresh dispatch returns (buffer_id -1 until its Buffer sets it), its four routing tensors
+        the views ``route`` names after them, made without the generated __init__: one dict of every field's
+        storage, where that __init__ costs microseconds per dispatch (a setattr per field, through _MadeOnRead for
+        four of them). tests/api/test_handle_views.py checks that it stores exactly what __init__ does."""
         h = cls.__new__(cls)
         h.__dict__.update({
             "buffer_id": -1, "num_experts": num_experts, "num_tokens": num_tokens, "hidden": hidden,
-            "num_recv": num_recv, "_is_token_in_rank": is_token_in_rank, "_send_pos": send_pos,
-            "_count_matrix": count_matrix, "_recv_src_idx": recv_src_idx,
+            "num_recv": num_recv, "_is_token_in_rank": route, "_send_pos": route,
+            "_count_matrix": route, "_recv_src_idx": route,
             "num_recv_tokens_per_expert": num_recv_tokens_per_expert, "node_count_matrix": None, "node_route": None,
             "call": 0})
         return h

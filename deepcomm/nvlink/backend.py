@@ -21,7 +21,7 @@ from ..validation import is_capturing
 from ..errors import CommTimeoutError
 from ..gpu_share import GPU_SMS_ENV, shares_gpu, usable_sms
 from ..backend_protocol import Capabilities
-from ..handle import Handle, WorkspaceView, field_ptr
+from ..handle import Handle, WorkspaceViews, field_ptr
 from ..cuda.agree_record import dispatch_disagreement, words_or_none
 from ..cuda.arena import Arena
 from ..cuda.call_errors import CallErrors
@@ -375,8 +375,8 @@ class CudaBackend:
         L = num_experts // R
         # One int32 allocation: send_pos | notify_out (count matrix, tokens per local expert, bad-id counts) | the
         # handle's src_idx copy | is_token_in_rank's bytes, carved by FreshDispatchWork (csrc/runtime/nvl_layout.hpp);
-        # the handle's views of it are made when first read (deepcomm/handle.py WorkspaceView).
-        send_at, notify_at, counts_at, per_expert_at, bad_at, src_at, in_rank_at, total = self._work_layout(
+        # the handle's views of it are made when first read (deepcomm/handle.py WorkspaceViews).
+        send_at, notify_at, counts_at, per_expert_at, bad_at, src_at, in_rank_at, total, specs = self._work_layout(
             T, L, num_worst_tokens or self._capacity_rows)
         work = torch.empty(total, dtype=torch.int32, device=self.device)
         work_ptr = work.data_ptr()
@@ -424,11 +424,8 @@ class CudaBackend:
             per_expert = res[4]
         n = res[1]
         recv = _Recv(out, per_expert, (work,))
-        handle = Handle.of_fresh_dispatch(
-            num_experts, T, call.values.shape[1], n, WorkspaceView(work, (T, R), (R, 1), 4 * in_rank_at, torch.bool),
-            WorkspaceView(work, (T, R), (R, 1), send_at, ptr=send_ptr),
-            WorkspaceView(work, (R, R), (R, 1), counts_at, ptr=work_ptr + 4 * counts_at),
-            WorkspaceView(work, (n,), (1,), src_at, ptr=src_ptr), per_expert)
+        handle = Handle.of_fresh_dispatch(num_experts, T, call.values.shape[1], n,
+                                          WorkspaceViews(work, specs, n, work_ptr), per_expert)
         return recv, handle
 
     def _device_counts(self, call: "_Call", counts: torch.Tensor, alignment: int) -> torch.Tensor:
@@ -485,12 +482,18 @@ class CudaBackend:
     def _work_layout(self, T: int, L: int, rows: int) -> tuple:
         """A fresh dispatch's workspace offsets (int32 elements) for ``T`` tokens, ``L`` local experts and room for
         ``rows`` received rows, as the C++ side computes them (FreshDispatchWork): ``(send_pos, notify_out,
-        count_matrix, per_expert, bad_all, src_idx, in_rank, total)``. Cached: a crossing per call costs host time."""
+        count_matrix, per_expert, bad_all, src_idx, in_rank, total)``, then the handle's views of it (the specs of
+        deepcomm/handle.py WorkspaceViews). Cached: a crossing per call costs host time."""
         key = (T, L, rows)
         lay = self._work_cache.get(key)
         if lay is None:
             w = self.C.fresh_dispatch_work(T, self.world_size, L, rows)
-            lay = _remember(self._work_cache, key, tuple(w[k] for k in WORK_PARTS))
+            R = self.world_size
+            specs = {"is_token_in_rank": ((T, R), (R, 1), 4 * w["in_rank"], torch.bool),
+                     "send_pos": ((T, R), (R, 1), w["send_pos"], None),
+                     "count_matrix": ((R, R), (R, 1), w["count_matrix"], None),
+                     "recv_src_idx": (None, (1,), w["src_idx"], None)}  # (num_recv,)
+            lay = _remember(self._work_cache, key, tuple(w[k] for k in WORK_PARTS) + (specs,))
         return lay
 
     def _bounced(self, call: "_Call", n: int):
