@@ -1,5 +1,6 @@
 """GPU time of normal-mode calls, kernel by kernel: each call's kernels as the CUDA profiler sees them (µs per
-call, median over the calls), at each SM count, and the GPU time of a CUDA graph of worst-case dispatches and
+call, median over the calls) and the call's span from its first kernel's start to its last one's end, at each SM
+count, and the GPU time of a CUDA graph of worst-case dispatches and
 combines replayed back to back (no host gaps). Beside them, the time torch's own copy takes to move the same
 bytes on this GPU (all SMs), as a yardstick. A diagnostic, not the benchmark:
 `python dev/profile_kernels.py [--tokens 128,4096] [--sms 8,24] [--json PATH]`, world size 1 (one GPU)."""
@@ -22,7 +23,10 @@ CALLS = 30
 
 
 def _kernel_times(fn, calls=CALLS):
-    """{kernel name: median µs per call} of ``fn``'s kernels over ``calls`` calls (torch.profiler, CUDA only)."""
+    """``({kernel name: median µs per call}, median span)`` of ``fn``'s kernels over ``calls`` calls
+    (torch.profiler, CUDA only). The span of a call runs from its first kernel's start to its last kernel's end:
+    kernels that overlap (a payload launched behind notify with programmatic dependent launch is resident, and
+    timed, while notify runs) count once there, where the per-kernel times add the overlap twice."""
     from torch.profiler import ProfilerActivity, profile
     for _ in range(10):
         fn()
@@ -31,16 +35,22 @@ def _kernel_times(fn, calls=CALLS):
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    per_name = collections.defaultdict(list)
+    per_name, ranges = collections.defaultdict(list), collections.defaultdict(list)
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time > 0:
             per_name[ev.name].append(ev.device_time)
-    out = {}
+            ranges[ev.name].append((ev.time_range.start, ev.time_range.end))
+    out, every_call = {}, []
     for name, times in per_name.items():
         if len(times) >= calls:  # kernels of every call (not one-off set-up work)
             per_call = [sum(times[i::calls]) for i in range(calls)] if len(times) % calls == 0 else times
             out[name[:60]] = round(statistics.median(per_call), 1)
-    return out
+            if len(times) % calls == 0:
+                every_call += ranges[name]
+    every_call.sort()
+    per = len(every_call) // calls  # kernels per call: the calls' kernels in start order, call by call
+    spans = [max(e for _, e in every_call[i * per:(i + 1) * per]) - every_call[i * per][0] for i in range(calls)]
+    return out, round(statistics.median(spans), 1) if per else 0.0
 
 
 def _graph_us(fn, reps=10):
@@ -103,9 +113,9 @@ def worker(rank, world, tokens_list, sms_list, hidden, json_path):
                 "get_dispatch_layout": lambda: buf.get_dispatch_layout(idx, 256),
             }
             for name, fn in cases.items():
-                kernels = _kernel_times(fn)
+                kernels, span = _kernel_times(fn)
                 rows.append({"call": name, "tokens": tokens, "num_sms": sms, "kernels_us": kernels,
-                             "gpu_us": round(sum(kernels.values()), 1)})
+                             "gpu_us": round(sum(kernels.values()), 1), "span_us": span})
 
             def worst_step():
                 rx, _, rw, _, hh = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=256,
@@ -117,7 +127,8 @@ def worker(rank, world, tokens_list, sms_list, hidden, json_path):
         rows.append({"call": "torch copy of x's bytes (yardstick)", "tokens": tokens, "num_sms": 0,
                      "gpu_us": _copy_us(tokens * hidden * 2, dev)})
     for r in rows:
-        print(f"{r['call']:44s} {r['tokens']:6d} {r['num_sms']:3d} {r['gpu_us']:8.1f}  {r.get('kernels_us', '')}")
+        span = f"span {r['span_us']:6.1f}" if "span_us" in r else " " * 11
+        print(f"{r['call']:44s} {r['tokens']:6d} {r['num_sms']:3d} {r['gpu_us']:8.1f} {span}  {r.get('kernels_us', '')}")
     if json_path:
         with open(json_path, "w") as f:
             json.dump({"world_size": world, "hidden": hidden, "rows": rows, "device": torch.cuda.get_device_name(dev),
