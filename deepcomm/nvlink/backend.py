@@ -376,7 +376,7 @@ class CudaBackend:
         # One int32 allocation: send_pos | notify_out (count matrix, tokens per local expert, bad-id counts) | the
         # handle's src_idx copy | is_token_in_rank's bytes, carved by FreshDispatchWork (csrc/runtime/nvl_layout.hpp);
         # the handle's views of it are made when first read (deepcomm/handle.py WorkspaceViews).
-        send_at, notify_at, counts_at, per_expert_at, bad_at, src_at, in_rank_at, total, specs = self._work_layout(
+        send_at, notify_at, _, per_expert_at, bad_at, src_at, in_rank_at, total, specs = self._work_layout(
             T, L, num_worst_tokens or self._capacity_rows)
         work = torch.empty(total, dtype=torch.int32, device=self.device)
         work_ptr = work.data_ptr()
