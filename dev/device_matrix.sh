@@ -10,6 +10,7 @@
 #                             $OUT/sweep.json; a variant whose outputs differ from the default's fails the step
 #        | kernels            each call's kernels' GPU time at world size 1 (dev/profile_kernels.py) into
 #                             $OUT/kernel_time.json
+#        | copy               the copy probes' rates at 4-32 SMs (dev/profile_copy.py) into $OUT/copy.json
 #        | 1:FILE,FILE        tests/*/FILE.py at world size 1 (one rank on the GPU)
 #        | N:FILE,FILE[:EXPR] the files with N ranks sharing GPU 0 under MPS (docs/testing.md), pytest -k EXPR
 #        | deepep             build DeepEP V1 from $DEEPEP_SRC (a copy carried into the tree) so that the benchmark
@@ -61,6 +62,7 @@ for step in "$@"; do
     parts)   profiler="profile_host_parts.py|host_parts||32" ;;
     sweep)   profiler="profile_sweep.py|sweep||40" ;;  # a variant whose outputs differ fails the step
     kernels) profiler="profile_kernels.py|kernel_time||30" ;;
+    copy)    profiler="profile_copy.py|copy||20" ;;
   esac
   if [[ -n "$profiler" ]]; then
     IFS='|' read -r script name extra shown <<< "$profiler"

@@ -22,7 +22,7 @@ from tests.helpers.nccl_run import run_on_gpus  # noqa: E402
 
 TOKENS, TRACE_TOKENS, SMS, E = 4096, (128, 4096), (8, 24), 256
 DISPATCH_VARIANTS = ((16, 1), (8, 0), (16, 0), (8, 1))  # (unroll, prefetch); the first is the default
-COMBINE_CONFIGS = (0, 1, 2, 3, 4, 5)  # 0 is the default
+COMBINE_CONFIGS = (0, 1, 2, 3, 4, 5, 6)  # 0 is the default; 6 the bulk reducers
 CALLS, TRACE_CALLS = 20, 30
 
 
@@ -134,7 +134,7 @@ def _notify_trace(C, buf, x, idx, w, tokens):
     converted at the rate the globaltimer gives over the calls."""
     P = C.NOTIFY_TRACE_POINTS
     xs, ids, ws = x[:tokens], idx[:tokens], w[:tokens]
-    untraced = _kernel_times(lambda: buf.dispatch(xs, topk_idx=ids, topk_weights=ws, num_experts=E), CALLS)
+    untraced, _ = _kernel_times(lambda: buf.dispatch(xs, topk_idx=ids, topk_weights=ws, num_experts=E), CALLS)
     trace = torch.zeros(C.NOTIFY_TRACE_BLOCKS, P, 2, dtype=torch.int64, device=x.device)
     ctx = buf._backend.nvl.ctx
     ctx.set_notify_trace(trace.data_ptr())
@@ -200,7 +200,7 @@ def worker(rank, world, hidden, json_path):
             label = f"dispatch unroll {unroll} prefetch {prefetch} sms {sms}"
             ok = _check(C, knobs, checks, reference, failures, label)
             for case, fn in timed.items():
-                kernels = _kernel_times(fn, CALLS)
+                kernels, _ = _kernel_times(fn, CALLS)
                 rows.append({"kernel": "dispatch", "unroll": unroll, "prefetch": prefetch, "case": case,
                              "tokens": TOKENS, "num_sms": sms,
                              "dispatch_us": _kernel_us(kernels, "dc::dispatch_kernel"),
@@ -212,7 +212,7 @@ def worker(rank, world, hidden, json_path):
         for config in COMBINE_CONFIGS:
             label = f"combine config {config} sms {sms}"
             ok = _check(C, {"DEEPCOMM_COMBINE_CONFIG": config}, checks, reference, failures, label)
-            kernels = _kernel_times(lambda: buf.combine(y, h), CALLS)
+            kernels, _ = _kernel_times(lambda: buf.combine(y, h), CALLS)
             rows.append({"kernel": "combine", "config": config, "case": "combine bf16", "tokens": TOKENS,
                          "num_sms": sms, "combine_us": _kernel_us(kernels, "::combine_kernel"),
                          "outputs_equal_default": ok, "kernels_us": kernels})

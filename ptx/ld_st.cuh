@@ -56,6 +56,15 @@ DC_DEVICE int4 ld_nc_na_v4(const int4* p) {
                : "l"(p));
   return v;
 }
+// The same, with the L2 asked to fetch the whole 256-byte sector group around the vector from memory: a warp's
+// contiguous row reads then reach DRAM as fewer, larger requests.
+DC_DEVICE int4 ld_nc_na_l2_256_v4(const int4* p) {
+  int4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.s32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
 // Data another GPU wrote (staging rows): must not come from a stale L1 line.
 DC_DEVICE int4 ld_volatile_v4(const int4* p) {
   int4 v;

@@ -6,6 +6,7 @@
 //            then sum the rows ranks ascending in fp32 (our own row read straight from x), round once to bf16.
 // Senders first wait for the destination's combine_ready flag, raised at the start of its kernel, so a
 // back-to-back combine never overwrites staging rows the destination is still reading.
+// kBulk (BF16 only): the reducers load the rows they sum by bulk copies into shared memory (combine_bulk_reduce.cuh).
 // kFp8 (CombineArgs::use_fp8): remote rows travel as e4m3 + per-128 fp32 scales (combine_fp8.cuh); rows of our own
 // tokens never leave the GPU and are summed from x as bf16 either way.
 #include <cuda_bf16.h>
@@ -13,27 +14,19 @@
 
 #include "../runtime/call_entry.cuh"
 #include "../runtime/cuda_check.hpp"
+#include "../runtime/smem_opt_in.hpp"
 #include "../runtime/tuning.hpp"
 #include "../runtime/wait.cuh"
 #include "agree.cuh"
 #include "api.hpp"
 #include "bf16_vec.cuh"
+#include "combine_bulk_reduce.cuh"
 #include "combine_fp8.cuh"
 #include "warp_copy.cuh"
 
 namespace dc {
 
 namespace {
-
-__device__ __forceinline__ void accumulate_bf16x8(float* acc, const int4& v) {
-  const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const float2 f = __bfloat1622float2(h[j]);
-    acc[2 * j] += f.x;
-    acc[2 * j + 1] += f.y;
-  }
-}
 
 // Staging row layout of one call: row stride and where the K fp32 weights start in a row.
 template <bool kFp8>
@@ -277,7 +270,7 @@ __device__ __forceinline__ void reduce_tokens(const CombineArgs& a, const NvlLay
   }
 }
 
-template <int kSend, int kReduce, int kUnroll, bool kFp8, bool kPipe>
+template <int kSend, int kReduce, int kUnroll, bool kFp8, bool kPipe, bool kBulk = false>
 __global__ void __launch_bounds__((kSend + kReduce) * 32, 1)
     combine_kernel(CombineArgs a, NvlLayout layout, Peers peers, WaitCtx ctx_in) {
   uint8_t* self = peers.base[ctx_in.rank];
@@ -319,6 +312,13 @@ __global__ void __launch_bounds__((kSend + kReduce) * 32, 1)
     ptx::named_barrier_sync(1, kSend * 32);
     if (!ready_ok) return;
     send_rows<kSend, kUnroll, kFp8>(a, layout, peers, ctx, recv_base, warp, lane);
+  } else if constexpr (kBulk) {
+    static_assert(!kFp8, "bulk reducers sum BF16 rows");
+    extern __shared__ __align__(128) uint8_t reduce_rings[];
+    __shared__ uint64_t reduce_bars[kReduce][kReduceSlots];
+    const int w = warp - kSend;
+    reduce_tokens_bulk<kReduce>(a, layout, peers, ctx, recv_base[rank], w, lane,
+                                reduce_rings + int64_t(w) * reduce_warp_smem(int64_t(a.hidden) * 2), reduce_bars[w]);
   } else {
     reduce_tokens<kReduce, kUnroll, kFp8, kPipe>(a, layout, peers, ctx, recv_base[rank], warp - kSend, lane);
   }
@@ -332,6 +332,16 @@ void launch_combine_as(const CombineArgs& a, int num_blocks, const NvlLayout& la
     combine_kernel<kSend, kReduce, kUnroll, true, kPipe><<<num_blocks, kThreads, 0, stream>>>(a, layout, peers, ctx);
   else
     combine_kernel<kSend, kReduce, kUnroll, false, kPipe><<<num_blocks, kThreads, 0, stream>>>(a, layout, peers, ctx);
+}
+
+// The bulk reducers (BF16; x 16-byte aligned, else the default vector kernel).
+template <int kSend, int kReduce, int kUnroll>
+void launch_combine_bulk(const CombineArgs& a, int num_blocks, const NvlLayout& layout, const Peers& peers,
+                         const WaitCtx& ctx, cudaStream_t stream) {
+  constexpr auto kKernel = combine_kernel<kSend, kReduce, kUnroll, false, false, true>;
+  const int smem = kReduce * reduce_warp_smem(int64_t(a.hidden) * 2);
+  opt_in_dynamic_smem<kKernel>(smem);
+  kKernel<<<num_blocks, (kSend + kReduce) * 32, smem, stream>>>(a, layout, peers, ctx);
 }
 
 }  // namespace
@@ -351,8 +361,10 @@ void launch_combine(const CombineArgs& args, int num_blocks, const NvlLayout& la
   DC_HOST_ASSERT(args.num_tokens <= layout.max_tokens, "combine: tokens over the buffer's maximum");
   DC_HOST_ASSERT(!args.use_fp8 || args.hidden % 128 == 0, "combine: FP8 needs hidden % 128 == 0");
   const int config = tuning(kTuneCombineConfig);
-  DC_HOST_ASSERT(config >= 0 && config <= 5, "combine: DEEPCOMM_COMBINE_CONFIG must be 0..5");
-  switch (config) {
+  DC_HOST_ASSERT(config >= 0 && config <= 6, "combine: DEEPCOMM_COMBINE_CONFIG must be 0..6");
+  const bool bulk_ok = !args.use_fp8 && reinterpret_cast<uintptr_t>(args.x) % 16 == 0;
+  switch (bulk_ok ? config : config == 6 ? 0 : config) {
+    case 6: launch_combine_bulk<6, 8, 4>(args, num_blocks, layout, peers, ctx, stream); break;
     case 1: launch_combine_as<8, 24, 2>(args, num_blocks, layout, peers, ctx, stream); break;
     case 2: launch_combine_as<4, 20, 4>(args, num_blocks, layout, peers, ctx, stream); break;
     case 3: launch_combine_as<8, 16, 4>(args, num_blocks, layout, peers, ctx, stream); break;

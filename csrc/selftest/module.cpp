@@ -1,6 +1,6 @@
-// deepcomm._selftest: the test-only module (tests/ call it; nothing in deepcomm/ does). The ptx/ host twins and GPU
-// self-test, the device queue pair checks, and the CPU-thread runs of the device poster, NIC and internode round
-// protocols. Raw pointers (int) and streams (int), like deepcomm._C; it takes deepcomm._C.transport.KeyTable, so
+// deepcomm._selftest: the test-only module (tests/ and dev/ call it; nothing in deepcomm/ does). The ptx/ host twins
+// and GPU self-test, the device queue pair checks, the CPU-thread runs of the device poster, NIC and internode round
+// protocols, and the copy probes dev/profile_copy.py times. Raw pointers (int) and streams (int), like deepcomm._C; it takes deepcomm._C.transport.KeyTable, so
 // it imports deepcomm._C first (pybind11 shares the registered type between the two modules).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -13,6 +13,7 @@
 #include "../runtime/cuda_check.hpp"
 #include "../runtime/hier_rows.hpp"
 #include "../transport/device_qp_checked.hpp"
+#include "copy_probe.hpp"
 #include "internode_host_selftest.hpp"
 #include "ptx_selftest.hpp"
 #include "qp_selftest.hpp"
@@ -235,6 +236,22 @@ void register_hier_rows(py::module_& m) {
      "Build n bf16 held rows (HierHeldRow) of x bf16 [n][hidden] and weights fp32 [n][topk] (or 0) into out.");
 }
 
+// ---- copy probes (dev/profile_copy.py; tests/runtime/test_copy_probe.py checks their bytes) ----
+void register_copy_probe(py::module_& m) {
+  m.def("copy_probe", [](const std::string& kind, uintptr_t src, uintptr_t dst, int64_t rows, int64_t row_bytes,
+                         int blocks, uintptr_t stream, int threads, int unroll, bool l2_hint, int producers,
+                         int slots, int chunk, bool lane0_waits) {
+    CopyProbe p;
+    p.src = reinterpret_cast<const void*>(src), p.dst = reinterpret_cast<void*>(dst);
+    p.rows = rows, p.row_bytes = row_bytes, p.blocks = blocks;
+    p.threads = threads, p.unroll = unroll, p.l2_hint = l2_hint;
+    p.producers = producers, p.slots = slots, p.chunk = chunk, p.lane0_waits = lane0_waits;
+    launch_copy_probe(kind.c_str(), p, reinterpret_cast<cudaStream_t>(stream));
+  }, py::arg("kind"), py::arg("src"), py::arg("dst"), py::arg("rows"), py::arg("row_bytes"), py::arg("blocks"),
+     py::arg("stream"), py::arg("threads") = 512, py::arg("unroll") = 8, py::arg("l2_hint") = false,
+     py::arg("producers") = 1, py::arg("slots") = 4, py::arg("chunk") = 0, py::arg("lane0_waits") = false);
+}
+
 PYBIND11_MODULE(_selftest, m) {
   m.doc() = "deepcomm self-tests (test-only; raw pointers and streams; no libtorch)";
   py::module_::import("deepcomm._C");  // registers KeyTable, which qp_traffic takes
@@ -242,4 +259,5 @@ PYBIND11_MODULE(_selftest, m) {
   register_device_qp(m);
   register_internode(m);
   register_hier_rows(m);
+  register_copy_probe(m);
 }

@@ -16,6 +16,7 @@ VARIANTS = [  # (unroll, prefetch, combine config): every non-default value at l
     (16, 1, 1),
     (8, 0, 2),
     (8, 0, 3),
+    (16, 1, 6),
 ]
 
 
