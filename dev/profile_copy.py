@@ -56,14 +56,14 @@ def main():
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     stream = torch.cuda.current_stream(dev).cuda_stream
 
-    def run(name, spec, sms):
+    def run(spec, sms):
         kw = dict(spec)
         kind = kw.pop("kind")
         S.copy_probe(kind, src.data_ptr(), dst.data_ptr(), args.rows, args.row_bytes, sms, stream, **kw)
 
     def time_us(name, spec, sms):
         dst.zero_()
-        run(name, spec, sms)
+        run(spec, sms)
         if not torch.equal(src, dst):
             raise SystemExit(f"{name} at {sms} SMs: the copy differs from its source")
         times = []
@@ -71,7 +71,7 @@ def main():
             flush.zero_()  # the source out of L2, as a dispatch's input usually is
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
-            run(name, spec, sms)
+            run(spec, sms)
             b.record()
             b.synchronize()
             times.append(a.elapsed_time(b) * 1000.0)

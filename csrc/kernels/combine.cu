@@ -22,6 +22,7 @@
 #include "bf16_vec.cuh"
 #include "combine_bulk_reduce.cuh"
 #include "combine_fp8.cuh"
+#include "combine_weights.cuh"
 #include "warp_copy.cuh"
 
 namespace dc {
@@ -258,15 +259,7 @@ __device__ __forceinline__ void reduce_tokens(const CombineArgs& a, const NvlLay
       for (int u = 0; u < kUnroll; ++u)
         if (base + u * 32 < n16) out[base + u * 32] = round_bf16x8(acc[u]);
     }
-    if (a.out_weights != nullptr && lane < a.topk) {
-      float w = 0.0f;
-      for (int s = 0; s < R; ++s) {
-        if (!((holders >> s) & 1u)) continue;
-        w += s == rank ? a.topk_weights[int64_t(self_base + self_pos) * a.topk + lane]
-                       : reinterpret_cast<const volatile float*>(stage_rows + s * stage_stride + w_off)[lane];
-      }
-      a.out_weights[int64_t(t) * a.topk + lane] = w;
-    }
+    reduce_token_weights(a, t, holders, R, rank, self_base + self_pos, stage_rows, stage_stride, w_off, lane);
   }
 }
 
@@ -363,7 +356,7 @@ void launch_combine(const CombineArgs& args, int num_blocks, const NvlLayout& la
   const int config = tuning(kTuneCombineConfig);
   DC_HOST_ASSERT(config >= 0 && config <= 6, "combine: DEEPCOMM_COMBINE_CONFIG must be 0..6");
   const bool bulk_ok = !args.use_fp8 && reinterpret_cast<uintptr_t>(args.x) % 16 == 0;
-  switch (bulk_ok ? config : config == 6 ? 0 : config) {
+  switch (config == 6 && !bulk_ok ? 0 : config) {
     case 6: launch_combine_bulk<6, 8, 4>(args, num_blocks, layout, peers, ctx, stream); break;
     case 1: launch_combine_as<8, 24, 2>(args, num_blocks, layout, peers, ctx, stream); break;
     case 2: launch_combine_as<4, 20, 4>(args, num_blocks, layout, peers, ctx, stream); break;

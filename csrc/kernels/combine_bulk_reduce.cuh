@@ -17,6 +17,7 @@
 #include "api.hpp"
 #include "bf16_vec.cuh"
 #include "bulk_rows.cuh"
+#include "combine_weights.cuh"
 
 namespace dc {
 
@@ -153,17 +154,9 @@ __device__ __forceinline__ void reduce_tokens_bulk(const CombineArgs& a, const N
       for (int u = 0; u < kReduceVecMax; ++u)
         if (lane + 32 * u < nvec) out[int64_t(c) * (ch.bytes / 16) + lane + 32 * u] = round_bf16x8(acc[u]);
     }
-    if (a.out_weights != nullptr && lane < a.topk) {
-      const uint8_t* stage_rows = self + layout.combine_stage + int64_t(t) * stage_row;
-      const int64_t w_off = x_row;
-      float w = 0.0f;
-      for (int s = 0; s < R; ++s) {
-        if (!((holders >> s) & 1u)) continue;
-        w += s == rank ? a.topk_weights[int64_t(self_base + self_pos) * a.topk + lane]
-                       : reinterpret_cast<const volatile float*>(stage_rows + s * stage_stride + w_off)[lane];
-      }
-      a.out_weights[int64_t(t) * a.topk + lane] = w;
-    }
+    // the weights sit after the values in a staging row
+    reduce_token_weights(a, t, holders, R, rank, self_base + self_pos,
+                         self + layout.combine_stage + int64_t(t) * stage_row, stage_stride, x_row, lane);
   }
 }
 #endif

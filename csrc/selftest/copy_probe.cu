@@ -160,28 +160,26 @@ void launch_copy_probe(const char* kind, const CopyProbe& p, cudaStream_t stream
       case 16: launch_vectors<16>(p, stream); break;
       default: throw std::invalid_argument("copy_probe: unroll must be 4, 8 or 16");
     }
-  } else if (std::strcmp(kind, "bulk") == 0) {
-    const int chunk = p.chunk > 0 ? p.chunk : int(p.row_bytes);
-    if (chunk % 16 != 0 || p.slots < 2 || p.producers < 1 || p.producers > 32 ||
+  } else if (std::strcmp(kind, "bulk") == 0 || std::strcmp(kind, "ring") == 0) {
+    // bulk stores wait for the second newest group's reads: at least two slots; the ring reads its slot itself
+    const bool ring = kind[0] == 'r';
+    const int chunk = p.chunk > 0 ? p.chunk : int(p.row_bytes), min_slots = ring ? 1 : 2;
+    if (chunk % 16 != 0 || p.slots < min_slots || p.producers < 1 || p.producers > 32 ||
         p.producers * p.slots > kProbeMaxBars)
-      throw std::invalid_argument("copy_probe: bulk needs chunk % 16 == 0, slots >= 2, producers in [1, 32] and "
-                                  "producers * slots <= " + std::to_string(kProbeMaxBars));
+      throw std::invalid_argument(std::string("copy_probe: ") + kind + " needs chunk % 16 == 0, slots >= " +
+                                  std::to_string(min_slots) + ", producers in [1, 32] and producers * slots <= " +
+                                  std::to_string(kProbeMaxBars));
     const int smem = p.producers * p.slots * chunk;
-    opt_in_dynamic_smem<probe_bulk>(smem);
-    probe_bulk<<<p.blocks, 32 * p.producers, smem, stream>>>(static_cast<const uint8_t*>(p.src),
-                                                             static_cast<uint8_t*>(p.dst), p.rows, p.row_bytes,
-                                                             p.slots, chunk);
-  } else if (std::strcmp(kind, "ring") == 0) {
-    const int chunk = p.chunk > 0 ? p.chunk : int(p.row_bytes);
-    if (chunk % 16 != 0 || p.slots < 1 || p.producers < 1 || p.producers > 32 ||
-        p.producers * p.slots > kProbeMaxBars)
-      throw std::invalid_argument("copy_probe: ring needs chunk % 16 == 0, slots >= 1, producers in [1, 32] and "
-                                  "producers * slots <= " + std::to_string(kProbeMaxBars));
-    const int smem = p.producers * p.slots * chunk;
-    opt_in_dynamic_smem<probe_ring>(smem);
-    probe_ring<<<p.blocks, 32 * p.producers, smem, stream>>>(static_cast<const uint8_t*>(p.src),
-                                                             static_cast<uint8_t*>(p.dst), p.rows, p.row_bytes,
-                                                             p.slots, chunk, p.lane0_waits);
+    const auto* s = static_cast<const uint8_t*>(p.src);
+    auto* d = static_cast<uint8_t*>(p.dst);
+    if (ring) {
+      opt_in_dynamic_smem<probe_ring>(smem);
+      probe_ring<<<p.blocks, 32 * p.producers, smem, stream>>>(s, d, p.rows, p.row_bytes, p.slots, chunk,
+                                                               p.lane0_waits);
+    } else {
+      opt_in_dynamic_smem<probe_bulk>(smem);
+      probe_bulk<<<p.blocks, 32 * p.producers, smem, stream>>>(s, d, p.rows, p.row_bytes, p.slots, chunk);
+    }
   } else {
     throw std::invalid_argument(std::string("copy_probe: kind must be vectors, bulk, ring or memcpy, got ") + kind);
   }

@@ -1,7 +1,8 @@
 // deepcomm._selftest: the test-only module (tests/ and dev/ call it; nothing in deepcomm/ does). The ptx/ host twins
 // and GPU self-test, the device queue pair checks, the CPU-thread runs of the device poster, NIC and internode round
-// protocols, and the copy probes dev/profile_copy.py times. Raw pointers (int) and streams (int), like deepcomm._C; it takes deepcomm._C.transport.KeyTable, so
-// it imports deepcomm._C first (pybind11 shares the registered type between the two modules).
+// protocols, and the copy probes dev/profile_copy.py times. Raw pointers (int) and streams (int), like deepcomm._C;
+// it takes deepcomm._C.transport.KeyTable, so it imports deepcomm._C first (pybind11 shares the registered type
+// between the two modules).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
