@@ -38,6 +38,7 @@ def _median_us(fn, reps=REPS) -> float:
 
 def _cases(buf, idx, w, x, fp8, h, y):
     import deepcomm.validation as v
+    from deepcomm.nvlink.backend import REPORT_INVALID, WAIT
     from deepcomm import agreement
     from deepcomm.handle import Handle
     from deepcomm.cuda.arena import as_device_bytes
@@ -66,6 +67,51 @@ def _cases(buf, idx, w, x, fp8, h, y):
         r = be.arena.reserve(three_bytes)
         be.arena.core.dispatch_views(r[0], r[1], True, n, bf16, x.shape[1] * 2, 0, 0, k, True, True)
 
+    # the fresh dispatch's crossing alone, replayed with the arguments a real call passed (a new tag each time, so
+    # that the host waits for this call's counts); and the same crossing told not to wait (BEGIN | NOTIFY |
+    # PAYLOAD | FINISH: the two launches and the views)
+    real = be.nvl.ctx
+    seen = {}
+
+    class _Capture:
+        def dispatch_into(self, *args):
+            seen["into"] = list(args)
+            return real.dispatch_into(*args)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    be.nvl.ctx = _Capture()
+    try:
+        buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=256)
+    finally:
+        be.nvl.ctx = real
+    torch.cuda.synchronize()
+    fresh_args = seen["into"]
+    FLAGS, TAG, OUT_ROWS, ALIGN = 8, 20, 28, 30  # positions in NvlContext.dispatch_into's arguments (csrc/bindings/nvlink.cpp)
+
+    def fresh_crossing():
+        be._tag += 1
+        fresh_args[TAG] = be._tag
+        return real.dispatch_into(*fresh_args)
+
+    waits = []
+
+    def fresh_crossing_wait():
+        waits.append(fresh_crossing()[6])
+
+    fresh_crossing_wait.waits = waits  # the worker reports their median beside the call's time
+
+    no_wait = list(fresh_args)
+    no_wait[FLAGS] = (no_wait[FLAGS] & ~WAIT) | REPORT_INVALID  # as a num_worst_tokens dispatch launches
+    no_wait[TAG], no_wait[OUT_ROWS], no_wait[ALIGN] = 0, no_wait[2], 1
+    fwords = agreement.dispatch(1, 1, x, idx, w, 256, None)
+    per_expert = [1] * 256
+
+    def fresh_work():
+        T, L = idx.shape[0], 256
+        return be._work_layout(T, L, be._capacity_rows)
+
     return {
         # whole calls
         "buf.dispatch cached bf16": lambda: buf.dispatch(x, handle=h),
@@ -73,6 +119,14 @@ def _cases(buf, idx, w, x, fp8, h, y):
         "buf.dispatch fresh bf16": lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=256),
         "buf.combine": lambda: buf.combine(y, h),
         "be.combine": lambda: be.combine(y, h, None, fingerprint=cwords),
+        "be.dispatch fresh bf16": lambda: be.dispatch(x, idx, w, 256, None, 1, fingerprint=fwords),
+        # the fresh dispatch's pieces
+        "fresh crossing (launches, wait, views)": fresh_crossing_wait,
+        "fresh crossing, no wait (launches, views)": lambda: real.dispatch_into(*no_wait),
+        "routing_accepted": lambda: v.routing_accepted(idx, w, idx.shape[0], 256, 1, dev),
+        "fresh _work_layout (cached)": fresh_work,
+        "torch.empty fresh workspace": lambda: torch.empty(fresh_work()[7], dtype=torch.int32, device=dev),
+        "Handle.of_fresh_dispatch": lambda: Handle.of_fresh_dispatch(256, 128, 7168, 128, None, per_expert),
         # Buffer layer pieces
         "check_dispatch_x": lambda: v.check_dispatch_x(x, dev, (torch.bfloat16,), buf.config.hidden,
                                                        buf.config.max_tokens_per_rank),
@@ -101,7 +155,11 @@ def _cases(buf, idx, w, x, fp8, h, y):
 
 def worker(rank, world, tokens, json_path):
     buf, idx, w, x, fp8, h, y = setup_calls(rank, tokens, 7168, 24)
-    out = {name: _median_us(fn) for name, fn in _cases(buf, idx, w, x, fp8, h, y).items()}
+    out = {}
+    for name, fn in _cases(buf, idx, w, x, fp8, h, y).items():
+        out[name] = _median_us(fn)
+        if hasattr(fn, "waits"):
+            out[f"{name}: of which waiting"] = round(statistics.median(fn.waits), 2)
     buf.destroy()
     for name, us in out.items():
         print(f"{name:36s} {us:8.2f} us")

@@ -19,6 +19,12 @@ DC_DEVICE uint64_t globaltimer_ns() {
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
+// Bytes of dynamic shared memory this block was launched with.
+DC_DEVICE uint32_t dynamic_smem_bytes() {
+  uint32_t b;
+  asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(b));
+  return b;
+}
 // Programmatic dependent launch (sm_90): a kernel launched with the programmatic-serialization attribute may
 // start while the kernel before it in the stream still runs; grid_dependency_wait blocks until that kernel has
 // completed and its memory is visible (a no-op when launched without the attribute), and

@@ -185,6 +185,55 @@ __device__ __forceinline__ void reduce_row_pipelined(uint32_t holders, int rank,
   }
 }
 
+// A token's row summed straight from global memory, kUnroll vectors per lane in flight: the holders' rows ranks
+// ascending (our own from own_row, a peer's from its staging row), rounded once into out.
+template <int kUnroll, bool kFp8>
+__device__ __forceinline__ void reduce_row_plain(uint32_t holders, int R, int rank, const uint8_t* own_row,
+                                                 const uint8_t* stage_rows, int64_t stage_stride, int4* out,
+                                                 int64_t n16, int lane) {
+  for (int64_t base = lane; base < n16; base += 32 * kUnroll) {
+    float acc[kUnroll][8];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[u][j] = 0.0f;
+    for (int s = 0; s < R; ++s) {
+      if (!((holders >> s) & 1u)) continue;
+      if (kFp8 && s != rank) {
+        // e4m3 row: 8 bytes per 16-byte bf16 vector, the scale of its 128-element block after the values
+        const uint8_t* row = stage_rows + s * stage_stride;
+        const auto* q8 = reinterpret_cast<const uint2*>(row);
+        const auto* sc = reinterpret_cast<const uint32_t*>(row + n16 * 8);
+        uint2 q[kUnroll];
+        float scale[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+          if (base + u * 32 < n16) {
+            q[u] = ptx::ld_relaxed_gpu_v2(q8 + base + u * 32);
+            scale[u] = __uint_as_float(ptx::ld_relaxed_gpu_u32(sc + (base + u * 32) / 16));
+          }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+          if (base + u * 32 < n16) accumulate_e4m3x8(acc[u], q[u], scale[u]);
+        continue;
+      }
+      const int4* src = s == rank ? reinterpret_cast<const int4*>(own_row)
+                                  : reinterpret_cast<const int4*>(stage_rows + s * stage_stride);
+      int4 v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        if (base + u * 32 < n16)
+          v[u] = s == rank ? ptx::ld_nc_na_v4(src + base + u * 32) : ptx::ld_relaxed_gpu_v4(src + base + u * 32);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        if (base + u * 32 < n16) accumulate_bf16x8(acc[u], v[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (base + u * 32 < n16) out[base + u * 32] = round_bf16x8(acc[u]);
+  }
+}
+
 template <int kReduce, int kUnroll, bool kFp8, bool kPipe>
 __device__ __forceinline__ void reduce_tokens(const CombineArgs& a, const NvlLayout& layout, const Peers& peers,
                                               const WaitCtx& ctx, int self_base, int warp, int lane) {
@@ -219,46 +268,8 @@ __device__ __forceinline__ void reduce_tokens(const CombineArgs& a, const NvlLay
     int4* out = reinterpret_cast<int4*>(static_cast<uint8_t*>(a.out) + int64_t(t) * a.hidden * 2);
     if constexpr (kPipe)
       reduce_row_pipelined<kUnroll, kFp8>(holders, rank, own_row, stage_rows, stage_stride, out, n16, lane);
-    for (int64_t base = lane; !kPipe && base < n16; base += 32 * kUnroll) {
-      float acc[kUnroll][8];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
-#pragma unroll
-        for (int j = 0; j < 8; ++j) acc[u][j] = 0.0f;
-      for (int s = 0; s < R; ++s) {
-        if (!((holders >> s) & 1u)) continue;
-        if (kFp8 && s != rank) {
-          // e4m3 row: 8 bytes per 16-byte bf16 vector, the scale of its 128-element block after the values
-          const uint8_t* row = stage_rows + s * stage_stride;
-          const auto* q8 = reinterpret_cast<const uint2*>(row);
-          const auto* sc = reinterpret_cast<const uint32_t*>(row + n16 * 8);
-          uint2 q[kUnroll];
-          float scale[kUnroll];
-#pragma unroll
-          for (int u = 0; u < kUnroll; ++u)
-            if (base + u * 32 < n16) {
-              q[u] = ptx::ld_relaxed_gpu_v2(q8 + base + u * 32);
-              scale[u] = __uint_as_float(ptx::ld_relaxed_gpu_u32(sc + (base + u * 32) / 16));
-            }
-#pragma unroll
-          for (int u = 0; u < kUnroll; ++u)
-            if (base + u * 32 < n16) accumulate_e4m3x8(acc[u], q[u], scale[u]);
-          continue;
-        }
-        const int4* src = s == rank ? reinterpret_cast<const int4*>(own_row)
-                                    : reinterpret_cast<const int4*>(stage_rows + s * stage_stride);
-        int4 v[kUnroll];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u)
-          if (base + u * 32 < n16) v[u] = s == rank ? ptx::ld_nc_na_v4(src + base + u * 32) : ptx::ld_relaxed_gpu_v4(src + base + u * 32);
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u)
-          if (base + u * 32 < n16) accumulate_bf16x8(acc[u], v[u]);
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
-        if (base + u * 32 < n16) out[base + u * 32] = round_bf16x8(acc[u]);
-    }
+    if constexpr (!kPipe)
+      reduce_row_plain<kUnroll, kFp8>(holders, R, rank, own_row, stage_rows, stage_stride, out, n16, lane);
     reduce_token_weights(a, t, holders, R, rank, self_base + self_pos, stage_rows, stage_stride, w_off, lane);
   }
 }
@@ -308,10 +319,17 @@ __global__ void __launch_bounds__((kSend + kReduce) * 32, 1)
   } else if constexpr (kBulk) {
     static_assert(!kFp8, "bulk reducers sum BF16 rows");
     extern __shared__ __align__(128) uint8_t reduce_rings[];
-    __shared__ uint64_t reduce_bars[kReduce][kReduceSlots];
+    __shared__ uint64_t reduce_bars[kReduce][kRowSlotsMax];
     const int w = warp - kSend;
-    reduce_tokens_bulk<kReduce>(a, layout, peers, ctx, recv_base[rank], w, lane,
-                                reduce_rings + int64_t(w) * reduce_warp_smem(int64_t(a.hidden) * 2), reduce_bars[w]);
+    const int64_t stage_row = combine_row_bytes(a.hidden, a.topk);
+    const int64_t stage_stride = int64_t(layout.max_tokens) * stage_row, n16 = int64_t(a.hidden) / 8;
+    const int self_base = recv_base[rank];
+    const auto sum_direct = [&](uint32_t holders, int self_pos, int t, int4* out) {
+      const uint8_t* own_row = static_cast<const uint8_t*>(a.x) + int64_t(self_base + self_pos) * a.hidden * 2;
+      const uint8_t* stage_rows = self + layout.combine_stage + int64_t(t) * stage_row;
+      reduce_row_plain<kUnroll, false>(holders, R, rank, own_row, stage_rows, stage_stride, out, n16, lane);
+    };
+    reduce_tokens_bulk<kReduce>(a, layout, peers, ctx, self_base, w, lane, reduce_rings, reduce_bars[w], sum_direct);
   } else {
     reduce_tokens<kReduce, kUnroll, kFp8, kPipe>(a, layout, peers, ctx, recv_base[rank], warp - kSend, lane);
   }
@@ -327,14 +345,19 @@ void launch_combine_as(const CombineArgs& a, int num_blocks, const NvlLayout& la
     combine_kernel<kSend, kReduce, kUnroll, false, kPipe><<<num_blocks, kThreads, 0, stream>>>(a, layout, peers, ctx);
 }
 
-// The bulk reducers (BF16; x 16-byte aligned, else the default vector kernel).
+// The bulk reducers (combine_bulk_reduce.cuh), with as many row slots per reducer warp as the shared memory holds.
+// False: not even one row slot per warp fits (a large hidden), nothing launched.
 template <int kSend, int kReduce, int kUnroll>
-void launch_combine_bulk(const CombineArgs& a, int num_blocks, const NvlLayout& layout, const Peers& peers,
+bool launch_combine_bulk(const CombineArgs& a, int num_blocks, const NvlLayout& layout, const Peers& peers,
                          const WaitCtx& ctx, cudaStream_t stream) {
   constexpr auto kKernel = combine_kernel<kSend, kReduce, kUnroll, false, false, true>;
-  const int smem = kReduce * reduce_warp_smem(int64_t(a.hidden) * 2);
+  const int64_t row = int64_t(a.hidden) * 2;
+  const int slots = reduce_row_slots(row, kReduce, dynamic_smem_room<kKernel>());
+  if (slots < 1) return false;
+  const int smem = int(kReduce * slots * row);
   opt_in_dynamic_smem<kKernel>(smem);
   kKernel<<<num_blocks, (kSend + kReduce) * 32, smem, stream>>>(a, layout, peers, ctx);
+  return true;
 }
 
 }  // namespace
@@ -355,9 +378,11 @@ void launch_combine(const CombineArgs& args, int num_blocks, const NvlLayout& la
   DC_HOST_ASSERT(!args.use_fp8 || args.hidden % 128 == 0, "combine: FP8 needs hidden % 128 == 0");
   const int config = tuning(kTuneCombineConfig);
   DC_HOST_ASSERT(config >= 0 && config <= 6, "combine: DEEPCOMM_COMBINE_CONFIG must be 0..6");
-  const bool bulk_ok = !args.use_fp8 && reinterpret_cast<uintptr_t>(args.x) % 16 == 0;
-  switch (config == 6 && !bulk_ok ? 0 : config) {
-    case 6: launch_combine_bulk<6, 8, 4>(args, num_blocks, layout, peers, ctx, stream); break;
+  // the bulk reducers take BF16 rows from a 16-byte aligned x; else (or with no room for a row slot) the default
+  const bool bulk_ran = config == 6 && !args.use_fp8 && reinterpret_cast<uintptr_t>(args.x) % 16 == 0 &&
+                        launch_combine_bulk<6, 8, 4>(args, num_blocks, layout, peers, ctx, stream);
+  switch (bulk_ran ? -1 : config == 6 ? 0 : config) {
+    case -1: break;
     case 1: launch_combine_as<8, 24, 2>(args, num_blocks, layout, peers, ctx, stream); break;
     case 2: launch_combine_as<4, 20, 4>(args, num_blocks, layout, peers, ctx, stream); break;
     case 3: launch_combine_as<8, 16, 4>(args, num_blocks, layout, peers, ctx, stream); break;

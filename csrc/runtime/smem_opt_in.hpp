@@ -9,14 +9,29 @@
 namespace dc {
 
 template <auto kKernel>
-void opt_in_dynamic_smem(int bytes) {
-  static const int static_bytes = [] {
+int static_smem_bytes() {
+  static const int bytes = [] {
     cudaFuncAttributes attr;
     DC_CUDA_CHECK(cudaFuncGetAttributes(&attr, kKernel));
     return int(attr.sharedSizeBytes);
   }();
-  if (bytes + static_bytes > 48 * 1024)
+  return bytes;
+}
+
+template <auto kKernel>
+void opt_in_dynamic_smem(int bytes) {
+  if (bytes + static_smem_bytes<kKernel>() > 48 * 1024)
     DC_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+}
+
+// The most dynamic shared memory a block of kKernel may ask for on the current device (its opt-in maximum less the
+// kernel's static part).
+template <auto kKernel>
+int dynamic_smem_room() {
+  int device = 0, optin = 0;
+  DC_CUDA_CHECK(cudaGetDevice(&device));
+  DC_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  return optin - static_smem_bytes<kKernel>();
 }
 
 }  // namespace dc
