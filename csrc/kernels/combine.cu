@@ -364,7 +364,7 @@ bool launch_combine_bulk(const CombineArgs& a, int num_blocks, const NvlLayout& 
 
 // Warp split (senders, reducers) and unroll. Measured on 2 x H200 at 4096 tokens, hidden 7168, 24 SMs:
 // <8,8,8> 367 us, <16,16,2> 462 us, <12,20,2> 377 us, <8,24,2> 310 us, <4,20,4> 264 us, <8,16,4> 291 us,
-// <6,18,4> 260 us (the default; 490 us at 8 SMs). DEEPCOMM_COMBINE_CONFIG (tuning.hpp; 1..5) picks another
+// <6,18,4> 260 us (the default; 490 us at 8 SMs). DEEPCOMM_COMBINE_CONFIG (tuning.hpp; 1..6) picks another
 // instantiation for tuning runs; 0 is the default. 4 and 5 keep two passes of 4 vectors in flight per reducer
 // lane (reduce_row_pipelined) in 16 warps (512 threads: room for its 128 registers without spills), 5 with more
 // of them reducing. A plain <4,12,8> spills (136 bytes) and is not offered.
