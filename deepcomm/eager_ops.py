@@ -1,4 +1,5 @@
-"""The differentiable normal-mode calls outside torch.compile: the Buffer's own calls under a torch.autograd.Function.
+"""The differentiable normal-mode calls outside torch.compile: the Buffer's own calls under a torch.autograd.Function
+(or, with nothing to differentiate, without one).
 
 deepcomm.ops takes this path whenever it is not being traced. It computes what the operators of
 deepcomm/custom_ops.py compute (their implementations are the same Buffer calls, and the backward of each is the
@@ -40,6 +41,17 @@ def combine_backward_inputs(grad_combined_x, grad_combined_weights, shape, weigh
     return grad_combined_x.contiguous(), weights
 
 
+def _buffer_dispatch(buf, values, scales, topk_idx, topk_weights, num_experts: int, expert_alignment: int,
+                     num_worst_tokens: int):
+    """``buf.dispatch`` of ``values`` (with its ``scales``, an FP8 pair), its outputs as ``dispatch`` returns
+    them."""
+    recv_x, recv_idx, recv_w, per_expert, handle = buf.dispatch(
+        values if scales is None else (values, scales), topk_idx=topk_idx, topk_weights=topk_weights,
+        num_experts=num_experts, expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens)
+    recv_values, recv_scales = recv_x if scales is not None else (recv_x, None)
+    return recv_values, recv_scales, recv_idx, recv_w, per_expert, handle
+
+
 class _Dispatch(torch.autograd.Function):
     """Forward: ``buf.dispatch``; backward: ``buf.combine`` of the gradients along the same handle (the weights'
     gradients masked to the slots that were local at the receiver, the only ones dispatch forwarded). The
@@ -48,16 +60,13 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, box: list, buf, values, scales, topk_idx, topk_weights, num_experts: int, expert_alignment: int,
                 num_worst_tokens: int):
-        payload = values if scales is None else (values, scales)
-        recv_x, recv_idx, recv_w, per_expert, handle = buf.dispatch(
-            payload, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts,
-            expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens)
+        recv_values, recv_scales, recv_idx, recv_w, per_expert, handle = _buffer_dispatch(
+            buf, values, scales, topk_idx, topk_weights, num_experts, expert_alignment, num_worst_tokens)
         box.append((per_expert, handle))
         ctx.buf, ctx.handle, ctx.x_dtype = buf, handle, values.dtype
         # only the local-slot mask is kept: recv_topk_idx is a view of the CUDA backend's arena, and holding it
         # until backward would pin an arena block per layer
         ctx.local_slots = recv_idx >= 0 if topk_weights is not None else None
-        recv_values, recv_scales = recv_x if scales is not None else (recv_x, None)
         return recv_values, recv_scales, recv_idx, recv_w
 
     @staticmethod
@@ -91,9 +100,20 @@ class _Combine(torch.autograd.Function):
         return None, grad_x, None, grad_weights if ctx.weights_k is not None else None, None
 
 
+def _wants_grad(*tensors) -> bool:
+    """Whether autograd would record a call on these inputs (grad mode on and one of them requiring a gradient):
+    else the Buffer call is made without a torch.autograd.Function, whose bookkeeping and the dispatch's
+    local-slot mask (a kernel launch) cost host time per call for nothing. The collective calls are the same
+    either way, so ranks may differ here."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def dispatch(buf, values, scales, topk_idx, topk_weights, num_experts: int, expert_alignment: int,
              num_worst_tokens: int):
     """``(recv_values, recv_scales, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert, handle)``."""
+    if not _wants_grad(values, topk_weights):
+        return _buffer_dispatch(buf, values, scales, topk_idx, topk_weights, num_experts, expert_alignment,
+                                num_worst_tokens)
     box: list = []
     recv_values, recv_scales, recv_idx, recv_w = _Dispatch.apply(box, buf, values, scales, topk_idx, topk_weights,
                                                                  num_experts, expert_alignment, num_worst_tokens)
@@ -102,4 +122,6 @@ def dispatch(buf, values, scales, topk_idx, topk_weights, num_experts: int, expe
 
 
 def combine(buf, x, handle, topk_weights: Optional[torch.Tensor], use_fp8: bool):
+    if not _wants_grad(x, topk_weights):
+        return buf.combine(x, handle, topk_weights=topk_weights, use_fp8=use_fp8)
     return _Combine.apply(buf, x, handle, topk_weights, use_fp8)

@@ -77,3 +77,31 @@ def _autograd_worker(rank, world):
 
 def test_autograd_matches_dense():
     assert run_ranks(_autograd_worker, 3) == [True] * 3
+
+
+def _no_grad_worker(rank, world):
+    """Calls with nothing to differentiate (grad mode off, or no input requiring a gradient) are the Buffer's own
+    calls: the same outputs bit for bit, nothing recorded for backward."""
+    import deepcomm
+    buf = deepcomm.Buffer(max_tokens_per_rank=16, hidden=64)
+    x, idx, w, W, _, _ = _data(rank, world)
+    E = PER_RANK * world
+    want_x, want_idx, want_w, want_counts, want_h = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
+    want_out, want_cw = buf.combine(want_x @ W, want_h, topk_weights=want_w)
+    grad_x, grad_w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    for no_grad, xs, ws in ((True, grad_x, grad_w), (False, x, w)):
+        with torch.set_grad_enabled(not no_grad):
+            recv_x, recv_idx, recv_w, counts, h = deepcomm.ops.dispatch(buf, xs, idx, ws, num_experts=E)
+            assert recv_x.grad_fn is None and recv_w.grad_fn is None and not recv_x.requires_grad
+            assert counts == want_counts and torch.equal(h.send_pos, want_h.send_pos)
+            for got, want in ((recv_x, want_x), (recv_idx, want_idx), (recv_w, want_w)):
+                assert torch.equal(got, want)
+            out, cw = deepcomm.ops.combine(buf, recv_x @ W, h, topk_weights=recv_w)
+            assert out.grad_fn is None and not out.requires_grad
+            assert torch.equal(out, want_out) and torch.equal(cw, want_cw)
+    buf.destroy()
+    return True
+
+
+def test_calls_without_gradients_are_the_buffer_calls():
+    assert run_ranks(_no_grad_worker, 2) == [True] * 2
