@@ -46,6 +46,11 @@ def _host_times(fn, backend=None, iters=ITERS):
             "wait_us": round(statistics.median(waits), 1) if waits else 0.0, "gpu_us": round(gpu, 1)}
 
 
+def _no_grad(fn, *args):
+    with torch.no_grad():
+        return fn(*args)
+
+
 def _primitives(dev):
     """Host microseconds of the torch operations a call is made of (median of 2000)."""
     from deepcomm.cuda.arena import as_device_bytes
@@ -184,6 +189,9 @@ def worker(rank, world, tokens_list, hidden, num_sms, json_path, cprofile_path="
             # the differentiable calls (torch custom operators and autograd), what an MoE layer calls
             "ops.dispatch (autograd)": (lambda: ops.dispatch(buf, xg, idx, wg, 256), be),
             "ops.combine (autograd)": (lambda: ops.combine(buf, y, h), None),
+            # the same under torch.no_grad (inference, prefill): the Buffer's calls without autograd
+            "ops.dispatch (no grad)": (lambda: _no_grad(ops.dispatch, buf, xg, idx, wg, 256), be),
+            "ops.combine (no grad)": (lambda: _no_grad(ops.combine, buf, y, h), None),
             # the same calls through their torch operators, as traced code runs them (eager ops skip them)
             "operator dispatch (autograd)": (lambda: torch.ops.deepcomm.dispatch(buf.buffer_id, xg, None, idx, wg, 256,
                                                                                 1, 0), be),

@@ -114,6 +114,12 @@ def _moe_worker(rank, world):
     assert err < 3e-2, f"relative error {err:.3e}"
     assert xb.grad is not None and torch.isfinite(xb.grad.float()).all()
     assert layer.w_gate_up.grad is not None and layer.router.weight.grad is not None
+    # inference: the Buffer's calls without autograd (deepcomm/eager_ops.py), the same forward
+    with torch.no_grad():
+        y_inf = layer(xb)
+    assert not y_inf.requires_grad
+    err = (y_inf.float() - want).norm() / want.norm()
+    assert err < 3e-2, f"relative error without gradients {err:.3e}"
     dist.barrier()
     buf.destroy()
 

@@ -71,6 +71,11 @@ def _check_layer(rank, world, alignment):
     torch.testing.assert_close(layer.w_gate_up.grad, want_g1[sl], **tol)
     torch.testing.assert_close(layer.w_down.grad, want_g2[sl], **tol)
     assert all(int(c) % alignment == 0 for c in layer.last_tokens_per_expert)
+    # inference (no autograd recorded: the Buffer's own calls) gives the same forward
+    with torch.no_grad():
+        y_inf = layer(x_leaf)
+    assert not y_inf.requires_grad
+    torch.testing.assert_close(y_inf, want_y[rank].detach(), **tol)
     # the replicated router's summed gradient is the gradient of the sum of all ranks' losses
     layer.sync_replicated_grads()
     torch.testing.assert_close(layer.router.weight.grad, sum(want_grouter), **tol)
