@@ -88,7 +88,8 @@ def _cases(buf, idx, w, x, fp8, h, y):
         be.nvl.ctx = real
     torch.cuda.synchronize()
     fresh_args = seen["into"]
-    FLAGS, TAG, OUT_ROWS, ALIGN = 8, 20, 28, 30  # positions in NvlContext.dispatch_into's arguments (csrc/bindings/nvlink.cpp)
+    # positions in NvlContext.dispatch_into's arguments (csrc/bindings/nvlink.cpp)
+    FLAGS, TAG, OUT_ROWS, ALIGN = 8, 20, 28, 30
 
     def fresh_crossing():
         be._tag += 1

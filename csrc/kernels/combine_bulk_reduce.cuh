@@ -1,6 +1,6 @@
-// The BF16 combine's reducers with bulk loads (DEEPCOMM_COMBINE_CONFIG 6, a tuning variant): the warp's lane 0 loads whole
-// rows (our own from x; a peer's from the staging area once its chunk flag is up) into a ring of row slots in
-// shared memory, ahead of the sums, token by token and holders ascending; then every lane sums its 16-byte vectors
+// The BF16 combine's reducers with bulk loads (DEEPCOMM_COMBINE_CONFIG 6, a tuning variant): the warp's lane 0
+// loads whole rows (our own from x; a peer's from the staging area once its chunk flag is up) into a ring of row
+// slots in shared memory, ahead of the sums, token by token and holders ascending; then every lane sums its 16-byte vectors
 // of the token's rows from there in fp32, source ranks ascending (the order of reduce_tokens and of the
 // reference), and rounds once to bf16. The slots hold the rows in flight without registers, where the vector
 // reducers hold one step's vectors per lane.
@@ -112,12 +112,15 @@ __device__ __forceinline__ void reduce_tokens_bulk(const CombineArgs& a, const N
     }
     return true;
   };
+  // Until the i-th row issued has landed in its slot.
+  const auto wait_row = [&](int64_t i) {
+    while (!ptx::mbar_try_wait(bars + int(i % slots), uint32_t(i / slots) & 1u)) {
+    }
+  };
   // Every copy in flight completed: a warp that stops early leaves no copy writing its shared memory.
   const auto drain = [&]() {
     if (lane == 0)
-      for (int64_t i = consumed; i < issued; ++i)
-        while (!ptx::mbar_try_wait(bars + int(i % slots), uint32_t(i / slots) & 1u)) {
-        }
+      for (int64_t i = consumed; i < issued; ++i) wait_row(i);
     __syncwarp();
   };
 
@@ -135,11 +138,7 @@ __device__ __forceinline__ void reduce_tokens_bulk(const CombineArgs& a, const N
       sum_direct(holders, self_pos, t, out);
     } else {
       // the token's h rows are the next h slots (none: zeros, as the vector reducers write)
-      for (int j = 0; j < h; ++j) {
-        const int64_t i = consumed + j;
-        while (!ptx::mbar_try_wait(bars + int(i % slots), uint32_t(i / slots) & 1u)) {
-        }
-      }
+      for (int j = 0; j < h; ++j) wait_row(consumed + j);
       constexpr int kVec = 4;  // vectors per lane summed together (independent shared-memory loads in flight)
       for (int64_t base = lane; base < n16; base += 32 * kVec) {
         float acc[kVec][8];
