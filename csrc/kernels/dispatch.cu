@@ -59,11 +59,12 @@ __device__ __forceinline__ void copy_row_to_dests(const int4* src, int64_t n16, 
 // Token t's position among our tokens to rank d, from its send_pos entry `rel` (-1: not sent). A fresh dispatch's
 // entries are relative to their notify chunk (chunk_base: NotifyWork::block_count, the chunks' prefixes, or null
 // for a cached dispatch, whose entries are absolute): the base is added and the absolute position stored back for
-// the handle. Chunk 0's base is 0. The base's load does not wait for the entry's.
+// the handle. Chunk 0's base is 0. The base's load does not wait for the entry's; it bypasses L1 (__ldcg), which
+// may still hold the bases an earlier call's payload read on this SM.
 __device__ __forceinline__ int send_pos_of(const DispatchArgs& a, const int* chunk_base, int t, int d, int R, int rel) {
   const int chunk = t / kNotifyChunk;
   if (chunk_base == nullptr || chunk == 0) return rel;
-  const int base = __ldg(chunk_base + chunk * R + d);
+  const int base = __ldcg(chunk_base + chunk * R + d);
   if (rel < 0) return rel;
   a.send_pos[int64_t(t) * R + d] = rel + base;
   return rel + base;

@@ -146,7 +146,10 @@ class LowLatencyEngine:
         ll = self.buffer
         if ll.put_peers:
             return
-        self.errors.check(low_latency=True)  # a timeout raises; an earlier input error stays pending
+        # what earlier calls left in the record first (a timeout raises; an input error stays pending), so that the
+        # record read below holds this exchange's own difference or nothing
+        torch.cuda.synchronize(self.device)
+        self.errors.check(low_latency=True)
         stream = torch.cuda.current_stream(self.device)
         if fingerprint[agreement.Word.OP] == agreement.Op.LOW_LATENCY_DISPATCH:
             kind, slot = 0, ll.calls & 1
@@ -184,10 +187,10 @@ class LowLatencyEngine:
         if self.buffer is None:
             try:
                 # the peers making the buffer exchange words through the NVLink agree slots first, where that runs
-                if self.meet is None or not self.meet.first_low_latency_call(fingerprint, self.errors):
+                if self.meet is None or not self.meet.first_low_latency_call(fingerprint, self.errors, rejected=True):
                     self._agree_on_host(fingerprint)
-            except ValueError:
-                pass  # it names this rank's rejection: the caller raises this rank's own error instead
+            except (RuntimeError, ValueError):
+                pass  # this rank's rejection, or a timeout (the next call says so): the caller raises its own error
             return
         try:
             self.errors.check(low_latency=True)

@@ -44,21 +44,25 @@ class ModeMeet:
         # nothing (agree_reject with compare); returns the stream it ran on (first_low_latency_call)
         self.normal_exchange = normal_exchange
 
-    def first_low_latency_call(self, fingerprint, errors) -> bool:
-        """Before the first low-latency call makes the buffer: ``fingerprint`` (that call's words, rejected or
-        not) through the NVLink buffer's agree slots as a normal-mode call, and a wait for it; the difference a peer
-        in another call shows there raises here (ValueError, the reference backend's text), as it does on that
-        peer. False where no such call can run (no words, masked ranks, graph capture: no host wait): then nothing
-        was exchanged, and the host exchange that makes the buffer is the first."""
+    def first_low_latency_call(self, fingerprint, errors, rejected: bool = False) -> bool:
+        """Before the first low-latency call makes the buffer: ``fingerprint`` (that call's words) through the NVLink
+        buffer's agree slots as a normal-mode call, and a wait for it; the difference a peer in another call shows
+        there raises here (ValueError, the reference backend's text), as it does on that peer, unless the call is
+        one this rank ``rejected`` (the difference names this rank; its caller raises its own error). False where no
+        such call can run (no words, masked ranks, graph capture: no host wait): then nothing was exchanged, and the
+        host exchange that makes the buffer is the first."""
         if self.normal_exchange is None or fingerprint is None or self.nvl.masked or is_capturing():
             return False
-        errors.check(low_latency=True)  # a timeout raises; an earlier input error stays pending
+        # what earlier calls left in the record first (a timeout raises; an input error stays pending), so that the
+        # record read after the exchange holds the exchange's own difference or nothing
+        torch.cuda.synchronize(self.device)
+        errors.check(low_latency=True)
         run = self.normal_exchange(tuple(fingerprint))
         torch.cuda.ExternalStream(run, device=self.device).synchronize()
         owed = len(self.nvl.owed)
         err = self.nvl.check_error(low_latency=True, defer_input=True)
-        del self.nvl.owed[owed:]  # this rank took its normal-mode call number: it owes the peers none
-        if err is not None:
+        del self.nvl.owed[owed:]  # this rank took its normal-mode number: it owes the peers none
+        if err is not None and not rejected:
             earlier = errors.take_pending()
             if earlier is not None:  # raised first; the difference at the next look
                 errors.pending = err

@@ -152,6 +152,7 @@ def _first_call(monkeypatch, nvl):
     synced = []
     monkeypatch.setattr(torch.cuda, "ExternalStream",
                         lambda s, device=None: types.SimpleNamespace(synchronize=lambda: synced.append(s)))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append("device"))
     sent = []
     def exchange(words):
         sent.append(words)
@@ -168,7 +169,8 @@ def test_the_first_low_latency_call_meets_a_normal_call_in_the_nvlink_slots(monk
     meet, sent, synced = _first_call(monkeypatch, nvl)
     with pytest.raises(ValueError) as got:
         meet.first_low_latency_call(list(LOW), CallErrors(nvl))
-    assert got.value is diff and sent == [LOW] and synced == [7]  # exchanged, then waited for, then read
+    # the device's earlier work waited for and its record read, then the words exchanged, waited for and read
+    assert got.value is diff and sent == [LOW] and synced == ["device", 7]
     assert nvl.owed == [LOW_COMBINE], "this rank took its normal-mode number: it owes no normal-mode call"
     nvl.err = None
     assert meet.first_low_latency_call(LOW, CallErrors(nvl)) is True and len(sent) == 2
@@ -184,6 +186,16 @@ def test_an_earlier_input_error_is_raised_first_and_the_difference_kept(monkeypa
     with pytest.raises(ValueError) as got:
         meet.first_low_latency_call(LOW, errors)
     assert got.value is earlier and errors.pending is diff
+
+
+def test_a_rejected_first_call_leaves_the_difference_naming_it_and_an_earlier_error_as_they_are(monkeypatch):
+    nvl = _FirstCallRecord(err=ValueError("call: rank 1 rejected low_latency_dispatch call #4 ..."))
+    meet, sent, _ = _first_call(monkeypatch, nvl)
+    errors = CallErrors(nvl)
+    earlier = ValueError("topk_idx: an earlier call ...")
+    errors.pending = earlier
+    assert meet.first_low_latency_call(LOW, errors, rejected=True) is True
+    assert sent == [LOW] and errors.pending is earlier and nvl.owed == [LOW_COMBINE]
 
 
 def test_no_words_exchange_without_words_with_masked_ranks_or_without_a_backend_hook(monkeypatch):
@@ -208,8 +220,8 @@ class _Exchanges:
     def __init__(self, ran):
         self.ran, self.seen = ran, []
 
-    def first_low_latency_call(self, words, errors):
-        self.seen.append(("nvlink", words))
+    def first_low_latency_call(self, words, errors, rejected=False):
+        self.seen.append(("nvlink", words, rejected))
         return self.ran
 
 
@@ -220,7 +232,7 @@ def test_a_rejected_first_low_latency_call_joins_the_exchange_its_peers_make(ran
     b = LowLatencyEngine(None, None, 0, 2, torch.device("cpu"), record, CallErrors(record), "ipc", 4, meet=meet)
     b._agree_on_host = lambda words: meet.seen.append(("host", words))
     b.reject(LOW)
-    assert meet.seen == ([("nvlink", LOW)] if ran else [("nvlink", LOW), ("host", LOW)])
+    assert meet.seen == ([("nvlink", LOW, True)] if ran else [("nvlink", LOW, True), ("host", LOW)])
 
 
 def test_the_first_low_latency_call_exchanges_through_the_nvlink_slots_before_the_host(monkeypatch):
@@ -235,7 +247,7 @@ def test_the_first_low_latency_call_exchanges_through_the_nvlink_slots_before_th
     b._agree_on_host = host
     with pytest.raises(ValueError, match="stop before"):
         b._buffer_for(8, 16, 256, LOW)
-    assert meet.seen == [("nvlink", LOW), ("host", LOW)] and b.joined == 1
+    assert meet.seen == [("nvlink", LOW, False), ("host", LOW)] and b.joined == 1
 
 
 def test_the_nvlink_exchange_is_a_normal_call_that_compares_after_the_calls_owed(env):  # noqa: F811
