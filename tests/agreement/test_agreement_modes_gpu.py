@@ -86,18 +86,22 @@ def _mode_cases(rank, me, dev):
     ]
 
 
+def _meet_then_agree(sides, call, rank, what, gen, dev):
+    """``call`` raises the reference backend's text on every rank; then every kind of call on the same Buffers, twice,
+    bit-exact: both modes' call numbers are in step again."""
+    _expect_disagreement(sides, call, rank, what)
+    _agreeing_round(sides, Inputs(gen, dev), rank, what)
+    _agreeing_round(sides, Inputs(gen, dev), rank, f"{what}, a second round")
+
+
 def _mode_worker(rank, world):
     dev = rank_device(rank)
     torch.cuda.set_device(dev)
     sides = _buffers(dev)
-    me = world - 1
     gen = torch.Generator().manual_seed(4000 + rank)
     _agreeing_round(sides, Inputs(gen, dev), rank, "the start")
-    for what, call in _mode_cases(rank, me, dev):
-        _expect_disagreement(sides, call, rank, what)
-        # every kind of call on the same Buffer, bit-exact: both modes' call numbers are in step again
-        _agreeing_round(sides, Inputs(gen, dev), rank, what)
-        _agreeing_round(sides, Inputs(gen, dev), rank, f"{what}, a second round")
+    for what, call in _mode_cases(rank, world - 1, dev):
+        _meet_then_agree(sides, call, rank, what, gen, dev)
     for s in sides:
         s.buf.destroy()
 
@@ -127,18 +131,14 @@ def _first_call_cases(rank, me, dev):
 def _first_call_worker(rank, world):
     dev = rank_device(rank)
     torch.cuda.set_device(dev)
-    me = world - 1
     gen = torch.Generator().manual_seed(5000 + rank)
-    for what, with_handle, call in _first_call_cases(rank, me, dev):
-        sides = _buffers(dev)
+    for what, with_handle, call in _first_call_cases(rank, world - 1, dev):
+        sides = _buffers(dev)  # no low-latency buffer yet
         if with_handle:
             inp = Inputs(gen, dev)
             for s in sides:
                 s.recv_x, _, s.recv_w, _, s.handle = s.buf.dispatch(inp.x, inp.idx, inp.w, num_experts=E)
-        _expect_disagreement(sides, call, rank, what)
-        # both modes' call numbers are in step: every kind of call, the first low-latency buffer made, bit-exact
-        _agreeing_round(sides, Inputs(gen, dev), rank, what)
-        _agreeing_round(sides, Inputs(gen, dev), rank, f"{what}, a second round")
+        _meet_then_agree(sides, call, rank, what, gen, dev)  # the agreeing rounds make the low-latency buffer
         for s in sides:
             s.buf.destroy()
 
