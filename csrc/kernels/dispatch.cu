@@ -56,20 +56,6 @@ __device__ __forceinline__ void copy_row_to_dests(const int4* src, int64_t n16, 
   }
 }
 
-// Token t's position among our tokens to rank d, from its send_pos entry `rel` (-1: not sent). A fresh dispatch's
-// entries are relative to their notify chunk (chunk_base: NotifyWork::block_count, the chunks' prefixes, or null
-// for a cached dispatch, whose entries are absolute): the base is added and the absolute position stored back for
-// the handle. Chunk 0's base is 0. The base's load does not wait for the entry's; it bypasses L1 (__ldcg), which
-// may still hold the bases an earlier call's payload read on this SM.
-__device__ __forceinline__ int send_pos_of(const DispatchArgs& a, const int* chunk_base, int t, int d, int R, int rel) {
-  const int chunk = t / kNotifyChunk;
-  if (chunk_base == nullptr || chunk == 0) return rel;
-  const int base = __ldcg(chunk_base + chunk * R + d);
-  if (rel < 0) return rel;
-  a.send_pos[int64_t(t) * R + d] = rel + base;
-  return rel + base;
-}
-
 // The tuning variants' token loop (launch_dispatch: DEEPCOMM_DISPATCH_UNROLL, DEEPCOMM_DISPATCH_PREFETCH), the
 // same rows and metadata as the default loop in dispatch_kernel. To leave registers for kUnroll vectors per lane,
 // a token's destinations are spread over the lanes (lane d < R: its row in rank d's output, or null) and shuffled
@@ -78,8 +64,8 @@ __device__ __forceinline__ int send_pos_of(const DispatchArgs& a, const int* chu
 // row's own loads stand between two tokens.
 template <int kUnroll, bool kPrefetch>
 __device__ __forceinline__ void dispatch_tokens_lane_dests(const DispatchArgs& a, const DispatchShared& sh,
-                                                           const WaitCtx& ctx, const int* chunk_base, int R,
-                                                           int first_token, int total_warps, int lane) {
+                                                           const WaitCtx& ctx, int R, int first_token,
+                                                           int total_warps, int lane) {
   const int K = a.topk, L = a.num_local_experts;
   const int64_t n16 = a.x_row_bytes / 16, nscale = a.scale_row_bytes / 4;
   const bool scales_ahead = kPrefetch && a.scales != nullptr && nscale <= 64;
@@ -89,7 +75,7 @@ __device__ __forceinline__ void dispatch_tokens_lane_dests(const DispatchArgs& a
   float ahead_w = 0.0f;
   const auto load_ahead = [&](int t) {
     if (t >= a.num_tokens) return;
-    ahead_pos = lane < R ? send_pos_of(a, chunk_base, t, lane, R, a.send_pos[int64_t(t) * R + lane]) : -1;
+    ahead_pos = lane < R ? a.send_pos[int64_t(t) * R + lane] : -1;
     if (lane < K) {
       if (a.topk_idx != nullptr) ahead_e = a.topk_idx[int64_t(t) * K + lane];
       if (a.topk_weights != nullptr) ahead_w = a.topk_weights[int64_t(t) * K + lane];
@@ -110,7 +96,7 @@ __device__ __forceinline__ void dispatch_tokens_lane_dests(const DispatchArgs& a
       my_pos = ahead_pos;
       load_ahead(t + total_warps);
     } else {
-      my_pos = lane < R ? send_pos_of(a, chunk_base, t, lane, R, a.send_pos[int64_t(t) * R + lane]) : -1;
+      my_pos = lane < R ? a.send_pos[int64_t(t) * R + lane] : -1;
     }
     // lane d < R: our row in rank d's output, or -1 (not sent, or past its capacity: dropped and recorded)
     int my_row = -1;
@@ -258,20 +244,16 @@ __global__ void __launch_bounds__(kDispatchThreads, 1)
       pipe.start(bulk_smem + (tid >> 5) * BulkChunking(a.x_row_bytes).warp_smem(), bulk_bars[tid >> 5], a.x,
                  a.x_row_bytes, first_token, total_warps, a.num_tokens);
   }
-  const int* chunk_base = a.chunk_relative ? reinterpret_cast<const int*>(
-      self + layout.notify_work + NotifyWork(R, layout.num_local_experts, layout.max_tokens).block_count) : nullptr;
   constexpr bool kVariant = !kBulk && (kUnroll != kDispatchUnroll || kPrefetch);
-  if constexpr (kVariant)
-    dispatch_tokens_lane_dests<kUnroll, kPrefetch>(a, sh, ctx, chunk_base, R, first_token, total_warps, lane);
+  if constexpr (kVariant) dispatch_tokens_lane_dests<kUnroll, kPrefetch>(a, sh, ctx, R, first_token, total_warps, lane);
   for (int t = first_token; !kVariant && t < a.num_tokens; t += total_warps) {
-    const int my_pos = lane < R ? send_pos_of(a, chunk_base, t, lane, R, a.send_pos[int64_t(t) * R + lane]) : -1;
+    const int my_pos = lane < R ? a.send_pos[int64_t(t) * R + lane] : -1;
     int pos[kMaxRanks];
     uint8_t* rows[kMaxRanks];
 #pragma unroll
     for (int d = 0; d < kMaxRanks; ++d) {
       pos[d] = __shfl_sync(0xffffffffu, my_pos, d);
-      if (d < R && pos[d] >= 0 && sh.row_base[d] + pos[d] >= sh.capacity[d]) {  // the same on every lane
-        __syncwarp();  // lane d's store of the absolute position (send_pos_of) before lane 0's below
+      if (d < R && pos[d] >= 0 && sh.row_base[d] + pos[d] >= sh.capacity[d]) {
         if (lane == 0) {
           report_input_error(ctx, d, kStageOverflow);
           a.send_pos[int64_t(t) * R + d] = -1;  // the combine skips it: no row comes back for it

@@ -14,7 +14,7 @@ enum NotifyTracePoint : int {
   kNotifyTraceEntry = 0,     // kernel entry
   kNotifyTraceCounted = 1,   // the block's tokens' ranks and experts counted, warp counts in shared memory
   kNotifyTraceTicket = 2,    // block counts and sums published, the ticket taken
-  kNotifyTracePrefixes = 3,  // last block: totals, the call's number, each block's base for the payload
+  kNotifyTracePrefixes = 3,  // last block: totals, the call's number, send_pos made absolute
   kNotifyTraceSent = 4,      // counts stored at every peer, fenced, the counts' flag released
   kNotifyTraceAgreed = 5,    // every rank's call words compared (right after point 4 when the call has none)
   kNotifyTraceFlags = 6,     // every peer's counts' flag seen

@@ -59,7 +59,6 @@ NvlDispatchResult nvl_dispatch(const NvlContext& c, const StreamOrder& order, co
     DispatchArgs d = call.dispatch;
     d.advance_seq = call.bump;  // a fresh dispatch's notify advanced it already
     d.after_notify = call.notify;
-    d.chunk_relative = !call.bump;  // a fresh dispatch's payload, right behind notify or after the host's wait
     launch_dispatch(d, call.num_blocks, c.layout, c.peers, c.wait_ctx(), order.comm);
   }
   if (call.dispatch.out_rows >= 0) r.num_recv = int(call.dispatch.out_rows);

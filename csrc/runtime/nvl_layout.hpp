@@ -39,8 +39,7 @@ DC_HD int notify_blocks(int num_tokens) { return num_tokens <= 0 ? 1 : (num_toke
 // The notify kernel's accumulators (csrc/kernels/notify.cu): blocks add their counts here, the last block to
 // finish (ticket) reads and clears them. Offsets relative to NvlLayout::notify_work:
 //   ticket int32 | invalid int32 | dispatch ticket int32 | pad to 16 | expert_acc int32 [R * L] |
-//   block_count int32 [blocks][R]: each notify block's tokens to each rank, which the last block replaces by their
-//                                  exclusive prefix, the base of the block's send positions (read by the payload)
+//   block_count int32 [blocks][R]
 // (the dispatch kernel's ticket finds its last block, which copies src_idx for the handle)
 struct NotifyWork {
   static constexpr int64_t kDispatchTicket = 8;
