@@ -117,12 +117,14 @@ void register_nvlink(py::module_& m) {
       })
       // A call this rank rejected: take part in its first exchange with `fingerprint` (REJECTED set), in the
       // stream order of dispatch_call's flags (kCallWaitCaller), and move nothing (kernels/agree_reject.cu).
+      // `compare`: also compare every peer's words with ours (a difference goes to the error record).
       .def("agree_reject", [](const NvlContext& c, const Words& fingerprint, int flags, uintptr_t caller,
-                              uintptr_t comm, uintptr_t previous, uintptr_t start) {
+                              uintptr_t comm, uintptr_t previous, uintptr_t start, bool compare) {
         const StreamOrder order = stream_order(caller, comm, previous, start, 0, flags);
         order.begin();
-        launch_agree_reject(fingerprint_of(fingerprint), c.layout, c.peers, c.wait_ctx(), order.comm);
-      })
+        launch_agree_reject(fingerprint_of(fingerprint), c.layout, c.peers, c.wait_ctx(), order.comm, compare);
+      }, py::arg("fingerprint"), py::arg("flags"), py::arg("caller"), py::arg("comm"), py::arg("previous"),
+         py::arg("start"), py::arg("compare") = false)
       // get_dispatch_layout: local, on `stream`; bad expert ids go into this rank's error record (kernels/layout.cu)
       .def("dispatch_layout", [](const NvlContext& c, uintptr_t topk_idx, int T, int K, int E, uintptr_t per_rank,
                                  uintptr_t per_expert, uintptr_t in_rank, uintptr_t stream) {

@@ -13,13 +13,20 @@ namespace dc {
 namespace {
 
 // Normal mode: the call's first kernel, it advances the sequence number (call_entry.cuh), then our words go into
-// every peer's agree slot for us.
-__global__ void agree_reject_kernel(Fingerprint f, NvlLayout layout, Peers peers, WaitCtx ctx_in) {
-  auto* ticket = reinterpret_cast<uint32_t*>(peers.base[ctx_in.rank] + layout.notify_work + NotifyWork::kEntryTicket);
-  const uint64_t seq = enter_call(ctx_in, ticket).seq;
+// every peer's agree slot for us. `compare`: then also wait for every peer's words and compare them with ours, as
+// a call's first exchange does (a difference is recorded: agree_report), for a call that takes a normal-mode call
+// number without running one (the first low-latency call: deepcomm/cuda/mode_meet.py).
+__global__ void agree_reject_kernel(Fingerprint f, NvlLayout layout, Peers peers, WaitCtx ctx_in, bool compare) {
+  uint8_t* self = peers.base[ctx_in.rank];
+  auto* ticket = reinterpret_cast<uint32_t*>(self + layout.notify_work + NotifyWork::kEntryTicket);
+  const WaitCtx ctx = enter_call(ctx_in, ticket);
   const int d = threadIdx.x;
   if (d < layout.num_ranks)
-    agree_publish(peers.base[d] + layout.agree_at(seq) + int64_t(ctx_in.rank) * kAgreeSlotBytes, f, seq);
+    agree_publish(peers.base[d] + layout.agree_at(ctx.seq) + int64_t(ctx.rank) * kAgreeSlotBytes, f, ctx.seq);
+  if (compare && agree_on(f)) {
+    __syncthreads();
+    agree_block(self + layout.agree_at(ctx.seq), f, ctx.seq, layout.num_ranks, 0xffffffffu, ctx, kStageAgree, true);
+  }
 }
 
 // Low-latency mode: a send half of `kind` into `slot` that only publishes the words (tagged as that send's words
@@ -64,9 +71,9 @@ __global__ void ll_agree_reject_kernel(Fingerprint f, int kind, int slot, LlLayo
 }  // namespace
 
 void launch_agree_reject(const Fingerprint& words, const NvlLayout& layout, const Peers& peers, const WaitCtx& ctx,
-                         cudaStream_t stream) {
+                         cudaStream_t stream, bool compare) {
   DC_HOST_ASSERT(layout.num_ranks <= 32, "agree_reject: too many ranks");
-  agree_reject_kernel<<<1, 32, 0, stream>>>(words, layout, peers, ctx);
+  agree_reject_kernel<<<1, 32, 0, stream>>>(words, layout, peers, ctx, compare);
   DC_CUDA_CHECK(cudaGetLastError());
 }
 

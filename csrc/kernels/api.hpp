@@ -87,6 +87,9 @@ struct DispatchArgs {
   // launched right behind this call's notify kernel with programmatic dependent launch (runtime/pdl_launch.hpp):
   // its blocks are resident while notify ends, and start the moment it completes instead of a launch later
   bool after_notify = false;
+  // a fresh dispatch: send_pos is relative to its notify chunk (notify.cu); the kernel adds each chunk's base
+  // (NotifyWork::block_count) and stores the absolute position back, as the handle keeps it
+  bool chunk_relative = false;
 };
 void launch_dispatch(const DispatchArgs& args, int num_blocks, const NvlLayout& layout, const Peers& peers,
                      const WaitCtx& ctx, cudaStream_t stream);
@@ -157,9 +160,10 @@ void launch_ll_combine(const LlCombineArgs& args, int phases, int num_blocks, co
 
 // Call agreement of a call this rank rejected (agree_reject.cu): it takes part in the call's first exchange
 // with its words (REJECTED set) and moves nothing, so every peer stops that call naming it. Normal mode: advances
-// the sequence number like the call's first kernel and publishes the words into every peer's agree slot.
+// the sequence number like the call's first kernel and publishes the words into every peer's agree slot; with
+// `compare` it also waits for every peer's words and records a difference, as a call's first exchange would.
 void launch_agree_reject(const Fingerprint& words, const NvlLayout& layout, const Peers& peers, const WaitCtx& ctx,
-                         cudaStream_t stream);
+                         cudaStream_t stream, bool compare = false);
 // Low-latency mode: a send half of `kind` into `slot` that publishes only the words and advances the call numbers;
 // with `compare` it also waits for every live peer's words and records a difference, as a receive half would.
 // blocks: the block count of the peers' low-latency launches (a rejected dispatch of a buffer with put peers

@@ -95,7 +95,9 @@ class LowLatencyEngine:
         laying out their buffers differently."""
         key = (num_experts, max_tokens, hidden)
         if self.buffer is None or self.buffer.key != key:
-            self.joined += 1  # the host exchanges below are this call's first
+            self.joined += 1  # the exchanges below are this call's first
+            if self.buffer is None and self.meet is not None:  # where peers in normal-mode calls meet it
+                self.meet.first_low_latency_call(fingerprint, self.errors)
             if self.buffer is not None and fingerprint is not None:
                 self._agree_on_new_shape(fingerprint)
             self.close()
@@ -184,9 +186,11 @@ class LowLatencyEngine:
         slot), or the latest dispatch's where the handle is not a low-latency handle with a slot."""
         if self.buffer is None:
             try:
-                self._agree_on_host(fingerprint)
-            except ValueError:
-                pass  # it names this rank's rejection: the caller raises this rank's own error instead
+                # the peers making the buffer exchange words through the NVLink agree slots first, where that runs
+                if self.meet is None or not self.meet.first_low_latency_call(fingerprint, self.errors, rejected=True):
+                    self._agree_on_host(fingerprint)
+            except (RuntimeError, ValueError):
+                pass  # this rank's rejection, or a timeout (the next call says so): the caller raises its own error
             return
         try:
             self.errors.check(low_latency=True)

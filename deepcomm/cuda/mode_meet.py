@@ -12,10 +12,17 @@ call of that mode: a call that only takes part in the first exchange and moves n
 agree_reject.cu), so both modes' numbers are in step on every rank again. A rank learns that it owes a call when it
 reads its error record; so that it has read it before a call of the other mode, the first call after a switch of
 mode waits for this device's work to finish (not while a CUDA graph is captured, where no host wait can be made).
+
+Before a Buffer's first low-latency call there are no low-latency slots to meet in: that call makes the buffer in a
+host exchange that a peer in a normal-mode call never joins. So its words first go through the NVLink buffer's agree
+slots as a normal-mode call that moves nothing (first_low_latency_call): a peer in a normal-mode call meets them
+there, and every rank raises the difference. Every rank in the low-latency call takes one normal-mode call number
+there, as the peer's call does; no rank's low-latency numbers move, and the buffer made next starts them afresh, so
+the low-latency call the peer's record says it owes is void (link).
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 
@@ -30,13 +37,46 @@ class ModeMeet:
     """Shared by a CudaBackend's normal mode and its LowLatencyEngine. ``nvl``: the NvlBuffer (its context, its
     error record with ``owed``, and its own agree slots)."""
 
-    def __init__(self, nvl, device: torch.device):
+    def __init__(self, nvl, device: torch.device, normal_exchange: Optional[Callable[[tuple], None]] = None):
         self.nvl, self.device = nvl, device
         self.low_latency: Optional[bool] = None  # the mode of the last call (None before any)
+        # the backend's normal-mode call of some words that takes part in the first exchange, compares and moves
+        # nothing (agree_reject with compare), queued in normal mode's stream order (first_low_latency_call)
+        self.normal_exchange = normal_exchange
+
+    def first_low_latency_call(self, fingerprint, errors, rejected: bool = False) -> bool:
+        """Before the first low-latency call makes the buffer: ``fingerprint`` (that call's words) through the NVLink
+        buffer's agree slots as a normal-mode call, and a wait for it; the difference a peer in another call shows
+        there raises here (ValueError, the reference backend's text), as it does on that peer, unless the call is
+        one this rank ``rejected`` (the difference names this rank; its caller raises its own error). False where no
+        such call can run (no words, masked ranks, graph capture: no host wait): then nothing was exchanged, and the
+        host exchange that makes the buffer is the first."""
+        if self.normal_exchange is None or fingerprint is None or self.nvl.masked or is_capturing():
+            return False
+        # what earlier calls left in the record first (a timeout raises; an input error stays pending), so that the
+        # record read after the exchange holds the exchange's own difference or nothing
+        torch.cuda.synchronize(self.device)
+        errors.check(low_latency=True)
+        self.normal_exchange(tuple(fingerprint))
+        # the whole device: a synchronize of the raw stream the exchange ran on did not always wait for it (seen
+        # with the default stream under MPS), and the record was then read before the kernel wrote it
+        torch.cuda.synchronize(self.device)
+        owed = len(self.nvl.owed)
+        err = self.nvl.check_error(low_latency=True, defer_input=True)
+        del self.nvl.owed[owed:]  # this rank took its normal-mode number: it owes the peers none
+        if err is not None and not rejected:
+            earlier = errors.take_pending()
+            if earlier is not None:  # raised first; the difference at the next look
+                errors.pending = err
+                raise earlier
+            raise err
+        return True
 
     def link(self, ll) -> None:
         """A low-latency buffer (LlBuffer) was made: each mode's waits look at the other's slots from now on. A
-        buffer with peers reached by puts compares no words (ll_common.cuh): nothing to link."""
+        buffer with peers reached by puts compares no words (ll_common.cuh): nothing to link. Its low-latency call
+        numbers start afresh on every rank: a low-latency call owed from before is void."""
+        self.nvl.owed = [w for w in self.nvl.owed if not is_low_latency(w)]
         if ll.put_peers:
             self.unlink(ll)
             return

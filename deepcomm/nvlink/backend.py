@@ -211,7 +211,7 @@ class CudaBackend:
         # the parts it owns: the error state of its record, shared with the low-latency engine (ll_calls.py)
         self.errors = CallErrors(self.nvl)
         # a normal-mode call meeting a low-latency one on another rank (deepcomm/cuda/mode_meet.py)
-        self.meet = ModeMeet(self.nvl, device)
+        self.meet = ModeMeet(self.nvl, device, normal_exchange=self._exchange_words)
         self.ll = LowLatencyEngine(C, group, rank, world_size, device, self.nvl, self.errors,
                                    config.low_latency_memory, low_latency_blocks(C, device), meet=self.meet)
 
@@ -573,6 +573,13 @@ class CudaBackend:
         except (CommTimeoutError, RuntimeError):
             return
         self.nvl.ctx.agree_reject(tuple(fingerprint), flags, wait, run, prev, self._start_handle)
+
+    def _exchange_words(self, fingerprint: tuple) -> None:
+        """A normal-mode call that only exchanges ``fingerprint`` with every rank and compares (a difference goes to
+        the error record) and moves nothing: the first exchange of the first low-latency call (ModeMeet)."""
+        self._enter_normal()
+        wait, run, flags, prev, _ = self._order(None, False)
+        self.nvl.ctx.agree_reject(fingerprint, flags, wait, run, prev, self._start_handle, compare=True)
 
     def _enter_normal(self) -> None:
         """Before a normal-mode call: the normal-mode calls this rank owes after meeting a peer's low-latency call

@@ -4,7 +4,9 @@ num_max_dispatch_tokens_per_rank of a low-latency dispatch while the others keep
 call, and the others by their next look (here synchronize()), with the very text the reference backend raises; the
 Buffer's next agreeing round is bit-exact against the reference backend. A change made by every rank at once
 remakes the buffer and runs as on a fresh Buffer. A normal-mode call on some ranks met by a low-latency call on the
-others raises the reference text on every rank too, and the Buffer goes on with agreeing calls of both modes."""
+others raises the reference text on every rank too, and the Buffer goes on with agreeing calls of both modes; also
+when the low-latency call is a Buffer's first (the one that makes the low-latency buffer), or a first one a rank
+rejected."""
 from __future__ import annotations
 
 import pytest
@@ -84,21 +86,62 @@ def _mode_cases(rank, me, dev):
     ]
 
 
+def _meet_then_agree(sides, call, rank, what, gen, dev):
+    """``call`` raises the reference backend's text on every rank; then every kind of call on the same Buffers, twice,
+    bit-exact: both modes' call numbers are in step again."""
+    _expect_disagreement(sides, call, rank, what)
+    _agreeing_round(sides, Inputs(gen, dev), rank, what)
+    _agreeing_round(sides, Inputs(gen, dev), rank, f"{what}, a second round")
+
+
 def _mode_worker(rank, world):
     dev = rank_device(rank)
     torch.cuda.set_device(dev)
     sides = _buffers(dev)
-    me = world - 1
     gen = torch.Generator().manual_seed(4000 + rank)
     _agreeing_round(sides, Inputs(gen, dev), rank, "the start")
-    for what, call in _mode_cases(rank, me, dev):
-        _expect_disagreement(sides, call, rank, what)
-        # every kind of call on the same Buffer, bit-exact: both modes' call numbers are in step again
-        _agreeing_round(sides, Inputs(gen, dev), rank, what)
-        _agreeing_round(sides, Inputs(gen, dev), rank, f"{what}, a second round")
+    for what, call in _mode_cases(rank, world - 1, dev):
+        _meet_then_agree(sides, call, rank, what, gen, dev)
     for s in sides:
         s.buf.destroy()
 
 
 def test_a_normal_call_meeting_a_low_latency_call_raises_on_every_rank():
     run_on_gpus(_mode_worker, WORLD, timeout_s=scaled(600))
+
+
+def _first_call_cases(rank, me, dev):
+    """A normal-mode call on the other ranks met by a Buffer's first low-latency call on rank ``me`` (it makes the
+    low-latency buffer, ModeMeet.first_low_latency_call), or the other way round, or by a first low-latency call
+    that ``me`` rejected: (what, whether the ranks need a handle first, call(side)). Each runs on new Buffers."""
+    odd = rank == me
+    inp = Inputs(torch.Generator().manual_seed(61 + rank), dev)
+    ll = lambda s, x=inp.x: s.buf.low_latency_dispatch(x, inp.idx, M, E, use_fp8=False)  # noqa: E731
+    fresh = lambda s: s.buf.dispatch(inp.x, inp.idx, inp.w, num_experts=E)  # noqa: E731
+    return [
+        ("fresh dispatch vs the first low-latency dispatch", False, lambda s: ll(s) if odd else fresh(s)),
+        ("the first low-latency dispatch vs fresh dispatch", False, lambda s: fresh(s) if odd else ll(s)),
+        ("combine vs the first low-latency dispatch", True,
+         lambda s: ll(s) if odd else s.buf.combine(s.recv_x, s.handle, s.recv_w)),
+        ("fresh dispatch vs a rejected first low-latency dispatch", False,
+         lambda s: ll(s, inp.x.float()) if odd else fresh(s)),
+    ]
+
+
+def _first_call_worker(rank, world):
+    dev = rank_device(rank)
+    torch.cuda.set_device(dev)
+    gen = torch.Generator().manual_seed(5000 + rank)
+    for what, with_handle, call in _first_call_cases(rank, world - 1, dev):
+        sides = _buffers(dev)  # no low-latency buffer yet
+        if with_handle:
+            inp = Inputs(gen, dev)
+            for s in sides:
+                s.recv_x, _, s.recv_w, _, s.handle = s.buf.dispatch(inp.x, inp.idx, inp.w, num_experts=E)
+        _meet_then_agree(sides, call, rank, what, gen, dev)  # the agreeing rounds make the low-latency buffer
+        for s in sides:
+            s.buf.destroy()
+
+
+def test_a_normal_call_meeting_the_first_low_latency_call_raises_on_every_rank():
+    run_on_gpus(_first_call_worker, WORLD, timeout_s=scaled(600))

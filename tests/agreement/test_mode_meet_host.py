@@ -130,3 +130,130 @@ def test_a_normal_call_first_pays_the_normal_call_owed_in_stream_order(env):  # 
     assert b.nvl.owed == [LOW] and len(ctx.calls) == 1, "the dispatch itself still ran"
     b.dispatch(*_inputs()[:2], None, 8, None, 1)
     assert len(sent) == 1  # paid once
+
+
+class _FirstCallRecord:
+    """The NVLink buffer's record as first_low_latency_call reads it: ``err`` is what the look finds, and like
+    recorded_disagreement the look notes the normal-mode peer's words as owed."""
+
+    def __init__(self, err=None, masked=frozenset()):
+        self.err, self.masked, self.owed = err, masked, [LOW_COMBINE]
+        self.exchanged = False  # the kernel records the difference only once the words were exchanged
+
+    def check_error(self, low_latency=False, defer_input=False, leave_input=False):
+        if self.err is not None and self.exchanged and defer_input and not leave_input:
+            self.owed.append(NORMAL)
+            self.exchanged = False
+            return self.err
+        return None
+
+
+def _first_call(monkeypatch, nvl):
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append("device"))
+    sent = []
+    def exchange(words):
+        sent.append(words)
+        synced.append("exchange")
+        nvl.exchanged = True
+
+    meet = ModeMeet(nvl, torch.device("cpu"), normal_exchange=exchange)
+    return meet, sent, synced
+
+
+def test_the_first_low_latency_call_meets_a_normal_call_in_the_nvlink_slots(monkeypatch):
+    diff = ValueError("call order: ... (dispatch #4 on rank 0 vs low_latency_dispatch #4 on rank 1) ...")
+    nvl = _FirstCallRecord(err=diff)
+    meet, sent, synced = _first_call(monkeypatch, nvl)
+    with pytest.raises(ValueError) as got:
+        meet.first_low_latency_call(list(LOW), CallErrors(nvl))
+    # the device's earlier work waited for and its record read, then the words exchanged, waited for and read
+    assert got.value is diff and sent == [LOW] and synced == ["device", "exchange", "device"]
+    assert nvl.owed == [LOW_COMBINE], "this rank took its normal-mode number: it owes no normal-mode call"
+    nvl.err = None
+    assert meet.first_low_latency_call(LOW, CallErrors(nvl)) is True and len(sent) == 2
+
+
+def test_an_earlier_input_error_is_raised_first_and_the_difference_kept(monkeypatch):
+    diff = ValueError("call order: ...")
+    nvl = _FirstCallRecord(err=diff)
+    meet, _, _ = _first_call(monkeypatch, nvl)
+    errors = CallErrors(nvl)
+    earlier = ValueError("topk_idx: an earlier call ...")
+    errors.pending = earlier
+    with pytest.raises(ValueError) as got:
+        meet.first_low_latency_call(LOW, errors)
+    assert got.value is earlier and errors.pending is diff
+
+
+def test_a_rejected_first_call_leaves_the_difference_naming_it_and_an_earlier_error_as_they_are(monkeypatch):
+    nvl = _FirstCallRecord(err=ValueError("call: rank 1 rejected low_latency_dispatch call #4 ..."))
+    meet, sent, _ = _first_call(monkeypatch, nvl)
+    errors = CallErrors(nvl)
+    earlier = ValueError("topk_idx: an earlier call ...")
+    errors.pending = earlier
+    assert meet.first_low_latency_call(LOW, errors, rejected=True) is True
+    assert sent == [LOW] and errors.pending is earlier and nvl.owed == [LOW_COMBINE]
+
+
+def test_no_words_exchange_without_words_with_masked_ranks_or_without_a_backend_hook(monkeypatch):
+    meet, sent, _ = _first_call(monkeypatch, _FirstCallRecord(masked=frozenset({1})))
+    assert meet.first_low_latency_call(LOW, CallErrors(meet.nvl)) is False
+    meet, sent, _ = _first_call(monkeypatch, _FirstCallRecord())
+    assert meet.first_low_latency_call(None, CallErrors(meet.nvl)) is False
+    meet.normal_exchange = None
+    assert meet.first_low_latency_call(LOW, CallErrors(meet.nvl)) is False and sent == []
+
+
+def test_linking_a_new_low_latency_buffer_voids_the_low_latency_calls_owed(monkeypatch):
+    meet, nvl, _ = _meet(monkeypatch, [LOW, NORMAL, LOW_COMBINE])
+    meet.link(types.SimpleNamespace(put_peers=[0], ctx=types.SimpleNamespace(set_cross_slots=lambda *a: None)))
+    assert nvl.owed == [NORMAL]
+
+
+class _Exchanges:
+    """A LowLatencyEngine's two first exchanges, recorded: the NVLink one (ModeMeet.first_low_latency_call,
+    ``ran``: whether it could run) and the host one."""
+
+    def __init__(self, ran):
+        self.ran, self.seen = ran, []
+
+    def first_low_latency_call(self, words, errors, rejected=False):
+        self.seen.append(("nvlink", words, rejected))
+        return self.ran
+
+
+@pytest.mark.parametrize("ran", [True, False])
+def test_a_rejected_first_low_latency_call_joins_the_exchange_its_peers_make(ran):
+    record = types.SimpleNamespace(check_error=lambda **kw: None, masked=frozenset(), timeout_ns=10**9)
+    meet = _Exchanges(ran)
+    b = LowLatencyEngine(None, None, 0, 2, torch.device("cpu"), record, CallErrors(record), "ipc", 4, meet=meet)
+    b._agree_on_host = lambda words: meet.seen.append(("host", words))
+    b.reject(LOW)
+    assert meet.seen == ([("nvlink", LOW, True)] if ran else [("nvlink", LOW, True), ("host", LOW)])
+
+
+def test_the_first_low_latency_call_exchanges_through_the_nvlink_slots_before_the_host(monkeypatch):
+    record = types.SimpleNamespace(check_error=lambda **kw: None, masked=frozenset(), timeout_ns=10**9)
+    meet = _Exchanges(True)
+    b = LowLatencyEngine(None, None, 0, 2, torch.device("cpu"), record, CallErrors(record), "ipc", 4, meet=meet)
+
+    def host(words):
+        meet.seen.append(("host", words))
+        raise ValueError("stop before the buffer is made")
+
+    b._agree_on_host = host
+    with pytest.raises(ValueError, match="stop before"):
+        b._buffer_for(8, 16, 256, LOW)
+    assert meet.seen == [("nvlink", LOW, False), ("host", LOW)] and b.joined == 1
+
+
+def test_the_nvlink_exchange_is_a_normal_call_that_compares_after_the_calls_owed(env):  # noqa: F811
+    b, ctx = env.b, env.ctx
+    sent = []
+    ctx.agree_reject = lambda words, flags, wait, run, prev, start, compare=False: sent.append(
+        (words, flags, wait, run, prev, compare))
+    b.nvl.owed = [NORMAL, LOW]
+    b.meet.normal_exchange(LOW)
+    assert sent == [(NORMAL, 0, CALLER, CALLER, 0, False), (LOW, 0, CALLER, CALLER, 0, True)]
+    assert b.nvl.owed == [LOW] and ctx.calls == []

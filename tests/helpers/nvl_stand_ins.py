@@ -128,7 +128,7 @@ def cpu_backend(setattr_):
     b._releases_seen, b._bounce_pending, b._tag, b._joined = 0, False, 0, 0
     b.ll = types.SimpleNamespace(joined=0)  # no low-latency engine: its count of joined calls only
     b.errors = CallErrors(b.nvl)
-    b.meet = ModeMeet(b.nvl, b.device)
+    b.meet = ModeMeet(b.nvl, b.device, normal_exchange=b._exchange_words)
     b._capacity_rows, b.last_wait_us, b.bounced_calls = 256, 0.0, 0
     b._types, b._arena_at = B._OutputTypes(b.arena), b.nvl.layout["arena"]
     b._work_cache = {}
