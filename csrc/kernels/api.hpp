@@ -87,9 +87,6 @@ struct DispatchArgs {
   // launched right behind this call's notify kernel with programmatic dependent launch (runtime/pdl_launch.hpp):
   // its blocks are resident while notify ends, and start the moment it completes instead of a launch later
   bool after_notify = false;
-  // a fresh dispatch: send_pos is relative to its notify chunk (notify.cu); the kernel adds each chunk's base
-  // (NotifyWork::block_count) and stores the absolute position back, as the handle keeps it
-  bool chunk_relative = false;
 };
 void launch_dispatch(const DispatchArgs& args, int num_blocks, const NvlLayout& layout, const Peers& peers,
                      const WaitCtx& ctx, cudaStream_t stream);
