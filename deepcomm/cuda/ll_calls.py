@@ -157,7 +157,9 @@ class LowLatencyEngine:
         else:
             kind, slot = 1, (ll.calls - 1) & 1
         ll.ctx.agree_reject(tuple(fingerprint), kind, slot, stream.cuda_stream, compare=True)
-        stream.synchronize()
+        # the whole device, as ModeMeet.first_low_latency_call does: a synchronize of the default stream under MPS
+        # was seen to return before such an exchange had written the record
+        torch.cuda.synchronize(self.device)
         err = self.record.check_error(low_latency=True, defer_input=True)
         if err is not None:
             # the other ranks raise an earlier call's error in this call and the difference at their next one

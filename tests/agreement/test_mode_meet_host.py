@@ -152,6 +152,7 @@ def _first_call(monkeypatch, nvl):
     synced = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append("device"))
     sent = []
+
     def exchange(words):
         sent.append(words)
         synced.append("exchange")
