@@ -103,6 +103,37 @@ def _cases(buf, idx, w, x, fp8, h, y):
 
     fresh_crossing_wait.waits = waits  # the worker reports their median beside the call's time
 
+    # each layer alone: the Buffer over a backend that returns a real call's outputs at once, and the backend over a
+    # crossing that returns a real crossing's result at once (the subtractions of the whole calls)
+    fresh_out = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=256)
+    fresh_res = real.dispatch_into(*fresh_crossing_args(fresh_args, be))
+
+    class _Replay:
+        def dispatch_into(self, *args):
+            return fresh_res
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    def buffer_layer():
+        backend_dispatch = be.dispatch
+        be.dispatch = lambda *a, **k: fresh_out
+        try:
+            buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=256)
+        finally:
+            be.dispatch = backend_dispatch
+
+    def backend_python():
+        be.nvl.ctx = _Replay()
+        try:
+            be.dispatch(x, idx, w, 256, None, 1, fingerprint=fwords)
+        finally:
+            be.nvl.ctx = real
+
+    from deepcomm._ext import load_selftest
+    S = load_selftest()
+    ints = tuple(range(35))
+
     no_wait = list(fresh_args)
     no_wait[FLAGS] = (no_wait[FLAGS] & ~WAIT) | REPORT_INVALID  # as a num_worst_tokens dispatch launches
     no_wait[TAG], no_wait[OUT_ROWS], no_wait[ALIGN] = 0, no_wait[2], 1
@@ -124,6 +155,10 @@ def _cases(buf, idx, w, x, fp8, h, y):
         # the fresh dispatch's pieces
         "fresh crossing (launches, wait, views)": fresh_crossing_wait,
         "fresh crossing, no wait (launches, views)": lambda: real.dispatch_into(*no_wait),
+        "fresh dispatch, Buffer layer alone (backend replayed)": buffer_layer,
+        "fresh dispatch, backend Python alone (crossing replayed)": backend_python,
+        "pybind no-op, 35 int arguments": lambda: S.noop_35_ints(*ints),
+        "pybind no-op, GIL released and taken back": S.noop_gil_release,
         "routing_accepted": lambda: v.routing_accepted(idx, w, idx.shape[0], 256, 1, dev),
         "fresh _work_layout (cached)": fresh_work,
         "torch.empty fresh workspace": lambda: torch.empty(fresh_work()[7], dtype=torch.int32, device=dev),
@@ -154,13 +189,25 @@ def _cases(buf, idx, w, x, fp8, h, y):
     }
 
 
+def fresh_crossing_args(args, be):
+    """A replayed fresh crossing's arguments with a new tag, so that it waits for its own counts."""
+    be._tag += 1
+    args = list(args)
+    args[20] = be._tag
+    return args
+
+
 def worker(rank, world, tokens, json_path):
+    from deepcomm._ext import load_selftest
     buf, idx, w, x, fp8, h, y = setup_calls(rank, tokens, 7168, 24)
     out = {}
     for name, fn in _cases(buf, idx, w, x, fp8, h, y).items():
         out[name] = _median_us(fn)
         if hasattr(fn, "waits"):
             out[f"{name}: of which waiting"] = round(statistics.median(fn.waits), 2)
+    # what one launch and one stream-order call cost the host here (csrc/selftest/launch_probe.hpp)
+    probe = load_selftest().launch_probe(200, torch.cuda.current_stream().cuda_stream)
+    out.update({f"probe: {name}": round(ns / 1000, 2) for name, ns in probe.items()})
     buf.destroy()
     for name, us in out.items():
         print(f"{name:36s} {us:8.2f} us")

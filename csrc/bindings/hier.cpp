@@ -3,8 +3,12 @@
 // (hier_launch.hpp: HierLaunch, HierDispatchLaunch, HierCombineLaunch, every field a keyword, checked when built).
 #include <pybind11/stl.h>
 
+#include <optional>
+
 #include "../kernels/hier_kernels.hpp"
+#include "../kernels/hier_route.hpp"
 #include "../transport/device_qp_layout.hpp"
+#include "args.hpp"
 #include "hier_launch.hpp"
 #include "registry.hpp"
 #include "typed_args.hpp"
@@ -74,6 +78,19 @@ void dc::bindings::register_hier(py::module_& m) {
     launch_hier_dispatch(l.args(), keys, l.common.wait_ctx(), reinterpret_cast<cudaStream_t>(stream));
   }, py::arg("launch"), py::arg("keys"), py::arg("stream"),
      "Launch one hierarchical internode dispatch (csrc/kernels/hier_kernels.hpp).");
+
+  m.def("hier_route", [](uintptr_t topk_idx, int64_t num_tokens, int topk, int64_t num_experts, int ranks, int gpus,
+                         std::optional<dc::bindings::Words> words, uintptr_t work, uintptr_t stream) {
+    HierRouteArgs a{};
+    a.topk_idx = reinterpret_cast<const int64_t*>(topk_idx);
+    a.num_tokens = num_tokens; a.topk = topk; a.num_experts = num_experts; a.ranks = ranks; a.gpus = gpus;
+    a.with_words = words.has_value();
+    if (words) a.words = dc::bindings::fingerprint_of(*words);
+    a.work = reinterpret_cast<int32_t*>(work);
+    launch_hier_route(a, reinterpret_cast<cudaStream_t>(stream));
+  }, py::arg("topk_idx"), py::arg("num_tokens"), py::arg("topk"), py::arg("num_experts"), py::arg("ranks"),
+     py::arg("gpus"), py::arg("words"), py::arg("work"), py::arg("stream"),
+     "Queue a fresh internode dispatch's route and count row into `work` (csrc/kernels/hier_route.hpp).");
 
   m.def("hier_combine", [](const HierCombineLaunch& l, const KeyTable& keys, uintptr_t stream) {
     launch_hier_combine(l.args(), keys, l.common.wait_ctx(), reinterpret_cast<cudaStream_t>(stream));

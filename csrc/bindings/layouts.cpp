@@ -7,6 +7,7 @@
 
 #include "../kernels/api.hpp"
 #include "../kernels/node_barrier.hpp"
+#include "../runtime/hier_route_layout.hpp"
 #include "../runtime/hier_rows.hpp"
 #include "../runtime/internode_layout.hpp"
 #include "../runtime/internode_limits.hpp"
@@ -65,6 +66,23 @@ void register_layouts(py::module_& m) {
     d["node_row"] = r.node_row; d["rail_row"] = r.rail_row; d["slot"] = r.slot;
     return d;
   }, py::arg("max_tokens"), py::arg("hidden"));
+  // a fresh internode dispatch's route workspace and count row (runtime/hier_route_layout.hpp; int32 offsets)
+  m.def("hier_route_work", [](int64_t tokens, int ranks, int gpus, int64_t num_experts, bool with_words) {
+    if (tokens < 0) throw py::value_error("tokens: expected >= 0, got " + std::to_string(tokens));
+    if (ranks < 1 || gpus < 1 || ranks % gpus)
+      throw py::value_error("ranks, gpus: expected ranks a positive multiple of gpus, got " + std::to_string(ranks) +
+                            ", " + std::to_string(gpus));
+    if (num_experts < ranks || num_experts % ranks)
+      throw py::value_error("num_experts: expected a positive multiple of ranks, got " + std::to_string(num_experts));
+    const HierRouteWork w(tokens, ranks, gpus, num_experts, with_words);
+    const HierCountRow& r = w.count_row;
+    py::dict d;
+    d["send_pos"] = w.send_pos; d["rdma_slot"] = w.rdma_slot; d["masks"] = w.masks; d["row"] = w.row;
+    d["in_rank"] = w.in_rank; d["total"] = w.total;
+    d["row_words"] = r.words; d["row_ranks"] = r.ranks; d["row_nodes"] = r.nodes; d["row_experts"] = r.experts;
+    d["row_bad"] = r.bad; d["row_width"] = r.width;
+    return d;
+  }, py::arg("tokens"), py::arg("ranks"), py::arg("gpus"), py::arg("num_experts"), py::arg("with_words"));
   // the rows of the hierarchical kernels (runtime/hier_rows.hpp)
   m.def("hier_dispatch_row", [](int64_t x_bytes, int64_t scale_bytes, int64_t topk, bool with_idx, bool with_weights,
                                 int gpus) {

@@ -15,6 +15,7 @@
 #include "../runtime/hier_rows.hpp"
 #include "../transport/device_qp_checked.hpp"
 #include "copy_probe.hpp"
+#include "launch_probe.hpp"
 #include "internode_host_selftest.hpp"
 #include "ptx_selftest.hpp"
 #include "qp_selftest.hpp"
@@ -253,6 +254,22 @@ void register_copy_probe(py::module_& m) {
      py::arg("producers") = 1, py::arg("slots") = 4, py::arg("chunk") = 0, py::arg("lane0_waits") = false);
 }
 
+// ---- launch probes (dev/profile_host_parts.py) ----
+void register_launch_probe(py::module_& m) {
+  m.def("launch_probe", [](int batches, uintptr_t stream) {
+    return launch_probe(batches, reinterpret_cast<cudaStream_t>(stream));
+  }, py::arg("batches"), py::arg("stream"), "Median host ns per launch and stream-order operation.");
+  // the host cost of a crossing's argument conversion alone: as many int arguments as NvlContext.dispatch_into
+  m.def("noop_35_ints", [](int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                           int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                           int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                           int64_t, int64_t, int64_t, int64_t, int64_t) { return 0; });
+  m.def("noop_gil_release", [] {  // what a crossing's GIL release and re-acquire cost
+    py::gil_scoped_release release;
+    return 0;
+  });
+}
+
 PYBIND11_MODULE(_selftest, m) {
   m.doc() = "deepcomm self-tests (test-only; raw pointers and streams; no libtorch)";
   py::module_::import("deepcomm._C");  // registers KeyTable, which qp_traffic takes
@@ -261,4 +278,5 @@ PYBIND11_MODULE(_selftest, m) {
   register_internode(m);
   register_hier_rows(m);
   register_copy_probe(m);
+  register_launch_probe(m);
 }

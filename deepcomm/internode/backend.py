@@ -22,6 +22,7 @@ NVSHMEM puts to the peers NVLink cannot map.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -49,9 +50,10 @@ class InternodeBackend:
     hierarchical (this file), low-latency mode over the whole group (internode_ll.py)."""
 
     name = "cuda"
-    # BF16 x in normal mode; expert ids checked by Buffer (normal mode) and by the low-latency kernels. Call
-    # agreement (fingerprints, hier_agree.py) at any number of GPUs per node: with several, the NVLink hop of the
-    # kernels and of the torch routing carries every rank's words too
+    # BF16 x in normal mode; expert ids checked by Buffer in normal mode (on the kernels by their route kernel
+    # instead: __init__) and by the low-latency kernels. Call agreement (fingerprints, hier_agree.py) at any number
+    # of GPUs per node: with several, the NVLink hop of the kernels and of the torch routing carries every rank's
+    # words too
     capabilities = Capabilities(x_dtypes=(torch.bfloat16,), takes_fingerprints=True,
                                 checks_expert_ids_on_device=False,
                                 checks_low_latency_ids_on_device=LowLatencyEngine.checks_ids_on_device,
@@ -143,6 +145,9 @@ class InternodeBackend:
         self.kernels = None
         if use_kernels and (transport_cls is NicTransport or device_puts is not None):
             self.kernels = HierKernels(self.comm, config.num_sms, device_puts=device_puts)
+            # a fresh dispatch's ids are range-checked by its route kernel and refused after the count round, on
+            # every rank (hier_kernels.fresh_counts): the Buffer's check and its host sync are not needed
+            self.capabilities = dataclasses.replace(self.capabilities, checks_expert_ids_on_device=True)
 
     def get_dispatch_layout(self, topk_idx, num_experts):
         from .. import layout

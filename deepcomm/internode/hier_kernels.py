@@ -32,11 +32,11 @@ from ..gpu_share import usable_sms
 from ..handle import Handle
 from ..dispatch_rows import dispatch_outputs, part_row_bytes
 from .. import agreement
-from . import hier_agree
+from . import hier_agree, hier_route
 from ..cuda.align import round_up
 from .deferred_agree import DeferredAgreement, write_headers
 from .hier_comm import HierComm
-from .hier_normal import combine_area_rows, count_row, node_masks
+from .hier_normal import combine_area_rows, node_masks
 from .host_tables import device_table
 from .internode_layout import dispatch_row, held_row
 from .internode_rows import RAIL_HEADER_BYTES
@@ -287,7 +287,8 @@ def _rdma_slots(in_node: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------------------------- launch plans
 def dispatch_plan(comm: HierComm, counts: List[List[int]], ncounts: List[List[int]], in_rank: torch.Tensor,
-                  stride: int, tables: Optional[dict] = None, send_pos: Optional[torch.Tensor] = None) -> dict:
+                  stride: int, tables: Optional[dict] = None, send_pos: Optional[torch.Tensor] = None,
+                  route: Optional[hier_route.RouteTables] = None) -> dict:
     """The routing fields of one dispatch launch (hier_kernels.hpp HierDispatchArgs), from the count matrix
     ``counts`` [R][R], the node counts ``ncounts`` [R][N] (``counts`` itself with one GPU per node) and our
     ``in_rank`` bool [T, R]: ``rows_to`` / ``rows_from`` [N], ``first_row`` [N][G], ``max_rows``, ``rdma_slot``
@@ -295,7 +296,8 @@ def dispatch_plan(comm: HierComm, counts: List[List[int]], ncounts: List[List[in
     ``in_rank``'s device; no launch. ``tables``: a fresh dispatch's NodeRoute.tables, whose ``rdma_slot``,
     ``masks`` and ``first_row`` table a cached dispatch of its route takes as they are (``first_row`` is then
     None). ``send_pos``: the route's send positions, which with one GPU per node are the rdma slots themselves
-    (each node is one rank)."""
+    (each node is one rank). ``route``: a fresh dispatch's route tables (hier_route.py), whose rdma slots and
+    node masks are taken as they are."""
     rank, N, G = comm.rank, comm.num_nodes, comm.gpus
     T = in_rank.shape[0]
     node = comm.node_ranks()
@@ -307,6 +309,8 @@ def dispatch_plan(comm: HierComm, counts: List[List[int]], ncounts: List[List[in
     # node GPU d's rows from rail source (m, local) start after every lower source rank's rows for d
     below = [list(itertools.accumulate((counts[q][d] for q in range(comm.world_size)), initial=0)) for d in node]
     first_row = [[below[g][comm.rank_of(m, comm.local)] for g in range(G)] for m in range(N)]
+    if route is not None:
+        return dict(plan, first_row=first_row, rdma_slot=route.rdma_slot, masks=route.masks)
     if G == 1 and send_pos is not None:
         return dict(plan, first_row=first_row, rdma_slot=send_pos, masks=None)
     return dict(plan, first_row=first_row, rdma_slot=_rdma_slots(in_rank.view(T, N, G).any(dim=2)),
@@ -362,14 +366,17 @@ def combine_plan(comm: HierComm, counts: List[List[int]], is_token_in_rank: torc
 # ---------------------------------------------------------------------------------------------------------- dispatch
 def fresh_counts(k: HierKernels, topk_idx: torch.Tensor, num_experts: int, T: int, expert_alignment: int,
                  fingerprint=None):
-    """The count round of a fresh dispatch and its one host wait: ``(in_rank, send_pos, count_matrix, node_counts,
-    counts, ncounts, per_expert)``, the tensors on the device and ``counts`` [R][R], ``ncounts`` [R][N] (``counts``
-    with one GPU per node) and our rows per local expert (aligned) on the host. ``fingerprint``: the call's words,
-    in front of the counts, compared after the wait (ValueError on every rank, nothing launched)."""
+    """The route and count round of a fresh dispatch and its one host wait: ``(route, count_matrix, node_counts,
+    counts, ncounts, per_expert)``: the route's tables (hier_route.py) and the gathered matrices on the device,
+    ``counts`` [R][R], ``ncounts`` [R][N] (``counts`` with one GPU per node) and our rows per local expert
+    (aligned) on the host. ``fingerprint``: the call's words, in front of the counts, compared after the wait;
+    expert ids outside [-1, E) on any rank (counted by the route kernel) are refused next; either way a ValueError
+    on every rank, nothing launched."""
     comm = k.comm
     rank, R, N, G = comm.rank, comm.world_size, comm.num_nodes, comm.gpus
-    in_rank, send_pos, _, row = count_row(comm, topk_idx, num_experts, T, fingerprint, expert_counts=True)
-    gathered = comm.all_gather(row, "dispatch:counts", wait=False, words=fingerprint is not None)  # no sync yet
+    kernels = k.tr.T if comm.device.type == "cuda" else None  # a CPU device (the tests' stand-ins): torch
+    tables = hier_route.route(kernels, topk_idx, num_experts, R, G, fingerprint)
+    gathered = comm.all_gather(tables.row, "dispatch:counts", wait=False, words=fingerprint is not None)  # no sync
     width = gathered.shape[1]
     if comm.device.type == "cuda":  # the call's one host wait: the counts, through mapped memory
         flat = k.counts.fetch(gathered, k.tr.timeout_s * 1.5 + 1.0, [k.tr, k.link], rank, "dispatch:counts (host)")
@@ -379,17 +386,31 @@ def fresh_counts(k: HierKernels, topk_idx: torch.Tensor, num_experts: int, T: in
     k.link.check_error()
     k.agreement.collect(wait=True)  # every earlier launch has finished: compare its words (raised by end_call)
     rows = [flat[s * width:(s + 1) * width] for s in range(R)]
-    W = agreement.WORDS if fingerprint is not None else 0
+    p = tables.parts
+    W, at_n, at_e, at_b = p["row_ranks"], p["row_nodes"], p["row_experts"], p["row_bad"]
     if fingerprint is not None:
         hier_agree.check([r[:W] for r in rows], fingerprint)
-    at_n, at_e = W + R, W + R + (N if G > 1 else 0)
+    refuse_bad_ids([r[at_b] for r in rows], rank, num_experts)
     counts = [r[W:at_n] for r in rows]
     ncounts = [r[at_n:at_e] for r in rows] if G > 1 else counts
     L = num_experts // R  # the receiver's rows per local expert: every source's tokens naming it
     per_expert = [round_up(sum(r[at_e + rank * L + e] for r in rows), expert_alignment) for e in range(L)]
     count_matrix = gathered[:, W:at_n].contiguous()
     node_counts = gathered[:, at_n:at_e].contiguous() if G > 1 else count_matrix
-    return in_rank, send_pos, count_matrix, node_counts, counts, ncounts, per_expert
+    return tables, count_matrix, node_counts, counts, ncounts, per_expert
+
+
+def refuse_bad_ids(bad: List[int], rank: int, num_experts: int) -> None:
+    """Every rank's count of expert ids outside [-1, E), from the count round: a ValueError on every rank if any
+    rank had one (this rank's count named where it had them), before anything is dispatched."""
+    if not any(bad):
+        return
+    if bad[rank]:
+        raise ValueError(f"topk_idx: {bad[rank]} expert ids outside [-1, {num_experts}) (num_experts={num_experts}); "
+                         "nothing was dispatched")
+    ranks = [s for s, n in enumerate(bad) if n]
+    raise ValueError(f"topk_idx: rank {ranks[0]} passed expert ids outside [-1, {num_experts}); nothing was "
+                     "dispatched")
 
 
 def _kernel_rows(t: torch.Tensor) -> torch.Tensor:
@@ -427,10 +448,11 @@ def dispatch(k: HierKernels, x, topk_idx: Optional[torch.Tensor], topk_weights: 
     dev = rows[0].device
     stream = k.begin_call()
 
-    per_expert = None
+    per_expert = fresh = None
     if handle is None:
-        in_rank, send_pos, count_matrix, node_counts, counts, ncounts, per_expert = fresh_counts(
+        fresh, count_matrix, node_counts, counts, ncounts, per_expert = fresh_counts(
             k, topk_idx, num_experts, T, expert_alignment, fingerprint)
+        in_rank, send_pos = fresh.in_rank, fresh.send_pos
     else:
         in_rank, send_pos, count_matrix = handle.is_token_in_rank, handle.send_pos, handle.count_matrix
         node_counts = handle.node_count_matrix
@@ -451,7 +473,8 @@ def dispatch(k: HierKernels, x, topk_idx: Optional[torch.Tensor], topk_weights: 
 
     reuse = handle is not None  # a cached dispatch: its route's tables as the fresh dispatch made them
     tables = handle.node_route.tables if reuse else {}
-    plan = dispatch_plan(comm, counts, ncounts, in_rank, stride, tables if reuse else None, send_pos=send_pos)
+    plan = dispatch_plan(comm, counts, ncounts, in_rank, stride, tables if reuse else None, send_pos=send_pos,
+                         route=fresh)
     rows_to, rows_from, max_rows, masks = plan["rows_to"], plan["rows_from"], plan["max_rows"], plan["masks"]
     k.check_fits(counts, ncounts, stride, stride, tables=tables)
     n_recv = sum(counts[s][rank] for s in range(R))

@@ -95,7 +95,7 @@ def test_agreeing_count_round_keeps_the_counts(monkeypatch):
         k = recording_kernels(world, rank, [], M, H)
         x, idx, w = _inputs(rank)
         words = agreement.dispatch(1, BUF, x, idx, w, E, None)
-        _, _, count_matrix, _, counts, _, _ = hier_kernels.fresh_counts(k, idx, E, x.shape[0], 1, words)
+        _, count_matrix, _, counts, _, _ = hier_kernels.fresh_counts(k, idx, E, x.shape[0], 1, words)
         from deepcomm import layout
         mine = layout.token_in_rank(idx, E, R).sum(dim=0).tolist()
         return counts, mine

@@ -61,8 +61,9 @@ def check_cases(rank, world, gpn, buf, ref, totals, expected, label):
     # a combine on the kernels with several GPUs per node carries the words of every GPU of our node in its header
     # (their strip on the receiving node: hier_kernels.hpp, words_at)
     combine_head = HEADER * G if agrees and kernel_head and G > 1 else first_head
-    # the kernels' count round also carries our tokens per expert (E int32): the receivers' rows per expert
-    count_experts = 4 * E if buf._backend.kernels is not None else 0
+    # the kernels' count round also carries our tokens per expert (E int32: the receivers' rows per expert) and
+    # our count of expert ids outside [-1, E) (int32; csrc/runtime/hier_route_layout.hpp)
+    count_experts = 4 * E + 4 if buf._backend.kernels is not None else 0
     node, local = divmod(rank, G)
     peers = [m * G + local for m in range(N) if m != node]  # RDMA only to our local index on the other nodes
     mask = 4 if G > 1 else 0  # with several GPUs per node a payload row carries the node's GPU mask (int32)
@@ -83,7 +84,7 @@ def check_cases(rank, world, gpn, buf, ref, totals, expected, label):
             _same(out_n[i], out_r[i], f"{what}: {name}")
         _same_handle(out_n[4], out_r[4], what)
         # Exactly the counts round (our row of R int32, with G > 1 our N node counts, on the kernels our E expert
-        # counts, padded to 16 bytes) and
+        # counts and bad-id count, padded to 16 bytes) and
         # the payload round (one row per token that has an expert on the peer's node: x [+ scales] + int64 ids +
         # int32 source index + fp32 weights [+ node mask], padded to 16 bytes) travelled to each rail peer.
         in_rank = layout.token_in_rank(idx.cpu(), E, world)
@@ -142,3 +143,33 @@ def check_cases(rank, world, gpn, buf, ref, totals, expected, label):
                 want = expected([combine_head + combine_bytes(peer, H + H // 128 * 4, 0)])
                 assert got == want, f"{what}: fp8 combine, {label} to {peer}: {got}, expected {want}"
 
+
+
+def check_bad_ids(rank, world, buf, ref):
+    """The last rank passes expert ids outside [-1, E) (one far past every table): on the kernels (ids checked by
+    the route kernel, no host sync) every rank raises after the count round, that rank naming how many, the others
+    naming it; then an agreeing dispatch and combine on the same Buffer are bit-exact against the reference."""
+    dev = buf.device
+    gen = torch.Generator().manual_seed(90 + rank)
+    T, H = 33, 2880
+    idx, w = _routing(gen, T, "random", dev)
+    x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(dev)
+    bad = world - 1
+    if rank == bad:
+        idx = idx.clone()
+        idx[3, 1], idx[7, 0] = E, 1 << 40
+    try:
+        buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
+    except ValueError as e:
+        got = str(e)
+    else:
+        raise AssertionError(f"rank {rank}: a dispatch with bad expert ids on rank {bad} returned")
+    want = f"topk_idx: 2 expert ids outside [-1, {E})" if rank == bad else f"topk_idx: rank {bad} passed expert ids"
+    assert got.startswith(want), f"rank {rank}: {got}"
+    idx, w = _routing(gen, T, "masked", dev)
+    out_r = ref.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
+    out_n = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
+    for i, name in enumerate(("recv_x", "recv_topk_idx", "recv_topk_weights", "per_expert")):
+        _same(out_n[i], out_r[i], f"rank {rank}, after bad ids: {name}")
+    y = torch.randn(out_n[4].num_recv, H, generator=gen).to(torch.bfloat16).to(dev)
+    _same(buf.combine(y, out_n[4]), ref.combine(y, out_r[4]), f"rank {rank}, after bad ids: combine")

@@ -62,7 +62,8 @@ def test_fresh_counts_are_queued_once_and_equal_the_reference(nodes, gpn, align)
             T = idx.shape[0]
             x = torch.randn(T, H).to(torch.bfloat16)
             words = agreement.dispatch(seed + 1, 1, x, idx, None, E, None) if gpn == 1 else None
-            in_rank, send_pos, cm, ncm, counts, ncounts, per_expert = fresh_counts(k, idx, E, T, align, words)
+            route, cm, ncm, counts, ncounts, per_expert = fresh_counts(k, idx, E, T, align, words)
+            in_rank, send_pos = route.in_rank, route.send_pos
             want = normal.dispatch(ref, x, idx, None, E, None, align)
             h = want[4]
             assert per_expert == list(want[3]), f"rank {rank}: rows per expert {per_expert} != {want[3]}"

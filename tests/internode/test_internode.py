@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.internode_cases import E, M, check_cases
+from tests.helpers.internode_cases import E, M, check_bad_ids, check_cases
 from tests.helpers.nccl_run import needs_ranks, rank_device, reference, run_on_gpus
 
 pytestmark = [pytest.mark.gpu, needs_ranks(2)]
@@ -48,6 +48,7 @@ def _internode_worker(rank, world, gpn):
         assert nic_rec["error"] == 0 and post["error_cqes"] == 0, s
         assert nic_rec["consumed"] == post["reserved"] == post["published"] == post["retired"], s
         assert nic_rec["cqes"] == post["cqes_seen"] == backend.nic_totals()[d]["wqes"], s
+    check_bad_ids(rank, world, nic, ref)
     nic.destroy()
     ref.destroy()
 

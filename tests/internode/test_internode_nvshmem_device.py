@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.internode_cases import E, M, check_cases
+from tests.helpers.internode_cases import E, M, check_bad_ids, check_cases
 from tests.helpers.nccl_run import has_nvshmem_wheel, needs_ranks, rank_device, reference, run_on_gpus
 
 
@@ -48,6 +48,7 @@ def _device_worker(rank, world, gpn):
     chunks = backend.kernels.device_puts.NVSHMEM_CHUNKS
     assert tr.signals_per_round == chunks and tr.peers == peers
     check_cases(rank, world, gpn, nv, ref, lambda: {p: {"rounds": tr.round} for p in peers}, _rounds, "rounds")
+    check_bad_ids(rank, world, nv, ref)  # before the counters are read: no peer is a round ahead then
 
     # Every round added exactly `chunks` to each rail peer's signal word (host rounds SET that value), every
     # credit is the round, and no other rank's word moved.

@@ -1,0 +1,52 @@
+// A fresh internode dispatch's route, as one kernel writes it (kernels/hier_route.hpp) into one int32 workspace:
+//   send_pos  int32 [T, R]  index of token t among the tokens we send to rank r, -1 if none
+//   rdma_slot int32 [T, N]  index of token t among the tokens we send to node m, -1 if none      (G > 1 only)
+//   masks     int32 [T, N]  bit g set when GPU g of node m holds an expert of token t            (G > 1 only)
+//   row       int32 [width] what the count round sends every rank (HierCountRow)
+//   in_rank   bool  [T, R]  token t has an expert on rank r, in whole int32 elements
+// With one GPU per node a node is a rank: the rdma slots are the send positions and the masks are not used.
+// deepcomm/internode/hier_route.py views the workspace through the extension's hier_route_work.
+#pragma once
+#include <cstdint>
+
+#include "agree_record.hpp"
+#include "host_device.hpp"
+#include "nvl_layout.hpp"
+
+namespace dc {
+
+// The count round's row of one rank (int32 offsets into the row):
+//   words   [kFingerprintWords]  the call's words                                    (with words only)
+//   ranks   [R]                  tokens we send to each rank
+//   nodes   [N]                  tokens we send to each node                          (G > 1 only)
+//   experts [E]                  tokens naming each expert (once per token)
+//   bad     [1]                  our expert ids outside [-1, E)
+// zeros up to a multiple of 4 values (the count round sends whole 16-byte rows).
+struct HierCountRow {
+  int64_t words, ranks, nodes, experts, bad, width;
+  DC_HD HierCountRow(int ranks_, int gpus, int64_t num_experts, bool with_words) {
+    words = 0;
+    ranks = with_words ? kFingerprintWords : 0;
+    nodes = ranks + ranks_;
+    experts = nodes + (gpus > 1 ? ranks_ / gpus : 0);
+    bad = experts + num_experts;
+    width = align_up(bad + 1, 4);
+  }
+};
+
+struct HierRouteWork {
+  int64_t send_pos, rdma_slot, masks, row, in_rank, total;
+  HierCountRow count_row;
+  DC_HD HierRouteWork(int64_t tokens, int ranks, int gpus, int64_t num_experts, bool with_words)
+      : count_row(ranks, gpus, num_experts, with_words) {
+    const int64_t nodes = gpus > 1 ? ranks / gpus : 0;
+    send_pos = 0;
+    rdma_slot = align_up(tokens * ranks, 4);
+    masks = rdma_slot + tokens * nodes;
+    row = align_up(masks + tokens * nodes, 4);  // 16-byte aligned: the count round sends it as it is
+    in_rank = row + count_row.width;
+    total = in_rank + (tokens * ranks + 3) / 4;
+  }
+};
+
+}  // namespace dc
