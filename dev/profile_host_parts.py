@@ -134,6 +134,17 @@ def _cases(buf, idx, w, x, fp8, h, y):
     S = load_selftest()
     ints = tuple(range(35))
 
+    def knob_pair():  # what switching the fused launch off and on costs (subtract it from the row below)
+        be.C.set_tuning("DEEPCOMM_DISPATCH_FUSED", 0)
+        be.C.set_tuning("DEEPCOMM_DISPATCH_FUSED", 1)
+
+    def fresh_two_launches():  # notify and payload as two launches (DEEPCOMM_DISPATCH_FUSED=0), for the A/B
+        be.C.set_tuning("DEEPCOMM_DISPATCH_FUSED", 0)
+        try:
+            buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=256)
+        finally:
+            be.C.set_tuning("DEEPCOMM_DISPATCH_FUSED", 1)
+
     no_wait = list(fresh_args)
     no_wait[FLAGS] = (no_wait[FLAGS] & ~WAIT) | REPORT_INVALID  # as a num_worst_tokens dispatch launches
     no_wait[TAG], no_wait[OUT_ROWS], no_wait[ALIGN] = 0, no_wait[2], 1
@@ -149,6 +160,8 @@ def _cases(buf, idx, w, x, fp8, h, y):
         "buf.dispatch cached bf16": lambda: buf.dispatch(x, handle=h),
         "be.dispatch cached bf16": lambda: be.dispatch(x, None, None, 256, h, 1, fingerprint=words),
         "buf.dispatch fresh bf16": lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=256),
+        "buf.dispatch fresh bf16, two launches (+ the knob pair)": fresh_two_launches,
+        "knob pair (set_tuning twice)": knob_pair,
         "buf.combine": lambda: buf.combine(y, h),
         "be.combine": lambda: be.combine(y, h, None, fingerprint=cwords),
         "be.dispatch fresh bf16": lambda: be.dispatch(x, idx, w, 256, None, 1, fingerprint=fwords),

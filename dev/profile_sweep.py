@@ -1,5 +1,6 @@
 """Every compiled tuning variant of the normal-mode kernels in one run, world size 1 (one GPU), 4096 tokens, at 8
-and 24 SMs: the dispatch kernel's GPU time for each DEEPCOMM_DISPATCH_UNROLL x DEEPCOMM_DISPATCH_PREFETCH variant
+and 24 SMs: the dispatch kernel's GPU time for each DEEPCOMM_DISPATCH_UNROLL x DEEPCOMM_DISPATCH_PREFETCH variant,
+fused with notify into one launch or not (DEEPCOMM_DISPATCH_FUSED)
 (BF16 and FP8, fresh and cached), the combine kernel's for each DEEPCOMM_COMBINE_CONFIG, each variant's outputs
 checked equal to the default variant's (which the tests prove bit-exact against the reference) on plain and ugly
 routing; then the notify kernel's phase stamps at 128 and 4096 tokens. The variants are switched in-process with
@@ -21,7 +22,8 @@ from dev.profile_kernels import _kernel_times  # noqa: E402
 from tests.helpers.nccl_run import run_on_gpus  # noqa: E402
 
 TOKENS, TRACE_TOKENS, SMS, E = 4096, (128, 4096), (8, 24), 256
-DISPATCH_VARIANTS = ((16, 1), (8, 0), (16, 0), (8, 1))  # (unroll, prefetch); the first is the default
+# (unroll, prefetch, fused: notify and payload in one launch); the first is the default
+DISPATCH_VARIANTS = ((16, 1, 1), (16, 1, 0), (8, 0, 1), (16, 0, 1), (8, 1, 1))
 COMBINE_CONFIGS = (0, 1, 2, 3, 4, 5, 6)  # 0 is the default; 6 the bulk reducers
 CALLS, TRACE_CALLS = 20, 30
 
@@ -184,7 +186,8 @@ def worker(rank, world, hidden, json_path):
     C = load_extension()
     dev = torch.device("cuda", rank)
     rows, traces, failures = [], [], []
-    knob_names = ("DEEPCOMM_DISPATCH_UNROLL", "DEEPCOMM_DISPATCH_PREFETCH", "DEEPCOMM_COMBINE_CONFIG")
+    knob_names = ("DEEPCOMM_DISPATCH_UNROLL", "DEEPCOMM_DISPATCH_PREFETCH", "DEEPCOMM_DISPATCH_FUSED",
+                  "DEEPCOMM_COMBINE_CONFIG")
     start = {k: C.get_tuning(k) for k in knob_names}
     for sms in SMS:
         buf, idx, w, x, fp8, h, y = setup_calls(rank, TOKENS, hidden, sms)
@@ -195,18 +198,20 @@ def worker(rank, world, hidden, json_path):
             "cached fp8": lambda: buf.dispatch(fp8, handle=h),
         }
         checks, reference = _dispatch_checks(buf, x, fp8, idx, w, TOKENS), {}
-        for unroll, prefetch in DISPATCH_VARIANTS:
-            knobs = {"DEEPCOMM_DISPATCH_UNROLL": unroll, "DEEPCOMM_DISPATCH_PREFETCH": prefetch}
-            label = f"dispatch unroll {unroll} prefetch {prefetch} sms {sms}"
+        for unroll, prefetch, fused in DISPATCH_VARIANTS:
+            knobs = {"DEEPCOMM_DISPATCH_UNROLL": unroll, "DEEPCOMM_DISPATCH_PREFETCH": prefetch,
+                     "DEEPCOMM_DISPATCH_FUSED": fused}
+            label = f"dispatch unroll {unroll} prefetch {prefetch} fused {fused} sms {sms}"
             ok = _check(C, knobs, checks, reference, failures, label)
             for case, fn in timed.items():
                 kernels, _ = _kernel_times(fn, CALLS)
-                rows.append({"kernel": "dispatch", "unroll": unroll, "prefetch": prefetch, "case": case,
-                             "tokens": TOKENS, "num_sms": sms,
+                rows.append({"kernel": "dispatch", "unroll": unroll, "prefetch": prefetch, "fused": fused,
+                             "case": case, "tokens": TOKENS, "num_sms": sms,
                              "dispatch_us": _kernel_us(kernels, "dc::dispatch_kernel"),
+                             "fused_us": _kernel_us(kernels, "dc::dispatch_fused_kernel"),
                              "notify_us": _kernel_us(kernels, "notify_dispatch"), "outputs_equal_default": ok,
                              "kernels_us": kernels})
-        for k in knob_names[:2]:
+        for k in knob_names[:3]:
             C.set_tuning(k, start[k])
         checks, reference = _combine_checks(buf, x, idx, w, hidden), {}
         for config in COMBINE_CONFIGS:

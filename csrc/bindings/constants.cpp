@@ -40,7 +40,7 @@ void register_constants(py::module_& m) {
     s["hier_arrive"] = int(kStageHierArrive); s["hier_local"] = int(kStageHierLocal);
     s["invalid_ids"] = int(kStageInvalidIds); s["overflow"] = int(kStageOverflow);
     s["ll_invalid_ids"] = int(kStageLlInvalidIds); s["ll_duplicate_ids"] = int(kStageLlDuplicateIds);
-    s["agree"] = int(kStageAgree); s["disagree"] = int(kStageDisagree);
+    s["agree"] = int(kStageAgree); s["notify_local"] = int(kStageNotifyLocal); s["disagree"] = int(kStageDisagree);
     s["layout_invalid_ids"] = int(kStageLayoutInvalidIds);
     m.attr("WAIT_STAGES") = s;
   }

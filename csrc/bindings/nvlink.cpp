@@ -44,6 +44,7 @@ TuningKnob tuning_knob(const std::string& name) {
   if (name == "DEEPCOMM_DISPATCH_UNROLL") return kTuneDispatchUnroll;
   if (name == "DEEPCOMM_DISPATCH_PREFETCH") return kTuneDispatchPrefetch;
   if (name == "DEEPCOMM_COMBINE_CONFIG") return kTuneCombineConfig;
+  if (name == "DEEPCOMM_DISPATCH_FUSED") return kTuneDispatchFused;
   throw py::value_error("knob: not a tuning knob: " + name);
 }
 

@@ -90,6 +90,11 @@ struct DispatchArgs {
 };
 void launch_dispatch(const DispatchArgs& args, int num_blocks, const NvlLayout& layout, const Peers& peers,
                      const WaitCtx& ctx, cudaStream_t stream);
+// A fresh dispatch's notify (notify_args) and payload (args) in one launch of num_blocks blocks, where it can be
+// (DEEPCOMM_DISPATCH_FUSED on, vector stores, at most num_blocks notify blocks): true if launched, else nothing
+// was, and the caller launches the two kernels.
+bool launch_dispatch_fused(const NotifyArgs& notify_args, const DispatchArgs& args, int num_blocks,
+                           const NvlLayout& layout, const Peers& peers, const WaitCtx& ctx, cudaStream_t stream);
 
 // Normal-mode combine over NVLink: every received row goes back to its source rank (remote rows into the
 // source's staging area, flagged per token); each rank then sums, for each of its tokens, the rows from every

@@ -21,6 +21,7 @@
 #include "api.hpp"
 #include "block_flags.cuh"
 #include "bulk_rows.cuh"
+#include "notify_phase.cuh"
 
 namespace dc {
 
@@ -161,17 +162,12 @@ __device__ __forceinline__ void dispatch_tokens_lane_dests(const DispatchArgs& a
 // kBulkStages chunks per warp in dynamic shared memory; else (the default) every lane copies 16-byte vectors
 // (copy_row_to_dests); kUnroll != kDispatchUnroll or kPrefetch: the tuning variants' loop instead
 // (dispatch_tokens_lane_dests).
-template <bool kBulk, int kUnroll = kDispatchUnroll, bool kPrefetch = false>
-__global__ void __launch_bounds__(kDispatchThreads, 1)
-    dispatch_kernel(DispatchArgs a, NvlLayout layout, Peers peers, WaitCtx ctx_in) {
-  // Behind notify (after_notify): everything below reads what notify wrote, so first wait for it to complete
-  // (a no-op for a launch without programmatic dependent launch).
-  ptx::grid_dependency_wait();
-  uint8_t* self = peers.base[ctx_in.rank];
-  // A fresh dispatch's number was advanced by notify; a cached one starts here.
-  const WaitCtx ctx = a.advance_seq
-      ? enter_call(ctx_in, reinterpret_cast<uint32_t*>(self + layout.notify_work + NotifyWork::kEntryTicket))
-      : ctx_in.resolved();
+// The payload of a dispatch in blocks 0..P-1 of the grid (P: the payload blocks; every rank runs the same P), with
+// the call's number in ctx.
+template <bool kBulk, int kUnroll, bool kPrefetch>
+__device__ __forceinline__ void dispatch_payload(const DispatchArgs& a, const NvlLayout& layout, const Peers& peers,
+                                                 const WaitCtx& ctx, int P) {
+  uint8_t* self = peers.base[ctx.rank];
   __shared__ DispatchShared sh;
   const int R = layout.num_ranks, rank = ctx.rank, tid = threadIdx.x, lane = tid & 31;
   // Bad expert ids anywhere: every rank sees the same count (from notify) and stops before any handshake. The
@@ -179,7 +175,7 @@ __global__ void __launch_bounds__(kDispatchThreads, 1)
   if (a.invalid_count != nullptr && *a.invalid_count != 0) {
     if (a.report_invalid && blockIdx.x == 0 && tid == 0) report_input_error(ctx, -1, kStageInvalidIds);
     for (int64_t i = int64_t(blockIdx.x) * blockDim.x + tid; i < int64_t(a.num_tokens) * R;
-         i += int64_t(gridDim.x) * blockDim.x)
+         i += int64_t(P) * blockDim.x)
       a.send_pos[i] = -1;
     if (blockIdx.x == 0 && tid < R * R) a.count_matrix[tid] = 0;
     return;
@@ -234,7 +230,7 @@ __global__ void __launch_bounds__(kDispatchThreads, 1)
   const int K = a.topk, L = a.num_local_experts;
   const int64_t n16 = a.x_row_bytes / 16, nscale = a.scale_row_bytes / 4;
   const int warps_per_block = kDispatchThreads / 32;
-  const int total_warps = gridDim.x * warps_per_block;
+  const int total_warps = P * warps_per_block;
   const int first_token = blockIdx.x * warps_per_block + (tid >> 5);
   extern __shared__ __align__(128) uint8_t bulk_smem[];
   __shared__ uint64_t bulk_bars[kBulk ? kDispatchThreads / 32 : 1][kBulkStages];
@@ -310,7 +306,7 @@ __global__ void __launch_bounds__(kDispatchThreads, 1)
     for (int s = 0; s < R; ++s) arriving += a.count_matrix[s * R + rank];
     const int64_t pad_rows = sh.capacity[rank] - arriving;
     for (int64_t i = int64_t(blockIdx.x) * blockDim.x + tid; i < pad_rows * (K + 1);
-         i += int64_t(gridDim.x) * blockDim.x) {
+         i += int64_t(P) * blockDim.x) {
       const int64_t row = arriving + i / (K + 1);
       const int k = int(i % (K + 1));
       if (k == K) {
@@ -337,7 +333,7 @@ __global__ void __launch_bounds__(kDispatchThreads, 1)
   if (tid == 0) {
     ptx::fence_acq_rel_gpu();
     auto* ticket = reinterpret_cast<uint32_t*>(self + layout.notify_work + NotifyWork::kDispatchTicket);
-    last = ptx::atom_add_release_gpu_u32(ticket, 1u) == uint32_t(gridDim.x - 1);
+    last = ptx::atom_add_release_gpu_u32(ticket, 1u) == uint32_t(P - 1);
     if (last) {
       *ticket = 0u;
       ptx::fence_acq_rel_gpu();
@@ -347,6 +343,56 @@ __global__ void __launch_bounds__(kDispatchThreads, 1)
   if (!last) return;
   const int* src = reinterpret_cast<const int*>(sh.dst[rank][4]);
   for (int64_t i = tid; i < sh.capacity[rank]; i += blockDim.x) a.src_idx_copy[i] = __ldcg(src + i);
+}
+
+template <bool kBulk, int kUnroll = kDispatchUnroll, bool kPrefetch = false>
+__global__ void __launch_bounds__(kDispatchThreads, 1)
+    dispatch_kernel(DispatchArgs a, NvlLayout layout, Peers peers, WaitCtx ctx_in) {
+  // Behind notify (after_notify): everything below reads what notify wrote, so first wait for it to complete
+  // (a no-op for a launch without programmatic dependent launch).
+  ptx::grid_dependency_wait();
+  uint8_t* self = peers.base[ctx_in.rank];
+  // A fresh dispatch's number was advanced by notify; a cached one starts here.
+  const WaitCtx ctx = a.advance_seq
+      ? enter_call(ctx_in, reinterpret_cast<uint32_t*>(self + layout.notify_work + NotifyWork::kEntryTicket))
+      : ctx_in.resolved();
+  dispatch_payload<kBulk, kUnroll, kPrefetch>(a, layout, peers, ctx, int(gridDim.x));
+}
+
+// A fresh dispatch in one launch: the call's number at entry (every block), the notify phase in blocks
+// 0..notify_blocks(T)-1 (notify_phase.cuh), then the payload in every block, once the notify phase's last block
+// has released NotifyWork::kNotifyDone for this call (its counts and send positions written, or the call
+// stopped: the payload then sees the invalid count it set and stops too). The host launches it only where the
+// notify blocks are at most the payload blocks, all of them resident (num_sms <= the SMs), so the blocks that
+// wait never keep the last notify block out.
+template <int kUnroll, bool kPrefetch>
+__global__ void __launch_bounds__(kDispatchThreads, 1)
+    dispatch_fused_kernel(NotifyArgs na, DispatchArgs a, NvlLayout layout, Peers peers, WaitCtx ctx_in) {
+  uint8_t* self = peers.base[ctx_in.rank];
+  uint8_t* work = self + layout.notify_work;
+  const WaitCtx ctx = enter_call(ctx_in, reinterpret_cast<uint32_t*>(work + NotifyWork::kEntryTicket));
+  auto* done = reinterpret_cast<uint64_t*>(work + NotifyWork::kNotifyDone);
+  const int G = notify_blocks(na.num_tokens);
+  if (int(blockIdx.x) < G) {
+    const notify_detail::NotifyEnd end = notify_detail::notify_phase(na, layout, peers, ctx, G, ctx.seq);
+    if (end != notify_detail::kNotifyNotLast) {
+      __syncthreads();  // every thread's results (and, stopped, nothing more) before the release
+      if (threadIdx.x == 0) {
+        if (end == notify_detail::kNotifyStopped) *const_cast<int*>(a.invalid_count) = -1;  // nothing moves
+        ptx::fence_acq_rel_gpu();
+        ptx::st_release_gpu_u64(done, ctx.seq);
+      }
+    }
+  }
+  // Twice the peers' timeout: a peer that never comes is reported by the notify phase's wait (naming it), which
+  // then releases the flag, before this wait gives up
+  WaitCtx longer = ctx;
+  longer.timeout_ns = ctx.timeout_ns * 2;
+  __shared__ int ready;
+  if (threadIdx.x == 0) ready = wait_flag_geq(done, ctx.seq, longer, ctx.rank, kStageNotifyLocal) ? 1 : 0;
+  __syncthreads();
+  if (!ready) return;
+  dispatch_payload<false, kUnroll, kPrefetch>(a, layout, peers, ctx, int(gridDim.x));
 }
 
 // DEEPCOMM_DISPATCH_COPY=bulk moves x rows with bulk copies (x 16-byte aligned; x_row_bytes is a multiple of 16,
@@ -365,6 +411,16 @@ void launch_dispatch_as(const DispatchArgs& args, int num_blocks, const NvlLayou
                         const WaitCtx& ctx, cudaStream_t stream) {
   launch_kernel(dispatch_kernel<false, kUnroll, kPrefetch>, num_blocks, kDispatchThreads, 0, stream, args.after_notify,
                 args, layout, peers, ctx);
+}
+
+template <int kUnroll, bool kPrefetch>
+void launch_fused_as(const NotifyArgs& na, const DispatchArgs& args, int num_blocks, const NvlLayout& layout,
+                     const Peers& peers, const WaitCtx& ctx, cudaStream_t stream) {
+  constexpr auto kernel = dispatch_fused_kernel<kUnroll, kPrefetch>;
+  const int smem = notify_detail::notify_smem_bytes(na.num_experts, notify_blocks(na.num_tokens), layout.num_ranks);
+  opt_in_dynamic_smem<kernel>(smem);
+  kernel<<<num_blocks, kDispatchThreads, smem, stream>>>(na, args, layout, peers, ctx);
+  DC_CUDA_CHECK(cudaGetLastError());
 }
 
 // The vector-store variant (tuning.hpp): DEEPCOMM_DISPATCH_UNROLL 16 (the default) or 8 vectors per lane in
@@ -394,6 +450,26 @@ void launch_dispatch(const DispatchArgs& args, int num_blocks, const NvlLayout& 
                : launch_dispatch_as<8, false>(args, num_blocks, layout, peers, ctx, stream);
   }
   DC_CUDA_CHECK(cudaGetLastError());
+}
+
+bool launch_dispatch_fused(const NotifyArgs& na, const DispatchArgs& args, int num_blocks, const NvlLayout& layout,
+                           const Peers& peers, const WaitCtx& ctx, cudaStream_t stream) {
+  if (tuning(kTuneDispatchFused) == 0 || dispatch_uses_bulk_copies(args) || notify_blocks(na.num_tokens) > num_blocks)
+    return false;
+  notify_detail::check_notify_args(na, layout);
+  DC_HOST_ASSERT(num_blocks >= 1 && num_blocks <= kMaxBlocks, "dispatch: num_sms out of range");
+  DC_HOST_ASSERT(args.x_row_bytes % 16 == 0 && args.scale_row_bytes % 4 == 0, "dispatch: row bytes misaligned");
+  DC_HOST_ASSERT(args.topk <= 32 && args.invalid_count != nullptr, "dispatch: topk must be <= 32, with a count");
+  const int unroll = tuning(kTuneDispatchUnroll);
+  const bool prefetch = tuning(kTuneDispatchPrefetch) != 0;
+  DC_HOST_ASSERT(unroll == 8 || unroll == 16, "dispatch: DEEPCOMM_DISPATCH_UNROLL must be 8 or 16");
+  if (unroll == 16)
+    prefetch ? launch_fused_as<16, true>(na, args, num_blocks, layout, peers, ctx, stream)
+             : launch_fused_as<16, false>(na, args, num_blocks, layout, peers, ctx, stream);
+  else
+    prefetch ? launch_fused_as<8, true>(na, args, num_blocks, layout, peers, ctx, stream)
+             : launch_fused_as<8, false>(na, args, num_blocks, layout, peers, ctx, stream);
+  return true;
 }
 
 }  // namespace dc

@@ -20,6 +20,7 @@ enum WaitStage : int {
   kStageLlCombineData = 9,     // low-latency combine: waiting for a peer's partial sums
   kStageLlCombineWeights = 10, // low-latency combine: waiting for a peer's top-k weights
   kStageAgree = 11,            // waiting for a peer's call fingerprint (csrc/runtime/agree_record.hpp)
+  kStageNotifyLocal = 12,      // a fused fresh dispatch's payload blocks waiting for its own notify phase
   // Device queue pairs and the device emulated NIC (csrc/transport/qp_poster.hpp, nic_serve.hpp).
   kStageQpRoom = 20,           // a poster waiting for send-queue slots to be completed (CQEs)
   kStageQpTurn = 21,           // a poster waiting for earlier posts to ring the doorbell

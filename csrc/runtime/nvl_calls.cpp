@@ -49,13 +49,15 @@ void fill_layout(NvlDispatchResult& r, const DispatchArgs& d) {
 NvlDispatchResult nvl_dispatch(const NvlContext& c, const StreamOrder& order, const NvlDispatchCall& call) {
   NvlDispatchResult r;
   if (call.begin) order.begin();
-  if (call.notify) {
-    DC_HOST_ASSERT(!call.wait || (c.counts_host != nullptr && call.notify_args.host_counts != nullptr),
-                   "dispatch: a wait needs the mapped counts");
-    launch_notify_dispatch(call.notify_args, c.layout, c.peers, c.wait_ctx(), order.comm);
-  }
+  DC_HOST_ASSERT(!call.notify || !call.wait || (c.counts_host != nullptr && call.notify_args.host_counts != nullptr),
+                 "dispatch: a wait needs the mapped counts");
   DC_HOST_ASSERT(!call.bump || (call.payload && !call.notify), "dispatch: only a cached payload advances the call");
-  if (call.payload) {
+  // notify and payload in one launch where the kernels allow it, else notify, then the payload behind it
+  const bool fused = call.notify && call.payload &&
+                     launch_dispatch_fused(call.notify_args, call.dispatch, call.num_blocks, c.layout, c.peers,
+                                           c.wait_ctx(), order.comm);
+  if (call.notify && !fused) launch_notify_dispatch(call.notify_args, c.layout, c.peers, c.wait_ctx(), order.comm);
+  if (call.payload && !fused) {
     DispatchArgs d = call.dispatch;
     d.advance_seq = call.bump;  // a fresh dispatch's notify advanced it already
     d.after_notify = call.notify;

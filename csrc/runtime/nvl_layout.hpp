@@ -44,11 +44,12 @@ DC_HD int notify_blocks(int num_tokens) { return num_tokens <= 0 ? 1 : (num_toke
 struct NotifyWork {
   static constexpr int64_t kDispatchTicket = 8;
   static constexpr int64_t kEntryTicket = 12;  // call_entry.cuh: the blocks that read the call number
+  static constexpr int64_t kNotifyDone = 16;   // u64: the last call whose notify phase ended (a fused dispatch)
   int64_t ticket, invalid, expert_acc, block_count, total;
   DC_HD NotifyWork(int ranks, int local_experts, int max_tokens) {
     ticket = 0;
     invalid = 4;
-    expert_acc = 16;
+    expert_acc = 24;
     block_count = expert_acc + int64_t(ranks) * local_experts * 4;
     total = block_count + int64_t(notify_blocks(max_tokens)) * ranks * 4;
   }

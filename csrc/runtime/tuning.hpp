@@ -10,7 +10,8 @@ enum TuningKnob : int {
   kTuneDispatchUnroll = 0,    // DEEPCOMM_DISPATCH_UNROLL: 16-byte vectors per lane in flight per pass (16, 8)
   kTuneDispatchPrefetch = 1,  // DEEPCOMM_DISPATCH_PREFETCH: 1 loads a warp's next token's metadata early
   kTuneCombineConfig = 2,     // DEEPCOMM_COMBINE_CONFIG: combine's compiled warp split (combine.cu)
-  kTuneKnobs = 3,
+  kTuneDispatchFused = 3,     // DEEPCOMM_DISPATCH_FUSED: 1 runs a fresh dispatch's notify and payload in one launch
+  kTuneKnobs = 4,
 };
 
 int tuning(TuningKnob knob);

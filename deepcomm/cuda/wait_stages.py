@@ -19,6 +19,7 @@ STAGE_TEXT = {
     "ll_combine_data": "low_latency_combine:data",
     "ll_combine_weights": "low_latency_combine:weights",
     "agree": "agree (waiting for a peer's call fingerprint: it has not reached this call)",
+    "notify_local": "notify:local (this dispatch's own notify phase did not finish)",
     "qp_room": "qp:room (send queue full, no completions)",
     "qp_turn": "qp:turn (an earlier post never rang the doorbell)",
     "qp_quiet": "qp:quiet (posted WQEs not completed)",

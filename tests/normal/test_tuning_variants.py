@@ -1,5 +1,6 @@
 """The compiled tuning variants of the normal-mode kernels (deepcomm._C.set_tuning: DEEPCOMM_DISPATCH_UNROLL,
-DEEPCOMM_DISPATCH_PREFETCH, DEEPCOMM_COMBINE_CONFIG) against the reference backend, bit for bit: the intranode
+DEEPCOMM_DISPATCH_PREFETCH, DEEPCOMM_DISPATCH_FUSED, DEEPCOMM_COMBINE_CONFIG) against the reference backend, bit
+for bit: the intranode
 cases at world size 1, one set of knobs per process (every variant appears in one set). On the CPU: the knobs'
 names and values as the extension keeps them."""
 import pytest
@@ -9,14 +10,14 @@ from tests.helpers.nccl_run import gpu_count, run_on_gpus
 from tests.normal.test_intranode import _intranode_worker
 
 needs_ext = pytest.mark.skipif(load_extension() is None, reason="deepcomm._C is not built")
-KNOBS = ("DEEPCOMM_DISPATCH_UNROLL", "DEEPCOMM_DISPATCH_PREFETCH", "DEEPCOMM_COMBINE_CONFIG")
-VARIANTS = [  # (unroll, prefetch, combine config): every non-default value at least once
-    (16, 0, 4),
-    (8, 1, 5),
-    (16, 1, 1),
-    (8, 0, 2),
-    (8, 0, 3),
-    (16, 1, 6),
+KNOBS = ("DEEPCOMM_DISPATCH_UNROLL", "DEEPCOMM_DISPATCH_PREFETCH", "DEEPCOMM_DISPATCH_FUSED", "DEEPCOMM_COMBINE_CONFIG")
+VARIANTS = [  # (unroll, prefetch, fused, combine config): every non-default value at least once
+    (16, 0, 1, 4),
+    (8, 1, 0, 5),
+    (16, 1, 0, 1),
+    (8, 0, 1, 2),
+    (8, 0, 0, 3),
+    (16, 1, 1, 6),
 ]
 
 
@@ -30,7 +31,7 @@ def _variant_worker(rank, world, values):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(gpu_count() < 1, reason="needs a GPU")
-@pytest.mark.parametrize("values", VARIANTS, ids=lambda v: "unroll{}-prefetch{}-combine{}".format(*v))
+@pytest.mark.parametrize("values", VARIANTS, ids=lambda v: "unroll{}-prefetch{}-fused{}-combine{}".format(*v))
 def test_variant_matches_the_reference_at_world_size_1(values):
     run_on_gpus(_variant_worker, 1, values)
 
@@ -40,7 +41,7 @@ def test_set_tuning_changes_what_get_tuning_reads_and_rejects_unknown_knobs():
     C = load_extension()
     before = {k: C.get_tuning(k) for k in KNOBS}
     try:
-        for k, v in zip(KNOBS, (16, 1, 5)):
+        for k, v in zip(KNOBS, (16, 1, 0, 5)):
             C.set_tuning(k, v)
             assert C.get_tuning(k) == v
     finally:

@@ -1,0 +1,319 @@
+// The notify phase of a fresh dispatch, as a device function: the body of notify.cu's kernel, and the first part of
+// the fused dispatch kernel (dispatch.cu), which runs it in its own first blocks. What it does is described in
+// notify.cu.
+#pragma once
+#include "../runtime/cuda_check.hpp"
+#include "../runtime/wait.cuh"
+#include "agree.cuh"
+#include "api.hpp"
+#include "notify_trace_points.hpp"
+
+namespace dc {
+namespace notify_detail {
+
+
+constexpr int kNotifyThreads = kNotifyChunk;
+constexpr int kNotifyWarps = kNotifyThreads / 32;
+constexpr int kNotifyMaxBlocks = 256;  // 128k tokens per rank
+constexpr int kFixBatch = 8;           // send positions each thread of the last block has in flight
+static_assert(kNotifyMaxBlocks == kNotifyTraceBlocks, "a notify trace has a row per block");
+
+// How a block's notify phase ended: not the last block (its part is done), or the last block (the whole phase):
+// the counts are out, or the call stopped (a difference of the ranks' words, or a wait that gave up).
+enum NotifyEnd : int { kNotifyNotLast = 0, kNotifyCountsOut = 1, kNotifyStopped = 2 };
+
+// The launch-time checks of a notify phase's arguments (notify.cu's launcher and the fused dispatch's).
+inline void check_notify_args(const NotifyArgs& args, const NvlLayout& layout) {
+  DC_HOST_ASSERT(layout.num_ranks <= kMaxRanks, "notify: too many ranks for the NVLink transport");
+  DC_HOST_ASSERT(args.num_experts % layout.num_ranks == 0 &&
+                     args.num_experts / layout.num_ranks <= layout.num_local_experts,
+                 "notify: num_experts is over the buffer's capacity");
+  DC_HOST_ASSERT(args.num_tokens <= layout.max_tokens, "notify: tokens over the buffer's maximum");
+  DC_HOST_ASSERT(args.topk >= 0 && args.topk <= 32, "notify: topk must be <= 32");
+  DC_HOST_ASSERT(args.num_experts / layout.num_ranks <= kCountsMaxExperts, "notify: too many local experts");
+  DC_HOST_ASSERT(notify_blocks(args.num_tokens) <= kNotifyMaxBlocks, "notify: too many tokens");
+}
+
+// Dynamic shared memory the phase needs for G blocks.
+__host__ __device__ inline int notify_smem_bytes(int num_experts, int blocks, int ranks) {
+  return (num_experts + blocks * ranks) * int(sizeof(int));
+}
+
+struct NotifyShared {
+  int warp_count[kNotifyWarps][kMaxRanks];  // tokens of each warp to each rank, then its exclusive prefix
+  int rank_total[kMaxRanks];                // block's tokens to each rank; in the last block, the rank's total
+  int invalid;
+  int last;
+  uint64_t seq;
+  // followed in dynamic shared memory by int expert_count[num_experts], then (last block) int block_base[G][R]
+};
+
+// One thread's token: which ranks it goes to, and its experts counted once each in expert_count.
+__device__ __forceinline__ uint32_t token_ranks(const int64_t* row, int topk, int num_experts, int experts_per_rank,
+                                                int* expert_count, int* invalid) {
+  int64_t ids[32];
+#pragma unroll
+  for (int k = 0; k < 32; ++k) ids[k] = k < topk ? __ldg(row + k) : -1;
+  uint32_t mask = 0;
+#pragma unroll
+  for (int k = 0; k < 32; ++k) {
+    if (k >= topk) break;
+    const int64_t e = ids[k];
+    if (e < -1 || e >= num_experts) {  // counted and skipped; the host turns it into a ValueError
+      atomicAdd(invalid, 1);
+      continue;
+    }
+    if (e < 0) continue;
+    mask |= 1u << (e / experts_per_rank);
+    bool first = true;
+#pragma unroll
+    for (int j = 0; j < 32; ++j)
+      if (j < k) first &= ids[j] != e;
+    if (first) atomicAdd(&expert_count[e], 1);
+  }
+  return mask;
+}
+
+// Diagnostics (notify_trace_points.hpp): thread 0 stamps `point` for its block. trace_after_sync first waits for
+// the whole block (trace is the same for every thread, so the barrier is uniform); without a trace, one branch.
+__device__ __forceinline__ void trace_stamp(uint64_t* trace, int point) {
+  if (trace != nullptr && threadIdx.x == 0) {
+    uint64_t* at = trace + (int64_t(blockIdx.x) * kNotifyTracePoints + point) * 2;
+    at[0] = ptx::globaltimer_ns();
+    at[1] = uint64_t(clock64());
+  }
+}
+__device__ __forceinline__ void trace_after_sync(uint64_t* trace, int point) {
+  if (trace == nullptr) return;
+  __syncthreads();
+  trace_stamp(trace, point);
+}
+
+// The notify phase of blocks 0..G-1 (one token per thread; notify.cu's kernel, or the first part of a fused
+// dispatch in dispatch.cu). `fused_seq` 0: a kernel of its own, which advances the call number itself and lets
+// the payload kernel behind it in; else the call's number, advanced at the fused kernel's entry (call_entry.cuh).
+__device__ __forceinline__ NotifyEnd notify_phase(const NotifyArgs& a, const NvlLayout& layout, const Peers& peers,
+                                                  const WaitCtx& ctx_base, int G, uint64_t fused_seq) {
+  __shared__ NotifyShared sh;
+  extern __shared__ int dyn[];
+  int* expert_count = dyn;
+  const int R = layout.num_ranks, E = a.num_experts, L = E / R, rank = ctx_base.rank;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  // One block (up to kNotifyChunk tokens): its counts are the totals, with no accumulation in NotifyWork, no
+  // ticket and no second read of the counts: four dependent memory round trips fewer.
+  const bool single = G == 1;
+  uint8_t* self = peers.base[rank];
+  uint8_t* work = self + layout.notify_work;
+  const NotifyWork wl(R, layout.num_local_experts, layout.max_tokens);
+  int* expert_acc = reinterpret_cast<int*>(work + wl.expert_acc);
+  int* block_count = reinterpret_cast<int*>(work + wl.block_count);
+  trace_stamp(a.trace, kNotifyTraceEntry);
+  // The payload kernel behind us (launched with programmatic dependent launch) may now put its blocks on the SMs:
+  // they wait for this kernel to complete before they read anything (dispatch.cu), and every block of ours is
+  // resident by the time the last one gets here, so none of ours is kept out.
+  if (fused_seq == 0) ptx::launch_dependents();
+
+  for (int i = tid; i < E; i += blockDim.x) expert_count[i] = 0;
+  if (tid == 0) sh.invalid = 0;
+  __syncthreads();
+
+  // ---- this block's tokens ----
+  const int t = blockIdx.x * kNotifyChunk + tid;
+  const uint32_t mask = t < a.num_tokens ? token_ranks(a.topk_idx + int64_t(t) * a.topk, a.topk, E, L, expert_count,
+                                                       &sh.invalid)
+                                         : 0u;
+  uint32_t ballots[kMaxRanks];
+#pragma unroll
+  for (int r = 0; r < kMaxRanks; ++r) {
+    ballots[r] = __ballot_sync(0xffffffffu, (mask >> r) & 1u);
+    if (lane == 0 && r < R) sh.warp_count[warp][r] = __popc(ballots[r]);
+  }
+  __syncthreads();
+  trace_stamp(a.trace, kNotifyTraceCounted);
+  if (tid < R) {
+    int running = 0;
+    for (int w = 0; w < kNotifyWarps; ++w) {
+      const int c = sh.warp_count[w][tid];
+      sh.warp_count[w][tid] = running;
+      running += c;
+    }
+    sh.rank_total[tid] = running;
+    if (!single) block_count[blockIdx.x * R + tid] = running;
+  }
+  __syncthreads();
+  if (t < a.num_tokens) {
+#pragma unroll
+    for (int r = 0; r < kMaxRanks; ++r) {
+      if (r >= R) break;
+      const bool in = (mask >> r) & 1u;
+      a.is_token_in_rank[int64_t(t) * R + r] = in;
+      // position among this block's tokens to r; the last block adds the earlier blocks' counts
+      a.send_pos[int64_t(t) * R + r] = in ? sh.warp_count[warp][r] + __popc(ballots[r] & ptx::lanemask_lt()) : -1;
+    }
+  }
+  if (!single) {
+    for (int e = tid; e < E; e += blockDim.x)
+      if (expert_count[e] != 0) atomicAdd(expert_acc + e, expert_count[e]);
+    if (tid == 0 && sh.invalid != 0) atomicAdd(reinterpret_cast<int*>(work + wl.invalid), sh.invalid);
+    __threadfence();  // every thread's stores above are visible GPU-wide before thread 0 takes the ticket
+    __syncthreads();
+    if (tid == 0) {
+      ptx::fence_acq_rel_gpu();  // our send_pos, block counts and sums before the ticket
+      const uint32_t ticket = ptx::atom_add_release_gpu_u32(reinterpret_cast<uint32_t*>(work + wl.ticket), 1u);
+      sh.last = ticket == uint32_t(G - 1);
+      if (sh.last) ptx::fence_acq_rel_gpu();
+    }
+    __syncthreads();
+  }
+  trace_stamp(a.trace, kNotifyTraceTicket);
+  if (!single && !sh.last) return kNotifyNotLast;
+
+  // ---- the last block: totals, absolute send positions, the sequence number (a single block's own counts,
+  // rank totals and invalid count are the totals already) ----
+  int* block_base = dyn + E;
+  if (!single && tid < R) {
+    int running = 0;
+    for (int b = 0; b < G; ++b) {
+      block_base[b * R + tid] = running;
+      running += __ldcg(block_count + b * R + tid);
+    }
+    sh.rank_total[tid] = running;
+  }
+  if (tid == 0) {
+    if (!single) {
+      sh.invalid = __ldcg(reinterpret_cast<int*>(work + wl.invalid));
+      *reinterpret_cast<int*>(work + wl.invalid) = 0;
+      *reinterpret_cast<uint32_t*>(work + wl.ticket) = 0u;
+    }
+    if (fused_seq != 0) {
+      sh.seq = fused_seq;
+    } else {
+      uint64_t* counter = reinterpret_cast<uint64_t*>(self + layout.seq_counter);
+      sh.seq = *counter + 1;  // the call's number (folded here instead of a bump kernel)
+      *counter = sh.seq;
+    }
+  }
+  if (!single) {
+    for (int e = tid; e < E; e += blockDim.x) {
+      expert_count[e] = __ldcg(expert_acc + e);
+      expert_acc[e] = 0;
+    }
+  }
+  __syncthreads();
+  // kFixBatch positions loaded before any is stored: a plain loop's store may alias its next load, which then
+  // waits a whole memory round trip per position (this stage of the last block took 3.7 us one by one, 3.1
+  // batched, of notify's 15 at 4096 tokens, world size 1)
+  const int64_t fix_end = int64_t(a.num_tokens) * R;
+  for (int64_t i0 = int64_t(kNotifyChunk) * R + tid; i0 < fix_end; i0 += int64_t(blockDim.x) * kFixBatch) {
+    int pos[kFixBatch];
+#pragma unroll
+    for (int u = 0; u < kFixBatch; ++u) {
+      const int64_t i = i0 + int64_t(u) * blockDim.x;
+      pos[u] = i < fix_end ? __ldcg(a.send_pos + i) : -1;
+    }
+#pragma unroll
+    for (int u = 0; u < kFixBatch; ++u) {
+      const int64_t i = i0 + int64_t(u) * blockDim.x;
+      if (pos[u] >= 0) a.send_pos[i] = pos[u] + block_base[(i / R) / kNotifyChunk * R + i % R];
+    }
+  }
+  trace_after_sync(a.trace, kNotifyTracePrefixes);
+  WaitCtx ctx = ctx_base;
+  ctx.seq = sh.seq;
+
+  // Our row of the count matrix, each peer's expert counts and our count of invalid expert ids go to row
+  // `rank` of its notify_counts, so every rank learns when any rank's input was bad and all of them stop.
+  const int row_len = R + L + 1;
+  const NotifyOut out(R, L);  // where the results go in a.notify_out (nvl_layout.hpp)
+  const bool agree = agree_on(a.agree);
+  // the call's words go first to every peer (its slot for us), released before the counts' flag below
+  if (agree && tid < R) agree_publish(peers.base[tid] + layout.agree_at(ctx.seq) + int64_t(rank) * kAgreeSlotBytes,
+                                      a.agree, ctx.seq);
+  for (int i = tid; i < R * row_len; i += blockDim.x) {
+    const int dst = i / row_len, j = i % row_len;
+    const int v = j < R ? sh.rank_total[j] : (j < R + L ? expert_count[dst * L + (j - R)] : sh.invalid);
+    reinterpret_cast<int*>(peers.base[dst] + layout.notify_counts)[rank * row_len + j] = v;
+  }
+  __syncthreads();
+  if (tid < R) {
+    ptx::fence_acq_rel_sys();
+    ptx::st_release_sys_u64(reinterpret_cast<uint64_t*>(peers.base[tid] + layout.notify_flag) + rank, ctx.seq);
+  }
+  trace_after_sync(a.trace, kNotifyTraceSent);
+  DispatchCounts* host = a.host_counts;
+  // Every rank's words before the counts are used: a rank that rejected its call, or one in another call, sends
+  // only its words (agree_reject.cu), so they are waited for first. On a difference nothing is dispatched on any
+  // rank: the payload sees a non-zero invalid count, and the host learns why (the counts, or the AgreeRecord).
+  if (agree) {
+    const uint8_t* slots = self + layout.agree_at(ctx.seq);
+    const AgreeResult ar = agree_block(slots, a.agree, ctx.seq, R, 0xffffffffu, ctx, kStageAgree, host == nullptr,
+                                       host != nullptr ? host->agree_rows : nullptr);
+    if (ar.status < 0) return kNotifyStopped;
+    if (ar.status == 0) {
+      if (tid == 0) {
+        a.notify_out[out.bad_all] = -1;
+        a.notify_out[out.bad_mine] = 0;
+        if (host != nullptr) {
+          host->num_recv = 0;
+          host->bad_all = 0;
+          host->bad_mine = 0;
+          host->num_local_experts = L;
+          host->disagree = ar.peer + 1;
+          host->disagree_word = ar.word;
+          ptx::fence_acq_rel_sys();
+          ptx::st_release_sys_u64(&host->tag, a.host_tag);
+        }
+      }
+      return kNotifyStopped;
+    }
+  }
+  trace_stamp(a.trace, kNotifyTraceAgreed);  // agree_block returns after a barrier of the block, or at once
+  __shared__ int ok;
+  if (tid == 0) ok = 1;
+  __syncthreads();
+  if (tid < R) {
+    const auto* flag = reinterpret_cast<const uint64_t*>(self + layout.notify_flag) + tid;
+    if (!wait_flag_geq(flag, ctx.seq, ctx, tid, kStageNotifyCounts)) ok = 0;
+  }
+  __syncthreads();
+  if (!ok) return kNotifyStopped;  // the host sees the error record instead of the tag
+  trace_stamp(a.trace, kNotifyTraceFlags);
+  const int* counts = reinterpret_cast<const int*>(self + layout.notify_counts);
+  for (int i = tid; i < R * R; i += blockDim.x)
+    a.notify_out[out.count_matrix + i] = ptx::ld_volatile_s32(counts + (i / R) * row_len + i % R);
+  for (int l = tid; l < L; l += blockDim.x) {
+    int sum = 0;
+    for (int s = 0; s < R; ++s) sum += ptx::ld_volatile_s32(counts + s * row_len + R + l);
+    a.notify_out[out.per_expert + l] = sum;
+    if (host != nullptr) host->per_expert[l] = sum;
+  }
+  if (tid == 0) {
+    int bad = 0, recv = 0;
+    for (int s = 0; s < R; ++s) {
+      bad += ptx::ld_volatile_s32(counts + s * row_len + R + L);
+      recv += ptx::ld_volatile_s32(counts + s * row_len + rank);
+    }
+    a.notify_out[out.bad_all] = bad;
+    a.notify_out[out.bad_mine] = sh.invalid;
+    if (host != nullptr) {
+      host->num_recv = recv;
+      host->bad_all = bad;
+      host->bad_mine = sh.invalid;
+      host->num_local_experts = L;
+      host->disagree = 0;
+    }
+  }
+  trace_after_sync(a.trace, kNotifyTraceHost);
+  if (host != nullptr) {
+    __syncthreads();
+    if (tid == 0) {
+      ptx::fence_acq_rel_sys();
+      ptx::st_release_sys_u64(&host->tag, a.host_tag);
+    }
+  }
+  trace_stamp(a.trace, kNotifyTraceTag);
+  return kNotifyCountsOut;
+}
+
+}  // namespace notify_detail
+}  // namespace dc
