@@ -21,6 +21,7 @@ from .. import agreement
 from ..errors import CommTimeoutError
 from ..gpu_share import shares_gpu, usable_sms
 from ..handle import LowLatencyHandle
+from ..validation import is_capturing
 from .agree_record import words_or_none
 from .host_words import HostWords
 from .ll_buffer import LlBuffer, pdl_mode
@@ -182,7 +183,8 @@ class LowLatencyEngine:
 
     def reject(self, fingerprint, handle=None) -> None:
         """A low-latency call this rank rejected: the send half of its kind, with only ``fingerprint`` (REJECTED
-        set), so every peer's call stops on the words, naming this rank (no host wait). Before the first
+        set), so every peer's call stops on the words, naming this rank; over NVLink it then waits for the peers'
+        words (a device synchronize, not while a CUDA graph is captured). Before the first
         low-latency call the peers are making the buffer: this rank joins that exchange instead. A rejected
         combine joins the slot of ``handle`` (the call's handle argument: the peers' combines of it use that
         slot), or the latest dispatch's where the handle is not a low-latency handle with a slot."""
@@ -194,11 +196,17 @@ class LowLatencyEngine:
             except (RuntimeError, ValueError):
                 pass  # this rank's rejection, or a timeout (the next call says so): the caller raises its own error
             return
+        ll = self.buffer
+        # Over NVLink the words are also compared, and waited for: a peer met in a normal-mode call instead (its
+        # words in our NVLink agree slots, mode_meet.py) leaves a record that says this rank owes normal mode that
+        # call, which it pays at its next one; without the wait the modes' call numbers would stay out of step.
+        compare = not ll.put_peers and self.meet is not None and not is_capturing()  # no host wait in a capture
         try:
+            if compare:  # what earlier calls left in the record first, so that the record read below is ours
+                torch.cuda.synchronize(self.device)
             self.errors.check(low_latency=True)
         except (RuntimeError, ValueError):
             return  # a timeout: nothing runs on this Buffer any more (the next call says so)
-        ll = self.buffer
         stream = torch.cuda.current_stream(self.device).cuda_stream
         self._enter(ll, stream)
         if fingerprint[agreement.Word.OP] == agreement.Op.LOW_LATENCY_DISPATCH:
@@ -207,7 +215,16 @@ class LowLatencyEngine:
             self._note_slot(fingerprint, slot)
         else:
             kind, slot = 1, _slot_of(handle, (ll.calls - 1) & 1)
-        ll.ctx.agree_reject(tuple(fingerprint), kind, slot, stream, blocks=self.blocks)
+        ll.ctx.agree_reject(tuple(fingerprint), kind, slot, stream, compare=compare, blocks=self.blocks)
+        if compare:
+            # the whole device (a raw-stream synchronize under MPS returned early: ModeMeet.first_low_latency_call);
+            # the difference found (this rank's own rejection, and a peer in another mode's call) is noted and
+            # dropped: the caller raises this rank's own error
+            torch.cuda.synchronize(self.device)
+            try:
+                self.record.check_error(low_latency=True, defer_input=True)
+            except (RuntimeError, ValueError):
+                pass  # a timeout: the next call says so
         if ll.put_peers:
             # the words (and a dispatch's arrival words) reach put peers as a send half's would: a dispatch's in
             # its data and flags puts, a combine's with the weights, which the peers' send halves wait for

@@ -6,7 +6,7 @@ Buffer's next agreeing round is bit-exact against the reference backend. A chang
 remakes the buffer and runs as on a fresh Buffer. A normal-mode call on some ranks met by a low-latency call on the
 others raises the reference text on every rank too, and the Buffer goes on with agreeing calls of both modes; also
 when the low-latency call is a Buffer's first (the one that makes the low-latency buffer), or a first one a rank
-rejected."""
+rejected, and when it is a later one of a new shape (which remakes the buffer) or one a rank rejected."""
 from __future__ import annotations
 
 import pytest
@@ -145,3 +145,37 @@ def _first_call_worker(rank, world):
 
 def test_a_normal_call_meeting_the_first_low_latency_call_raises_on_every_rank():
     run_on_gpus(_first_call_worker, WORLD, timeout_s=scaled(600))
+
+
+def _later_call_cases(rank, me, dev):
+    """A normal-mode call on the other ranks met by a later low-latency call on rank ``me`` (the low-latency buffer
+    exists): one of a new shape, which remakes the buffer, or one ``me`` rejected; or the other way round.
+    (what, call(side)). Each runs on new Buffers after an agreeing round of both modes."""
+    odd = rank == me
+    inp = Inputs(torch.Generator().manual_seed(71 + rank), dev)
+    narrow = Inputs(torch.Generator().manual_seed(81 + rank), dev, hidden=H // 2)
+    ll = lambda s, x=inp.x, idx=inp.idx: s.buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)  # noqa: E731
+    fresh = lambda s: s.buf.dispatch(inp.x, inp.idx, inp.w, num_experts=E)  # noqa: E731
+    return [
+        ("fresh dispatch vs a low-latency dispatch of a new hidden",
+         lambda s: ll(s, narrow.x, narrow.idx) if odd else fresh(s)),
+        ("a low-latency dispatch of a new hidden vs fresh dispatch",
+         lambda s: fresh(s) if odd else ll(s, narrow.x, narrow.idx)),
+        ("fresh dispatch vs a rejected low-latency dispatch", lambda s: ll(s, inp.x.float()) if odd else fresh(s)),
+    ]
+
+
+def _later_call_worker(rank, world):
+    dev = rank_device(rank)
+    torch.cuda.set_device(dev)
+    gen = torch.Generator().manual_seed(6000 + rank)
+    for what, call in _later_call_cases(rank, world - 1, dev):
+        sides = _buffers(dev)
+        _agreeing_round(sides, Inputs(gen, dev), rank, f"{what}: before")  # makes the low-latency buffer
+        _meet_then_agree(sides, call, rank, what, gen, dev)
+        for s in sides:
+            s.buf.destroy()
+
+
+def test_a_normal_call_meeting_a_later_low_latency_call_raises_on_every_rank():
+    run_on_gpus(_later_call_worker, WORLD, timeout_s=scaled(600))

@@ -258,3 +258,37 @@ def test_the_nvlink_exchange_is_a_normal_call_that_compares_after_the_calls_owed
     b.meet.normal_exchange(LOW)
     assert sent == [(NORMAL, 0, CALLER, CALLER, 0, False), (LOW, 0, CALLER, CALLER, 0, True)]
     assert b.nvl.owed == [LOW] and ctx.calls == []
+
+
+def test_a_rejected_later_low_latency_call_waits_for_the_words_and_notes_the_call_it_owes(monkeypatch):
+    """A rank that rejected a low-latency call once the buffer exists compares its words too, and reads the record
+    after a device synchronize: a peer met in a normal-mode call leaves the normal-mode call this rank owes (the
+    record notes it), which keeps both modes' call numbers in step; the difference itself is dropped (the rank
+    raises its own error). Peers reached by puts compare nothing."""
+    meet, nvl, syncs = _meet(monkeypatch, [])
+    order = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: order.append("sync"))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=7))
+
+    def check_error(low_latency=False, defer_input=False, leave_input=False):
+        order.append(("record", low_latency, defer_input))
+        nvl.owed.append(NORMAL)  # as recorded_disagreement notes a peer in a normal-mode call
+        return ValueError("call order: ...")
+
+    record = types.SimpleNamespace(check_error=check_error, masked=frozenset())
+    errors = types.SimpleNamespace(check=lambda low_latency=False: order.append("look"), take_pending=lambda: None)
+    b = LowLatencyEngine(None, None, 0, 2, torch.device("cpu"), record, errors, "ipc", 4, meet=meet)
+
+    class Ctx:
+        def agree_reject(self, words, kind, slot, stream, compare=False, blocks=0):
+            order.append(("reject", kind, slot, compare))
+
+    b.buffer = types.SimpleNamespace(calls=3, ctx=Ctx(), put_peers=[])
+    rejected = agreement.rejected("low_latency_dispatch", 4, 1, ValueError("x: bad"))
+    b.reject(rejected)
+    assert order == ["sync", "look", ("reject", 0, 1, True), "sync", ("record", True, True)], order
+    assert nvl.owed == [NORMAL]  # paid before this rank's next normal-mode call
+    order.clear()
+    b.buffer = types.SimpleNamespace(calls=3, ctx=Ctx(), put_peers=[1], put=lambda *a: order.append("put"))
+    b.reject(rejected)
+    assert order == ["look", ("reject", 0, 1, False), "put"], order

@@ -178,8 +178,8 @@ def test_a_rejected_call_reaches_put_peers(op, monkeypatch):
     errors = types.SimpleNamespace(raise_pending=lambda: None, check=lambda low_latency=False: None)
     eng = LowLatencyEngine(C, None, 0, 4, torch.device("cpu"), record, errors, "ipc", 6)
     seen = []
-    ctx = types.SimpleNamespace(agree_reject=lambda words, kind, slot, stream, blocks=0: seen.append(
-        ("reject", kind, slot, blocks)))
+    ctx = types.SimpleNamespace(agree_reject=lambda words, kind, slot, stream, compare=False, blocks=0: seen.append(
+        ("reject", kind, slot, blocks) + (("compare",) if compare else ())))
     eng.buffer = types.SimpleNamespace(
         ctx=ctx, calls=3, put_peers=[1, 2, 3],
         put=lambda kind, slot, stream, masked: seen.append(("put", kind, slot, masked)),
