@@ -134,16 +134,19 @@ def _cases(buf, idx, w, x, fp8, h, y):
     S = load_selftest()
     ints = tuple(range(35))
 
-    def knob_pair():  # what switching the fused launch off and on costs (subtract it from the row below)
-        be.C.set_tuning("DEEPCOMM_DISPATCH_FUSED", 0)
+    def knob_pair():  # what switching the launch and back costs (subtract it from the rows that switch)
         be.C.set_tuning("DEEPCOMM_DISPATCH_FUSED", 1)
-
-    def fresh_two_launches():  # notify and payload as two launches (DEEPCOMM_DISPATCH_FUSED=0), for the A/B
         be.C.set_tuning("DEEPCOMM_DISPATCH_FUSED", 0)
+
+    def one_launch(call):  # notify and payload in one launch (DEEPCOMM_DISPATCH_FUSED=1), for the A/B
+        be.C.set_tuning("DEEPCOMM_DISPATCH_FUSED", 1)
         try:
-            buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=256)
+            return call()
         finally:
-            be.C.set_tuning("DEEPCOMM_DISPATCH_FUSED", 1)
+            be.C.set_tuning("DEEPCOMM_DISPATCH_FUSED", 0)
+
+    def fresh_one_launch():
+        one_launch(lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=256))
 
     no_wait = list(fresh_args)
     no_wait[FLAGS] = (no_wait[FLAGS] & ~WAIT) | REPORT_INVALID  # as a num_worst_tokens dispatch launches
@@ -160,8 +163,10 @@ def _cases(buf, idx, w, x, fp8, h, y):
         "buf.dispatch cached bf16": lambda: buf.dispatch(x, handle=h),
         "be.dispatch cached bf16": lambda: be.dispatch(x, None, None, 256, h, 1, fingerprint=words),
         "buf.dispatch fresh bf16": lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=256),
-        "buf.dispatch fresh bf16, two launches (+ the knob pair)": fresh_two_launches,
+        "buf.dispatch fresh bf16, one launch (+ the knob pair)": fresh_one_launch,
         "knob pair (set_tuning twice)": knob_pair,
+        "fresh crossing, no wait, one launch (+ the knob pair)": lambda: one_launch(
+            lambda: real.dispatch_into(*no_wait)),
         "buf.combine": lambda: buf.combine(y, h),
         "be.combine": lambda: be.combine(y, h, None, fingerprint=cwords),
         "be.dispatch fresh bf16": lambda: be.dispatch(x, idx, w, 256, None, 1, fingerprint=fwords),

@@ -52,7 +52,8 @@ NvlDispatchResult nvl_dispatch(const NvlContext& c, const StreamOrder& order, co
   DC_HOST_ASSERT(!call.notify || !call.wait || (c.counts_host != nullptr && call.notify_args.host_counts != nullptr),
                  "dispatch: a wait needs the mapped counts");
   DC_HOST_ASSERT(!call.bump || (call.payload && !call.notify), "dispatch: only a cached payload advances the call");
-  // notify and payload in one launch where the kernels allow it, else notify, then the payload behind it
+  // notify and payload in one launch where that is chosen (DEEPCOMM_DISPATCH_FUSED=1) and the kernels allow it,
+  // else notify, then the payload behind it
   const bool fused = call.notify && call.payload &&
                      launch_dispatch_fused(call.notify_args, call.dispatch, call.num_blocks, c.layout, c.peers,
                                            c.wait_ctx(), order.comm);

@@ -16,7 +16,7 @@ std::atomic<int>* knobs() {
     values[kTuneDispatchUnroll].store(from_env(std::getenv("DEEPCOMM_DISPATCH_UNROLL"), 16));
     values[kTuneDispatchPrefetch].store(from_env(std::getenv("DEEPCOMM_DISPATCH_PREFETCH"), 1));
     values[kTuneCombineConfig].store(from_env(std::getenv("DEEPCOMM_COMBINE_CONFIG"), 0));
-    values[kTuneDispatchFused].store(from_env(std::getenv("DEEPCOMM_DISPATCH_FUSED"), 1));
+    values[kTuneDispatchFused].store(from_env(std::getenv("DEEPCOMM_DISPATCH_FUSED"), 0));
     return true;
   }();
   (void)read;

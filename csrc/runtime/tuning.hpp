@@ -11,6 +11,7 @@ enum TuningKnob : int {
   kTuneDispatchPrefetch = 1,  // DEEPCOMM_DISPATCH_PREFETCH: 1 loads a warp's next token's metadata early
   kTuneCombineConfig = 2,     // DEEPCOMM_COMBINE_CONFIG: combine's compiled warp split (combine.cu)
   kTuneDispatchFused = 3,     // DEEPCOMM_DISPATCH_FUSED: 1 runs a fresh dispatch's notify and payload in one launch
+                              // (0, the default: two launches; docs/tuning.md has the measured A/B)
   kTuneKnobs = 4,
 };
 
