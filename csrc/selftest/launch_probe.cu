@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "../runtime/cuda_check.hpp"
+#include "../runtime/pdl_launch.hpp"
 #include "launch_probe.hpp"
 
 namespace dc {
@@ -38,19 +39,6 @@ double median_ns(int batches, cudaStream_t stream, const std::function<void()>& 
   return per_op[per_op.size() / 2];
 }
 
-void launch_ex(const void* kernel_args_owner, bool pdl, int blocks, cudaStream_t stream) {
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(blocks);
-  cfg.blockDim = dim3(128);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = pdl ? &attr : nullptr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  const WideArgs& a = *static_cast<const WideArgs*>(kernel_args_owner);
-  DC_CUDA_CHECK(cudaLaunchKernelEx(&cfg, wide_kernel, a));
-}
 
 }  // namespace
 
@@ -66,9 +54,12 @@ std::map<std::string, double> launch_probe(int batches, cudaStream_t stream) {
   out["<<<>>> 24 blocks, 448-byte argument"] = median_ns(batches, stream, [&] {
     wide_kernel<<<24, 128, 0, stream>>>(wide);
   });
-  out["cudaLaunchKernelEx 24 blocks, 448 bytes"] = median_ns(batches, stream, [&] { launch_ex(&wide, false, 24, stream); });
+  // as the library's launch_kernel makes them (runtime/pdl_launch.hpp)
+  out["cudaLaunchKernelEx 24 blocks, 448 bytes"] = median_ns(batches, stream, [&] {
+    launch_kernel(wide_kernel, 24, 128, 0, stream, false, wide);
+  });
   out["cudaLaunchKernelEx 24 blocks, 448 bytes, PDL"] = median_ns(batches, stream, [&] {
-    launch_ex(&wide, true, 24, stream);
+    launch_kernel(wide_kernel, 24, 128, 0, stream, true, wide);
   });
   out["cudaEventRecord"] = median_ns(batches, stream, [&] { DC_CUDA_CHECK(cudaEventRecord(ev, stream)); });
   out["cudaStreamWaitEvent"] = median_ns(batches, stream, [&] { DC_CUDA_CHECK(cudaStreamWaitEvent(stream, ev, 0)); });
