@@ -38,9 +38,10 @@ DC_HD int notify_blocks(int num_tokens) { return num_tokens <= 0 ? 1 : (num_toke
 
 // The notify kernel's accumulators (csrc/kernels/notify.cu): blocks add their counts here, the last block to
 // finish (ticket) reads and clears them. Offsets relative to NvlLayout::notify_work:
-//   ticket int32 | invalid int32 | dispatch ticket int32 | pad to 16 | expert_acc int32 [R * L] |
-//   block_count int32 [blocks][R]
-// (the dispatch kernel's ticket finds its last block, which copies src_idx for the handle)
+//   ticket int32 | invalid int32 | dispatch ticket int32 | entry ticket int32 | notify done u64 |
+//   expert_acc int32 [R * L] | block_count int32 [blocks][R]
+// (the dispatch kernel's ticket finds its last block, which copies src_idx for the handle; the entry ticket is
+// call_entry.cuh's; notify done is the last call whose notify phase ended in a fused dispatch, dispatch.cu)
 struct NotifyWork {
   static constexpr int64_t kDispatchTicket = 8;
   static constexpr int64_t kEntryTicket = 12;  // call_entry.cuh: the blocks that read the call number
