@@ -207,6 +207,9 @@ class LowLatencyEngine:
             self.errors.check(low_latency=True)
         except (RuntimeError, ValueError):
             return  # a timeout: nothing runs on this Buffer any more (the next call says so)
+        # an input error already kept: a second one may still be in the record, which then holds no difference of
+        # this exchange (the first record wins) and must not be read away here; so no comparison this time
+        compare = compare and self.errors.pending is None
         stream = torch.cuda.current_stream(self.device).cuda_stream
         self._enter(ll, stream)
         if fingerprint[agreement.Word.OP] == agreement.Op.LOW_LATENCY_DISPATCH:

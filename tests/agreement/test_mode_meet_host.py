@@ -276,7 +276,8 @@ def test_a_rejected_later_low_latency_call_waits_for_the_words_and_notes_the_cal
         return ValueError("call order: ...")
 
     record = types.SimpleNamespace(check_error=check_error, masked=frozenset())
-    errors = types.SimpleNamespace(check=lambda low_latency=False: order.append("look"), take_pending=lambda: None)
+    errors = types.SimpleNamespace(check=lambda low_latency=False: order.append("look"), take_pending=lambda: None,
+                                   pending=None)
     b = LowLatencyEngine(None, None, 0, 2, torch.device("cpu"), record, errors, "ipc", 4, meet=meet)
 
     class Ctx:
@@ -289,6 +290,12 @@ def test_a_rejected_later_low_latency_call_waits_for_the_words_and_notes_the_cal
     assert order == ["sync", "look", ("reject", 0, 1, True), "sync", ("record", True, True)], order
     assert nvl.owed == [NORMAL]  # paid before this rank's next normal-mode call
     order.clear()
+    errors.pending = ValueError("topk_idx: an earlier call's bad ids")  # kept: a second may wait in the record
+    b.buffer = types.SimpleNamespace(calls=3, ctx=Ctx(), put_peers=[])
+    b.reject(rejected)
+    assert order == ["sync", "look", ("reject", 0, 1, False)], order  # that record is left for a later look
+    order.clear()
+    errors.pending = None
     b.buffer = types.SimpleNamespace(calls=3, ctx=Ctx(), put_peers=[1], put=lambda *a: order.append("put"))
     b.reject(rejected)
     assert order == ["look", ("reject", 0, 1, False), "put"], order
