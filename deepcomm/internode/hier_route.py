@@ -25,7 +25,8 @@ class RouteTables:
     rdma_slot: torch.Tensor             # int32 [T, N]: send_pos itself with one GPU per node
     masks: Optional[torch.Tensor]       # int32 [T, N], None with one GPU per node
     row: torch.Tensor                   # int32 [width]
-    parts: dict                         # the row's offsets (row_words, row_ranks, ..., row_bad, row_width)
+    parts: dict                         # the workspace's layout (hier_route_work): the row's offsets among it
+                                        # (row_words, row_ranks, ..., row_bad, row_width)
 
 
 @functools.lru_cache(maxsize=256)
@@ -57,12 +58,11 @@ def tables_of(work: torch.Tensor, lay: dict, T: int, ranks: int, gpus: int) -> R
     send_pos = work.as_strided((T, R), (R, 1), lay["send_pos"])
     in_rank = work.view(torch.bool).as_strided((T, R), (R, 1), 4 * lay["in_rank"])
     row = work.as_strided((lay["row_width"],), (1,), lay["row"])
-    parts = {k: v for k, v in lay.items() if k.startswith("row_")}
     if G == 1:
-        return RouteTables(in_rank, send_pos, send_pos, None, row, parts)
+        return RouteTables(in_rank, send_pos, send_pos, None, row, lay)
     rdma_slot = work.as_strided((T, N), (N, 1), lay["rdma_slot"])
     masks = work.as_strided((T, N), (N, 1), lay["masks"])
-    return RouteTables(in_rank, send_pos, rdma_slot, masks, row, parts)
+    return RouteTables(in_rank, send_pos, rdma_slot, masks, row, lay)
 
 
 def fill_reference(work: torch.Tensor, lay: dict, topk_idx: torch.Tensor, num_experts: int, ranks: int,
