@@ -26,6 +26,16 @@ class CallErrors:
         if err is not None:
             raise err
 
+    def raise_difference(self, err: ValueError) -> None:
+        """Raise ``err``, the difference a host-waited exchange of this call found; or, with an input error kept from
+        an earlier call, that error first (the other ranks raise it in this call), keeping ``err`` for the next
+        look."""
+        earlier = self.take_pending()
+        if earlier is not None:
+            self.pending = err
+            raise earlier
+        raise err
+
     def take_pending(self) -> Optional[ValueError]:
         """The kept input error, given up to the caller (which names it in an error of its own)."""
         err, self.pending = self.pending, None

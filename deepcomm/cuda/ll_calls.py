@@ -163,12 +163,7 @@ class LowLatencyEngine:
         torch.cuda.synchronize(self.device)
         err = self.record.check_error(low_latency=True, defer_input=True)
         if err is not None:
-            # the other ranks raise an earlier call's error in this call and the difference at their next one
-            earlier = self.errors.take_pending()
-            if earlier is not None:
-                self.errors.pending = err
-                raise earlier
-            raise err
+            self.errors.raise_difference(err)
 
     def _agree_on_host(self, fingerprint) -> None:
         """Every rank's words in one host exchange (only where a low-latency buffer is made), bounded by the

@@ -65,11 +65,7 @@ class ModeMeet:
         err = self.nvl.check_error(low_latency=True, defer_input=True)
         del self.nvl.owed[owed:]  # this rank took its normal-mode number: it owes the peers none
         if err is not None and not rejected:
-            earlier = errors.take_pending()
-            if earlier is not None:  # raised first; the difference at the next look
-                errors.pending = err
-                raise earlier
-            raise err
+            errors.raise_difference(err)
         return True
 
     def link(self, ll) -> None:
