@@ -207,6 +207,52 @@ def _cases(buf, idx, w, x, fp8, h, y):
     }
 
 
+def _crossing_split(buf, idx, w, x, reps=REPS) -> dict:
+    """A fresh BF16 dispatch through the Buffer split at the crossing's host stamps (csrc/runtime/host_stamps.hpp)
+    and around it: median microseconds per segment, each segment ending at the point it names. The stamps and
+    Python's time.monotonic_ns read the same clock; the crossing is wrapped by a proxy (its own cost is in the
+    'Python before' segment)."""
+    import time as _time
+    be = buf._backend
+    C, real = be.C, be.nvl.ctx
+    names = C.HOST_STAMP_NAMES
+    stamps = torch.zeros(len(names), dtype=torch.int64)
+    seen = {}
+    clock = _time.monotonic_ns
+
+    class _Stamped:
+        def dispatch_into(self, *args):
+            seen["pre"] = clock()
+            r = real.dispatch_into(*args)
+            seen["post"] = clock()
+            return r
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    labels = (["Python before the crossing"] + [f"crossing: {n}" for n in names] +
+              ["crossing: back in Python", "Python after the crossing", "whole call"])
+    rows = []
+    real.set_host_stamps(stamps.data_ptr())
+    be.nvl.ctx = _Stamped()
+    try:
+        for i in range(reps + 50):
+            t0 = clock()
+            buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=256)
+            t1 = clock()
+            s = stamps.tolist()
+            points = [t0, seen["pre"]] + s + [seen["post"], t1]
+            if i >= 50:
+                rows.append([b - a for a, b in zip(points, points[1:])] + [t1 - t0])
+            if i % 256 == 255:
+                torch.cuda.synchronize()
+    finally:
+        be.nvl.ctx = real
+        real.set_host_stamps(0)
+    torch.cuda.synchronize()
+    return {label: round(statistics.median(r[j] for r in rows) / 1000, 2) for j, label in enumerate(labels)}
+
+
 def worker(rank, world, tokens, json_path):
     from deepcomm._ext import load_selftest
     buf, idx, w, x, fp8, h, y = setup_calls(rank, tokens, 7168, 24)
@@ -215,6 +261,14 @@ def worker(rank, world, tokens, json_path):
         out[name] = _median_us(fn)
         if hasattr(fn, "waits"):
             out[f"{name}: of which waiting"] = round(statistics.median(fn.waits), 2)
+    # the whole call split at the crossing's stamps: the default launches, then notify and payload as one launch
+    C = buf._backend.C
+    for fused, label in ((0, "split"), (1, "split, one launch"), (2, "split, one launch, GPU-scope poll")):
+        C.set_tuning("DEEPCOMM_DISPATCH_FUSED", fused)
+        try:
+            out.update({f"{label}: {k}": v for k, v in _crossing_split(buf, idx, w, x).items()})
+        finally:
+            C.set_tuning("DEEPCOMM_DISPATCH_FUSED", 0)
     # what one launch and one stream-order call cost the host here (csrc/selftest/launch_probe.hpp)
     probe = load_selftest().launch_probe(200, torch.cuda.current_stream().cuda_stream)
     out.update({f"probe: {name}": round(ns / 1000, 2) for name, ns in probe.items()})

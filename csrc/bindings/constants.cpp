@@ -11,6 +11,7 @@
 #include "../kernels/topk_max.hpp"
 #include "../runtime/agree_record.hpp"
 #include "../runtime/error_record.cuh"
+#include "../runtime/host_stamps.hpp"
 #include "../runtime/internode_layout.hpp"
 #include "args.hpp"
 #include "registry.hpp"
@@ -57,6 +58,11 @@ void register_constants(py::module_& m) {
     py::tuple names(kNotifyTracePoints);
     for (int p = 0; p < kNotifyTracePoints; ++p) names[p] = py::str(kNotifyTraceNames[p]);
     m.attr("NOTIFY_TRACE_NAMES") = names;
+  }
+  {  // a dispatch crossing's host stamps (runtime/host_stamps.hpp): [points] CLOCK_MONOTONIC ns
+    py::tuple names(kHostStampPoints);
+    for (int p = 0; p < kHostStampPoints; ++p) names[p] = py::str(kHostStampNames[p]);
+    m.attr("HOST_STAMP_NAMES") = names;
   }
   {
     py::dict f;

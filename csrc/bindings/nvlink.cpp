@@ -109,6 +109,8 @@ void register_nvlink(py::module_& m) {
       .def("set_agree_record", [](NvlContext& c, uintptr_t dev) { c.agree_device = ptr<AgreeRecord>(dev); })
       // diagnostics: device int64 [NOTIFY_TRACE_BLOCKS][NOTIFY_TRACE_POINTS][2] the notify kernels stamp (0: none)
       .def("set_notify_trace", [](NvlContext& c, uintptr_t dev) { c.notify_trace = ptr<uint64_t>(dev); })
+      // diagnostics: host int64 [len(HOST_STAMP_NAMES)] a dispatch crossing stamps (runtime/host_stamps.hpp; 0: none)
+      .def("set_host_stamps", [](NvlContext& c, uintptr_t host) { c.host_stamps = ptr<int64_t>(host); })
       // where low-latency calls leave their words in our memory (the low-latency buffer's agree slots, 4 sets of
       // [R]; 0: none): normal-mode waits look there too (WaitCtx::cross)
       .def("set_cross_slots", [](NvlContext& c, uintptr_t at, int sets) {
@@ -174,6 +176,7 @@ void register_nvlink(py::module_& m) {
                                uintptr_t topk_weights, uintptr_t count_matrix, uintptr_t invalid_count,
                                int64_t out_rows, int num_blocks, int expert_alignment, uintptr_t src_idx_copy,
                                double wait_timeout_s, const Words& fingerprint) -> py::object {
+        host_stamp(c.host_stamps, kStampEntry);
         const DispatchOutputs outputs{x_type, x_row_bytes, scale_type, scale_row_bytes, K, with_idx, with_weights};
         auto got = into_block(arena, DispatchOutLayout(reserve_rows, x_row_bytes, scale_row_bytes, K).total,
                               (flags & kCallWait) != 0, outputs, [&](int64_t offset) {
@@ -184,7 +187,10 @@ void register_nvlink(py::module_& m) {
           return run_dispatch(c, stream_order(caller, comm, previous, start, end, flags), call);
         });
         if (!got) return py::none();
-        return dispatch_result(got->result, got->views);
+        host_stamp(c.host_stamps, kStampViews);
+        py::tuple result = dispatch_result(got->result, got->views);
+        host_stamp(c.host_stamps, kStampResult);
+        return std::move(result);
       })
       .def("combine_call", [](const NvlContext& c, int flags, uintptr_t caller, uintptr_t comm, uintptr_t previous,
                               uintptr_t start, uintptr_t end, int num_blocks, uintptr_t x, uintptr_t topk_weights,

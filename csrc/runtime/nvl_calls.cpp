@@ -49,6 +49,7 @@ void fill_layout(NvlDispatchResult& r, const DispatchArgs& d) {
 NvlDispatchResult nvl_dispatch(const NvlContext& c, const StreamOrder& order, const NvlDispatchCall& call) {
   NvlDispatchResult r;
   if (call.begin) order.begin();
+  host_stamp(c.host_stamps, kStampBegun);
   DC_HOST_ASSERT(!call.notify || !call.wait || (c.counts_host != nullptr && call.notify_args.host_counts != nullptr),
                  "dispatch: a wait needs the mapped counts");
   DC_HOST_ASSERT(!call.bump || (call.payload && !call.notify), "dispatch: only a cached payload advances the call");
@@ -58,17 +59,20 @@ NvlDispatchResult nvl_dispatch(const NvlContext& c, const StreamOrder& order, co
                      launch_dispatch_fused(call.notify_args, call.dispatch, call.num_blocks, c.layout, c.peers,
                                            c.wait_ctx(), order.comm);
   if (call.notify && !fused) launch_notify_dispatch(call.notify_args, c.layout, c.peers, c.wait_ctx(), order.comm);
+  host_stamp(c.host_stamps, kStampNotify);
   if (call.payload && !fused) {
     DispatchArgs d = call.dispatch;
     d.advance_seq = call.bump;  // a fresh dispatch's notify advanced it already
     d.after_notify = call.notify;
     launch_dispatch(d, call.num_blocks, c.layout, c.peers, c.wait_ctx(), order.comm);
   }
+  host_stamp(c.host_stamps, kStampPayload);
   if (call.dispatch.out_rows >= 0) r.num_recv = int(call.dispatch.out_rows);
   if (call.wait) {
     const auto t0 = std::chrono::steady_clock::now();
     const bool came = wait_for_counts(c, call.notify_args.host_tag, call.wait_timeout_s);
     r.waited_us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+    host_stamp(c.host_stamps, kStampWaited);
     if (!came) {
       r.status = 1;
       return r;
@@ -93,6 +97,7 @@ NvlDispatchResult nvl_dispatch(const NvlContext& c, const StreamOrder& order, co
   }
   if (r.num_recv >= 0) fill_layout(r, call.dispatch);
   if (call.payload && call.finish) order.finish();
+  host_stamp(c.host_stamps, kStampDone);
   return r;
 }
 

@@ -6,6 +6,7 @@
 #include "../kernels/api.hpp"
 #include "dispatch_counts.hpp"
 #include "error_record.cuh"
+#include "host_stamps.hpp"
 #include "nvl_layout.hpp"
 
 namespace dc {
@@ -23,6 +24,7 @@ struct NvlContext {
   const uint8_t* cross = nullptr;  // our low-latency buffer's agree slots (WaitCtx::cross), null before it exists
   int cross_sets = 0;
   uint64_t* notify_trace = nullptr;  // diagnostics: where fresh dispatches' notify kernels stamp (NotifyArgs::trace)
+  int64_t* host_stamps = nullptr;    // diagnostics: host memory [kHostStampPoints] a dispatch crossing stamps
 
   NvlContext(int rank_, int num_ranks, int local_experts_cap, int max_tokens, int64_t hidden_max, int64_t topk_max,
              int64_t arena_bytes)

@@ -15,7 +15,7 @@ VARIANTS = [  # (unroll, prefetch, fused, combine config): every non-default val
     (16, 0, 1, 4),
     (8, 1, 0, 5),
     (16, 1, 0, 1),
-    (8, 0, 1, 2),
+    (8, 0, 2, 2),
     (8, 0, 0, 3),
     (16, 1, 1, 6),
 ]
@@ -60,3 +60,10 @@ def test_notify_trace_names_match_its_point_count():
     assert len(C.NOTIFY_TRACE_NAMES) == C.NOTIFY_TRACE_POINTS == 9
     assert C.NOTIFY_TRACE_NAMES[0] == "entry" and C.NOTIFY_TRACE_NAMES[-1] == "tag stored"
     assert C.NOTIFY_TRACE_BLOCKS == 256
+
+
+@needs_ext
+def test_host_stamp_names_name_every_point_of_a_dispatch_crossing():
+    C = load_extension()
+    assert len(C.HOST_STAMP_NAMES) == 8
+    assert C.HOST_STAMP_NAMES[0] == "entry" and C.HOST_STAMP_NAMES[-1] == "tuple built"
