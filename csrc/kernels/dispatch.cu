@@ -369,18 +369,20 @@ __global__ void __launch_bounds__(kDispatchThreads, 1)
 // wait never keep the last notify block out.
 template <int kUnroll, bool kPrefetch>
 __global__ void __launch_bounds__(kDispatchThreads, 1)
-    dispatch_fused_kernel(NotifyArgs na, DispatchArgs a, NvlLayout layout, Peers peers, WaitCtx ctx_in) {
+    dispatch_fused_kernel(NotifyArgs na, DispatchArgs a, NvlLayout layout, Peers peers, WaitCtx ctx_in,
+                          bool gpu_poll) {
   uint8_t* self = peers.base[ctx_in.rank];
   uint8_t* work = self + layout.notify_work;
   const WaitCtx ctx = enter_call(ctx_in, reinterpret_cast<uint32_t*>(work + NotifyWork::kEntryTicket));
   auto* done = reinterpret_cast<uint64_t*>(work + NotifyWork::kNotifyDone);
   const int G = notify_blocks(na.num_tokens);
   if (int(blockIdx.x) < G) {
-    const notify_detail::NotifyEnd end = notify_detail::notify_phase(na, layout, peers, ctx, G, ctx.seq);
-    if (end != notify_detail::kNotifyNotLast) {
-      __syncthreads();  // every thread's results (and, stopped, nothing more) before the release
+    // the counts out: notify_phase released `done` before it wrote the host's counts
+    const notify_detail::NotifyEnd end = notify_detail::notify_phase(na, layout, peers, ctx, G, ctx.seq, done);
+    if (end == notify_detail::kNotifyStopped) {
+      __syncthreads();  // every thread's stores before the release
       if (threadIdx.x == 0) {
-        if (end == notify_detail::kNotifyStopped) *const_cast<int*>(a.invalid_count) = -1;  // nothing moves
+        *const_cast<int*>(a.invalid_count) = -1;  // nothing moves
         ptx::fence_acq_rel_gpu();
         ptx::st_release_gpu_u64(done, ctx.seq);
       }
@@ -391,7 +393,10 @@ __global__ void __launch_bounds__(kDispatchThreads, 1)
   WaitCtx longer = ctx;
   longer.timeout_ns = ctx.timeout_ns * 2;
   __shared__ int ready;
-  if (threadIdx.x == 0) ready = wait_flag_geq(done, ctx.seq, longer, ctx.rank, kStageNotifyLocal) ? 1 : 0;
+  // gpu_poll (DEEPCOMM_DISPATCH_FUSED=2): GPU-scope loads with a sleep, else system-scope loads back to back
+  if (threadIdx.x == 0)
+    ready = (gpu_poll ? wait_gpu_flag_geq(done, ctx.seq, longer, ctx.rank, kStageNotifyLocal)
+                      : wait_flag_geq(done, ctx.seq, longer, ctx.rank, kStageNotifyLocal)) ? 1 : 0;
   __syncthreads();
   if (!ready) return;
   dispatch_payload<false, kUnroll, kPrefetch>(a, layout, peers, ctx, int(gridDim.x));
@@ -421,7 +426,8 @@ void launch_fused_as(const NotifyArgs& na, const DispatchArgs& args, int num_blo
   constexpr auto kernel = dispatch_fused_kernel<kUnroll, kPrefetch>;
   const int smem = notify_detail::notify_smem_bytes(na.num_experts, notify_blocks(na.num_tokens), layout.num_ranks);
   opt_in_dynamic_smem<kernel>(smem);
-  kernel<<<num_blocks, kDispatchThreads, smem, stream>>>(na, args, layout, peers, ctx);
+  kernel<<<num_blocks, kDispatchThreads, smem, stream>>>(na, args, layout, peers, ctx,
+                                                         tuning(kTuneDispatchFused) == 2);
   DC_CUDA_CHECK(cudaGetLastError());
 }
 

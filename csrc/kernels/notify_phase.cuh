@@ -92,8 +92,11 @@ __device__ __forceinline__ void trace_after_sync(uint64_t* trace, int point) {
 // The notify phase of blocks 0..G-1 (one token per thread; notify.cu's kernel, or the first part of a fused
 // dispatch in dispatch.cu). `fused_seq` 0: a kernel of its own, which advances the call number itself and lets
 // the payload kernel behind it in; else the call's number, advanced at the fused kernel's entry (call_entry.cuh).
+// `counts_done` (the fused dispatch's, else null): released with the call's number as soon as the counts the
+// payload reads are written, before the counts for the host, so that the payload does not wait for those stores.
 __device__ __forceinline__ NotifyEnd notify_phase(const NotifyArgs& a, const NvlLayout& layout, const Peers& peers,
-                                                  const WaitCtx& ctx_base, int G, uint64_t fused_seq) {
+                                                  const WaitCtx& ctx_base, int G, uint64_t fused_seq,
+                                                  uint64_t* counts_done = nullptr) {
   __shared__ NotifyShared sh;
   extern __shared__ int dyn[];
   int* expert_count = dyn;
@@ -287,6 +290,7 @@ __device__ __forceinline__ NotifyEnd notify_phase(const NotifyArgs& a, const Nvl
     a.notify_out[out.per_expert + l] = sum;
     if (host != nullptr) host->per_expert[l] = sum;
   }
+  __shared__ int recv_total;
   if (tid == 0) {
     int bad = 0, recv = 0;
     for (int s = 0; s < R; ++s) {
@@ -295,6 +299,17 @@ __device__ __forceinline__ NotifyEnd notify_phase(const NotifyArgs& a, const Nvl
     }
     a.notify_out[out.bad_all] = bad;
     a.notify_out[out.bad_mine] = sh.invalid;
+    recv_total = recv;
+  }
+  if (counts_done != nullptr) {
+    __syncthreads();  // every thread's device counts before the release
+    if (tid == 0) {
+      ptx::fence_acq_rel_gpu();
+      ptx::st_release_gpu_u64(counts_done, ctx.seq);
+    }
+  }
+  if (tid == 0) {
+    const int bad = a.notify_out[out.bad_all], recv = recv_total;
     if (host != nullptr) {
       host->num_recv = recv;
       host->bad_all = bad;
