@@ -97,6 +97,12 @@ void register_low_latency(py::module_& m) {
                                stream_of(stream), compare, blocks);
       }, py::arg("fingerprint"), py::arg("kind"), py::arg("slot"), py::arg("stream"), py::arg("compare") = false,
          py::arg("blocks") = 0)
+      // With put peers: after agree_reject (no compare) of the same words into the same kind and slot, and the
+      // puts of them, wait for every live peer's words there and record a difference (a call of a new shape)
+      .def("agree_compare", [](const LlContext& c, const Words& fingerprint, int kind, int slot, uintptr_t stream) {
+        launch_ll_agree_compare(fingerprint_of(fingerprint), kind, slot, c.layout, c.peers, c.wait_ctx(),
+                                stream_of(stream));
+      }, py::arg("fingerprint"), py::arg("kind"), py::arg("slot"), py::arg("stream"))
       .def("set_trace", [](LlContext& c, uintptr_t dev) { c.trace = ptr<uint64_t>(dev); })
       .def("set_pdl", [](LlContext& c, int mode) {
         DC_HOST_ASSERT(mode >= 0 && mode <= 2, "set_pdl: mode must be 0, 1 or 2");

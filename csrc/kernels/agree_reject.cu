@@ -1,7 +1,8 @@
 // A call this rank rejected before its kernels (its own validation raised): it still takes part in the call's
 // first exchange, with its words (agreement.Word.REJECTED set), so every peer stops that call naming it instead of
 // pairing the call with this rank's next one. Nothing else moves; the call numbers advance as the call's own
-// first kernel would advance them.
+// first kernel would advance them. The same words-only send, compared, stands for a low-latency call of a new shape
+// in the old buffer (deepcomm/cuda/ll_calls.py).
 #include "../runtime/call_entry.cuh"
 #include "../runtime/cuda_check.hpp"
 #include "agree.cuh"
@@ -36,6 +37,7 @@ __global__ void agree_reject_kernel(Fingerprint f, NvlLayout layout, Peers peers
 // block's data and flags; a combine's words go with the weights put). `compare`: then also wait for every live
 // peer's words and compare them with ours, as a receive half does (a difference is recorded: agree_report), for a
 // call that will not run in this buffer (a new low-latency shape: the host learns whether every rank changed it).
+// A buffer with put peers compares in a launch of its own instead (ll_agree_compare_kernel).
 __global__ void ll_agree_reject_kernel(Fingerprint f, int kind, int slot, LlLayout l, Peers peers, WaitCtx ctx,
                                        bool compare, int blocks) {
   uint8_t* self = peers.base[ctx.rank];
@@ -68,6 +70,21 @@ __global__ void ll_agree_reject_kernel(Fingerprint f, int kind, int slot, LlLayo
   }
 }
 
+// A buffer with put peers: after a words-only send half of `kind` into `slot` (ll_agree_reject_kernel) and the
+// host's puts of its words, wait (bounded) for every live rank's words of that send in our inbox blocks and compare
+// them with ours, as a receive half does (a difference is recorded: agree_report_rows). Not part of the send
+// half's launch: our words reach a put peer only by the host's put, which follows that launch in stream order, and
+// ranks that all changed the shape would each wait there for words no rank has put yet. The tag is the one the
+// send half left for the slot, as a receive half reads it: a dispatch's send count, a combine's sequence number.
+__global__ void ll_agree_compare_kernel(Fingerprint f, int kind, int slot, LlLayout l, Peers peers, WaitCtx ctx) {
+  const uint8_t* self = peers.base[ctx.rank];
+  uint32_t alive;
+  const LlKind k = LlKind(kind);
+  const uint64_t calls = ll_enter<false>(self, l, k, slot, ctx, &alive);
+  const uint64_t tag = k == kLlDispatch ? calls : ctx.seq;
+  if (ll_inbox_agree_on(f, l)) ll_inbox_agree(self, l, alive, k, slot, f, tag, ctx, true);
+}
+
 }  // namespace
 
 void launch_agree_reject(const Fingerprint& words, const NvlLayout& layout, const Peers& peers, const WaitCtx& ctx,
@@ -86,6 +103,16 @@ void launch_ll_agree_reject(const Fingerprint& words, int kind, int slot, const 
   DC_HOST_ASSERT(!layout.with_outbox || kind != kLlDispatch || blocks >= 1,
                  "ll_agree_reject: a buffer with put peers needs the peers' block count");
   ll_agree_reject_kernel<<<1, 32, 0, stream>>>(words, kind, slot, layout, peers, ctx, compare, blocks);
+  DC_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_ll_agree_compare(const Fingerprint& words, int kind, int slot, const LlLayout& layout, const Peers& peers,
+                             const WaitCtx& ctx, cudaStream_t stream) {
+  DC_HOST_ASSERT(kind == kLlDispatch || kind == kLlCombine, "ll_agree_compare: kind must be 0 or 1");
+  DC_HOST_ASSERT(slot == 0 || slot == 1, "ll_agree_compare: slot must be 0 or 1");
+  DC_HOST_ASSERT(layout.num_ranks <= 32, "ll_agree_compare: too many ranks");
+  DC_HOST_ASSERT(layout.with_outbox, "ll_agree_compare: only a buffer with put peers compares apart from the send");
+  ll_agree_compare_kernel<<<1, 32, 0, stream>>>(words, kind, slot, layout, peers, ctx);
   DC_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -172,5 +172,10 @@ void launch_agree_reject(const Fingerprint& words, const NvlLayout& layout, cons
 // raises that many arrival words at each, so their receive halves reach the words; 0 otherwise).
 void launch_ll_agree_reject(const Fingerprint& words, int kind, int slot, const LlLayout& layout, const Peers& peers,
                             const WaitCtx& ctx, cudaStream_t stream, bool compare = false, int blocks = 0);
+// A buffer with put peers (layout.with_outbox): after launch_ll_agree_reject of the same words, kind and slot, and
+// the host's puts of them, a launch that waits for every live rank's words of that send in our inbox blocks and
+// records a difference, as a receive half would. Moves nothing and leaves the call numbers as they are.
+void launch_ll_agree_compare(const Fingerprint& words, int kind, int slot, const LlLayout& layout, const Peers& peers,
+                             const WaitCtx& ctx, cudaStream_t stream);
 
 }  // namespace dc

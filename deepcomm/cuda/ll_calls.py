@@ -140,24 +140,31 @@ class LowLatencyEngine:
 
     def _agree_on_new_shape(self, fingerprint) -> None:
         """Before a call of another shape remakes the buffer: the call's words through the current buffer, as a
-        send half of its kind that moves nothing and then compares (agree_reject with ``compare``), and a wait for
-        it. Ranks that keep the old shape meet the words in their own call and stop it, raising at their next look;
-        this rank raises the same ValueError here and keeps the buffer. When every rank changed the shape the words
-        agree and the buffer is remade on every rank. A buffer with peers reached by puts compares nothing."""
+        send half of its kind that moves nothing and then compares, and a wait for it. Over NVLink one launch does
+        both (agree_reject with ``compare``). With peers reached by puts the words reach them as a rejected call's
+        do (reject: the words-only send half, then the puts), and a launch of its own after the puts compares
+        (agree_compare): inside the send half's launch, ranks that all changed the shape would each wait for
+        words that no rank has put yet. Ranks that keep the old shape meet the words in their own call and stop
+        it, raising at their next look; this rank raises the same ValueError here and keeps the buffer. When every
+        rank changed the shape the words agree and the buffer is remade on every rank."""
         ll = self.buffer
-        if ll.put_peers:
-            return
         # what earlier calls left in the record first (a timeout raises; an input error stays pending), so that the
         # record read below holds this exchange's own difference or nothing
         torch.cuda.synchronize(self.device)
         self.errors.check(low_latency=True)
-        stream = torch.cuda.current_stream(self.device)
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        words = tuple(fingerprint)
         if fingerprint[agreement.Word.OP] == agreement.Op.LOW_LATENCY_DISPATCH:
             kind, slot = 0, ll.calls & 1
             ll.calls += 1
         else:
             kind, slot = 1, (ll.calls - 1) & 1
-        ll.ctx.agree_reject(tuple(fingerprint), kind, slot, stream.cuda_stream, compare=True)
+        if ll.put_peers:
+            ll.ctx.agree_reject(words, kind, slot, stream, blocks=self.blocks)
+            self._put_words(ll, kind, slot, stream)
+            ll.ctx.agree_compare(words, kind, slot, stream)
+        else:
+            ll.ctx.agree_reject(words, kind, slot, stream, compare=True)
         # the whole device, as ModeMeet.first_low_latency_call does: a synchronize of the default stream under MPS
         # was seen to return before such an exchange had written the record
         torch.cuda.synchronize(self.device)
@@ -224,12 +231,16 @@ class LowLatencyEngine:
             except (RuntimeError, ValueError):
                 pass  # a timeout: the next call says so
         if ll.put_peers:
-            # the words (and a dispatch's arrival words) reach put peers as a send half's would: a dispatch's in
-            # its data and flags puts, a combine's with the weights, which the peers' send halves wait for
-            if kind == 0:
-                ll.put(0, slot, stream, self.record.masked)
-            else:
-                ll.put_weights(slot, stream, self.record.masked)
+            self._put_words(ll, kind, slot, stream)
+
+    def _put_words(self, ll: LlBuffer, kind: int, slot: int, stream: int) -> None:
+        """After a words-only send half of ``kind`` into ``slot`` (agree_reject): the words (and a dispatch's
+        arrival words) to the live put peers as a send half's would go: a dispatch's in its data and flags puts, a
+        combine's with the weights, which the peers' send halves wait for."""
+        if kind == 0:
+            ll.put(0, slot, stream, self.record.masked)
+        else:
+            ll.put_weights(slot, stream, self.record.masked)
 
     def _launch(self, launch, return_recv_hook: bool, stream: int, keep=(), after_send=None):
         """Without a hook: ``launch(SEND | RECV, stream)``, both halves in one kernel. With a hook: the send half

@@ -70,8 +70,9 @@ class ModeMeet:
 
     def link(self, ll) -> None:
         """A low-latency buffer (LlBuffer) was made: each mode's waits look at the other's slots from now on. A
-        buffer with peers reached by puts compares no words (ll_common.cuh): nothing to link. Its low-latency call
-        numbers start afresh on every rank: a low-latency call owed from before is void."""
+        buffer with peers reached by puts compares its words inside the blocks the host puts, never in its agree
+        slots (ll_common.cuh): nothing to link. Its low-latency call numbers start afresh on every rank: a
+        low-latency call owed from before is void."""
         self.nvl.owed = [w for w in self.nvl.owed if not is_low_latency(w)]
         if ll.put_peers:
             self.unlink(ll)

@@ -291,9 +291,60 @@ def test_a_new_low_latency_shape_raises_an_earlier_error_first_as_the_other_rank
     assert e.value is earlier and b.errors.pending is disagreement and b.buffer is old
 
 
-def test_a_new_low_latency_shape_with_put_peers_compares_nothing_in_the_old_buffer(monkeypatch):
-    words = agreement.low_latency_dispatch(7, 1, torch.zeros(4, 2048), torch.zeros(4, 2), 128, 8, False, False)
-    b, old, synced, made = _shape_change(monkeypatch, [])
+def _with_put_peers(b, old, monkeypatch):
+    """``old`` with a put peer; returns the log of what the exchange does, in order: the words-only send half
+    (``publish``), the puts, the comparing launch, device synchronizes and looks at the record."""
+    log = []
     old.put_peers = [1]
+    old.ctx.agree_reject = lambda words, kind, slot, stream, compare=False, blocks=0: log.append(
+        ("publish", tuple(words), kind, slot, stream, compare, blocks))
+    old.ctx.agree_compare = lambda words, kind, slot, stream: log.append(
+        ("compare", tuple(words), kind, slot, stream))
+    old.put = lambda kind, slot, stream, masked: log.append(("put", kind, slot, stream, masked))
+    old.put_weights = lambda slot, stream, masked: log.append(("put_weights", slot, stream, masked))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: log.append("synchronize"))
+    looks = b.record.check_error
+    b.record.check_error = lambda **kw: log.append("look") or looks(**kw)
+    return log
+
+
+def test_a_new_low_latency_shape_with_put_peers_is_put_then_compared_in_a_launch_of_its_own(monkeypatch):
+    words = agreement.low_latency_dispatch(7, 1, torch.zeros(4, 2048), torch.zeros(4, 2), 128, 8, False, False)
+    disagreement = ValueError("x: the hidden size differs across ranks in low_latency_dispatch call #7 ...")
+    b, old, _, made = _shape_change(monkeypatch, [None, disagreement])
+    b.record.masked = frozenset({3})
+    log = _with_put_peers(b, old, monkeypatch)
+    with pytest.raises(ValueError) as e:
+        b._buffer_for(8, 128, 2048, words)
+    assert e.value is disagreement
+    # the earlier calls' record first; then the words-only dispatch send into slot 5 & 1 (raising the peers' 4
+    # blocks' arrival words), its data and flags puts to the live peers, the comparing launch after them, the wait
+    # and the record; the buffer is kept
+    assert log == ["synchronize", "look",
+                   ("publish", tuple(words), 0, 1, CALLER, False, 4),
+                   ("put", 0, 1, CALLER, frozenset({3})),
+                   ("compare", tuple(words), 0, 1, CALLER),
+                   "synchronize", "look"]
+    assert old.calls == 6 and b.buffer is old and not old.closed and not made
+
+
+def test_a_new_low_latency_shape_with_put_peers_every_rank_agrees_on_remakes_the_buffer(monkeypatch):
+    words = agreement.low_latency_dispatch(7, 1, torch.zeros(4, 2048), torch.zeros(4, 2), 128, 8, False, False)
+    b, old, _, made = _shape_change(monkeypatch, [None, None])
+    log = _with_put_peers(b, old, monkeypatch)
+    ll = b._buffer_for(8, 128, 2048, words)
+    assert [e[0] if isinstance(e, tuple) else e for e in log[:7]] == [
+        "synchronize", "look", "publish", "put", "compare", "synchronize", "look"]
+    assert old.closed and made == [(8, 128, 2048)] and b.buffer is ll
+
+
+def test_a_new_low_latency_shape_of_a_combine_with_put_peers_goes_with_the_weights(monkeypatch):
+    x = torch.zeros(4, 256, 2048, dtype=torch.bfloat16)
+    words = agreement.low_latency_combine(7, 1, x, torch.zeros(4, 2), types.SimpleNamespace(call=6), False)
+    b, old, _, _ = _shape_change(monkeypatch, [None, None])
+    log = _with_put_peers(b, old, monkeypatch)
     b._buffer_for(8, 128, 2048, words)
-    assert old.ctx.rejects == [] and set(synced) <= {0} and made == [(8, 128, 2048)]  # no exchange waited for
+    # the latest dispatch's slot ((5 - 1) & 1); a combine's words reach put peers with its weights
+    assert log[2:5] == [("publish", tuple(words), 1, 0, CALLER, False, 4), ("put_weights", 0, CALLER, frozenset()),
+                        ("compare", tuple(words), 1, 0, CALLER)]
+    assert old.calls == 5

@@ -3,18 +3,23 @@ GPU 0 in shared mode): once the low-latency buffer exists, a rank that changes h
 num_max_dispatch_tokens_per_rank of a low-latency dispatch while the others keep theirs raises ValueError in the
 call, and the others by their next look (here synchronize()), with the very text the reference backend raises; the
 Buffer's next agreeing round is bit-exact against the reference backend. A change made by every rank at once
-remakes the buffer and runs as on a fresh Buffer. A normal-mode call on some ranks met by a low-latency call on the
-others raises the reference text on every rank too, and the Buffer goes on with agreeing calls of both modes; also
-when the low-latency call is a Buffer's first (the one that makes the low-latency buffer), or a first one a rank
-rejected, and when it is a later one of a new shape (which remakes the buffer) or one a rank rejected."""
+remakes the buffer and runs as on a fresh Buffer. The shape changes run once more with every peer reached by
+NVSHMEM puts (DEEPCOMM_LL_FORCE_PUTS=1), whose words travel inside the puts. A normal-mode call on some ranks met by
+a low-latency call on the others raises the reference text on every rank too, and the Buffer goes on with agreeing
+calls of both modes; also when the low-latency call is a Buffer's first (the one that makes the low-latency
+buffer), or a first one a rank rejected, and when it is a later one of a new shape (which remakes the buffer) or
+one a rank rejected."""
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
 from tests.agreement.test_agreement_gpu import (E, H, M, Inputs, _agreeing_round, _buffers, _expect_disagreement,
                                                 _round, _same)
-from tests.helpers.nccl_run import needs_ranks, rank_device, ranks_for_tests, run_on_gpus, scaled
+from tests.helpers.nccl_run import (has_nvshmem_wheel, needs_ranks, rank_device, ranks_for_tests, run_on_gpus,
+                                    scaled)
 
 pytestmark = [pytest.mark.gpu, needs_ranks(2)]
 
@@ -36,16 +41,23 @@ def _shape_cases(rank, me, dev):
     ]
 
 
-def _shape_worker(rank, world):
+def _shape_worker(rank, world, puts=False):
+    """``puts``: with every peer reached by NVSHMEM puts (the new shape's words travel inside the puts)."""
+    if puts:
+        os.environ["DEEPCOMM_LL_MEMORY"] = "nvshmem"
+        os.environ["DEEPCOMM_LL_FORCE_PUTS"] = "1"
     dev = rank_device(rank)
     torch.cuda.set_device(dev)
     sides = _buffers(dev)
     me = world - 1
+    tag = " (puts)" if puts else ""
     gen = torch.Generator().manual_seed(3000 + rank)
-    _agreeing_round(sides, Inputs(gen, dev), rank, "the start")
+    _agreeing_round(sides, Inputs(gen, dev), rank, "the start" + tag)
+    if puts:
+        assert sides[0].buf._backend.ll.buffer.put_peers == [p for p in range(world) if p != rank]
     for what, call in _shape_cases(rank, me, dev):
-        _expect_disagreement(sides, call, rank, what)
-        _agreeing_round(sides, Inputs(gen, dev), rank, what)
+        _expect_disagreement(sides, call, rank, what + tag)
+        _agreeing_round(sides, Inputs(gen, dev), rank, what + tag)
     # every rank changes hidden at the same call: the buffer is remade everywhere, the results stay exact
     narrow = Inputs(gen, dev, hidden=H // 2)
     got = {}
@@ -54,14 +66,23 @@ def _shape_worker(rank, world):
         out, _ = s.buf.low_latency_combine(recv_x, narrow.idx, narrow.w, handle)
         got[s.label] = (count.clone(), out.clone())
     for a, b, name in zip(got["cuda"], got["reference"], ("recv_count", "combine")):
-        _same(a, b, f"rank {rank}, every rank changed hidden: {name}")
-    _agreeing_round(sides, Inputs(gen, dev), rank, "every rank changed hidden, and back")
+        _same(a, b, f"rank {rank}, every rank changed hidden{tag}: {name}")
+    _agreeing_round(sides, Inputs(gen, dev), rank, "every rank changed hidden, and back" + tag)
     for s in sides:
         s.buf.destroy()
+    if puts:
+        from deepcomm.cuda import nvshmem_session
+        nvshmem_session.finalize()
 
 
 def test_a_low_latency_shape_changed_on_one_rank_raises_on_every_rank():
     run_on_gpus(_shape_worker, WORLD, timeout_s=scaled(600))
+
+
+@pytest.mark.skipif(not has_nvshmem_wheel(),
+                    reason="nvidia.nvshmem is not importable (pip install nvidia-nvshmem-cu13)")
+def test_a_low_latency_shape_changed_on_one_rank_through_puts_raises_on_every_rank():
+    run_on_gpus(_shape_worker, WORLD, True, timeout_s=scaled(600))
 
 
 def _mode_cases(rank, me, dev):
