@@ -263,7 +263,7 @@ def worker(rank, world, tokens, json_path):
             out[f"{name}: of which waiting"] = round(statistics.median(fn.waits), 2)
     # the whole call split at the crossing's stamps: the default launches, then notify and payload as one launch
     C = buf._backend.C
-    for fused, label in ((0, "split"), (1, "split, one launch"), (2, "split, one launch, GPU-scope poll")):
+    for fused, label in ((0, "split"), (1, "split, one launch")):
         C.set_tuning("DEEPCOMM_DISPATCH_FUSED", fused)
         try:
             out.update({f"{label}: {k}": v for k, v in _crossing_split(buf, idx, w, x).items()})

@@ -369,8 +369,7 @@ __global__ void __launch_bounds__(kDispatchThreads, 1)
 // wait never keep the last notify block out.
 template <int kUnroll, bool kPrefetch>
 __global__ void __launch_bounds__(kDispatchThreads, 1)
-    dispatch_fused_kernel(NotifyArgs na, DispatchArgs a, NvlLayout layout, Peers peers, WaitCtx ctx_in,
-                          bool gpu_poll) {
+    dispatch_fused_kernel(NotifyArgs na, DispatchArgs a, NvlLayout layout, Peers peers, WaitCtx ctx_in) {
   uint8_t* self = peers.base[ctx_in.rank];
   uint8_t* work = self + layout.notify_work;
   const WaitCtx ctx = enter_call(ctx_in, reinterpret_cast<uint32_t*>(work + NotifyWork::kEntryTicket));
@@ -393,10 +392,7 @@ __global__ void __launch_bounds__(kDispatchThreads, 1)
   WaitCtx longer = ctx;
   longer.timeout_ns = ctx.timeout_ns * 2;
   __shared__ int ready;
-  // gpu_poll (DEEPCOMM_DISPATCH_FUSED=2): GPU-scope loads with a sleep, else system-scope loads back to back
-  if (threadIdx.x == 0)
-    ready = (gpu_poll ? wait_gpu_flag_geq(done, ctx.seq, longer, ctx.rank, kStageNotifyLocal)
-                      : wait_flag_geq(done, ctx.seq, longer, ctx.rank, kStageNotifyLocal)) ? 1 : 0;
+  if (threadIdx.x == 0) ready = wait_flag_geq(done, ctx.seq, longer, ctx.rank, kStageNotifyLocal) ? 1 : 0;
   __syncthreads();
   if (!ready) return;
   dispatch_payload<false, kUnroll, kPrefetch>(a, layout, peers, ctx, int(gridDim.x));
@@ -424,10 +420,9 @@ template <int kUnroll, bool kPrefetch>
 void launch_fused_as(const NotifyArgs& na, const DispatchArgs& args, int num_blocks, const NvlLayout& layout,
                      const Peers& peers, const WaitCtx& ctx, cudaStream_t stream) {
   constexpr auto kernel = dispatch_fused_kernel<kUnroll, kPrefetch>;
-  const int smem = notify_detail::notify_smem_bytes(na.num_experts, notify_blocks(na.num_tokens), layout.num_ranks);
+  const int smem = notify_detail::notify_smem_bytes(na.num_experts);
   opt_in_dynamic_smem<kernel>(smem);
-  kernel<<<num_blocks, kDispatchThreads, smem, stream>>>(na, args, layout, peers, ctx,
-                                                         tuning(kTuneDispatchFused) == 2);
+  kernel<<<num_blocks, kDispatchThreads, smem, stream>>>(na, args, layout, peers, ctx);
   DC_CUDA_CHECK(cudaGetLastError());
 }
 

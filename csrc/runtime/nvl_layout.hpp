@@ -46,13 +46,17 @@ struct NotifyWork {
   static constexpr int64_t kDispatchTicket = 8;
   static constexpr int64_t kEntryTicket = 12;  // call_entry.cuh: the blocks that read the call number
   static constexpr int64_t kNotifyDone = 16;   // u64: the last call whose notify phase ended (a fused dispatch)
-  int64_t ticket, invalid, expert_acc, block_count, total;
+  static constexpr int64_t kChunkTicket = 24;  // u32: the notify blocks take their chunks of tokens in turn
+  // block_count: [chunk][rank] tokens of each chunk to each rank; chunk_tag: u64 [chunk], the call that published
+  // that chunk's counts
+  int64_t ticket, invalid, expert_acc, block_count, chunk_tag, total;
   DC_HD NotifyWork(int ranks, int local_experts, int max_tokens) {
     ticket = 0;
     invalid = 4;
-    expert_acc = 24;
+    expert_acc = 32;
     block_count = expert_acc + int64_t(ranks) * local_experts * 4;
-    total = block_count + int64_t(notify_blocks(max_tokens)) * ranks * 4;
+    chunk_tag = (block_count + int64_t(notify_blocks(max_tokens)) * ranks * 4 + 7) / 8 * 8;
+    total = chunk_tag + int64_t(notify_blocks(max_tokens)) * 8;
   }
 };
 

@@ -10,9 +10,8 @@ enum TuningKnob : int {
   kTuneDispatchUnroll = 0,    // DEEPCOMM_DISPATCH_UNROLL: 16-byte vectors per lane in flight per pass (16, 8)
   kTuneDispatchPrefetch = 1,  // DEEPCOMM_DISPATCH_PREFETCH: 1 loads a warp's next token's metadata early
   kTuneCombineConfig = 2,     // DEEPCOMM_COMBINE_CONFIG: combine's compiled warp split (combine.cu)
-  kTuneDispatchFused = 3,     // DEEPCOMM_DISPATCH_FUSED: 1 runs a fresh dispatch's notify and payload in one launch,
-                              // 2 the same with the payload blocks polling the notify phase's release at GPU scope
-                              // with a short sleep (0, the default: two launches; docs/tuning.md has the A/B)
+  kTuneDispatchFused = 3,     // DEEPCOMM_DISPATCH_FUSED: 1 runs a fresh dispatch's notify and payload in one launch
+                              // (0, the default: two launches; docs/tuning.md has the measured A/B)
   kTuneKnobs = 4,
 };
 

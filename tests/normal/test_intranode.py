@@ -136,5 +136,41 @@ def _intranode_worker(rank, world):
     ref.destroy()
 
 
+def _many_chunks_worker(rank, world):
+    """Fresh dispatches of many notify chunks (up to 12 of 512 tokens each, their number changing from call to call
+    and from rank to rank), each followed by a cached dispatch and a combine of its handle: bit-exact against the
+    reference backend, the handle's send positions included."""
+    dev = rank_device(rank)
+    gen = torch.Generator().manual_seed(4321 + rank)
+    cuda = cuda_buffer(max_tokens_per_rank=6144, hidden=512, num_sms=24, timeout_s=20)
+    ref = reference(dev, max_tokens_per_rank=6144, hidden=512)
+    cuda.set_num_sms(sms(24))
+    rounds = [(6000, 4097, 513, 6144), (4097, 1, 5000, 0), (6144, 2999, 512, 1025)]
+    for i, tokens in enumerate(rounds):
+        T = tokens[rank % len(tokens)]
+        mode = "masked" if i % 2 else "random"
+        what = f"many chunks, round {i} (T={T}, {mode})"
+        idx, w = _routing(gen, T, 64, 8, mode, dev)
+        x = (torch.randn(T, 512, generator=gen) * 3).to(torch.bfloat16).to(dev)
+        out_c = cuda.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=64)
+        out_r = ref.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=64)
+        for name, a, b in zip(("recv_x", "recv_topk_idx", "recv_topk_weights"), out_c[:3], out_r[:3]):
+            _same(a, b, f"{what} dispatch {name}")
+        assert out_c[3] == out_r[3], f"{what} tokens per expert"
+        hc, hr = out_c[4], out_r[4]
+        for name in ("is_token_in_rank", "send_pos", "count_matrix", "recv_src_idx"):
+            _same(getattr(hc, name), getattr(hr, name), f"{what} handle.{name}")
+        _same(cuda.dispatch(x, handle=hc)[0], ref.dispatch(x, handle=hr)[0], f"{what} cached recv_x")
+        y = torch.randn(hc.num_recv, 512, generator=gen).to(torch.bfloat16).to(dev)
+        _same(cuda.combine(y, hc)[0], ref.combine(y, hr)[0], f"{what} combine")
+    cuda.synchronize()
+    cuda.destroy()
+    ref.destroy()
+
+
 def test_intranode_matches_reference():
     run_on_gpus(_intranode_worker, WORLD)
+
+
+def test_fresh_dispatches_of_many_notify_chunks_match_reference():
+    run_on_gpus(_many_chunks_worker, WORLD)

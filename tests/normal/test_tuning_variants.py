@@ -1,13 +1,12 @@
 """The compiled tuning variants of the normal-mode kernels (deepcomm._C.set_tuning: DEEPCOMM_DISPATCH_UNROLL,
 DEEPCOMM_DISPATCH_PREFETCH, DEEPCOMM_DISPATCH_FUSED, DEEPCOMM_COMBINE_CONFIG) against the reference backend, bit
-for bit: the intranode
-cases at world size 1, one set of knobs per process (every variant appears in one set). On the CPU: the knobs'
-names and values as the extension keeps them."""
+for bit: the intranode cases and those of many notify chunks at world size 1, one set of knobs per process (every
+variant appears in one set). On the CPU: the knobs' names and values as the extension keeps them."""
 import pytest
 
 from deepcomm._ext import load_extension
 from tests.helpers.nccl_run import gpu_count, run_on_gpus
-from tests.normal.test_intranode import _intranode_worker
+from tests.normal.test_intranode import _intranode_worker, _many_chunks_worker
 
 needs_ext = pytest.mark.skipif(load_extension() is None, reason="deepcomm._C is not built")
 KNOBS = ("DEEPCOMM_DISPATCH_UNROLL", "DEEPCOMM_DISPATCH_PREFETCH", "DEEPCOMM_DISPATCH_FUSED", "DEEPCOMM_COMBINE_CONFIG")
@@ -15,7 +14,7 @@ VARIANTS = [  # (unroll, prefetch, fused, combine config): every non-default val
     (16, 0, 1, 4),
     (8, 1, 0, 5),
     (16, 1, 0, 1),
-    (8, 0, 2, 2),
+    (8, 0, 1, 2),
     (8, 0, 0, 3),
     (16, 1, 1, 6),
 ]
@@ -27,6 +26,7 @@ def _variant_worker(rank, world, values):
         C.set_tuning(knob, value)
     assert tuple(C.get_tuning(k) for k in KNOBS) == tuple(values)
     _intranode_worker(rank, world)
+    _many_chunks_worker(rank, world)
 
 
 @pytest.mark.gpu
