@@ -48,6 +48,11 @@ struct NotifyShared {
   // followed in dynamic shared memory by int expert_count[num_experts]
 };
 
+// A chunk's count of tokens to a rank as it is published: the low 32 bits of the call's number above the count.
+__device__ __forceinline__ uint64_t chunk_word(uint64_t tag, int count) {
+  return (uint64_t(uint32_t(tag)) << 32) | uint32_t(count);
+}
+
 // One thread's token: which ranks it goes to, and its experts counted once each in expert_count.
 __device__ __forceinline__ uint32_t token_ranks(const int64_t* row, int topk, int num_experts, int experts_per_rank,
                                                 int* expert_count, int* invalid) {
@@ -109,8 +114,7 @@ __device__ __forceinline__ NotifyEnd notify_phase(const NotifyArgs& a, const Nvl
   uint8_t* work = self + layout.notify_work;
   const NotifyWork wl(R, layout.num_local_experts, layout.max_tokens);
   int* expert_acc = reinterpret_cast<int*>(work + wl.expert_acc);
-  int* block_count = reinterpret_cast<int*>(work + wl.block_count);
-  uint64_t* chunk_tag = reinterpret_cast<uint64_t*>(work + wl.chunk_tag);
+  uint64_t* chunk_count = reinterpret_cast<uint64_t*>(work + wl.chunk_count);
   uint64_t* counter = reinterpret_cast<uint64_t*>(self + layout.seq_counter);
   trace_stamp(a.trace, kNotifyTraceEntry);
   // The payload kernel behind us (launched with programmatic dependent launch) may now put its blocks on the SMs:
@@ -152,25 +156,20 @@ __device__ __forceinline__ NotifyEnd notify_phase(const NotifyArgs& a, const Nvl
     }
     sh.rank_total[tid] = running;
     sh.chunk_base[tid] = 0;
-    if (!single) {
-      block_count[chunk * R + tid] = running;
-      __threadfence();
-    }
+    // our counts out for the chunks after ours, each with the call's tag in the same word
+    if (!single) ptx::st_relaxed_gpu_u64(chunk_count + chunk * R + tid, chunk_word(sh.tag, running));
   }
   __syncthreads();
   if (!single) {
-    // Our counts out for the chunks after ours, then the counts of the chunks before ours: every block publishes
-    // before it waits, so these waits end about when the last block has counted.
-    if (tid == 0) {
-      ptx::fence_acq_rel_gpu();
-      ptx::st_release_gpu_u64(chunk_tag + chunk, sh.tag);
-    }
-    if (tid < chunk) wait_gpu_flag_geq(chunk_tag + tid, sh.tag, ctx_base, rank, kStageNotifyLocal);
-    __syncthreads();
-    if (tid < R) {
-      int base = 0;
-      for (int c = 0; c < chunk; ++c) base += __ldcg(block_count + c * R + tid);
-      sh.chunk_base[tid] = base;
+    // The counts of the chunks before ours, one word each, waited for (bounded) until it carries this call's tag:
+    // every block publishes before it waits, so these waits end about when the last block has counted.
+    for (int i = tid; i < chunk * R; i += blockDim.x) {
+      uint64_t v = 0;
+      wait_until([&] {
+        v = ptx::ld_relaxed_gpu_u64(chunk_count + i);
+        return uint32_t(v >> 32) == uint32_t(sh.tag);
+      }, ctx_base, rank, kStageNotifyLocal);
+      atomicAdd(&sh.chunk_base[i % R], int(uint32_t(v)));
     }
     __syncthreads();
   }
@@ -205,7 +204,7 @@ __device__ __forceinline__ NotifyEnd notify_phase(const NotifyArgs& a, const Nvl
   // are the totals already) ----
   if (!single && tid < R) {
     int running = 0;
-    for (int c = 0; c < G; ++c) running += __ldcg(block_count + c * R + tid);
+    for (int c = 0; c < G; ++c) running += int(uint32_t(ptx::ld_relaxed_gpu_u64(chunk_count + c * R + tid)));
     sh.rank_total[tid] = running;
   }
   if (tid == 0) {

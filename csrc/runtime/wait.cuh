@@ -69,16 +69,4 @@ __device__ __forceinline__ bool wait_flag_geq(const uint64_t* flag, uint64_t tar
   return wait_until([&] { return ptx::ld_acquire_sys_u64(flag) >= target; }, ctx, peer, stage);
 }
 
-// Wait until *flag, released by another block of this GPU (st.release.gpu), reaches `target`: GPU-scope loads with
-// a short sleep between them, so that the waiting thread takes little issue bandwidth from the blocks it waits for
-// (a notify block waiting for the counts of the chunks before its own).
-__device__ __forceinline__ bool wait_gpu_flag_geq(const uint64_t* flag, uint64_t target, const WaitCtx& ctx, int peer,
-                                                  int stage) {
-  return wait_until([&] {
-    if (ptx::ld_acquire_gpu_u64(flag) >= target) return true;
-    __nanosleep(64);
-    return false;
-  }, ctx, peer, stage);
-}
-
 }  // namespace dc
