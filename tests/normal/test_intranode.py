@@ -39,6 +39,20 @@ def _same(a, b, what):
     assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), f"{what} differs"
 
 
+def _fresh_dispatch_same(cuda, ref, payload, idx, w, E, what):
+    """A fresh dispatch on both Buffers, every output and the handle's routing compared; the two handles."""
+    out_c = cuda.dispatch(payload, topk_idx=idx, topk_weights=w, num_experts=E, expert_alignment=4)
+    out_r = ref.dispatch(payload, topk_idx=idx, topk_weights=w, num_experts=E, expert_alignment=4)
+    for name, a, b in zip(("recv_x", "recv_topk_idx", "recv_topk_weights"), out_c[:3], out_r[:3]):
+        _same(a, b, f"{what} dispatch {name}")
+    assert out_c[3] == out_r[3], f"{what} tokens per expert {out_c[3]} vs {out_r[3]}"
+    hc, hr = out_c[4], out_r[4]
+    for name in ("is_token_in_rank", "send_pos", "count_matrix", "recv_src_idx"):
+        _same(getattr(hc, name), getattr(hr, name), f"{what} handle.{name}")
+    assert hc.num_recv == hr.num_recv
+    return hc, hr
+
+
 def _cases(rank):
     # (tokens per rank by rank, hidden, experts, topk, routing mode, dtype, num_sms)
     return [
@@ -77,15 +91,7 @@ def _intranode_worker(rank, world):
         for name, a, b in zip(("tokens_per_rank", "tokens_per_expert", "is_token_in_rank"), lay_c, lay_r):
             _same(a, b, f"{what} layout {name}")
 
-        out_c = cuda.dispatch(payload, topk_idx=idx, topk_weights=w, num_experts=E, expert_alignment=4)
-        out_r = ref.dispatch(payload, topk_idx=idx, topk_weights=w, num_experts=E, expert_alignment=4)
-        for name, a, b in zip(("recv_x", "recv_topk_idx", "recv_topk_weights"), out_c[:3], out_r[:3]):
-            _same(a, b, f"{what} dispatch {name}")
-        assert out_c[3] == out_r[3], f"{what} tokens per expert {out_c[3]} vs {out_r[3]}"
-        hc, hr = out_c[4], out_r[4]
-        for name in ("is_token_in_rank", "send_pos", "count_matrix", "recv_src_idx"):
-            _same(getattr(hc, name), getattr(hr, name), f"{what} handle.{name}")
-        assert hc.num_recv == hr.num_recv
+        hc, hr = _fresh_dispatch_same(cuda, ref, payload, idx, w, E, what)
 
         # cached re-dispatch follows the same route
         again = cuda.dispatch(payload, handle=hc, topk_weights=w)
@@ -152,14 +158,7 @@ def _many_chunks_worker(rank, world):
         what = f"many chunks, round {i} (T={T}, {mode})"
         idx, w = _routing(gen, T, 64, 8, mode, dev)
         x = (torch.randn(T, 512, generator=gen) * 3).to(torch.bfloat16).to(dev)
-        out_c = cuda.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=64)
-        out_r = ref.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=64)
-        for name, a, b in zip(("recv_x", "recv_topk_idx", "recv_topk_weights"), out_c[:3], out_r[:3]):
-            _same(a, b, f"{what} dispatch {name}")
-        assert out_c[3] == out_r[3], f"{what} tokens per expert"
-        hc, hr = out_c[4], out_r[4]
-        for name in ("is_token_in_rank", "send_pos", "count_matrix", "recv_src_idx"):
-            _same(getattr(hc, name), getattr(hr, name), f"{what} handle.{name}")
+        hc, hr = _fresh_dispatch_same(cuda, ref, x, idx, w, 64, what)
         _same(cuda.dispatch(x, handle=hc)[0], ref.dispatch(x, handle=hr)[0], f"{what} cached recv_x")
         y = torch.randn(hc.num_recv, 512, generator=gen).to(torch.bfloat16).to(dev)
         _same(cuda.combine(y, hc)[0], ref.combine(y, hr)[0], f"{what} combine")
