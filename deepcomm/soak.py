@@ -12,6 +12,9 @@ one iteration to show the comparison catches it (the run must then fail).
     python -m deepcomm.soak --backend cuda --iterations 10000      # GPUs: one process per GPU
     python -m deepcomm.soak --world-size 4 --iterations 2000        # 4 ranks sharing the GPUs (MPS; docs/testing.md)
     python -m deepcomm.soak --device cpu --iterations 50           # reference against itself on CPU processes
+
+``--progress`` prints each iteration's case on rank 0 before it runs (where a run stalls, its last line names the
+case); `bash dev/device_matrix.sh soak` runs it bounded, with Python's tracebacks dumped if it does not end.
 """
 from __future__ import annotations
 
@@ -40,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "buffer (a collective IPC allocation), so drawing one per iteration would dominate the run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--self-check", action="store_true")
+    p.add_argument("--progress", action="store_true",
+                   help="rank 0 prints each iteration's case before it runs, so a run that stalls shows where")
     return p
 
 
@@ -193,6 +198,9 @@ def run_worker(rank: int, world: int, local_rank: int, args, dev_type: str) -> i
         seed = args.seed * 1_000_003 + it * 131 + rank  # inputs differ by rank and iteration
         gen.manual_seed(seed)
         x, idx, w = _inputs(case, random.Random(seed), gen, device)
+        if args.progress and rank == 0:
+            print(f"iteration {it} at {time.monotonic() - start:.1f} s: {case.label()} T={x.shape[0]} "
+                  f"H={case.hidden} E={case.experts} K={case.topk} mask={case.mask}", flush=True)
         corrupt = to_corrupt and it >= args.iterations // 2
         if case.mode == "normal":
             ok, flipped = _normal(buf, ref, case, x, idx, w, gen, device, corrupt)

@@ -17,6 +17,9 @@
 #                             times it beside deepcomm (PYTHONPATH for the later steps)
 #        | bench              python -m deepcomm.bench over every GPU (one rank each) with $BENCH_ARGS into
 #                             $OUT/bench.json
+#        | soak               python -m deepcomm.soak --backend cuda --progress in this process (one rank) with
+#                             $SOAK_ARGS (default --seconds 60) into $OUT/soak.log; a run past the step's budget
+#                             is stopped with SIGABRT, which makes Python dump every thread's traceback there
 # e.g. bash dev/device_matrix.sh profile 1:test_normal_world1 2:test_agreement_gpu,test_intranode 8:test_intranode
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
@@ -44,6 +47,16 @@ for step in "$@"; do
     echo "deepep build: rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$summary"
     export PYTHONPATH="$(cd "$DEEPEP_SRC" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
     tail -3 "$OUT/deepep_build.log"
+    continue
+  fi
+  if [[ "$step" == soak ]]; then
+    # shellcheck disable=SC2086
+    RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=${SOAK_PORT:-29561} \
+      timeout -s ABRT "$budget" python3 -X faulthandler -m deepcomm.soak --backend cuda --progress \
+      ${SOAK_ARGS:---seconds 60} > "$OUT/soak.log" 2>&1
+    echo "soak: rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$summary"
+    grep -v "^iteration " "$OUT/soak.log" | tail -25
+    grep "^iteration " "$OUT/soak.log" | tail -3
     continue
   fi
   if [[ "$step" == bench ]]; then
