@@ -5,6 +5,7 @@ output views, the handle) and the crossing into C++ alone. A diagnostic for the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -18,6 +19,27 @@ from dev.profile_host import setup_calls  # noqa: E402
 from tests.helpers.nccl_run import run_on_gpus  # noqa: E402
 
 REPS = 3000
+
+
+class _IntoProxy:
+    """The NVLink context ``real`` (NvlContext) with its dispatch_into replaced by ``into(*args)``: how a profile
+    records, replays or times a crossing without touching the backend's code."""
+
+    def __init__(self, real, into):
+        self._real, self.dispatch_into = real, into
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+@contextlib.contextmanager
+def _fused(C, value: int):
+    """DEEPCOMM_DISPATCH_FUSED set to ``value`` inside, back to the default (0) after."""
+    C.set_tuning("DEEPCOMM_DISPATCH_FUSED", value)
+    try:
+        yield
+    finally:
+        C.set_tuning("DEEPCOMM_DISPATCH_FUSED", 0)
 
 
 def _median_us(fn, reps=REPS) -> float:
@@ -73,15 +95,11 @@ def _cases(buf, idx, w, x, fp8, h, y):
     real = be.nvl.ctx
     seen = {}
 
-    class _Capture:
-        def dispatch_into(self, *args):
-            seen["into"] = list(args)
-            return real.dispatch_into(*args)
+    def capture(*args):
+        seen["into"] = list(args)
+        return real.dispatch_into(*args)
 
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-    be.nvl.ctx = _Capture()
+    be.nvl.ctx = _IntoProxy(real, capture)
     try:
         buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=256)
     finally:
@@ -108,13 +126,6 @@ def _cases(buf, idx, w, x, fp8, h, y):
     fresh_out = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=256)
     fresh_res = fresh_crossing()
 
-    class _Replay:
-        def dispatch_into(self, *args):
-            return fresh_res
-
-        def __getattr__(self, name):
-            return getattr(real, name)
-
     def buffer_layer():
         backend_dispatch = be.dispatch
         be.dispatch = lambda *a, **k: fresh_out
@@ -124,7 +135,7 @@ def _cases(buf, idx, w, x, fp8, h, y):
             be.dispatch = backend_dispatch
 
     def backend_python():
-        be.nvl.ctx = _Replay()
+        be.nvl.ctx = _IntoProxy(real, lambda *args: fresh_res)
         try:
             be.dispatch(x, idx, w, 256, None, 1, fingerprint=fwords)
         finally:
@@ -139,11 +150,8 @@ def _cases(buf, idx, w, x, fp8, h, y):
         be.C.set_tuning("DEEPCOMM_DISPATCH_FUSED", 0)
 
     def one_launch(call):  # notify and payload in one launch (DEEPCOMM_DISPATCH_FUSED=1), for the A/B
-        be.C.set_tuning("DEEPCOMM_DISPATCH_FUSED", 1)
-        try:
+        with _fused(be.C, 1):
             return call()
-        finally:
-            be.C.set_tuning("DEEPCOMM_DISPATCH_FUSED", 0)
 
     def fresh_one_launch():
         one_launch(lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=256))
@@ -220,21 +228,17 @@ def _crossing_split(buf, idx, w, x, reps=REPS) -> dict:
     seen = {}
     clock = _time.monotonic_ns
 
-    class _Stamped:
-        def dispatch_into(self, *args):
-            seen["pre"] = clock()
-            r = real.dispatch_into(*args)
-            seen["post"] = clock()
-            return r
-
-        def __getattr__(self, name):
-            return getattr(real, name)
+    def stamped(*args):
+        seen["pre"] = clock()
+        r = real.dispatch_into(*args)
+        seen["post"] = clock()
+        return r
 
     labels = (["Python before the crossing"] + [f"crossing: {n}" for n in names] +
               ["crossing: back in Python", "Python after the crossing", "whole call"])
     rows = []
     real.set_host_stamps(stamps.data_ptr())
-    be.nvl.ctx = _Stamped()
+    be.nvl.ctx = _IntoProxy(real, stamped)
     try:
         for i in range(reps + 50):
             t0 = clock()
@@ -262,13 +266,9 @@ def worker(rank, world, tokens, json_path):
         if hasattr(fn, "waits"):
             out[f"{name}: of which waiting"] = round(statistics.median(fn.waits), 2)
     # the whole call split at the crossing's stamps: the default launches, then notify and payload as one launch
-    C = buf._backend.C
     for fused, label in ((0, "split"), (1, "split, one launch")):
-        C.set_tuning("DEEPCOMM_DISPATCH_FUSED", fused)
-        try:
+        with _fused(buf._backend.C, fused):
             out.update({f"{label}: {k}": v for k, v in _crossing_split(buf, idx, w, x).items()})
-        finally:
-            C.set_tuning("DEEPCOMM_DISPATCH_FUSED", 0)
     # what one launch and one stream-order call cost the host here (csrc/selftest/launch_probe.hpp)
     probe = load_selftest().launch_probe(200, torch.cuda.current_stream().cuda_stream)
     out.update({f"probe: {name}": round(ns / 1000, 2) for name, ns in probe.items()})

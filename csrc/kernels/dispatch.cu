@@ -360,11 +360,11 @@ __global__ void __launch_bounds__(kDispatchThreads, 1)
 }
 
 // A fresh dispatch in one launch (DEEPCOMM_DISPATCH_FUSED=1; not the default: on one H200 at world size 1 it took
-// 10 us more host time per call and 3 us more GPU time at 4096 tokens than the two launches, docs/tuning.md): the
-// call's number at entry (every block), the notify phase in blocks
-// 0..notify_blocks(T)-1 (notify_phase.cuh), then the payload in every block, once the notify phase's last block
-// has released NotifyWork::kNotifyDone for this call (its counts and send positions written, or the call
-// stopped: the payload then sees the invalid count it set and stops too). The host launches it only where the
+// the same host time per call as the two launches, its counts coming later by what the launch saves, and about
+// 2 us more GPU time at 4096 tokens, docs/tuning.md): the call's number at entry (every block), the notify phase
+// in blocks 0..notify_blocks(T)-1 (notify_phase.cuh), then the payload in every block, once the notify phase's
+// last block has released NotifyWork::kNotifyDone for this call (the counts the payload reads written, or the
+// call stopped: the payload then sees the invalid count it set and stops too). The host launches it only where the
 // notify blocks are at most the payload blocks, all of them resident (num_sms <= the SMs), so the blocks that
 // wait never keep the last notify block out.
 template <int kUnroll, bool kPrefetch>
