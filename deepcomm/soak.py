@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "buffer (a collective IPC allocation), so drawing one per iteration would dominate the run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--self-check", action="store_true")
+    p.add_argument("--timeout-s", type=float, default=60.0,
+                   help="the tested Buffer's timeout: a stalled wait raises CommTimeoutError naming its stage")
     p.add_argument("--progress", action="store_true",
                    help="rank 0 prints each iteration's case before it runs, so a run that stalls shows where")
     return p
@@ -175,7 +177,7 @@ def run_worker(rank: int, world: int, local_rank: int, args, dev_type: str) -> i
                  num_max_low_latency_tokens=args.max_ll_tokens)
     on_gloo_gpu = device.type == "cuda" and not group_uses_nccl(dist.group.WORLD)  # ranks sharing a GPU
     backend = "cuda" if on_gloo_gpu and args.backend == "auto" else args.backend
-    buf = deepcomm.Buffer(backend=backend, timeout_s=60, **sizes)
+    buf = deepcomm.Buffer(backend=backend, timeout_s=args.timeout_s, **sizes)
     # on a gloo group the reference runs on the CPU: the adapter moves its inputs there and its outputs back
     ref = DeviceAdapter(deepcomm.Buffer(backend="reference", **sizes), device)
     flag_device = "cpu" if on_gloo_gpu else device  # where the stop flag's all_reduce runs

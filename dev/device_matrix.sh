@@ -19,7 +19,8 @@
 #                             $OUT/bench.json
 #        | soak               python -m deepcomm.soak --backend cuda --progress in this process (one rank) with
 #                             $SOAK_ARGS (default --seconds 60) into $OUT/soak.log; a run past the step's budget
-#                             is stopped with SIGABRT, which makes Python dump every thread's traceback there
+#                             is stopped with SIGABRT, which makes Python dump every thread's traceback there;
+#                             SOAK_BUDGET_S caps the step's seconds
 # e.g. bash dev/device_matrix.sh profile 1:test_normal_world1 2:test_agreement_gpu,test_intranode 8:test_intranode
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
@@ -50,6 +51,7 @@ for step in "$@"; do
     continue
   fi
   if [[ "$step" == soak ]]; then
+    budget=$(( budget < ${SOAK_BUDGET_S:-$budget} ? budget : ${SOAK_BUDGET_S:-$budget} ))
     # shellcheck disable=SC2086
     RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=${SOAK_PORT:-29561} \
       timeout -s ABRT "$budget" python3 -X faulthandler -m deepcomm.soak --backend cuda --progress \

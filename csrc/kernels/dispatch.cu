@@ -111,7 +111,10 @@ __device__ __forceinline__ void dispatch_tokens_lane_dests(const DispatchArgs& a
     }
     uint8_t* my_dst = my_row >= 0 ? sh.dst[lane][0] + int64_t(my_row) * a.x_row_bytes : nullptr;
     const int4* src = reinterpret_cast<const int4*>(static_cast<const uint8_t*>(a.x) + int64_t(t) * a.x_row_bytes);
-    for (int64_t base = lane; base < n16; base += 32 * kUnroll) {
+    // The bound is the warp's, not the lane's: every lane must reach the shuffles below, also where the row's last
+    // pass holds fewer than 32 vectors (x rows under 512 bytes, or n16 % (32 * kUnroll) under 32).
+    for (int64_t first = 0; first < n16; first += 32 * kUnroll) {
+      const int64_t base = first + lane;
       int4 v[kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
