@@ -423,7 +423,7 @@ template <int kUnroll, bool kPrefetch>
 void launch_fused_as(const NotifyArgs& na, const DispatchArgs& args, int num_blocks, const NvlLayout& layout,
                      const Peers& peers, const WaitCtx& ctx, cudaStream_t stream) {
   constexpr auto kernel = dispatch_fused_kernel<kUnroll, kPrefetch>;
-  const int smem = notify_detail::notify_smem_bytes(na.num_experts, notify_blocks(na.num_tokens), layout.num_ranks);
+  const int smem = notify_detail::notify_smem_bytes(na.num_experts);
   opt_in_dynamic_smem<kernel>(smem);
   kernel<<<num_blocks, kDispatchThreads, smem, stream>>>(na, args, layout, peers, ctx);
   DC_CUDA_CHECK(cudaGetLastError());

@@ -2,10 +2,11 @@
 // number, sends each peer our row of the count matrix and its experts' counts, collects everyone's, and tells
 // the host what it must know (DispatchCounts in mapped host memory).
 //
-// The layout is spread over ceil(T / kNotifyChunk) blocks, one token per thread: each block finds its tokens'
-// ranks and experts, their positions among the block's tokens, and adds its counts into NotifyWork. The last
-// block to finish (a ticket) turns block counts into prefixes, makes send_pos absolute, and alone talks to peers.
-// A single block skips NotifyWork and the ticket: its own counts are the totals.
+// The layout is spread over ceil(T / kNotifyChunk) blocks, one token per thread: each block takes a chunk of
+// tokens, finds their ranks and experts, publishes its counts per rank, adds the counts of the chunks before its
+// own to its tokens' positions (so send_pos is absolute as written), and adds its expert counts into NotifyWork.
+// The last block to finish (a ticket) sums the totals and alone talks to peers. A single block skips NotifyWork
+// and the ticket: its own counts are the totals.
 #include "../runtime/cuda_check.hpp"
 #include "../runtime/smem_opt_in.hpp"
 #include "notify_phase.cuh"
@@ -27,7 +28,7 @@ void launch_notify_dispatch(const NotifyArgs& args, const NvlLayout& layout, con
                             cudaStream_t stream) {
   check_notify_args(args, layout);
   const int blocks = notify_blocks(args.num_tokens);
-  const int smem = notify_smem_bytes(args.num_experts, blocks, layout.num_ranks);
+  const int smem = notify_smem_bytes(args.num_experts);
   opt_in_dynamic_smem<notify_dispatch_kernel>(smem);
   notify_dispatch_kernel<<<blocks, kNotifyThreads, smem, stream>>>(args, layout, peers, ctx);
   DC_CUDA_CHECK(cudaGetLastError());

@@ -15,7 +15,6 @@ namespace notify_detail {
 constexpr int kNotifyThreads = kNotifyChunk;
 constexpr int kNotifyWarps = kNotifyThreads / 32;
 constexpr int kNotifyMaxBlocks = 256;  // 128k tokens per rank
-constexpr int kFixBatch = 8;           // send positions each thread of the last block has in flight
 static_assert(kNotifyMaxBlocks == kNotifyTraceBlocks, "a notify trace has a row per block");
 
 // How a block's notify phase ended: not the last block (its part is done), or the last block (the whole phase):
@@ -34,19 +33,25 @@ inline void check_notify_args(const NotifyArgs& args, const NvlLayout& layout) {
   DC_HOST_ASSERT(notify_blocks(args.num_tokens) <= kNotifyMaxBlocks, "notify: too many tokens");
 }
 
-// Dynamic shared memory the phase needs for G blocks.
-__host__ __device__ inline int notify_smem_bytes(int num_experts, int blocks, int ranks) {
-  return (num_experts + blocks * ranks) * int(sizeof(int));
-}
+// Dynamic shared memory the phase needs: a count per expert.
+__host__ __device__ inline int notify_smem_bytes(int num_experts) { return num_experts * int(sizeof(int)); }
 
 struct NotifyShared {
   int warp_count[kNotifyWarps][kMaxRanks];  // tokens of each warp to each rank, then its exclusive prefix
   int rank_total[kMaxRanks];                // block's tokens to each rank; in the last block, the rank's total
+  int chunk_base[kMaxRanks];                // tokens of the chunks before ours to each rank
   int invalid;
   int last;
-  uint64_t seq;
-  // followed in dynamic shared memory by int expert_count[num_experts], then (last block) int block_base[G][R]
+  int chunk;                                // which kNotifyChunk tokens this block counts
+  uint64_t seq;                             // the call's number (the last block), or
+  uint64_t tag;                             // ... its number as every block reads it: the chunks' tag
+  // followed in dynamic shared memory by int expert_count[num_experts]
 };
+
+// A chunk's count of tokens to a rank as it is published: the low 32 bits of the call's number above the count.
+__device__ __forceinline__ uint64_t chunk_word(uint64_t tag, int count) {
+  return (uint64_t(uint32_t(tag)) << 32) | uint32_t(count);
+}
 
 // One thread's token: which ranks it goes to, and its experts counted once each in expert_count.
 __device__ __forceinline__ uint32_t token_ranks(const int64_t* row, int topk, int num_experts, int experts_per_rank,
@@ -109,7 +114,8 @@ __device__ __forceinline__ NotifyEnd notify_phase(const NotifyArgs& a, const Nvl
   uint8_t* work = self + layout.notify_work;
   const NotifyWork wl(R, layout.num_local_experts, layout.max_tokens);
   int* expert_acc = reinterpret_cast<int*>(work + wl.expert_acc);
-  int* block_count = reinterpret_cast<int*>(work + wl.block_count);
+  uint64_t* chunk_count = reinterpret_cast<uint64_t*>(work + wl.chunk_count);
+  uint64_t* counter = reinterpret_cast<uint64_t*>(self + layout.seq_counter);
   trace_stamp(a.trace, kNotifyTraceEntry);
   // The payload kernel behind us (launched with programmatic dependent launch) may now put its blocks on the SMs:
   // they wait for this kernel to complete before they read anything (dispatch.cu), and every block of ours is
@@ -117,11 +123,19 @@ __device__ __forceinline__ NotifyEnd notify_phase(const NotifyArgs& a, const Nvl
   if (fused_seq == 0) ptx::launch_dependents();
 
   for (int i = tid; i < E; i += blockDim.x) expert_count[i] = 0;
-  if (tid == 0) sh.invalid = 0;
+  if (tid == 0) {
+    sh.invalid = 0;
+    // Chunks go to the blocks in the order they get here, so that the chunks a block waits for below are held by
+    // blocks already running. The counter is read before any ticket is taken, so every block reads the number
+    // before the last block advances it.
+    sh.chunk = single ? 0 : int(atomicAdd(reinterpret_cast<unsigned*>(work + NotifyWork::kChunkTicket), 1u));
+    sh.tag = fused_seq != 0 ? fused_seq : *counter + 1;
+  }
   __syncthreads();
 
   // ---- this block's tokens ----
-  const int t = blockIdx.x * kNotifyChunk + tid;
+  const int chunk = sh.chunk;
+  const int t = chunk * kNotifyChunk + tid;
   const uint32_t mask = t < a.num_tokens ? token_ranks(a.topk_idx + int64_t(t) * a.topk, a.topk, E, L, expert_count,
                                                        &sh.invalid)
                                          : 0u;
@@ -141,17 +155,32 @@ __device__ __forceinline__ NotifyEnd notify_phase(const NotifyArgs& a, const Nvl
       running += c;
     }
     sh.rank_total[tid] = running;
-    if (!single) block_count[blockIdx.x * R + tid] = running;
+    sh.chunk_base[tid] = 0;
+    // our counts out for the chunks after ours, each with the call's tag in the same word
+    if (!single) ptx::st_relaxed_gpu_u64(chunk_count + chunk * R + tid, chunk_word(sh.tag, running));
   }
   __syncthreads();
+  if (!single) {
+    // The counts of the chunks before ours, one word each, waited for (bounded) until it carries this call's tag:
+    // every block publishes before it waits, so these waits end about when the last block has counted.
+    for (int i = tid; i < chunk * R; i += blockDim.x) {
+      uint64_t v = 0;
+      wait_until([&] {
+        v = ptx::ld_relaxed_gpu_u64(chunk_count + i);
+        return uint32_t(v >> 32) == uint32_t(sh.tag);
+      }, ctx_base, rank, kStageNotifyLocal);
+      atomicAdd(&sh.chunk_base[i % R], int(uint32_t(v)));
+    }
+    __syncthreads();
+  }
   if (t < a.num_tokens) {
 #pragma unroll
     for (int r = 0; r < kMaxRanks; ++r) {
       if (r >= R) break;
       const bool in = (mask >> r) & 1u;
       a.is_token_in_rank[int64_t(t) * R + r] = in;
-      // position among this block's tokens to r; the last block adds the earlier blocks' counts
-      a.send_pos[int64_t(t) * R + r] = in ? sh.warp_count[warp][r] + __popc(ballots[r] & ptx::lanemask_lt()) : -1;
+      a.send_pos[int64_t(t) * R + r] =
+          in ? sh.chunk_base[r] + sh.warp_count[warp][r] + __popc(ballots[r] & ptx::lanemask_lt()) : -1;
     }
   }
   if (!single) {
@@ -171,15 +200,11 @@ __device__ __forceinline__ NotifyEnd notify_phase(const NotifyArgs& a, const Nvl
   trace_stamp(a.trace, kNotifyTraceTicket);
   if (!single && !sh.last) return kNotifyNotLast;
 
-  // ---- the last block: totals, absolute send positions, the sequence number (a single block's own counts,
-  // rank totals and invalid count are the totals already) ----
-  int* block_base = dyn + E;
+  // ---- the last block: totals, the sequence number (a single block's own counts, rank totals and invalid count
+  // are the totals already) ----
   if (!single && tid < R) {
     int running = 0;
-    for (int b = 0; b < G; ++b) {
-      block_base[b * R + tid] = running;
-      running += __ldcg(block_count + b * R + tid);
-    }
+    for (int c = 0; c < G; ++c) running += int(uint32_t(ptx::ld_relaxed_gpu_u64(chunk_count + c * R + tid)));
     sh.rank_total[tid] = running;
   }
   if (tid == 0) {
@@ -187,14 +212,10 @@ __device__ __forceinline__ NotifyEnd notify_phase(const NotifyArgs& a, const Nvl
       sh.invalid = __ldcg(reinterpret_cast<int*>(work + wl.invalid));
       *reinterpret_cast<int*>(work + wl.invalid) = 0;
       *reinterpret_cast<uint32_t*>(work + wl.ticket) = 0u;
+      *reinterpret_cast<uint32_t*>(work + NotifyWork::kChunkTicket) = 0u;
     }
-    if (fused_seq != 0) {
-      sh.seq = fused_seq;
-    } else {
-      uint64_t* counter = reinterpret_cast<uint64_t*>(self + layout.seq_counter);
-      sh.seq = *counter + 1;  // the call's number (folded here instead of a bump kernel)
-      *counter = sh.seq;
-    }
+    sh.seq = sh.tag;  // the call's number
+    if (fused_seq == 0) *counter = sh.seq;  // advanced here instead of by a bump kernel
   }
   if (!single) {
     for (int e = tid; e < E; e += blockDim.x) {
@@ -203,23 +224,6 @@ __device__ __forceinline__ NotifyEnd notify_phase(const NotifyArgs& a, const Nvl
     }
   }
   __syncthreads();
-  // kFixBatch positions loaded before any is stored: a plain loop's store may alias its next load, which then
-  // waits a whole memory round trip per position (this stage of the last block took 3.7 us one by one, 3.1
-  // batched, of notify's 15 at 4096 tokens, world size 1)
-  const int64_t fix_end = int64_t(a.num_tokens) * R;
-  for (int64_t i0 = int64_t(kNotifyChunk) * R + tid; i0 < fix_end; i0 += int64_t(blockDim.x) * kFixBatch) {
-    int pos[kFixBatch];
-#pragma unroll
-    for (int u = 0; u < kFixBatch; ++u) {
-      const int64_t i = i0 + int64_t(u) * blockDim.x;
-      pos[u] = i < fix_end ? __ldcg(a.send_pos + i) : -1;
-    }
-#pragma unroll
-    for (int u = 0; u < kFixBatch; ++u) {
-      const int64_t i = i0 + int64_t(u) * blockDim.x;
-      if (pos[u] >= 0) a.send_pos[i] = pos[u] + block_base[(i / R) / kNotifyChunk * R + i % R];
-    }
-  }
   trace_after_sync(a.trace, kNotifyTracePrefixes);
   WaitCtx ctx = ctx_base;
   ctx.seq = sh.seq;

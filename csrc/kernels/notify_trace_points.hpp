@@ -13,8 +13,8 @@ constexpr int kNotifyTraceBlocks = 256;  // blocks a trace has room for: notify.
 enum NotifyTracePoint : int {
   kNotifyTraceEntry = 0,     // kernel entry
   kNotifyTraceCounted = 1,   // the block's tokens' ranks and experts counted, warp counts in shared memory
-  kNotifyTraceTicket = 2,    // block counts and sums published, the ticket taken
-  kNotifyTracePrefixes = 3,  // last block: totals, the call's number, send_pos made absolute
+  kNotifyTraceTicket = 2,    // block counts published, earlier chunks' counts added, sums published, the ticket taken
+  kNotifyTracePrefixes = 3,  // last block: totals and the call's number
   kNotifyTraceSent = 4,      // counts stored at every peer, fenced, the counts' flag released
   kNotifyTraceAgreed = 5,    // every rank's call words compared (right after point 4 when the call has none)
   kNotifyTraceFlags = 6,     // every peer's counts' flag seen
@@ -22,7 +22,7 @@ enum NotifyTracePoint : int {
   kNotifyTraceTag = 8,       // fenced, the host tag stored
 };
 constexpr const char* kNotifyTraceNames[kNotifyTracePoints] = {
-    "entry", "ids counted", "ticket taken", "prefixes done", "counts sent + flag released", "agreement done",
+    "entry", "ids counted", "ticket taken", "totals done", "counts sent + flag released", "agreement done",
     "peers' flags seen", "host counts written", "tag stored"};
 
 }  // namespace dc

@@ -39,20 +39,23 @@ DC_HD int notify_blocks(int num_tokens) { return num_tokens <= 0 ? 1 : (num_toke
 // The notify kernel's accumulators (csrc/kernels/notify.cu): blocks add their counts here, the last block to
 // finish (ticket) reads and clears them. Offsets relative to NvlLayout::notify_work:
 //   ticket int32 | invalid int32 | dispatch ticket int32 | entry ticket int32 | notify done u64 |
-//   expert_acc int32 [R * L] | block_count int32 [blocks][R]
+//   chunk ticket int32 | (4 bytes) | expert_acc int32 [R * L] | chunk_count u64 [blocks][R]
 // (the dispatch kernel's ticket finds its last block, which copies src_idx for the handle; the entry ticket is
 // call_entry.cuh's; notify done is the last call whose notify phase ended in a fused dispatch, dispatch.cu)
 struct NotifyWork {
   static constexpr int64_t kDispatchTicket = 8;
   static constexpr int64_t kEntryTicket = 12;  // call_entry.cuh: the blocks that read the call number
   static constexpr int64_t kNotifyDone = 16;   // u64: the last call whose notify phase ended (a fused dispatch)
-  int64_t ticket, invalid, expert_acc, block_count, total;
+  static constexpr int64_t kChunkTicket = 24;  // u32: the notify blocks take their chunks of tokens in turn
+  // chunk_count: u64 [chunk][rank], the tokens of each chunk to each rank in the low 32 bits, the low 32 bits of
+  // the number of the call that wrote it above them (one word: no flag, no fence between count and tag)
+  int64_t ticket, invalid, expert_acc, chunk_count, total;
   DC_HD NotifyWork(int ranks, int local_experts, int max_tokens) {
     ticket = 0;
     invalid = 4;
-    expert_acc = 24;
-    block_count = expert_acc + int64_t(ranks) * local_experts * 4;
-    total = block_count + int64_t(notify_blocks(max_tokens)) * ranks * 4;
+    expert_acc = 32;
+    chunk_count = expert_acc + int64_t(ranks) * local_experts * 4;
+    total = chunk_count + int64_t(notify_blocks(max_tokens)) * ranks * 8;
   }
 };
 
