@@ -11,6 +11,7 @@
 #        | kernels            each call's kernels' GPU time at world size 1 (dev/profile_kernels.py) into
 #                             $OUT/kernel_time.json
 #        | copy               the copy probes' rates at 4-32 SMs (dev/profile_copy.py) into $OUT/copy.json
+#                             (each profiler step takes $PROFILE_ARGS after its own arguments)
 #        | 1:FILE,FILE        tests/*/FILE.py at world size 1 (one rank on the GPU)
 #        | N:FILE,FILE[:EXPR] the files with N ranks sharing GPU 0 under MPS (docs/testing.md), pytest -k EXPR
 #        | deepep             build DeepEP V1 from $DEEPEP_SRC (a copy carried into the tree) so that the benchmark
@@ -18,9 +19,10 @@
 #        | bench              python -m deepcomm.bench over every GPU (one rank each) with $BENCH_ARGS into
 #                             $OUT/bench.json
 #        | soak               python -m deepcomm.soak --backend cuda --progress in this process (one rank) with
-#                             $SOAK_ARGS (default --seconds 60) into $OUT/soak.log; a run past the step's budget
+#                             $SOAK_ARGS (default --seconds 60) into $OUT/soak1.log; a run past the step's budget
 #                             is stopped with SIGABRT, which makes Python dump every thread's traceback there;
 #                             SOAK_BUDGET_S caps the step's seconds
+#        | soak:N             the same with N ranks sharing GPU 0 under MPS (--world-size N) into $OUT/soakN.log
 # e.g. bash dev/device_matrix.sh profile 1:test_normal_world1 2:test_agreement_gpu,test_intranode 8:test_intranode
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
@@ -50,15 +52,23 @@ for step in "$@"; do
     tail -3 "$OUT/deepep_build.log"
     continue
   fi
-  if [[ "$step" == soak ]]; then
+  if [[ "$step" == soak || "$step" == soak:* ]]; then
     budget=$(( budget < ${SOAK_BUDGET_S:-$budget} ? budget : ${SOAK_BUDGET_S:-$budget} ))
-    # shellcheck disable=SC2086
-    RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=${SOAK_PORT:-29561} \
-      timeout -s ABRT "$budget" python3 -X faulthandler -m deepcomm.soak --backend cuda --progress \
-      ${SOAK_ARGS:---seconds 60} > "$OUT/soak.log" 2>&1
-    echo "soak: rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$summary"
-    grep -v "^iteration " "$OUT/soak.log" | tail -25
-    grep "^iteration " "$OUT/soak.log" | tail -3
+    ranks=1; [[ "$step" == soak:* ]] && ranks="${step#soak:}"
+    log="$OUT/soak$ranks.log"
+    if (( ranks == 1 )); then
+      # shellcheck disable=SC2086
+      RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=${SOAK_PORT:-29561} \
+        timeout -s ABRT "$budget" python3 -X faulthandler -m deepcomm.soak --backend cuda --progress \
+        ${SOAK_ARGS:---seconds 60} > "$log" 2>&1
+    else
+      # shellcheck disable=SC2086
+      timeout "$budget" bash launch/with_mps.sh python3 -m deepcomm.soak --world-size "$ranks" --progress \
+        ${SOAK_ARGS:---seconds 60} > "$log" 2>&1
+    fi
+    echo "$step: rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$summary"
+    grep -v "^iteration " "$log" | tail -25
+    grep "^iteration " "$log" | tail -3
     continue
   fi
   if [[ "$step" == bench ]]; then
@@ -82,7 +92,7 @@ for step in "$@"; do
   if [[ -n "$profiler" ]]; then
     IFS='|' read -r script name extra shown <<< "$profiler"
     # shellcheck disable=SC2086
-    timeout "$budget" python3 "dev/$script" --json "$OUT/$name.json" $extra > "$OUT/$name.log" 2>&1
+    timeout "$budget" python3 "dev/$script" --json "$OUT/$name.json" $extra ${PROFILE_ARGS:-} > "$OUT/$name.log" 2>&1
     echo "$step: rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$summary"
     tail -"$shown" "$OUT/$name.log"
     continue

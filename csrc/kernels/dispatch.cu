@@ -26,6 +26,8 @@
 namespace dc {
 
 constexpr int kDispatchThreads = 512;
+// the fused launch runs the notify phase in these blocks: one token per thread, as notify's own launch
+static_assert(kDispatchThreads == notify_detail::kNotifyThreads, "fused dispatch: notify phase block size");
 constexpr int kDispatchUnroll = 8;  // the default: 16-byte vectors each lane holds in flight per dest pass
 
 struct DispatchShared {

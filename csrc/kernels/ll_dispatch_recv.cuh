@@ -120,16 +120,19 @@ __device__ __forceinline__ void dispatch_recv_phase(const LlDispatchArgs& a, con
   int* src_info = reinterpret_cast<int*>(self + l.out_src_info_at(slot));
 
   // Bad input some rank passed in this call (report_bad_input): one record, the same on every rank: ids out of range
-  // before duplicates, lowest rank first. Warp 0 of the last block, lane which * R + s loading word (which, s), all
-  // at once; off the rows' path.
+  // before duplicates, lowest rank first. Warp 0 of the last block, lane s loading rank s's word of each kind (up to
+  // 32 ranks: the alive mask's width); off the rows' path.
   if (blockIdx.x == gridDim.x - 1 && warp == 0) {
-    const int which = lane / R, s = lane % R;
-    const bool bad = lane < 2 * R && ll_is_alive(alive, s) &&
-                     ptx::ld_relaxed_sys_u64(reinterpret_cast<const uint64_t*>(self + l.input_err_at(slot, which, s))) ==
-                         calls;
-    const uint32_t found = __ballot_sync(0xffffffffu, bad);
-    if (found != 0u && lane == __ffs(found) - 1)
-      report_input_error(ctx, s, which == 0 ? kStageLlInvalidIds : kStageLlDuplicateIds);
+    for (int which = 0; which < 2; ++which) {
+      const bool bad = lane < R && ll_is_alive(alive, lane) &&
+                       ptx::ld_relaxed_sys_u64(reinterpret_cast<const uint64_t*>(
+                           self + l.input_err_at(slot, which, lane))) == calls;
+      const uint32_t found = __ballot_sync(0xffffffffu, bad);  // the same in every lane: the loop ends together
+      if (found == 0u) continue;
+      if (lane == __ffs(found) - 1)
+        report_input_error(ctx, lane, which == 0 ? kStageLlInvalidIds : kStageLlDuplicateIds);
+      break;
+    }
   }
 
   // The output metadata, after the rows (nothing here is on the rows' path), from the last blocks first: the first
