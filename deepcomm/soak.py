@@ -14,7 +14,8 @@ one iteration to show the comparison catches it (the run must then fail).
     python -m deepcomm.soak --device cpu --iterations 50           # reference against itself on CPU processes
 
 ``--progress`` prints each iteration's case on rank 0 before it runs (where a run stalls, its last line names the
-case); `bash dev/device_matrix.sh soak` runs it bounded, with Python's tracebacks dumped if it does not end.
+case); ``--timeout-s`` sets the tested Buffer's timeout (a stalled wait then raises naming its stage); `bash
+dev/device_matrix.sh soak` runs it bounded, with Python's tracebacks dumped if it does not end.
 """
 from __future__ import annotations
 
@@ -34,7 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, default=0)
     p.add_argument("--iterations", type=int, default=10000)
     p.add_argument("--seconds", type=float, default=0.0, help="stop after this long (0: no limit)")
-    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--max-tokens", type=int, default=2048,
+                   help="normal-mode tokens per rank drawn up to this (past 512: a fresh dispatch's notify spans "
+                        "several blocks)")
     p.add_argument("--max-hidden", type=int, default=4096)
     p.add_argument("--max-ll-tokens", type=int, default=128)
     p.add_argument("--modes", default="normal,low_latency")
