@@ -24,6 +24,9 @@ class Capabilities:
     # enters, before anything is sent), over every call kind: a call that raised with the count unchanged never
     # joined its exchange, and Buffer rejects it (``reject``) so that the other ranks raise instead of waiting
     counts_joined_calls: bool = False
+    # the most ranks its low-latency mode serves (0: any number); a low-latency call of a larger group raises
+    # ValueError in Buffer on every rank before anything is exchanged
+    max_low_latency_ranks: int = 0
 
 
 @runtime_checkable

@@ -340,6 +340,10 @@ class Buffer:
                              use_ue8m0=False, return_recv_hook=False):
         """``(recv_x, recv_count, handle, hook)``."""
         backend = self._live()
+        limit = backend.capabilities.max_low_latency_ranks
+        if limit and self._world_size > limit:
+            v.fail("group", f"low-latency mode on the {self.backend_name} backend serves at most {limit} ranks, "
+                            f"this group has {self._world_size} (normal mode serves it)")
         v.check_low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
                                      use_ue8m0, self._world_size, self._device, self.config.hidden,
                                      self.config.num_max_low_latency_tokens,

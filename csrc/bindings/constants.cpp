@@ -22,6 +22,7 @@ namespace dc::bindings {
 
 void register_constants(py::module_& m) {
   m.attr("MAX_RANKS") = kMaxRanks;
+  m.attr("LL_MAX_RANKS") = kLlMaxRanks;  // runtime/ll_layout.hpp
   m.attr("MAX_BLOCKS") = kMaxBlocks;
   m.attr("DISPATCH_COUNTS_BYTES") = int64_t(sizeof(DispatchCounts));
   m.attr("COUNTS_MAX_EXPERTS") = kCountsMaxExperts;

@@ -38,7 +38,7 @@ __global__ void agree_reject_kernel(Fingerprint f, NvlLayout layout, Peers peers
 // peer's words and compare them with ours, as a receive half does (a difference is recorded: agree_report), for a
 // call that will not run in this buffer (a new low-latency shape: the host learns whether every rank changed it).
 // A buffer with put peers compares in a launch of its own instead (ll_agree_compare_kernel).
-__global__ void ll_agree_reject_kernel(Fingerprint f, int kind, int slot, LlLayout l, Peers peers, WaitCtx ctx,
+__global__ void ll_agree_reject_kernel(Fingerprint f, int kind, int slot, LlLayout l, LlPeers peers, WaitCtx ctx,
                                        bool compare, int blocks) {
   uint8_t* self = peers.base[ctx.rank];
   uint32_t alive;
@@ -76,7 +76,7 @@ __global__ void ll_agree_reject_kernel(Fingerprint f, int kind, int slot, LlLayo
 // half's launch: our words reach a put peer only by the host's put, which follows that launch in stream order, and
 // ranks that all changed the shape would each wait there for words no rank has put yet. The tag is the one the
 // send half left for the slot, as a receive half reads it: a dispatch's send count, a combine's sequence number.
-__global__ void ll_agree_compare_kernel(Fingerprint f, int kind, int slot, LlLayout l, Peers peers, WaitCtx ctx) {
+__global__ void ll_agree_compare_kernel(Fingerprint f, int kind, int slot, LlLayout l, LlPeers peers, WaitCtx ctx) {
   const uint8_t* self = peers.base[ctx.rank];
   uint32_t alive;
   const LlKind k = LlKind(kind);
@@ -94,7 +94,7 @@ void launch_agree_reject(const Fingerprint& words, const NvlLayout& layout, cons
   DC_CUDA_CHECK(cudaGetLastError());
 }
 
-void launch_ll_agree_reject(const Fingerprint& words, int kind, int slot, const LlLayout& layout, const Peers& peers,
+void launch_ll_agree_reject(const Fingerprint& words, int kind, int slot, const LlLayout& layout, const LlPeers& peers,
                             const WaitCtx& ctx, cudaStream_t stream, bool compare, int blocks) {
   DC_HOST_ASSERT(kind == kLlDispatch || kind == kLlCombine, "ll_agree_reject: kind must be 0 or 1");
   DC_HOST_ASSERT(slot == 0 || slot == 1, "ll_agree_reject: slot must be 0 or 1");
@@ -106,7 +106,7 @@ void launch_ll_agree_reject(const Fingerprint& words, int kind, int slot, const 
   DC_CUDA_CHECK(cudaGetLastError());
 }
 
-void launch_ll_agree_compare(const Fingerprint& words, int kind, int slot, const LlLayout& layout, const Peers& peers,
+void launch_ll_agree_compare(const Fingerprint& words, int kind, int slot, const LlLayout& layout, const LlPeers& peers,
                              const WaitCtx& ctx, cudaStream_t stream) {
   DC_HOST_ASSERT(kind == kLlDispatch || kind == kLlCombine, "ll_agree_compare: kind must be 0 or 1");
   DC_HOST_ASSERT(slot == 0 || slot == 1, "ll_agree_compare: slot must be 0 or 1");

@@ -18,6 +18,12 @@ struct Peers {
   uint8_t* base[kMaxRanks];
 };
 
+// Base of each rank's low-latency buffer as this process reaches it (mapped, or our outbox for a peer reached by
+// puts): every rank of the job, not one NVLink domain (kLlMaxRanks, csrc/runtime/ll_layout.hpp).
+struct LlPeers {
+  uint8_t* base[kLlMaxRanks];
+};
+
 // Layout of one routing (no communication, no host sync; kernels/layout.cu).
 //   topk_idx int64 [T, K], K <= 32;  out: tokens_per_rank int32 [R], tokens_per_expert int32 [E],
 //   is_token_in_rank bool [T, R]. A token counts once per rank and once per expert, however many of its slots
@@ -139,7 +145,7 @@ struct LlDispatchArgs {
 // slot, topk and use_fp8 of the args.
 // args.pdl != 0: launched with programmatic dependent launch (csrc/runtime/pdl_launch.hpp); so is the combine.
 void launch_ll_dispatch(const LlDispatchArgs& args, int phases, int num_blocks, const LlLayout& layout,
-                        const Peers& peers, const WaitCtx& ctx, cudaStream_t stream);
+                        const LlPeers& peers, const WaitCtx& ctx, cudaStream_t stream);
 
 // Combine. x: expert outputs bf16 [L][R*M][H] in the layout of the slot's dispatch; topk_idx/topk_weights: ours.
 struct LlCombineArgs {
@@ -158,7 +164,7 @@ struct LlCombineArgs {
 // another rank, fp32 to ourselves). Receive half: out[t] = sum over the ranks holding t's experts, ascending, of
 // their partials; fp32, one rounding.
 void launch_ll_combine(const LlCombineArgs& args, int phases, int num_blocks, const LlLayout& layout,
-                       const Peers& peers, const WaitCtx& ctx, cudaStream_t stream);
+                       const LlPeers& peers, const WaitCtx& ctx, cudaStream_t stream);
 
 // Call agreement of a call this rank rejected (agree_reject.cu): it takes part in the call's first exchange
 // with its words (REJECTED set) and moves nothing, so every peer stops that call naming it. Normal mode: advances
@@ -170,12 +176,12 @@ void launch_agree_reject(const Fingerprint& words, const NvlLayout& layout, cons
 // with `compare` it also waits for every live peer's words and records a difference, as a receive half would.
 // blocks: the block count of the peers' low-latency launches (a rejected dispatch of a buffer with put peers
 // raises that many arrival words at each, so their receive halves reach the words; 0 otherwise).
-void launch_ll_agree_reject(const Fingerprint& words, int kind, int slot, const LlLayout& layout, const Peers& peers,
+void launch_ll_agree_reject(const Fingerprint& words, int kind, int slot, const LlLayout& layout, const LlPeers& peers,
                             const WaitCtx& ctx, cudaStream_t stream, bool compare = false, int blocks = 0);
 // A buffer with put peers (layout.with_outbox): after launch_ll_agree_reject of the same words, kind and slot, and
 // the host's puts of them, a launch that waits for every live rank's words of that send in our inbox blocks and
 // records a difference, as a receive half would. Moves nothing and leaves the call numbers as they are.
-void launch_ll_agree_compare(const Fingerprint& words, int kind, int slot, const LlLayout& layout, const Peers& peers,
+void launch_ll_agree_compare(const Fingerprint& words, int kind, int slot, const LlLayout& layout, const LlPeers& peers,
                              const WaitCtx& ctx, cudaStream_t stream);
 
 }  // namespace dc

@@ -79,7 +79,7 @@ __device__ __forceinline__ bool sum_expert_rows(const LlCombineArgs& a, int64_t 
 // Our weights to every other rank, each tagged with this call: one 8-byte store carries both, so a reader that sees
 // the tag sees the weight, with no flag and no fence to wait for. (A put peer gets them in our outbox; with put
 // peers the weights phase stores them once ahead of the send half, so the host can put them first.)
-__device__ __forceinline__ void store_weights(const LlCombineArgs& a, const LlLayout& l, const Peers& peers,
+__device__ __forceinline__ void store_weights(const LlCombineArgs& a, const LlLayout& l, const LlPeers& peers,
                                               const WaitCtx& ctx, uint32_t alive) {
   const int R = l.num_ranks, rank = ctx.rank, K = a.topk, T = a.num_tokens;
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < R * T * K; i += gridDim.x * blockDim.x) {
@@ -92,7 +92,7 @@ __device__ __forceinline__ void store_weights(const LlCombineArgs& a, const LlLa
 
 // The send half serves the other ranks only: our own tokens' partial is summed by the receive half, straight from
 // the expert rows (the same sum, so the result is the same bit for bit), and never stored.
-__device__ __forceinline__ void combine_send_phase(const LlCombineArgs& a, const LlLayout& l, const Peers& peers,
+__device__ __forceinline__ void combine_send_phase(const LlCombineArgs& a, const LlLayout& l, const LlPeers& peers,
                                                    const WaitCtx& ctx, uint32_t alive, uint64_t calls, int* smem) {
   const int R = l.num_ranks, rank = ctx.rank;
   const int K = a.topk, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -197,7 +197,7 @@ __device__ __forceinline__ void own_partial(const LlCombineArgs& a, const LlLayo
 
 // calls: the slot's send count this receive waits for (every rank's). A warp's first item has its own partial
 // summed before the wait: it needs nothing from the peers.
-__device__ __forceinline__ void combine_recv_phase(const LlCombineArgs& a, const LlLayout& l, const Peers& peers,
+__device__ __forceinline__ void combine_recv_phase(const LlCombineArgs& a, const LlLayout& l, const LlPeers& peers,
                                                    const WaitCtx& ctx, uint32_t alive, uint64_t calls) {
   const int E = l.num_experts, L = l.local_experts(), rank = ctx.rank;
   const int K = a.topk, T = a.num_tokens, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -266,7 +266,7 @@ __device__ __forceinline__ void combine_recv_phase(const LlCombineArgs& a, const
 
 template <int kPhases>
 __global__ void __launch_bounds__(kLlThreads, 1)
-    ll_combine_kernel(LlCombineArgs a, LlLayout l, Peers peers, WaitCtx ctx) {
+    ll_combine_kernel(LlCombineArgs a, LlLayout l, LlPeers peers, WaitCtx ctx) {
   constexpr bool kSend = kPhases & (kLlSendPhase | kLlWeightsPhase), kRecv = kPhases & kLlRecvPhase;
   ll_gate(a.pdl);
   uint32_t alive;
@@ -288,7 +288,7 @@ __global__ void __launch_bounds__(kLlThreads, 1)
 }  // namespace
 
 void launch_ll_combine(const LlCombineArgs& args, int phases, int num_blocks, const LlLayout& layout,
-                       const Peers& peers, const WaitCtx& ctx, cudaStream_t stream) {
+                       const LlPeers& peers, const WaitCtx& ctx, cudaStream_t stream) {
   DC_HOST_ASSERT(num_blocks >= 1 && num_blocks <= kMaxBlocks, "low_latency_combine: block count out of range");
   DC_HOST_ASSERT(args.topk <= layout.topk_max && args.num_tokens <= layout.max_tokens,
                  "low_latency_combine: tokens or topk over the buffer's maximum");

@@ -58,7 +58,7 @@ __device__ __forceinline__ uint64_t ll_enter(const uint8_t* self, const LlLayout
 }
 
 // One thread stores `value` at byte `offset` of every live rank's buffer (a word the ranks keep for us there).
-__device__ __forceinline__ void ll_store_to_live(const Peers& peers, const LlLayout& l, uint32_t alive, int64_t offset,
+__device__ __forceinline__ void ll_store_to_live(const LlPeers& peers, const LlLayout& l, uint32_t alive, int64_t offset,
                                                  uint64_t value) {
   for (int r = 0; r < l.num_ranks; ++r)
     if (ll_is_alive(alive, r)) ptx::st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(peers.base[r] + offset), value);
@@ -71,7 +71,7 @@ __device__ __forceinline__ void ll_store_to_live(const Peers& peers, const LlLay
 // new call count `calls` into that rank's arrival word for (us, this block). Each block signals on its own, so the
 // receivers see the data of a block as soon as its fence completes, with no count to combine first. Then the block
 // counts itself done; the last one advances the call numbers for the next send (local bookkeeping only).
-__device__ __forceinline__ void ll_finish_send(uint8_t* self, const Peers& peers, const LlLayout& l, LlKind kind,
+__device__ __forceinline__ void ll_finish_send(uint8_t* self, const LlPeers& peers, const LlLayout& l, LlKind kind,
                                                int slot, uint64_t seq, uint64_t calls, int rank, uint32_t alive,
                                                const int* ok, uint64_t* trace) {
   __syncthreads();
@@ -121,7 +121,7 @@ __device__ __forceinline__ bool ll_agree_on(const Fingerprint& f, const LlLayout
 }
 
 // Threads 0..R-1 of one block: our words into every live rank's slot for us (kind, slot), tagged `tag`.
-__device__ __forceinline__ void ll_agree_publish(const Peers& peers, const LlLayout& l, uint32_t alive, LlKind kind,
+__device__ __forceinline__ void ll_agree_publish(const LlPeers& peers, const LlLayout& l, uint32_t alive, LlKind kind,
                                                  int slot, int rank, const Fingerprint& f, uint64_t tag) {
   const int d = threadIdx.x;
   if (d < l.num_ranks && ll_is_alive(alive, d))
@@ -240,7 +240,7 @@ __device__ __forceinline__ bool ll_inbox_agree_on(const Fingerprint& f, const Ll
 
 // Threads 0..R-1 of one block: our words of `kind`, tagged `tag`, into every live rank's inbox block for us (through
 // peers.base: a put peer's land in our outbox block for it).
-__device__ __forceinline__ void ll_inbox_publish(const Peers& peers, const LlLayout& l, uint32_t alive, LlKind kind,
+__device__ __forceinline__ void ll_inbox_publish(const LlPeers& peers, const LlLayout& l, uint32_t alive, LlKind kind,
                                                  int slot, int rank, const Fingerprint& f, uint64_t tag) {
   const int d = threadIdx.x;
   if (d >= l.num_ranks || !ll_is_alive(alive, d)) return;

@@ -26,7 +26,7 @@ namespace {
 
 template <int kPhases>
 __global__ void __launch_bounds__(kLlThreads, 1)
-    ll_dispatch_kernel(LlDispatchArgs a, LlLayout l, Peers peers, WaitCtx ctx) {
+    ll_dispatch_kernel(LlDispatchArgs a, LlLayout l, LlPeers peers, WaitCtx ctx) {
   constexpr bool kSend = kPhases & kLlSendPhase, kRecv = kPhases & kLlRecvPhase;
   ll_gate(a.pdl);
   const SendRange range(a, l);
@@ -41,7 +41,7 @@ __global__ void __launch_bounds__(kLlThreads, 1)
 }
 
 template <int kPhases>
-void launch_phases(const LlDispatchArgs& args, int num_blocks, int smem, const LlLayout& layout, const Peers& peers,
+void launch_phases(const LlDispatchArgs& args, int num_blocks, int smem, const LlLayout& layout, const LlPeers& peers,
                    const WaitCtx& ctx, cudaStream_t stream) {
   opt_in_dynamic_smem<ll_dispatch_kernel<kPhases>>(smem);
   launch_kernel(ll_dispatch_kernel<kPhases>, num_blocks, kLlThreads, smem, stream, args.pdl != 0, args, layout, peers,
@@ -51,7 +51,7 @@ void launch_phases(const LlDispatchArgs& args, int num_blocks, int smem, const L
 }  // namespace
 
 void launch_ll_dispatch(const LlDispatchArgs& args, int phases, int num_blocks, const LlLayout& layout,
-                        const Peers& peers, const WaitCtx& ctx, cudaStream_t stream) {
+                        const LlPeers& peers, const WaitCtx& ctx, cudaStream_t stream) {
   DC_HOST_ASSERT(num_blocks >= 1 && num_blocks <= kMaxBlocks, "low_latency_dispatch: block count out of range");
   DC_HOST_ASSERT(args.num_tokens <= layout.max_tokens && args.topk <= layout.topk_max,
                  "low_latency_dispatch: tokens or topk over the buffer's maximum");

@@ -86,7 +86,7 @@ __device__ __forceinline__ void fan_out_rows(const LlDispatchArgs& a, const LlLa
 }
 
 // calls: the slot's send count this receive waits for (every rank's).
-__device__ __forceinline__ void dispatch_recv_phase(const LlDispatchArgs& a, const LlLayout& l, const Peers& peers,
+__device__ __forceinline__ void dispatch_recv_phase(const LlDispatchArgs& a, const LlLayout& l, const LlPeers& peers,
                                                     const WaitCtx& ctx, uint32_t alive, uint64_t calls, int* smem) {
   const int R = l.num_ranks, L = l.local_experts(), rank = ctx.rank, slot = a.slot;
   const int K = a.topk, tid = threadIdx.x, warp = tid >> 5;

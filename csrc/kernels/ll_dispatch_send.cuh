@@ -37,7 +37,7 @@ __device__ __forceinline__ void load_token_chunk(const LlDispatchArgs& a, const 
 }
 
 // One warp: the loaded chunk c of token t goes to every rank in `dests`.
-__device__ __forceinline__ void send_token_chunk(const LlDispatchArgs& a, const LlLayout& l, const Peers& peers,
+__device__ __forceinline__ void send_token_chunk(const LlDispatchArgs& a, const LlLayout& l, const LlPeers& peers,
                                                  int rank, int t, int c, uint32_t dests, int lane,
                                                  const int4 (&v)[kSendUnroll]) {
   const int64_t H = l.hidden;
@@ -115,14 +115,14 @@ __device__ __forceinline__ void load_row_item(const LlDispatchArgs& a, const LlL
 
 // Bad input in this call (which: 0 ids out of range, 1 a duplicate expert in a row): told to every live rank, us
 // included, whose receive half records it (ll_record_bad_input), so every rank raises the same error once.
-__device__ __forceinline__ void report_bad_input(const LlDispatchArgs& a, const LlLayout& l, const Peers& peers,
+__device__ __forceinline__ void report_bad_input(const LlDispatchArgs& a, const LlLayout& l, const LlPeers& peers,
                                                  const WaitCtx& ctx, uint32_t alive, uint64_t calls, int which) {
   ll_store_to_live(peers, l, alive, l.input_err_at(a.slot, which, ctx.rank), calls);
 }
 
 // The rows of tokens [t0, t1): the block's warps take (token, chunk) items, item w first (already in `r`); each
 // token goes once to every rank holding any of its experts.
-__device__ __forceinline__ void send_rows(const LlDispatchArgs& a, const LlLayout& l, const Peers& peers, int rank,
+__device__ __forceinline__ void send_rows(const LlDispatchArgs& a, const LlLayout& l, const LlPeers& peers, int rank,
                                           uint32_t alive, int t0, int t1, int nchunks, RowItem& r) {
   const int L = l.local_experts(), lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   for (int item = warp; item < (t1 - t0) * nchunks; item += kLlWarps) {
@@ -175,7 +175,7 @@ __device__ __forceinline__ void rank_range_early(const LlDispatchArgs& a, const 
 // our own keys (for recv_pos), and the duplicate check. Duplicate expert ids are reported and still dispatched as
 // given, so an entry's rank can pass 16 bits only then: such an entry gets no key (the receiver likewise drops rows
 // past an expert's R * M), and nothing is written out of bounds.
-__device__ __forceinline__ void send_range_meta(const LlDispatchArgs& a, const LlLayout& l, const Peers& peers,
+__device__ __forceinline__ void send_range_meta(const LlDispatchArgs& a, const LlLayout& l, const LlPeers& peers,
                                                 const WaitCtx& ctx, uint32_t alive, uint64_t calls, int t0, int n,
                                                 const RangeMeta& m) {
   const int R = l.num_ranks, E = l.num_experts, L = l.local_experts(), rank = ctx.rank;
@@ -208,7 +208,7 @@ __device__ __forceinline__ void send_range_meta(const LlDispatchArgs& a, const L
 // token count, as words tagged with the call (ll_tagged: receivers poll them, so they need no fence), and the
 // range check of the ids (out-of-range slots count as -1; the call still completes on every rank and the error is
 // reported, not waited on). smem: E ints.
-__device__ __forceinline__ void send_counts(const LlDispatchArgs& a, const LlLayout& l, const Peers& peers,
+__device__ __forceinline__ void send_counts(const LlDispatchArgs& a, const LlLayout& l, const LlPeers& peers,
                                             const WaitCtx& ctx, uint32_t alive, uint64_t calls, int* smem) {
   const int R = l.num_ranks, E = l.num_experts, rank = ctx.rank, T = a.num_tokens, P = T * a.topk;
   const int tid = threadIdx.x;
@@ -258,7 +258,7 @@ struct SendRange {
 // before it, send its rows (a short range is ranked meanwhile by one warp), then its metadata while the rows drain.
 // Nothing on the way is ranked over all entries by one block, and every block signals its own arrival. A single
 // block does all of it. r: the warp's first item (SendRange::load_first).
-__device__ __forceinline__ void dispatch_send_phase(const LlDispatchArgs& a, const LlLayout& l, const Peers& peers,
+__device__ __forceinline__ void dispatch_send_phase(const LlDispatchArgs& a, const LlLayout& l, const LlPeers& peers,
                                                     const WaitCtx& ctx, uint32_t alive, uint64_t calls, int* smem,
                                                     const SendRange& range, RowItem& r) {
   const int t0 = range.t0, t1 = range.t1, nchunks = range.nchunks;

@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "../kernels/api.hpp"
+#include "cuda_check.hpp"
 #include "error_record.cuh"
 #include "ll_layout.hpp"
 
@@ -11,7 +12,7 @@ namespace dc {
 
 struct LlContext {
   LlLayout layout;
-  Peers peers{};
+  LlPeers peers{};
   int rank;
   ErrorRecord* err_device = nullptr;
   uint64_t timeout_ns = 100ull * 1000 * 1000 * 1000;
@@ -24,7 +25,10 @@ struct LlContext {
   // outbox: room for peers reached by puts (csrc/runtime/ll_layout.hpp "outbox")
   LlContext(int rank_, int num_ranks, int num_experts, int max_tokens, int64_t hidden, int topk_max,
             bool outbox = false)
-      : layout(num_ranks, num_experts, max_tokens, hidden, topk_max, outbox), rank(rank_) {}
+      : layout(num_ranks, num_experts, max_tokens, hidden, topk_max, outbox), rank(rank_) {
+    DC_HOST_ASSERT(num_ranks >= 1 && num_ranks <= kLlMaxRanks, "low-latency mode: at most 32 ranks (LL_MAX_RANKS)");
+    DC_HOST_ASSERT(rank_ >= 0 && rank_ < num_ranks, "low-latency mode: rank out of range");
+  }
 
   // The low-latency kernels keep their own call numbers in the buffer (csrc/kernels/ll_common.cuh).
   WaitCtx wait_ctx() const {

@@ -65,6 +65,10 @@ namespace dc {
 
 enum LlKind : int { kLlDispatch = 0, kLlCombine = 1 };
 
+// Low-latency mode spans every rank of the job: at most the width of its live-rank mask (one bit per rank, a warp's
+// ballot; csrc/kernels/ll_common.cuh).
+constexpr int kLlMaxRanks = 32;
+
 struct LlLayout {
   int num_ranks, num_experts, max_tokens, topk_max;
   int64_t hidden;

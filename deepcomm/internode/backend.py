@@ -101,6 +101,8 @@ class InternodeBackend:
 
     def __init__(self, group, config: Config, rank: int, world_size: int, device: torch.device, C):
         self.config, self.rank, self.world_size, self.device = config, rank, world_size, device
+        # low-latency mode spans the whole group, up to the width of its kernels' live-rank mask
+        self.capabilities = dataclasses.replace(self.capabilities, max_low_latency_ranks=C.LL_MAX_RANKS)
         G = config.gpus_per_node
         rail = [r for r in range(world_size) if r % G == rank % G]  # RDMA peers: our local index on every node
         use_kernels = os.environ.get("DEEPCOMM_INTERNODE_KERNELS", "1") != "0"
