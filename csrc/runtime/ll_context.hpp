@@ -2,6 +2,7 @@
 // table of that buffer, the shared error record and the timeout. Owned by deepcomm/cuda/ll_buffer.py.
 #pragma once
 #include <cstdint>
+#include <string>
 
 #include "../kernels/api.hpp"
 #include "cuda_check.hpp"
@@ -26,7 +27,8 @@ struct LlContext {
   LlContext(int rank_, int num_ranks, int num_experts, int max_tokens, int64_t hidden, int topk_max,
             bool outbox = false)
       : layout(num_ranks, num_experts, max_tokens, hidden, topk_max, outbox), rank(rank_) {
-    DC_HOST_ASSERT(num_ranks >= 1 && num_ranks <= kLlMaxRanks, "low-latency mode: at most 32 ranks (LL_MAX_RANKS)");
+    DC_HOST_ASSERT(num_ranks >= 1 && num_ranks <= kLlMaxRanks,
+                   "low-latency mode: at most " + std::to_string(kLlMaxRanks) + " ranks (LL_MAX_RANKS)");
     DC_HOST_ASSERT(rank_ >= 0 && rank_ < num_ranks, "low-latency mode: rank out of range");
   }
 
