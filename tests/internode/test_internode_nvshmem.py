@@ -71,6 +71,7 @@ def _missing_peer_worker(rank, world):
 
     import deepcomm
     from deepcomm.cuda import nvshmem_session as ns
+    from deepcomm.internode.internode_rows import RAIL_HEADER_BYTES
     from deepcomm.internode.nvshmem_transport import NvshmemTransport, credit_ops
     from deepcomm.errors import CommTimeoutError
 
@@ -110,12 +111,15 @@ def _missing_peer_worker(rank, world):
             buf.dispatch(x, topk_idx=idx, num_experts=E)
         e = info.value
         assert (e.rank, e.peer) == (0, 1) and e.stage.startswith("nvshmem:signal"), str(e)
-        assert tr.transfer_totals()[1] == dict(credits=1, puts=1, signals=0, bytes=16), tr.transfer_totals()
+        # the count row: the call's words (RAIL_HEADER_BYTES), then 16 bytes of counts
+        assert tr.transfer_totals()[1] == dict(credits=1, puts=1, signals=0, bytes=RAIL_HEADER_BYTES + 16), \
+            tr.transfer_totals()
     dist.barrier()
     if rank == 1:  # rank 0's counts block (16 bytes) and its signal did land here
         assert tr.counters("signal")[0] == 1 and tr.counters("credit")[0] == 1, (tr.counters("signal"),
                                                                                  tr.counters("credit"))
-        got = tr.recv_view(0, 1, 16).view(torch.int32)[0, :world].tolist()
+        words = RAIL_HEADER_BYTES // 4
+        got = tr.recv_view(0, 1, RAIL_HEADER_BYTES + 16).view(torch.int32)[0, words:words + world].tolist()
         assert got == [4, 0], f"rank 0's tokens per rank as received: {got}"
     dist.barrier()
     buf.destroy()
