@@ -1,5 +1,6 @@
 // deepcomm._nvshmem_kernels: the hierarchical internode kernels (csrc/kernels/hier_{dispatch,combine}.cu, compiled a
-// second time with DEEPCOMM_NVSHMEM_DEVICE) whose poster issues NVSHMEM device puts (hier_nvshmem_poster.cuh).
+// second time with DEEPCOMM_NVSHMEM_DEVICE) whose poster issues NVSHMEM device puts (hier_nvshmem_poster.cuh), and
+// the transport's own exchange round issued from the GPU (rail_round.hpp).
 // Optional: built only where NVSHMEM's headers and device library are found (setup.py), with relocatable device
 // code linked against libnvshmem_device.a; it needs libnvshmem_host.so.3 at run time, the same library
 // deepcomm._C opens with dlopen (one instance per process: the loader matches it by soname). It links neither
@@ -8,12 +9,15 @@
 // deepcomm._C must be imported first (the transports are its).
 #include <host/nvshmem_api.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <stdexcept>
+#include <vector>
 #include <string>
 
 #include "../bindings/hier_launch.hpp"
 #include "../transport/key_table.hpp"
+#include "rail_round.hpp"
 
 namespace py = pybind11;
 using namespace dc;
@@ -47,6 +51,33 @@ void require_device_state(const char* what) {
     throw std::runtime_error(std::string("deepcomm._nvshmem_kernels.") + what + ": call init_device_state() first");
 }
 
+// One exchange round of NvshmemTransport from the GPU: `peers`, `bytes` and `begins` per peer (equal lengths).
+void rail_round(uintptr_t signal, uintptr_t credit, uintptr_t send, uintptr_t recv, int64_t slot_bytes, int rank,
+                uint64_t round, uint64_t landed, const std::vector<int>& peers, const std::vector<uint64_t>& bytes,
+                const std::vector<uint64_t>& begins, uintptr_t err_dev, double timeout_s, uintptr_t stream) {
+  require_device_state("rail_round");
+  if (peers.size() > size_t(kRailRoundMaxPeers) || bytes.size() != peers.size() || begins.size() != peers.size())
+    throw std::invalid_argument("rail_round: peers, bytes and begins must have one entry per peer, at most " +
+                                std::to_string(kRailRoundMaxPeers));
+  RailRoundArgs a{};
+  a.signal = reinterpret_cast<uint64_t*>(signal);
+  a.credit = reinterpret_cast<uint64_t*>(credit);
+  a.send = reinterpret_cast<const uint8_t*>(send);
+  a.recv = reinterpret_cast<uint8_t*>(recv);
+  a.slot_bytes = slot_bytes;
+  a.rank = rank;
+  a.num_peers = int(peers.size());
+  a.round = round;
+  a.landed = landed;
+  for (size_t i = 0; i < peers.size(); ++i) {
+    if (bytes[i] > uint64_t(slot_bytes))
+      throw std::invalid_argument("rail_round: a block of " + std::to_string(bytes[i]) + " bytes exceeds the slot");
+    a.peers[i] = RailRoundPeer{peers[i], 0, bytes[i], begins[i]};
+  }
+  const WaitCtx ctx{reinterpret_cast<ErrorRecord*>(err_dev), uint64_t(timeout_s * 1e9), rank, round, nullptr};
+  launch_rail_round(a, ctx, reinterpret_cast<cudaStream_t>(stream));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_nvshmem_kernels, m) {
@@ -58,6 +89,12 @@ PYBIND11_MODULE(_nvshmem_kernels, m) {
   m.def("init_device_state", &init_device_state,
         "Register this module's NVSHMEM device state (NVSHMEM must be initialized); idempotent.");
   m.def("device_state_ready", [] { return g_device_state; });
+  m.attr("RAIL_ROUND_MAX_PEERS") = kRailRoundMaxPeers;
+  m.def("rail_round", &rail_round, py::arg("signal"), py::arg("credit"), py::arg("send"), py::arg("recv"),
+        py::arg("slot_bytes"), py::arg("rank"), py::arg("round"), py::arg("landed"), py::arg("peers"),
+        py::arg("bytes"), py::arg("begins"), py::arg("err_dev"), py::arg("timeout_s"), py::arg("stream"),
+        "Launch one exchange round of the NVSHMEM transport (credits, bounded credit waits, put-with-signal, "
+        "quiet) on `stream`; the caller waits for the peers' signals.");
   m.def("hier_dispatch", [](const HierDispatchLaunch& l, uintptr_t stream) {
     require_device_state("hier_dispatch");
     launch_hier_dispatch(l.args(), transport::KeyTable{}, l.common.wait_ctx(), reinterpret_cast<cudaStream_t>(stream));

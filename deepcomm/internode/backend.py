@@ -122,6 +122,7 @@ class InternodeBackend:
             if device_puts is not None:
                 try:  # NVSHMEM is initialized now (the symmetric block is allocated): register the module
                     device_puts.init_device_state()
+                    self.transport.issue_rounds_from(device_puts)  # count rounds too, without a host sync
                 except BaseException:
                     self.transport.close()
                     raise

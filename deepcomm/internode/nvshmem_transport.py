@@ -121,6 +121,7 @@ class NvshmemTransport(ExchangeRecord):
         self.offsets, self.region_bytes = region_layout(world_size, self.slot_bytes)
         self.err_host = 0
         self.region = None
+        self._device_rounds = None  # deepcomm._nvshmem_kernels once issue_rounds_from() is called
         self.mem = NvshmemMemory(C, group, rank, world_size, self.region_bytes, map_peers=False)  # zeroed, barrier
         try:
             self.base = self.mem.ptr
@@ -146,30 +147,53 @@ class NvshmemTransport(ExchangeRecord):
     def exchange(self, send_bytes: Sequence[int], send_begin: Sequence[int], wait: bool = True) -> None:
         """Send bytes [send_begin[d], + send_bytes[d]) of the send area to every peer d, into d's receive slot
         for us (``send_bytes[d]`` must be 0 for a rank that is not a peer: ValueError); return once every peer's
-        block for us has landed (synchronizes the device twice, raises CommTimeoutError if a wait timed out).
-        ``wait=False``: the second sync is left to the caller (who then calls ``check_error()``); the first, after
-        the credit wait, stays: no put may leave for a peer whose slot may still be read. Collective: every rank
-        calls it the same number of times."""
+        block for us has landed (synchronizes the device, raises CommTimeoutError if a wait timed out).
+        ``wait=False``: that sync is left to the caller (who then calls ``check_error()``). The host-API round
+        also syncs after its credit wait, whatever ``wait`` says: no put may leave for a peer whose slot may still
+        be read; a round issued from the GPU (``issue_rounds_from``) waits for the credits inside its launch and
+        queues the whole round without a sync. Collective: every rank calls it the same number of times."""
         self.refuse_if_broken()
         r = self.round + 1
         landed = r * self.signals_per_round
         blocks = block_ops(self.base, self.offsets, self.slot_bytes, self.rank, self.world_size, landed, send_bytes,
                            send_begin, self.peers)
+        credits = credit_ops(self.base, self.offsets, self.rank, self.world_size, r, self.peers)
         self.round = r
         with torch.cuda.device(self.device):
             stream = torch.cuda.current_stream(self.device)
-            self._issue(credit_ops(self.base, self.offsets, self.rank, self.world_size, r, self.peers),
-                        stream.cuda_stream)
-            self._wait("credit", r, stream.cuda_stream)
-            stream.synchronize()
-            self.check_error()  # a peer that never freed its slot: raise before writing into it
-            self._issue(blocks, stream.cuda_stream)
-            self.n.quiet_on_stream(stream.cuda_stream)
+            if self._device_rounds:
+                self._launch_round(r, landed, send_bytes, send_begin, stream.cuda_stream)
+                for op in credits + blocks:
+                    self._count(op)
+            else:
+                self._issue(credits, stream.cuda_stream)
+                self._wait("credit", r, stream.cuda_stream)
+                stream.synchronize()
+                self.check_error()  # a peer that never freed its slot: raise before writing into it
+                self._issue(blocks, stream.cuda_stream)
+                self.n.quiet_on_stream(stream.cuda_stream)
             self._wait("signal", landed, stream.cuda_stream)
             if not wait:
                 return
             stream.synchronize()
         self.check_error()
+
+    def issue_rounds_from(self, kernels) -> None:
+        """Issue every later round from the GPU (``kernels``: deepcomm._nvshmem_kernels, its device state
+        registered; its ``rail_round`` launch, csrc/nvshmem_kernels/rail_round.hpp): the same credits, bounded
+        credit waits and puts-with-signal as the host-API round, in one launch, so a round costs the host no
+        sync (``exchange(wait=False)`` then queues it whole). More peers than one launch takes keep the host
+        round."""
+        self._device_rounds = kernels if len(self.peers) <= kernels.RAIL_ROUND_MAX_PEERS else None
+
+    def _launch_round(self, r: int, landed: int, send_bytes: Sequence[int], send_begin: Sequence[int],
+                      stream: int) -> None:
+        o = self.offsets
+        self._device_rounds.rail_round(self.base + o["signal"], self.base + o["credit"], self.base + o["send"],
+                                       self.base + o["recv"], self.slot_bytes, self.rank, r, landed, self.peers,
+                                       [int(send_bytes[p]) for p in self.peers],
+                                       [int(send_begin[p]) for p in self.peers], self.err_dev, self.timeout_s,
+                                       stream)
 
     def _issue(self, ops: Sequence[Op], stream: int) -> None:
         n = self.n

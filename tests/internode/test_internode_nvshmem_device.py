@@ -25,8 +25,8 @@ pytestmark = [pytest.mark.gpu, needs_ranks(2),
 
 
 def _rounds(round_bytes):
-    """A call makes one exchange round per block list entry: the count round of a fresh dispatch (host API) and
-    one kernel round; a cached dispatch and a combine one kernel round."""
+    """A call makes one exchange round per block list entry: the count round of a fresh dispatch (issued from the
+    GPU, rail_round) and one kernel round; a cached dispatch and a combine one kernel round."""
     return {"rounds": len(round_bytes)}
 
 
@@ -47,6 +47,7 @@ def _device_worker(rank, world, gpn):
     assert backend.kernels is not None and backend.kernels.transport_name == "nvshmem"
     chunks = backend.kernels.device_puts.NVSHMEM_CHUNKS
     assert tr.signals_per_round == chunks and tr.peers == peers
+    assert tr._device_rounds is backend.kernels.device_puts  # count rounds from the GPU too: no host sync of theirs
     check_cases(rank, world, gpn, nv, ref, lambda: {p: {"rounds": tr.round} for p in peers}, _rounds, "rounds")
     check_bad_ids(rank, world, nv, ref)  # before the counters are read: no peer is a round ahead then
 
@@ -90,6 +91,35 @@ def _missing_peer_worker(rank, world):
     ns.finalize()
 
 
+def _missing_count_peer_worker(rank, world):
+    """Rank 1 never makes the fresh dispatch: rank 0's count round, issued from the GPU, gives up on its credit
+    (nothing is put into rank 1's slot) and the call raises naming rank 1 and an NVSHMEM stage."""
+    import torch.distributed as dist
+
+    import deepcomm
+    from deepcomm.cuda import nvshmem_session as ns
+    from deepcomm.errors import CommTimeoutError
+
+    dev = rank_device(rank)
+    idx = torch.zeros(4, 2, dtype=torch.int64, device=dev)
+    idx[:, 1] = E - 1
+    x = torch.ones(4, 256, dtype=torch.bfloat16, device=dev)
+    buf = deepcomm.Buffer(max_tokens_per_rank=16, hidden=256, backend="cuda", gpus_per_node=1, timeout_s=2,
+                          internode_transport="nvshmem")
+    tr = buf._backend.transport
+    if rank == 0:
+        with pytest.raises(CommTimeoutError) as info:
+            buf.dispatch(x, topk_idx=idx, num_experts=E)
+        e = info.value
+        assert (e.rank, e.peer) == (0, 1) and e.stage.startswith("nvshmem:credit"), str(e)
+        assert tr.counters("signal")[1] == 0  # rank 1 sent nothing
+    dist.barrier()
+    if rank == 1:
+        assert tr.counters("signal")[0] == 0, "rank 0 put its counts into a slot never freed for it"
+    buf.destroy()
+    ns.finalize()
+
+
 def test_internode_nvshmem_device_2x1_against_reference():
     run_on_gpus(_device_worker, 2, 1, timeout_s=400)
 
@@ -101,3 +131,7 @@ def test_internode_nvshmem_device_2x2_against_reference(nodes, gpn):
 
 def test_internode_nvshmem_device_missing_peer_times_out():
     run_on_gpus(_missing_peer_worker, 2, timeout_s=240)
+
+
+def test_internode_nvshmem_device_count_round_missing_peer_times_out():
+    run_on_gpus(_missing_count_peer_worker, 2, timeout_s=240)

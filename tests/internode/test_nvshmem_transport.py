@@ -83,6 +83,52 @@ def test_round_calls_rail_peers_only():
         NvshmemTransport(None, None, 1, 4, torch.device("cpu"), 16, 256, 1.0, peers=[1])
 
 
+class _RecordedRounds:
+    """A stand-in for deepcomm._nvshmem_kernels' ``rail_round``: records each launch's arguments."""
+    RAIL_ROUND_MAX_PEERS = 3
+
+    def __init__(self):
+        self.launches = []
+
+    def rail_round(self, *args):
+        self.launches.append(args)
+
+
+def _planned(rank, world, slot, peers):
+    """A transport with only its round planning (no NVSHMEM, no GPU)."""
+    tr = object.__new__(NvshmemTransport)
+    tr.rank, tr.world_size, tr.slot_bytes, tr.peers = rank, world, slot, list(peers)
+    tr.offsets, _ = region_layout(world, slot)
+    tr.base, tr.err_dev, tr.timeout_s = 0x7F0000000000, 0x1000, 2.5
+    return tr
+
+
+def test_round_from_the_gpu_takes_the_host_rounds_arguments():
+    """A round issued from the GPU (csrc/nvshmem_kernels/rail_round.hpp) gets the host round's addresses: our
+    counters and areas, every peer's bytes and offset into the send area, in peer order; the credit value is the
+    round, the signal value what the host round SETs."""
+    R, me, slot = 4, 2, 1024
+    tr = _planned(me, R, slot, [0, 1, 3])
+    kernels = _RecordedRounds()
+    tr.issue_rounds_from(kernels)
+    assert tr._device_rounds is kernels
+    tr._launch_round(7, 56, [48, 0, 999, 32], [0, 48, 0, 64], stream=0xABC)
+    (args,) = kernels.launches
+    off = tr.offsets
+    assert args == (tr.base + off["signal"], tr.base + off["credit"], tr.base + off["send"], tr.base + off["recv"],
+                    slot, me, 7, 56, [0, 1, 3], [48, 0, 32], [0, 48, 64], 0x1000, 2.5, 0xABC)
+    # the puts the host round would issue for those blocks land at the same place: slot [me] of each peer
+    ops = block_ops(tr.base, off, slot, me, R, 56, [48, 0, 0, 32], [0, 48, 0, 64], tr.peers)
+    assert [(o.pe, o.dest, o.source, o.nbytes) for o in ops if o.kind == "put"] == [
+        (0, args[3] + me * slot, args[2] + 0, 48), (3, args[3] + me * slot, args[2] + 64, 32)]
+
+
+def test_more_peers_than_one_launch_keep_the_host_round():
+    tr = _planned(0, 5, 256, [1, 2, 3, 4])  # 4 peers, the stand-in launch takes 3
+    tr.issue_rounds_from(_RecordedRounds())
+    assert tr._device_rounds is None
+
+
 def test_slot_fits_the_hierarchical_rows():
     """One receive slot holds what a rail rank can send us in one round: a row per token of its own, the widest
     being the fp32 combine partial (fp32 x + fp32 weights) or the dispatch row; both transports size it alike."""
