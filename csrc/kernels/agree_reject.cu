@@ -41,7 +41,7 @@ __global__ void agree_reject_kernel(Fingerprint f, NvlLayout layout, Peers peers
 __global__ void ll_agree_reject_kernel(Fingerprint f, int kind, int slot, LlLayout l, LlPeers peers, WaitCtx ctx,
                                        bool compare, int blocks) {
   uint8_t* self = peers.base[ctx.rank];
-  uint32_t alive;
+  LlRankMask alive;
   const LlKind k = LlKind(kind);
   const uint64_t calls = ll_enter<true>(self, l, k, slot, ctx, &alive);
   const uint64_t tag = k == kLlDispatch ? calls : ctx.seq;
@@ -78,12 +78,15 @@ __global__ void ll_agree_reject_kernel(Fingerprint f, int kind, int slot, LlLayo
 // send half left for the slot, as a receive half reads it: a dispatch's send count, a combine's sequence number.
 __global__ void ll_agree_compare_kernel(Fingerprint f, int kind, int slot, LlLayout l, LlPeers peers, WaitCtx ctx) {
   const uint8_t* self = peers.base[ctx.rank];
-  uint32_t alive;
+  LlRankMask alive;
   const LlKind k = LlKind(kind);
   const uint64_t calls = ll_enter<false>(self, l, k, slot, ctx, &alive);
   const uint64_t tag = k == kLlDispatch ? calls : ctx.seq;
   if (ll_inbox_agree_on(f, l)) ll_inbox_agree(self, l, alive, k, slot, f, tag, ctx, true);
 }
+
+// The words-only kernels take a thread per rank (ll_agree_publish, agree_block).
+constexpr int kLlAgreeThreads = kLlMaxRanks;
 
 }  // namespace
 
@@ -98,11 +101,11 @@ void launch_ll_agree_reject(const Fingerprint& words, int kind, int slot, const 
                             const WaitCtx& ctx, cudaStream_t stream, bool compare, int blocks) {
   DC_HOST_ASSERT(kind == kLlDispatch || kind == kLlCombine, "ll_agree_reject: kind must be 0 or 1");
   DC_HOST_ASSERT(slot == 0 || slot == 1, "ll_agree_reject: slot must be 0 or 1");
-  DC_HOST_ASSERT(layout.num_ranks <= 32, "ll_agree_reject: too many ranks");
+  DC_HOST_ASSERT(layout.num_ranks <= kLlMaxRanks, "ll_agree_reject: too many ranks");
   DC_HOST_ASSERT(blocks >= 0 && blocks <= kMaxBlocks, "ll_agree_reject: block count out of range");
   DC_HOST_ASSERT(!layout.with_outbox || kind != kLlDispatch || blocks >= 1,
                  "ll_agree_reject: a buffer with put peers needs the peers' block count");
-  ll_agree_reject_kernel<<<1, 32, 0, stream>>>(words, kind, slot, layout, peers, ctx, compare, blocks);
+  ll_agree_reject_kernel<<<1, kLlAgreeThreads, 0, stream>>>(words, kind, slot, layout, peers, ctx, compare, blocks);
   DC_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -110,9 +113,9 @@ void launch_ll_agree_compare(const Fingerprint& words, int kind, int slot, const
                              const WaitCtx& ctx, cudaStream_t stream) {
   DC_HOST_ASSERT(kind == kLlDispatch || kind == kLlCombine, "ll_agree_compare: kind must be 0 or 1");
   DC_HOST_ASSERT(slot == 0 || slot == 1, "ll_agree_compare: slot must be 0 or 1");
-  DC_HOST_ASSERT(layout.num_ranks <= 32, "ll_agree_compare: too many ranks");
+  DC_HOST_ASSERT(layout.num_ranks <= kLlMaxRanks, "ll_agree_compare: too many ranks");
   DC_HOST_ASSERT(layout.with_outbox, "ll_agree_compare: only a buffer with put peers compares apart from the send");
-  ll_agree_compare_kernel<<<1, 32, 0, stream>>>(words, kind, slot, layout, peers, ctx);
+  ll_agree_compare_kernel<<<1, kLlAgreeThreads, 0, stream>>>(words, kind, slot, layout, peers, ctx);
   DC_CUDA_CHECK(cudaGetLastError());
 }
 

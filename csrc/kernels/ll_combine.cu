@@ -80,7 +80,7 @@ __device__ __forceinline__ bool sum_expert_rows(const LlCombineArgs& a, int64_t 
 // the tag sees the weight, with no flag and no fence to wait for. (A put peer gets them in our outbox; with put
 // peers the weights phase stores them once ahead of the send half, so the host can put them first.)
 __device__ __forceinline__ void store_weights(const LlCombineArgs& a, const LlLayout& l, const LlPeers& peers,
-                                              const WaitCtx& ctx, uint32_t alive) {
+                                              const WaitCtx& ctx, LlRankMask alive) {
   const int R = l.num_ranks, rank = ctx.rank, K = a.topk, T = a.num_tokens;
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < R * T * K; i += gridDim.x * blockDim.x) {
     const int d = i / (T * K), j = i % (T * K);
@@ -93,7 +93,7 @@ __device__ __forceinline__ void store_weights(const LlCombineArgs& a, const LlLa
 // The send half serves the other ranks only: our own tokens' partial is summed by the receive half, straight from
 // the expert rows (the same sum, so the result is the same bit for bit), and never stored.
 __device__ __forceinline__ void combine_send_phase(const LlCombineArgs& a, const LlLayout& l, const LlPeers& peers,
-                                                   const WaitCtx& ctx, uint32_t alive, uint64_t calls, int* smem) {
+                                                   const WaitCtx& ctx, LlRankMask alive, uint64_t calls, int* smem) {
   const int R = l.num_ranks, rank = ctx.rank;
   const int K = a.topk, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t H = l.hidden;
@@ -101,7 +101,7 @@ __device__ __forceinline__ void combine_send_phase(const LlCombineArgs& a, const
   int* n = smem;  // [R] tokens each other source dispatched in this slot (0 for masked ranks and for us)
   __shared__ int ok, items;
   if (tid == 0) ok = 1;
-  ll_load_ntok(self, l, a.slot, alive & ~(1u << rank), n);
+  ll_load_ntok(self, l, a.slot, alive & ~(LlRankMask(1) << rank), n);
 
   const bool agree = ll_agree_on(a.agree, l), inbox_agree = ll_inbox_agree_on(a.agree, l);
   if (agree && blockIdx.x == 0) ll_agree_publish(peers, l, alive, kLlCombine, a.slot, rank, a.agree, ctx.seq);
@@ -198,7 +198,7 @@ __device__ __forceinline__ void own_partial(const LlCombineArgs& a, const LlLayo
 // calls: the slot's send count this receive waits for (every rank's). A warp's first item has its own partial
 // summed before the wait: it needs nothing from the peers.
 __device__ __forceinline__ void combine_recv_phase(const LlCombineArgs& a, const LlLayout& l, const LlPeers& peers,
-                                                   const WaitCtx& ctx, uint32_t alive, uint64_t calls) {
+                                                   const WaitCtx& ctx, LlRankMask alive, uint64_t calls) {
   const int E = l.num_experts, L = l.local_experts(), rank = ctx.rank;
   const int K = a.topk, T = a.num_tokens, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t H = l.hidden;
@@ -210,7 +210,7 @@ __device__ __forceinline__ void combine_recv_phase(const LlCombineArgs& a, const
     return ll_rank_mask(e >= 0 && e < E ? int(e) : -1, L) & alive;
   };
   float own[kUnroll][8];
-  uint32_t first_owners = 0;
+  LlRankMask first_owners = 0;
   if (first < T * nchunks) {
     first_owners = owners_of(first / nchunks);
     if ((first_owners >> rank) & 1u) own_partial(a, l, self, rank, first / nchunks, first % nchunks, own);
@@ -222,15 +222,15 @@ __device__ __forceinline__ void combine_recv_phase(const LlCombineArgs& a, const
   ll_trace(a.trace, kLlTraceArrived);
   for (int item = first; item < T * nchunks; item += total_warps) {
     const int t = item / nchunks, c = item % nchunks;
-    const uint32_t owners = item == first ? first_owners : owners_of(t);
+    const LlRankMask owners = item == first ? first_owners : owners_of(t);
     if (item != first && ((owners >> rank) & 1u)) own_partial(a, l, self, rank, t, c, own);
     float acc[kUnroll][8];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
 #pragma unroll
       for (int j = 0; j < 8; ++j) acc[u][j] = 0.0f;
-    for (uint32_t m = owners; m; m &= m - 1) {  // ranks ascending
-      const int d = __ffs(m) - 1;
+    for (LlRankMask m = owners; m; m &= m - 1) {  // ranks ascending
+      const int d = __ffsll(m) - 1;
       const uint8_t* row = self + l.partials_at(a.slot, d, t);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
@@ -269,7 +269,7 @@ __global__ void __launch_bounds__(kLlThreads, 1)
     ll_combine_kernel(LlCombineArgs a, LlLayout l, LlPeers peers, WaitCtx ctx) {
   constexpr bool kSend = kPhases & (kLlSendPhase | kLlWeightsPhase), kRecv = kPhases & kLlRecvPhase;
   ll_gate(a.pdl);
-  uint32_t alive;
+  LlRankMask alive;
   const uint64_t calls = ll_enter<kSend>(peers.base[ctx.rank], l, kLlCombine, a.slot, ctx, &alive);
   if constexpr (kPhases == kLlWeightsPhase) {
     // the weights alone, and the call's words with them; nothing advances the call numbers, so the send half that

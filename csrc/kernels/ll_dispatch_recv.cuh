@@ -87,7 +87,7 @@ __device__ __forceinline__ void fan_out_rows(const LlDispatchArgs& a, const LlLa
 
 // calls: the slot's send count this receive waits for (every rank's).
 __device__ __forceinline__ void dispatch_recv_phase(const LlDispatchArgs& a, const LlLayout& l, const LlPeers& peers,
-                                                    const WaitCtx& ctx, uint32_t alive, uint64_t calls, int* smem) {
+                                                    const WaitCtx& ctx, LlRankMask alive, uint64_t calls, int* smem) {
   const int R = l.num_ranks, L = l.local_experts(), rank = ctx.rank, slot = a.slot;
   const int K = a.topk, tid = threadIdx.x, warp = tid >> 5;
   const int64_t rows = l.rows_per_expert();
@@ -120,18 +120,22 @@ __device__ __forceinline__ void dispatch_recv_phase(const LlDispatchArgs& a, con
   int* src_info = reinterpret_cast<int*>(self + l.out_src_info_at(slot));
 
   // Bad input some rank passed in this call (report_bad_input): one record, the same on every rank: ids out of range
-  // before duplicates, lowest rank first. Warp 0 of the last block, lane s loading rank s's word of each kind (up to
-  // 32 ranks: the alive mask's width); off the rows' path.
+  // before duplicates, lowest rank first. Warp 0 of the last block, lane j loading rank g + j's word of each kind,
+  // 32 ranks g.. per pass; off the rows' path. Both loops are the same in every lane: they end together.
   if (blockIdx.x == gridDim.x - 1 && warp == 0) {
-    for (int which = 0; which < 2; ++which) {
-      const bool bad = lane < R && ll_is_alive(alive, lane) &&
-                       ptx::ld_relaxed_sys_u64(reinterpret_cast<const uint64_t*>(
-                           self + l.input_err_at(slot, which, lane))) == calls;
-      const uint32_t found = __ballot_sync(0xffffffffu, bad);  // the same in every lane: the loop ends together
-      if (found == 0u) continue;
-      if (lane == __ffs(found) - 1)
-        report_input_error(ctx, lane, which == 0 ? kStageLlInvalidIds : kStageLlDuplicateIds);
-      break;
+    bool reported = false;
+    for (int which = 0; which < 2 && !reported; ++which) {
+      for (int g = 0; g < R && !reported; g += 32) {
+        const int s = g + lane;
+        const bool bad = s < R && ll_is_alive(alive, s) &&
+                         ptx::ld_relaxed_sys_u64(reinterpret_cast<const uint64_t*>(
+                             self + l.input_err_at(slot, which, s))) == calls;
+        const uint32_t found = __ballot_sync(0xffffffffu, bad);
+        if (found == 0u) continue;
+        if (lane == __ffs(found) - 1)
+          report_input_error(ctx, s, which == 0 ? kStageLlInvalidIds : kStageLlDuplicateIds);
+        reported = true;
+      }
     }
   }
 

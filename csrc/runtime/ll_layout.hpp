@@ -65,9 +65,11 @@ namespace dc {
 
 enum LlKind : int { kLlDispatch = 0, kLlCombine = 1 };
 
-// Low-latency mode spans every rank of the job: at most the width of its live-rank mask (one bit per rank, a warp's
-// ballot; csrc/kernels/ll_common.cuh).
-constexpr int kLlMaxRanks = 32;
+// Low-latency mode spans every rank of the job: at most the width of its rank masks (one bit per rank: the live
+// ranks, each token's destination ranks; csrc/kernels/ll_common.cuh).
+using LlRankMask = uint64_t;
+constexpr int kLlMaxRanks = 64;
+static_assert(kLlMaxRanks <= 64, "LlRankMask holds one bit per rank");
 
 struct LlLayout {
   int num_ranks, num_experts, max_tokens, topk_max;

@@ -1,7 +1,8 @@
 """Low-latency mode on the internode backend (2 GPUs posing as 2 nodes x 1 GPU): the low-latency kernels over both
 ranks (deepcomm/internode/internode_ll.py), bit for bit against the reference: the peer through CUDA IPC (one host),
 then through NVSHMEM puts (DEEPCOMM_LL_FORCE_PUTS=1, the path of a peer on another node); a replayed CUDA graph;
-normal mode on the same Buffer afterwards; a peer that never joins gives CommTimeoutError naming the stage."""
+normal mode on the same Buffer afterwards; a peer that never joins gives CommTimeoutError naming the stage; with
+DEEPCOMM_TEST_WORLD of 34 or more (shared GPU), low-latency mode past 32 ranks."""
 import os
 
 import pytest
@@ -51,6 +52,29 @@ def test_internode_low_latency_matches_reference(memory):
     if memory == "nvshmem" and not has_nvshmem_wheel():
         pytest.skip("nvidia.nvshmem is not importable (pip install nvidia-nvshmem-cu13)")
     run_on_gpus(_internode_ll_worker, ranks_for_tests(), memory, timeout_s=240)
+
+
+def _past_32_worker(rank, world):
+    """More ranks than one 32-bit word holds: ranks 32 and up are live, send and receive rows (G = 2: at most 32
+    nodes)."""
+    dev = rank_device(rank)
+    gen = torch.Generator().manual_seed(3300 + rank)
+    cuda, ref = ll_buffer("cuda", gpus_per_node=2), ll_buffer("reference", gpus_per_node=2)
+    E = 2 * world
+    cases = [(24, 2176, E, 6, "random", "fp8"), (0 if rank == world - 1 else 7, 2176, E, 6, "masked", "bf16"),
+             (9, 2176, world, 4, "random", "ue8m0")]
+    check_cases(cuda, ref, cases, gen, dev, world)
+    cuda.synchronize()
+    cuda.destroy()
+    ref.destroy()
+
+
+@needs_ranks(34, "low-latency mode past 32 ranks")
+def test_internode_low_latency_past_32_ranks_matches_reference():
+    world = ranks_for_tests()
+    if world % 2:
+        pytest.skip("an even number of ranks (2 GPUs per node, at most 32 nodes)")
+    run_on_gpus(_past_32_worker, world, timeout_s=400)
 
 
 def _missing_peer_worker(rank, world):

@@ -120,16 +120,18 @@ def test_field_at_rejects_unknown_fields():
         ctx.field_at("entry", 0, 0)
 
 
-def test_the_context_holds_a_peer_for_every_rank_up_to_the_live_mask_width():
+def test_the_context_holds_a_peer_for_every_rank_up_to_the_mask_width():
     """Low-latency mode spans every rank of the job (internode too): the context's peer table has room for
-    LL_MAX_RANKS ranks, the width of the kernels' live-rank mask, and refuses more instead of writing past it."""
-    assert C.LL_MAX_RANKS == 32 and C.MAX_RANKS == 8  # beyond one NVLink domain
-    ctx = C.LlContext(31, 32, 64, 8, 1024, TOPK_MAX, True)
-    for r in range(32):
+    LL_MAX_RANKS ranks, the width of the kernels' rank masks (64 bits), and refuses more instead of writing past
+    it."""
+    n = C.LL_MAX_RANKS
+    assert n == 64 and C.MAX_RANKS == 8  # beyond one NVLink domain: 8 nodes x 8 GPUs
+    ctx = C.LlContext(n - 1, n, 2 * n, 8, 1024, TOPK_MAX, True)
+    for r in range(n):
         ctx.set_peer(r, 0x10000 * (r + 1))
     with pytest.raises(ValueError):
-        ctx.set_peer(32, 0x10000)
-    with pytest.raises(ValueError, match="at most 32 ranks"):
-        C.LlContext(0, 33, 66, 8, 1024, TOPK_MAX)
+        ctx.set_peer(n, 0x10000)
+    with pytest.raises(ValueError, match=f"at most {n} ranks"):
+        C.LlContext(0, n + 1, 2 * (n + 1), 8, 1024, TOPK_MAX)
     with pytest.raises(ValueError, match="rank out of range"):
         C.LlContext(4, 4, 8, 8, 1024, TOPK_MAX)
