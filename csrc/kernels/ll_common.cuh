@@ -64,8 +64,8 @@ __device__ __forceinline__ uint64_t ll_enter(const uint8_t* self, const LlLayout
 }
 
 // One thread stores `value` at byte `offset` of every live rank's buffer (a word the ranks keep for us there).
-__device__ __forceinline__ void ll_store_to_live(const LlPeers& peers, const LlLayout& l, LlRankMask alive, int64_t offset,
-                                                 uint64_t value) {
+__device__ __forceinline__ void ll_store_to_live(const LlPeers& peers, const LlLayout& l, LlRankMask alive,
+                                                 int64_t offset, uint64_t value) {
   for (int r = 0; r < l.num_ranks; ++r)
     if (ll_is_alive(alive, r)) ptx::st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(peers.base[r] + offset), value);
 }
