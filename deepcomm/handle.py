@@ -13,11 +13,12 @@ class WorkspaceViews:
     (each view costs microseconds of host time per call, and most handles only go back to combine or a cached
     dispatch, which need pointers). ``specs``: field name -> ``(shape, strides, offset, dtype)``, offset and
     strides in elements of ``dtype`` (the base's when None), a shape of None meaning ``(n,)``; one mapping serves
-    every call of a workspace layout."""
-    __slots__ = ("base", "base_ptr", "specs", "n")
+    every call of a workspace layout. ``slot``: the pool slot the base came from (deepcomm/cuda/work_pool.py), which
+    a view made of it takes out of the pool."""
+    __slots__ = ("base", "base_ptr", "specs", "n", "slot")
 
-    def __init__(self, base: torch.Tensor, specs: dict, n: int = 0, base_ptr: Optional[int] = None):
-        self.base, self.specs, self.n = base, specs, n
+    def __init__(self, base: torch.Tensor, specs: dict, n: int = 0, base_ptr: Optional[int] = None, slot=None):
+        self.base, self.specs, self.n, self.slot = base, specs, n, slot
         self.base_ptr = base.data_ptr() if base_ptr is None else base_ptr
 
     def data_ptr(self, name: str) -> int:
@@ -26,6 +27,8 @@ class WorkspaceViews:
 
     def make(self, name: str) -> torch.Tensor:
         shape, strides, offset, dtype = self.specs[name]
+        if self.slot is not None:  # the view may outlive the handle unseen: the workspace is never reused
+            self.slot.escaped = True
         base = self.base if dtype is None else self.base.view(dtype)
         return base.as_strided((self.n,) if shape is None else shape, strides, offset)
 

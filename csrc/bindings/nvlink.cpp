@@ -17,6 +17,7 @@
 #include "../runtime/tuning.hpp"
 #include "arena_views.hpp"
 #include "args.hpp"
+#include "fast_method.hpp"
 #include "layout_dict.hpp"
 #include "registry.hpp"
 
@@ -85,6 +86,63 @@ py::tuple dispatch_result(const NvlDispatchResult& r, py::object out) {
   return py::make_tuple(r.status, r.num_recv, r.bad_all, r.bad_mine, r.per_expert, std::move(out), r.waited_us);
 }
 
+
+// NvlContext.dispatch_into(arena, arena_at, reserve_rows, x_type, scale_type, with_idx, with_weights, flags, caller,
+// comm, previous, start, end, topk_idx, T, K, E, in_rank, send_pos, notify_out, host_tag, x, x_row_bytes, scales,
+// scale_row_bytes, topk_weights, count_matrix, invalid_count, out_rows, num_blocks, expert_alignment, src_idx_copy,
+// wait_timeout_s, fingerprint): dispatch_call into a block of `arena` (an ArenaCore over this buffer's arena region,
+// which starts `arena_at` bytes into the buffer) reserved for `reserve_rows` rows, with the outputs' views made in the
+// same crossing: None when the arena has no such block (nothing launched), else dispatch_call's tuple with the views
+// (x, scales, topk_idx, topk_weights; None where not returned) in place of the offsets, or None where the counts came
+// back bad (status 2 / 3: the block is given back; status 1 keeps it, the buffer is broken). A waited call keeps
+// only the block's first bytes for the rows that came. x_type / scale_type: the outputs' packed DLPack types
+// (runtime/dispatch_views.hpp); with_idx / with_weights: whether topk_idx / topk_weights come back (said, not read
+// from the pointers: an empty tensor's pointer may be null). Every fresh and cached dispatch makes this crossing, so
+// its arguments are read with the C API (fast_method.hpp).
+PyObject* dispatch_into(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  return fast_method_body("NvlContext.dispatch_into", nargs, 34, [&](FastArgs& a) -> py::object {
+    const NvlContext& c = py::handle(self).cast<const NvlContext&>();
+    BoundArena& arena = a.object<BoundArena>();
+    const int64_t arena_at = a.i64(), reserve_rows = a.i64();
+    const int x_type = a.i32(), scale_type = a.i32();
+    const bool with_idx = a.boolean(), with_weights = a.boolean();
+    const int flags = a.i32();
+    const uintptr_t caller = a.u64(), comm = a.u64(), previous = a.u64(), start = a.u64(), end = a.u64();
+    const uintptr_t topk_idx = a.u64();
+    const int T = a.i32(), K = a.i32(), E = a.i32();
+    const uintptr_t in_rank = a.u64(), send_pos = a.u64(), notify_out = a.u64();
+    const uint64_t host_tag = a.u64();
+    const uintptr_t x = a.u64();
+    const int64_t x_row_bytes = a.i64();
+    const uintptr_t scales = a.u64();
+    const int64_t scale_row_bytes = a.i64();
+    const uintptr_t topk_weights = a.u64(), count_matrix = a.u64(), invalid_count = a.u64();
+    const int64_t out_rows = a.i64();
+    const int num_blocks = a.i32(), expert_alignment = a.i32();
+    const uintptr_t src_idx_copy = a.u64();
+    const double wait_timeout_s = a.f64();
+    const Words fingerprint = a.ints<kFingerprintWords>();
+    host_stamp(c.host_stamps, kStampEntry);
+    const DispatchOutputs outputs{x_type, x_row_bytes, scale_type, scale_row_bytes, K, with_idx, with_weights};
+    auto got = into_block(arena, DispatchOutLayout(reserve_rows, x_row_bytes, scale_row_bytes, K).total,
+                          (flags & kCallWait) != 0, outputs, [&](int64_t offset) {
+      const NvlDispatchCall call = dispatch_call_of(
+          c, flags, topk_idx, T, K, E, in_rank, send_pos, notify_out, host_tag, x, x_row_bytes, scales,
+          scale_row_bytes, topk_weights, count_matrix, invalid_count, arena_at + offset, out_rows, num_blocks,
+          expert_alignment, src_idx_copy, wait_timeout_s, fingerprint);
+      return run_dispatch(c, stream_order(caller, comm, previous, start, end, flags), call);
+    });
+    if (!got) return py::none();
+    host_stamp(c.host_stamps, kStampViews);
+    py::tuple result = dispatch_result(got->result, got->views);
+    host_stamp(c.host_stamps, kStampResult);
+    return std::move(result);
+  }, args);
+}
+
+PyMethodDef dispatch_into_def = {"dispatch_into", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(
+                                                      &dispatch_into)),
+                                 METH_FASTCALL, "NvlContext.dispatch_into (csrc/bindings/nvlink.cpp)"};
 }  // namespace
 
 void register_nvlink(py::module_& m) {
@@ -94,8 +152,8 @@ void register_nvlink(py::module_& m) {
         py::arg("knob"), py::arg("value"));
   m.def("get_tuning", [](const std::string& knob) { return tuning(tuning_knob(knob)); }, py::arg("knob"));
   // ---- NVLink context and collective kernels ----
-  py::class_<NvlContext>(m, "NvlContext")
-      .def(py::init<int, int, int, int, int64_t, int64_t, int64_t>(), py::arg("rank"), py::arg("num_ranks"),
+  py::class_<NvlContext> nvl(m, "NvlContext");
+  nvl.def(py::init<int, int, int, int, int64_t, int64_t, int64_t>(), py::arg("rank"), py::arg("num_ranks"),
            py::arg("local_experts_cap"), py::arg("max_tokens"), py::arg("hidden_max"), py::arg("topk_max"),
            py::arg("arena_bytes"))
       .def("layout", [](const NvlContext& c) { return layout_dict(c.layout); })
@@ -159,39 +217,6 @@ void register_nvlink(py::module_& m) {
         const NvlDispatchResult r = run_dispatch(c, stream_order(caller, comm, previous, start, end, flags), call);
         return dispatch_result(r, py::make_tuple(r.out[0], r.out[1], r.out[2], r.out[3], r.out[4], r.out[5]));
       })
-      // dispatch_call into a block of `arena` (an ArenaCore over this buffer's arena region, which starts `arena_at`
-      // bytes into the buffer) reserved for `reserve_rows` rows, with the outputs' views made in the same crossing:
-      // None when the arena has no such block (nothing launched), else dispatch_call's tuple with the views
-      // (x, scales, topk_idx, topk_weights; None where not returned) in place of the offsets, or None where the
-      // counts came back bad (status 2 / 3: the block is given back; status 1 keeps it, the buffer is broken).
-      // A waited call keeps only the block's first bytes for the rows that came. x_type / scale_type: the
-      // outputs' packed DLPack types (runtime/dispatch_views.hpp); with_idx / with_weights: whether topk_idx /
-      // topk_weights come back (said, not read from the pointers: an empty tensor's pointer may be null).
-      .def("dispatch_into", [](const NvlContext& c, BoundArena& arena, int64_t arena_at, int64_t reserve_rows,
-                               int x_type, int scale_type, bool with_idx, bool with_weights, int flags,
-                               uintptr_t caller, uintptr_t comm, uintptr_t previous, uintptr_t start, uintptr_t end,
-                               uintptr_t topk_idx, int T, int K, int E, uintptr_t in_rank, uintptr_t send_pos,
-                               uintptr_t notify_out, uint64_t host_tag,
-                               uintptr_t x, int64_t x_row_bytes, uintptr_t scales, int64_t scale_row_bytes,
-                               uintptr_t topk_weights, uintptr_t count_matrix, uintptr_t invalid_count,
-                               int64_t out_rows, int num_blocks, int expert_alignment, uintptr_t src_idx_copy,
-                               double wait_timeout_s, const Words& fingerprint) -> py::object {
-        host_stamp(c.host_stamps, kStampEntry);
-        const DispatchOutputs outputs{x_type, x_row_bytes, scale_type, scale_row_bytes, K, with_idx, with_weights};
-        auto got = into_block(arena, DispatchOutLayout(reserve_rows, x_row_bytes, scale_row_bytes, K).total,
-                              (flags & kCallWait) != 0, outputs, [&](int64_t offset) {
-          const NvlDispatchCall call = dispatch_call_of(
-              c, flags, topk_idx, T, K, E, in_rank, send_pos, notify_out, host_tag, x, x_row_bytes, scales,
-              scale_row_bytes, topk_weights, count_matrix, invalid_count, arena_at + offset, out_rows, num_blocks,
-              expert_alignment, src_idx_copy, wait_timeout_s, fingerprint);
-          return run_dispatch(c, stream_order(caller, comm, previous, start, end, flags), call);
-        });
-        if (!got) return py::none();
-        host_stamp(c.host_stamps, kStampViews);
-        py::tuple result = dispatch_result(got->result, got->views);
-        host_stamp(c.host_stamps, kStampResult);
-        return std::move(result);
-      })
       .def("combine_call", [](const NvlContext& c, int flags, uintptr_t caller, uintptr_t comm, uintptr_t previous,
                               uintptr_t start, uintptr_t end, int num_blocks, uintptr_t x, uintptr_t topk_weights,
                               uintptr_t recv_src_idx, uintptr_t count_matrix, uintptr_t send_pos, uintptr_t out,
@@ -202,6 +227,7 @@ void register_nvlink(py::module_& m) {
                       N, T, H, K, use_fp8, fingerprint_of(fingerprint)};
         nvl_combine(c, stream_order(caller, comm, previous, start, end, flags), a, num_blocks);
       });
+  add_fast_method(nvl, &dispatch_into_def);  // its comment is at the function, above
 }
 
 }  // namespace dc::bindings

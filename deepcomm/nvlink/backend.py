@@ -27,6 +27,7 @@ from ..cuda.arena import Arena
 from ..cuda.call_errors import CallErrors
 from ..cuda.ll_calls import LowLatencyEngine, low_latency_blocks
 from ..cuda.mode_meet import ModeMeet
+from ..cuda.work_pool import WorkPool
 from .nvl_buffer import NvlBuffer
 
 Payload = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
@@ -202,6 +203,7 @@ class CudaBackend:
         self._joined = 0  # normal-mode crossings made (joined_calls)
         self._capacity_rows = world_size * config.max_tokens_per_rank  # rows a rank can receive
         self._work_cache = {}  # fresh dispatch workspace layouts by (T, L, rows) (_work_layout)
+        self._work_pool = WorkPool(device)  # waited fresh dispatches' workspaces, taken again once free
         self.bounced_calls = 0  # dispatches whose rows went through the bounce area (diagnostics)
         self.last_wait_us = 0.0  # host time the last fresh dispatch waited for its counts (diagnostics)
         # the host waits for a fresh dispatch's counts a little longer than the kernels wait for their peers, so a
@@ -378,7 +380,11 @@ class CudaBackend:
         # the handle's views of it are made when first read (deepcomm/handle.py WorkspaceViews).
         send_at, notify_at, _, per_expert_at, bad_at, src_at, in_rank_at, total, specs = self._work_layout(
             T, L, num_worst_tokens or self._capacity_rows)
-        work = torch.empty(total, dtype=torch.int32, device=self.device)
+        if num_worst_tokens:  # may be captured in a CUDA graph, whose replays write it: never pooled
+            slot, work = None, torch.empty(total, dtype=torch.int32, device=self.device)
+        else:
+            slot = self._work_pool.take(total)
+            work = slot.work
         work_ptr = work.data_ptr()
         send_ptr = work_ptr + 4 * send_at
         notify_ptr = work_ptr + 4 * notify_at
@@ -425,7 +431,7 @@ class CudaBackend:
         n = res[1]
         recv = _Recv(out, per_expert, (work,))
         handle = Handle.of_fresh_dispatch(num_experts, T, call.values.shape[1], n,
-                                          WorkspaceViews(work, specs, n, work_ptr), per_expert)
+                                          WorkspaceViews(work, specs, n, work_ptr, slot), per_expert)
         return recv, handle
 
     def _device_counts(self, call: "_Call", counts: torch.Tensor, alignment: int) -> torch.Tensor:
@@ -599,6 +605,7 @@ class CudaBackend:
 
     def destroy(self) -> None:
         """Local (no collective): safe after a timeout, even with a dead peer."""
+        self._work_pool.clear()
         try:
             self.ll.close()
         finally:

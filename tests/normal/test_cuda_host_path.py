@@ -64,7 +64,10 @@ def test_fresh_dispatch_workspace_is_carved_by_the_exported_layout(env):
         call = ctx.calls[-1]
         base = call["send_pos"] - 4 * lay["send_pos"]
         work = h.__dict__["_send_pos"].base
-        assert work.data_ptr() == base and work.dtype == torch.int32 and work.numel() == lay["total"]
+        assert work.data_ptr() == base and work.dtype == torch.int32
+        # a waited dispatch's workspace comes from the pool (deepcomm/cuda/work_pool.py), a power of two at least
+        # as large; a worst-case one is its own tensor of the exact size
+        assert work.numel() == lay["total"] if worst else lay["total"] <= work.numel() < 2 * lay["total"]
         assert call["notify_out"] == base + 4 * lay["notify_out"]
         assert call["invalid"] == base + 4 * lay["bad_all"]
         assert call["src_copy"] == base + 4 * lay["src_idx"]
