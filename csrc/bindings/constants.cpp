@@ -23,6 +23,7 @@ namespace dc::bindings {
 void register_constants(py::module_& m) {
   m.attr("MAX_RANKS") = kMaxRanks;
   m.attr("LL_MAX_RANKS") = kLlMaxRanks;  // runtime/ll_layout.hpp
+  m.attr("LL_INLINE_PEERS") = kLlInlinePeers;  // kernels/api.hpp: peers past these need LlContext.set_peer_table
   m.attr("MAX_BLOCKS") = kMaxBlocks;
   m.attr("DISPATCH_COUNTS_BYTES") = int64_t(sizeof(DispatchCounts));
   m.attr("COUNTS_MAX_EXPERTS") = kCountsMaxExperts;

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "../kernels/api.hpp"
 #include "../runtime/cuda_check.hpp"
@@ -74,10 +75,15 @@ void register_low_latency(py::module_& m) {
         if (f == "arrivals_combine") return l.arrival_at(kLlCombine, slot, s, t);
         throw py::value_error("field_at: unknown field " + f);
       }, py::arg("field"), py::arg("slot"), py::arg("s"), py::arg("t") = 0)
-      .def("set_peer", [](LlContext& c, int r, uintptr_t base) {
-        DC_HOST_ASSERT(r >= 0 && r < c.layout.num_ranks, "set_peer: rank out of range");
-        c.peers.base[r] = ptr<uint8_t>(base);
+      .def("set_peer", [](LlContext& c, int r, uintptr_t base) { c.set_peer(r, ptr<uint8_t>(base)); })
+      // every rank's base as set_peer left it ([num_ranks]): what set_peer_table's device memory must hold
+      .def("peer_bases", [](const LlContext& c) {
+        return std::vector<uintptr_t>(reinterpret_cast<const uintptr_t*>(c.bases.data()),
+                                      reinterpret_cast<const uintptr_t*>(c.bases.data()) + c.layout.num_ranks);
       })
+      // device memory holding peer_bases() (int64 [num_ranks]), kept alive by the caller: the kernels read the
+      // ranks past LL_INLINE_PEERS there
+      .def("set_peer_table", [](LlContext& c, uintptr_t dev) { c.peers.all = ptr<uint8_t* const>(dev); })
       .def("set_error_record", [](LlContext& c, uintptr_t dev) { c.err_device = ptr<ErrorRecord>(dev); })
       .def("set_agree_record", [](LlContext& c, uintptr_t dev) { c.agree_device = ptr<AgreeRecord>(dev); })
       // where normal-mode calls leave their words in our memory (the NVLink buffer's agree slots, 2 sets of [R];
@@ -93,14 +99,14 @@ void register_low_latency(py::module_& m) {
       // blocks: the peers' block count (a buffer with put peers raises a rejected dispatch's arrival words)
       .def("agree_reject", [](const LlContext& c, const Words& fingerprint, int kind, int slot, uintptr_t stream,
                               bool compare, int blocks) {
-        launch_ll_agree_reject(fingerprint_of(fingerprint), kind, slot, c.layout, c.peers, c.wait_ctx(),
+        launch_ll_agree_reject(fingerprint_of(fingerprint), kind, slot, c.layout, c.launch_peers(), c.wait_ctx(),
                                stream_of(stream), compare, blocks);
       }, py::arg("fingerprint"), py::arg("kind"), py::arg("slot"), py::arg("stream"), py::arg("compare") = false,
          py::arg("blocks") = 0)
       // With put peers: after agree_reject (no compare) of the same words into the same kind and slot, and the
       // puts of them, wait for every live peer's words there and record a difference (a call of a new shape)
       .def("agree_compare", [](const LlContext& c, const Words& fingerprint, int kind, int slot, uintptr_t stream) {
-        launch_ll_agree_compare(fingerprint_of(fingerprint), kind, slot, c.layout, c.peers, c.wait_ctx(),
+        launch_ll_agree_compare(fingerprint_of(fingerprint), kind, slot, c.layout, c.launch_peers(), c.wait_ctx(),
                                 stream_of(stream));
       }, py::arg("fingerprint"), py::arg("kind"), py::arg("slot"), py::arg("stream"))
       .def("set_trace", [](LlContext& c, uintptr_t dev) { c.trace = ptr<uint64_t>(dev); })
@@ -114,14 +120,14 @@ void register_low_latency(py::module_& m) {
                           int K, int slot, bool use_fp8, bool use_ue8m0, uintptr_t stream, const Words& fingerprint) {
         LlDispatchArgs a{ptr<const void>(x), ptr<const int64_t>(topk_idx), T, K, slot, use_fp8, use_ue8m0, c.trace,
                          c.pdl, fingerprint_of(fingerprint)};
-        launch_ll_dispatch(a, phases, num_blocks, c.layout, c.peers, c.wait_ctx(), stream_of(stream));
+        launch_ll_dispatch(a, phases, num_blocks, c.layout, c.launch_peers(), c.wait_ctx(), stream_of(stream));
       })
       .def("combine", [](const LlContext& c, int phases, int num_blocks, uintptr_t x, uintptr_t topk_weights,
                          uintptr_t topk_idx, uintptr_t out, int T, int K, int slot, bool use_fp8, uintptr_t stream,
                          const Words& fingerprint) {
         LlCombineArgs a{ptr<const void>(x), ptr<const float>(topk_weights), ptr<const int64_t>(topk_idx), ptr<void>(out),
                         T, K, slot, use_fp8, c.trace, c.pdl, fingerprint_of(fingerprint)};
-        launch_ll_combine(a, phases, num_blocks, c.layout, c.peers, c.wait_ctx(), stream_of(stream));
+        launch_ll_combine(a, phases, num_blocks, c.layout, c.launch_peers(), c.wait_ctx(), stream_of(stream));
       });
 }
 

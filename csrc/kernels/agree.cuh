@@ -6,12 +6,13 @@
 
 #include "../../ptx/ptx.cuh"
 #include "../runtime/agree_record.hpp"
+#include "../runtime/rank_set.hpp"
 #include "../runtime/wait.cuh"
 
 namespace dc {
 
-// Ranks agree_block compares: one NVLink domain in normal mode, every rank of low-latency mode (kLlMaxRanks).
-constexpr int kAgreeMaxRanks = 64;
+// Ranks agree_block compares unless told more: normal mode's NVLink domain (low-latency mode passes kLlMaxRanks).
+constexpr int kAgreeMaxRanks = 32;
 
 __device__ __forceinline__ bool agree_on(const Fingerprint& f) { return f.w[0] != 0; }
 
@@ -60,13 +61,14 @@ __device__ __forceinline__ bool agree_wait(const uint8_t* slot, uint64_t tag, co
   }, ctx, peer, stage);
 }
 
-// One thread, once every peer's words are in: copy every rank's words (rank s's at found[s]; ranks outside `alive`
-// read as zeros) into `rows`.
+// One thread, once every peer's words are in: copy every rank's words (rank s's at found[s]; ranks outside `alive`,
+// a RankSet or AllRanks, read as zeros) into `rows`.
+template <typename Alive>
 __device__ __forceinline__ void agree_copy_rows(int32_t (*rows)[kFingerprintWords], const uint8_t* const* found,
-                                                int R, uint64_t alive) {
+                                                int R, const Alive& alive) {
   for (int s = 0; s < R && s < kAgreeRecordRanks; ++s)
     for (int i = 0; i < kFingerprintWords; ++i)
-      rows[s][i] = ((alive >> s) & 1ull)
+      rows[s][i] = alive.has(s)
                        ? ptx::ld_volatile_s32(&reinterpret_cast<const AgreeSlot*>(found[s])->words[i])
                        : 0;
 }
@@ -90,7 +92,8 @@ __device__ __forceinline__ void agree_report_rows(AgreeRecord* rec, int R, int p
 }
 
 // The same for words in agree slots (rank s's at found[s]).
-__device__ __forceinline__ void agree_report(AgreeRecord* rec, const uint8_t* const* found, int R, uint64_t alive,
+template <typename Alive>
+__device__ __forceinline__ void agree_report(AgreeRecord* rec, const uint8_t* const* found, int R, const Alive& alive,
                                              int peer, int word, const WaitCtx& ctx) {
   agree_report_rows(rec, R, peer, word, ctx,
                     [&](int32_t (*rows)[kFingerprintWords]) { agree_copy_rows(rows, found, R, alive); });
@@ -105,24 +108,26 @@ struct AgreeResult {
 // `slots` (ours, [R] consecutive), or to show up in a call of the other mode with our call number (agree_wait), and
 // compare with `f`. On a difference thread 0 of a block with `report` leaves the record (agree_report); with `rows`,
 // thread 0 also copies every rank's words there. The same result for every thread; ends with __syncthreads.
+// R <= kMaxPeers <= blockDim.x.
+template <int kMaxPeers = kAgreeMaxRanks, typename Alive>
 __device__ __forceinline__ AgreeResult agree_block(const uint8_t* slots, const Fingerprint& f, uint64_t tag, int R,
-                                                   uint64_t alive, const WaitCtx& ctx, int stage, bool report,
+                                                   const Alive& alive, const WaitCtx& ctx, int stage, bool report,
                                                    int32_t (*rows)[kFingerprintWords] = nullptr) {
   __shared__ int diff_peer, diff_word, timed_out;
-  __shared__ uint32_t differs[kAgreeMaxRanks];  // per peer, bit i: word i differs from ours
-  __shared__ const uint8_t* found[kAgreeMaxRanks];  // per peer: where its words are (its slot, or the other mode's)
+  __shared__ uint32_t differs[kMaxPeers];  // per peer, bit i: word i differs from ours
+  __shared__ const uint8_t* found[kMaxPeers];  // per peer: where its words are (its slot, or the other mode's)
   if (threadIdx.x == 0) {
     diff_peer = -1;
     diff_word = -1;
     timed_out = 0;
   }
-  for (int p = threadIdx.x; p < kAgreeMaxRanks; p += blockDim.x) {
+  for (int p = threadIdx.x; p < kMaxPeers; p += blockDim.x) {
     differs[p] = 0u;
     found[p] = slots + int64_t(p) * kAgreeSlotBytes;
   }
   __syncthreads();
   const int s = threadIdx.x;
-  if (s < R && ((alive >> s) & 1ull)) {
+  if (s < R && alive.has(s)) {
     const uint8_t* at = nullptr;
     if (!agree_wait(slots + int64_t(s) * kAgreeSlotBytes, tag, ctx, s, stage, f, R, &at)) timed_out = 1;
     found[s] = at;
@@ -133,7 +138,7 @@ __device__ __forceinline__ AgreeResult agree_block(const uint8_t* slots, const F
     for (int i = threadIdx.x; i < R * kFingerprintWords; i += blockDim.x) {
       const int p = i / kFingerprintWords, w = i % kFingerprintWords;
       const auto* slot = reinterpret_cast<const AgreeSlot*>(found[p]);
-      if (((alive >> p) & 1ull) && ptx::ld_volatile_s32(&slot->words[w]) != f.w[w]) atomicOr(&differs[p], 1u << w);
+      if (alive.has(p) && ptx::ld_volatile_s32(&slot->words[w]) != f.w[w]) atomicOr(&differs[p], 1u << w);
     }
   }
   __syncthreads();

@@ -26,7 +26,7 @@ __global__ void agree_reject_kernel(Fingerprint f, NvlLayout layout, Peers peers
     agree_publish(peers.base[d] + layout.agree_at(ctx.seq) + int64_t(ctx.rank) * kAgreeSlotBytes, f, ctx.seq);
   if (compare && agree_on(f)) {
     __syncthreads();
-    agree_block(self + layout.agree_at(ctx.seq), f, ctx.seq, layout.num_ranks, 0xffffffffu, ctx, kStageAgree, true);
+    agree_block(self + layout.agree_at(ctx.seq), f, ctx.seq, layout.num_ranks, AllRanks{}, ctx, kStageAgree, true);
   }
 }
 
@@ -40,8 +40,8 @@ __global__ void agree_reject_kernel(Fingerprint f, NvlLayout layout, Peers peers
 // A buffer with put peers compares in a launch of its own instead (ll_agree_compare_kernel).
 __global__ void ll_agree_reject_kernel(Fingerprint f, int kind, int slot, LlLayout l, LlPeers peers, WaitCtx ctx,
                                        bool compare, int blocks) {
-  uint8_t* self = peers.base[ctx.rank];
-  LlRankMask alive;
+  uint8_t* self = peers.at(ctx.rank);
+  LlRanks alive;
   const LlKind k = LlKind(kind);
   const uint64_t calls = ll_enter<true>(self, l, k, slot, ctx, &alive);
   const uint64_t tag = k == kLlDispatch ? calls : ctx.seq;
@@ -55,7 +55,7 @@ __global__ void ll_agree_reject_kernel(Fingerprint f, int kind, int slot, LlLayo
       for (int i = threadIdx.x; i < l.num_ranks * blocks; i += blockDim.x) {
         const int d = i / blocks, b = i % blocks;
         if (ll_is_alive(alive, d) && d != ctx.rank)
-          ptx::st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(peers.base[d] + l.arrival_at(k, slot, ctx.rank, b)),
+          ptx::st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(peers.at(d) + l.arrival_at(k, slot, ctx.rank, b)),
                                   calls);
       }
     }
@@ -77,8 +77,8 @@ __global__ void ll_agree_reject_kernel(Fingerprint f, int kind, int slot, LlLayo
 // ranks that all changed the shape would each wait there for words no rank has put yet. The tag is the one the
 // send half left for the slot, as a receive half reads it: a dispatch's send count, a combine's sequence number.
 __global__ void ll_agree_compare_kernel(Fingerprint f, int kind, int slot, LlLayout l, LlPeers peers, WaitCtx ctx) {
-  const uint8_t* self = peers.base[ctx.rank];
-  LlRankMask alive;
+  const uint8_t* self = peers.at(ctx.rank);
+  LlRanks alive;
   const LlKind k = LlKind(kind);
   const uint64_t calls = ll_enter<false>(self, l, k, slot, ctx, &alive);
   const uint64_t tag = k == kLlDispatch ? calls : ctx.seq;

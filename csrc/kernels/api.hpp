@@ -19,9 +19,20 @@ struct Peers {
 };
 
 // Base of each rank's low-latency buffer as this process reaches it (mapped, or our outbox for a peer reached by
-// puts): every rank of the job, not one NVLink domain (kLlMaxRanks, csrc/runtime/ll_layout.hpp).
+// puts): every rank of the job, not one NVLink domain (kLlMaxRanks, csrc/runtime/ll_layout.hpp). The first
+// kLlInlinePeers travel in the kernels' arguments; a job of more ranks also gives `all`, a device-memory copy of the
+// whole table, for the ranks past them. Not the whole table inline: that would be 2 KB of arguments in every
+// launch of every job, however few its ranks.
+constexpr int kLlInlinePeers = 32;
 struct LlPeers {
-  uint8_t* base[kLlMaxRanks];
+  uint8_t* base[kLlInlinePeers];
+  uint8_t* const* all;  // [num_ranks] in device memory; null at kLlInlinePeers ranks or fewer
+#ifdef __CUDACC__
+  __device__ __forceinline__ uint8_t* at(int r) const {
+    return r < kLlInlinePeers ? base[r]
+                              : reinterpret_cast<uint8_t*>(__ldg(reinterpret_cast<const unsigned long long*>(all) + r));
+  }
+#endif
 };
 
 // Layout of one routing (no communication, no host sync; kernels/layout.cu).

@@ -304,7 +304,7 @@ __global__ void __launch_bounds__((kSend + kReduce) * 32, 1)
   __syncthreads();
   // Senders and reducers alike compare every rank's words first: on a difference (or a rank that rejected its
   // call) no rank sends or sums a row, so none waits for rows that never come.
-  if (agree && agree_block(self + layout.agree_at(ctx.seq), a.agree, ctx.seq, R, 0xffffffffu, ctx, kStageAgree,
+  if (agree && agree_block(self + layout.agree_at(ctx.seq), a.agree, ctx.seq, R, AllRanks{}, ctx, kStageAgree,
                            true).status != 1)
     return;
 

@@ -207,7 +207,7 @@ __device__ __forceinline__ void dispatch_payload(const DispatchArgs& a, const Nv
   __syncthreads();
   // Every block compares every rank's words before it uses a mailbox: on a difference (or a rank that rejected
   // its call and sent only its words) no rank moves a row, and the handle stays as it was.
-  if (agree_on(a.agree) && agree_block(self + layout.agree_at(ctx.seq), a.agree, ctx.seq, R, 0xffffffffu, ctx,
+  if (agree_on(a.agree) && agree_block(self + layout.agree_at(ctx.seq), a.agree, ctx.seq, R, AllRanks{}, ctx,
                                        kStageAgree, true).status != 1)
     return;
   if (tid < R) {

@@ -80,12 +80,12 @@ __device__ __forceinline__ bool sum_expert_rows(const LlCombineArgs& a, int64_t 
 // the tag sees the weight, with no flag and no fence to wait for. (A put peer gets them in our outbox; with put
 // peers the weights phase stores them once ahead of the send half, so the host can put them first.)
 __device__ __forceinline__ void store_weights(const LlCombineArgs& a, const LlLayout& l, const LlPeers& peers,
-                                              const WaitCtx& ctx, LlRankMask alive) {
+                                              const WaitCtx& ctx, LlRanks alive) {
   const int R = l.num_ranks, rank = ctx.rank, K = a.topk, T = a.num_tokens;
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < R * T * K; i += gridDim.x * blockDim.x) {
     const int d = i / (T * K), j = i % (T * K);
     if (!ll_is_alive(alive, d) || d == rank) continue;
-    auto* word = reinterpret_cast<uint64_t*>(peers.base[d] + l.weights_at(a.slot, rank, j / K)) + j % K;
+    auto* word = reinterpret_cast<uint64_t*>(peers.at(d) + l.weights_at(a.slot, rank, j / K)) + j % K;
     ptx::st_relaxed_sys_u64(word, ll_tagged(ctx.seq, __float_as_int(a.topk_weights[j])));
   }
 }
@@ -93,15 +93,15 @@ __device__ __forceinline__ void store_weights(const LlCombineArgs& a, const LlLa
 // The send half serves the other ranks only: our own tokens' partial is summed by the receive half, straight from
 // the expert rows (the same sum, so the result is the same bit for bit), and never stored.
 __device__ __forceinline__ void combine_send_phase(const LlCombineArgs& a, const LlLayout& l, const LlPeers& peers,
-                                                   const WaitCtx& ctx, LlRankMask alive, uint64_t calls, int* smem) {
+                                                   const WaitCtx& ctx, LlRanks alive, uint64_t calls, int* smem) {
   const int R = l.num_ranks, rank = ctx.rank;
   const int K = a.topk, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t H = l.hidden;
-  uint8_t* self = peers.base[rank];
+  uint8_t* self = peers.at(rank);
   int* n = smem;  // [R] tokens each other source dispatched in this slot (0 for masked ranks and for us)
   __shared__ int ok, items;
   if (tid == 0) ok = 1;
-  ll_load_ntok(self, l, a.slot, alive & ~(LlRankMask(1) << rank), n);
+  ll_load_ntok(self, l, a.slot, alive.without(rank), n);
 
   const bool agree = ll_agree_on(a.agree, l), inbox_agree = ll_inbox_agree_on(a.agree, l);
   if (agree && blockIdx.x == 0) ll_agree_publish(peers, l, alive, kLlCombine, a.slot, rank, a.agree, ctx.seq);
@@ -157,7 +157,7 @@ __device__ __forceinline__ void combine_send_phase(const LlCombineArgs& a, const
       ok = 0;
       break;
     }
-    uint8_t* dst = peers.base[cs] + l.partials_at(a.slot, rank, ct);
+    uint8_t* dst = peers.at(cs) + l.partials_at(a.slot, rank, ct);
     if (a.use_fp8) {  // FP8 on the wire: e4m3 [H] then fp32 scales [H/128] in the partial's row
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
@@ -198,22 +198,23 @@ __device__ __forceinline__ void own_partial(const LlCombineArgs& a, const LlLayo
 // calls: the slot's send count this receive waits for (every rank's). A warp's first item has its own partial
 // summed before the wait: it needs nothing from the peers.
 __device__ __forceinline__ void combine_recv_phase(const LlCombineArgs& a, const LlLayout& l, const LlPeers& peers,
-                                                   const WaitCtx& ctx, LlRankMask alive, uint64_t calls) {
+                                                   const WaitCtx& ctx, LlRanks alive, uint64_t calls) {
   const int E = l.num_experts, L = l.local_experts(), rank = ctx.rank;
   const int K = a.topk, T = a.num_tokens, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t H = l.hidden;
-  const uint8_t* self = peers.base[rank];
+  const uint8_t* self = peers.at(rank);
   const int nchunks = int((H + kChunk - 1) / kChunk);
   const int total_warps = gridDim.x * kLlWarps, first = blockIdx.x * kLlWarps + warp;
   auto owners_of = [&](int t) {
     const int64_t e = lane < K ? a.topk_idx[int64_t(t) * K + lane] : -1;
-    return ll_rank_mask(e >= 0 && e < E ? int(e) : -1, L) & alive;
+    const int d = ll_slot_rank(e >= 0 && e < E ? int(e) : -1, L);
+    return d != kLlNoRank && ll_is_alive(alive, d) ? d : kLlNoRank;
   };
   float own[kUnroll][8];
-  LlRankMask first_owners = 0;
+  int first_owners = kLlNoRank;  // a destination list (ll_slot_rank)
   if (first < T * nchunks) {
     first_owners = owners_of(first / nchunks);
-    if ((first_owners >> rank) & 1u) own_partial(a, l, self, rank, first / nchunks, first % nchunks, own);
+    if (ll_has_rank(first_owners, rank)) own_partial(a, l, self, rank, first / nchunks, first % nchunks, own);
   }
   if (ll_agree_on(a.agree, l) && !ll_agree(self, l, alive, kLlCombine, a.slot, a.agree, ctx.seq, ctx)) return;
   if (ll_inbox_agree_on(a.agree, l) && !ll_inbox_agree(self, l, alive, kLlCombine, a.slot, a.agree, ctx.seq, ctx, true))
@@ -222,15 +223,15 @@ __device__ __forceinline__ void combine_recv_phase(const LlCombineArgs& a, const
   ll_trace(a.trace, kLlTraceArrived);
   for (int item = first; item < T * nchunks; item += total_warps) {
     const int t = item / nchunks, c = item % nchunks;
-    const LlRankMask owners = item == first ? first_owners : owners_of(t);
-    if (item != first && ((owners >> rank) & 1u)) own_partial(a, l, self, rank, t, c, own);
+    const int owners = item == first ? first_owners : owners_of(t);
+    if (item != first && ll_has_rank(owners, rank)) own_partial(a, l, self, rank, t, c, own);
     float acc[kUnroll][8];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
 #pragma unroll
       for (int j = 0; j < 8; ++j) acc[u][j] = 0.0f;
-    for (LlRankMask m = owners; m; m &= m - 1) {  // ranks ascending
-      const int d = __ffsll(m) - 1;
+    LlDestWalk walk(owners);
+    for (int d; (d = walk.next()) != kLlNoRank;) {  // ranks ascending
       const uint8_t* row = self + l.partials_at(a.slot, d, t);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
@@ -269,8 +270,8 @@ __global__ void __launch_bounds__(kLlThreads, 1)
     ll_combine_kernel(LlCombineArgs a, LlLayout l, LlPeers peers, WaitCtx ctx) {
   constexpr bool kSend = kPhases & (kLlSendPhase | kLlWeightsPhase), kRecv = kPhases & kLlRecvPhase;
   ll_gate(a.pdl);
-  LlRankMask alive;
-  const uint64_t calls = ll_enter<kSend>(peers.base[ctx.rank], l, kLlCombine, a.slot, ctx, &alive);
+  LlRanks alive;
+  const uint64_t calls = ll_enter<kSend>(peers.at(ctx.rank), l, kLlCombine, a.slot, ctx, &alive);
   if constexpr (kPhases == kLlWeightsPhase) {
     // the weights alone, and the call's words with them; nothing advances the call numbers, so the send half that
     // follows uses the same sequence number (the same tags)

@@ -1,10 +1,12 @@
 // Pieces the four low-latency kernels share: the per-call sequence number, the ordered rank of each entry among
 // its expert's entries, the packed-row bases of the local experts, and warp-wide "which ranks does this token go to".
 #pragma once
+#include <climits>
 #include <cstdint>
 
 #include "../../ptx/ptx.cuh"
 #include "../runtime/ll_layout.hpp"
+#include "../runtime/rank_set.hpp"
 #include "../runtime/wait.cuh"
 #include "agree.cuh"
 #include "ll_phases.hpp"
@@ -13,11 +15,13 @@
 namespace dc {
 
 constexpr int kLlThreads = 256;
-static_assert(kLlMaxRanks <= kAgreeMaxRanks && kLlMaxRanks <= kLlThreads,
-              "the agreement and the per-rank waits take one thread per rank");
+static_assert(kLlMaxRanks <= kLlThreads, "the agreement and the per-rank waits take one thread per rank");
 constexpr int kLlWarps = kLlThreads / 32;
 
-__device__ __forceinline__ bool ll_is_alive(LlRankMask alive, int r) { return (alive >> r) & 1ull; }
+// The live ranks of a call (every rank but the masked ones), the same in every thread.
+using LlRanks = RankSet<kLlMaxRanks>;
+
+__device__ __forceinline__ bool ll_is_alive(const LlRanks& alive, int r) { return alive.has(r); }
 
 // Diagnostics: kLlTracePoints and the numbered points (ll_trace_points.hpp).
 __device__ __forceinline__ void ll_trace(uint64_t* trace, int point) {
@@ -42,32 +46,34 @@ __device__ __forceinline__ void ll_gate(int pdl) {
 // always alive). A send's call number is one more than the last one of its kind; a receive's is the one its slot's
 // send used (sends of the other slot, or of the other kind, may have run in between). The last block to finish a
 // send stores the new numbers (ll_finish_send), so no block reads them early, and CUDA-graph replays advance them
-// too. The words are loaded together, lane r taking the mask words of ranks r and 32 + r: one memory round trip at
-// entry.
+// too. The words are loaded together, lane r taking the mask words of ranks r, 32 + r, ...: one memory round trip
+// at entry.
 template <bool kSend>
 __device__ __forceinline__ uint64_t ll_enter(const uint8_t* self, const LlLayout& l, LlKind kind, int slot,
-                                             WaitCtx& ctx, LlRankMask* alive) {
-  static_assert(kLlMaxRanks <= 64, "two mask words per lane");
+                                             WaitCtx& ctx, LlRanks* alive) {
   const int lane = threadIdx.x & 31;
   const int* mask = reinterpret_cast<const int*>(self + l.mask);
-  const int masked_lo = lane < l.num_ranks ? ptx::ld_volatile_s32(mask + lane) : 1;
-  const int masked_hi = lane + 32 < l.num_ranks ? ptx::ld_volatile_s32(mask + 32 + lane) : 1;
+  int masked[LlRanks::kWords];
+#pragma unroll
+  for (int g = 0; g < LlRanks::kWords; ++g)
+    masked[g] = 32 * g + lane < l.num_ranks ? ptx::ld_volatile_s32(mask + 32 * g + lane) : 1;
   const uint64_t seq =
       ptx::ld_relaxed_sys_u64(reinterpret_cast<const uint64_t*>(self + (kSend ? l.seq : l.slot_seq)) +
                               (kSend ? kind : kind * 2 + slot));
   const uint64_t calls =
       ptx::ld_relaxed_sys_u64(reinterpret_cast<const uint64_t*>(self + l.slot_calls) + kind * 2 + slot);
-  const uint32_t lo = __ballot_sync(0xffffffffu, masked_lo == 0), hi = __ballot_sync(0xffffffffu, masked_hi == 0);
-  *alive = (LlRankMask(hi) << 32 | lo) | LlRankMask(1) << ctx.rank;
+#pragma unroll
+  for (int g = 0; g < LlRanks::kWords; ++g) alive->w[g] = __ballot_sync(0xffffffffu, masked[g] == 0);
+  alive->add(ctx.rank);
   ctx.seq = kSend ? seq + 1 : seq;
   return calls + (kSend ? 1 : 0);
 }
 
 // One thread stores `value` at byte `offset` of every live rank's buffer (a word the ranks keep for us there).
-__device__ __forceinline__ void ll_store_to_live(const LlPeers& peers, const LlLayout& l, LlRankMask alive,
+__device__ __forceinline__ void ll_store_to_live(const LlPeers& peers, const LlLayout& l, LlRanks alive,
                                                  int64_t offset, uint64_t value) {
   for (int r = 0; r < l.num_ranks; ++r)
-    if (ll_is_alive(alive, r)) ptx::st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(peers.base[r] + offset), value);
+    if (ll_is_alive(alive, r)) ptx::st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(peers.at(r) + offset), value);
 }
 
 // Every block of a send calls this once, on every path, at its very end; *ok (shared, or null for "always") is 0
@@ -78,7 +84,7 @@ __device__ __forceinline__ void ll_store_to_live(const LlPeers& peers, const LlL
 // receivers see the data of a block as soon as its fence completes, with no count to combine first. Then the block
 // counts itself done; the last one advances the call numbers for the next send (local bookkeeping only).
 __device__ __forceinline__ void ll_finish_send(uint8_t* self, const LlPeers& peers, const LlLayout& l, LlKind kind,
-                                               int slot, uint64_t seq, uint64_t calls, int rank, LlRankMask alive,
+                                               int slot, uint64_t seq, uint64_t calls, int rank, LlRanks alive,
                                                const int* ok, uint64_t* trace) {
   __syncthreads();
   if (threadIdx.x != 0) return;
@@ -105,7 +111,7 @@ __device__ __forceinline__ int ll_waiters() { return int(blockDim.x) - 32; }
 // The whole block waits until every block of every live rank has completed its send number `calls` of this kind
 // into `slot` (every rank launches the same number of blocks). False for every thread after a timeout.
 __device__ __forceinline__ bool ll_wait_arrivals(const uint8_t* self, const LlLayout& l, LlKind kind, int slot,
-                                                 uint64_t calls, LlRankMask alive, const WaitCtx& ctx, int stage) {
+                                                 uint64_t calls, LlRanks alive, const WaitCtx& ctx, int stage) {
   const int G = gridDim.x, words = l.num_ranks * G, w = ll_waiter(), W = ll_waiters();
   auto word = [&](int i) { return reinterpret_cast<const uint64_t*>(self + l.arrival_at(kind, slot, i / G, i % G)); };
   auto needed = [&](int i) { return w >= 0 && i < words && ll_is_alive(alive, i / G); };
@@ -127,18 +133,19 @@ __device__ __forceinline__ bool ll_agree_on(const Fingerprint& f, const LlLayout
 }
 
 // Threads 0..R-1 of one block: our words into every live rank's slot for us (kind, slot), tagged `tag`.
-__device__ __forceinline__ void ll_agree_publish(const LlPeers& peers, const LlLayout& l, LlRankMask alive, LlKind kind,
+__device__ __forceinline__ void ll_agree_publish(const LlPeers& peers, const LlLayout& l, LlRanks alive, LlKind kind,
                                                  int slot, int rank, const Fingerprint& f, uint64_t tag) {
   const int d = threadIdx.x;
   if (d < l.num_ranks && ll_is_alive(alive, d))
-    agree_publish(peers.base[d] + l.agree_at(kind, slot) + int64_t(rank) * kAgreeSlotBytes, f, tag);
+    agree_publish(peers.at(d) + l.agree_at(kind, slot) + int64_t(rank) * kAgreeSlotBytes, f, tag);
 }
 
 // The whole block: every live rank's words for (kind, slot) carry `tag` and equal ours; false otherwise (after a
 // difference, recorded once per rank: agree_report) and after a timed-out wait.
-__device__ __forceinline__ bool ll_agree(const uint8_t* self, const LlLayout& l, LlRankMask alive, LlKind kind,
+__device__ __forceinline__ bool ll_agree(const uint8_t* self, const LlLayout& l, LlRanks alive, LlKind kind,
                                          int slot, const Fingerprint& f, uint64_t tag, const WaitCtx& ctx) {
-  return agree_block(self + l.agree_at(kind, slot), f, tag, l.num_ranks, alive, ctx, kStageAgree, true).status == 1;
+  return agree_block<kLlMaxRanks>(self + l.agree_at(kind, slot), f, tag, l.num_ranks, alive, ctx, kStageAgree, true)
+             .status == 1;
 }
 
 // v[0], v[stride], ..., v[(n - 1) * stride] become their exclusive prefix sums; returns the total. One thread.
@@ -213,13 +220,13 @@ __device__ __forceinline__ const uint64_t* ll_ntok_word(const uint8_t* self, con
 
 // Entries rank s sends to expert e in `slot`, as it wrote them (E tagged words in its inbox block here), read once
 // the arrival words (or the tags) say this call's are there; 0 for masked ranks (their area may hold anything).
-__device__ __forceinline__ int ll_count(const uint8_t* self, const LlLayout& l, int slot, LlRankMask alive, int s,
+__device__ __forceinline__ int ll_count(const uint8_t* self, const LlLayout& l, int slot, LlRanks alive, int s,
                                         int e) {
   return ll_is_alive(alive, s) ? int(uint32_t(ptx::ld_relaxed_sys_u64(ll_count_word(self, l, slot, s, e)))) : 0;
 }
 
 // Tokens source s dispatched in `slot`, 0 for a source not in `sources` (a rank bit mask); read like ll_count.
-__device__ __forceinline__ int ll_ntok(const uint8_t* self, const LlLayout& l, int slot, LlRankMask sources, int s) {
+__device__ __forceinline__ int ll_ntok(const uint8_t* self, const LlLayout& l, int slot, LlRanks sources, int s) {
   return ll_is_alive(sources, s) ? int(uint32_t(ptx::ld_relaxed_sys_u64(ll_ntok_word(self, l, slot, s)))) : 0;
 }
 
@@ -245,12 +252,12 @@ __device__ __forceinline__ bool ll_inbox_agree_on(const Fingerprint& f, const Ll
 }
 
 // Threads 0..R-1 of one block: our words of `kind`, tagged `tag`, into every live rank's inbox block for us (through
-// peers.base: a put peer's land in our outbox block for it).
-__device__ __forceinline__ void ll_inbox_publish(const LlPeers& peers, const LlLayout& l, LlRankMask alive, LlKind kind,
+// peers.at: a put peer's land in our outbox block for it).
+__device__ __forceinline__ void ll_inbox_publish(const LlPeers& peers, const LlLayout& l, LlRanks alive, LlKind kind,
                                                  int slot, int rank, const Fingerprint& f, uint64_t tag) {
   const int d = threadIdx.x;
   if (d >= l.num_ranks || !ll_is_alive(alive, d)) return;
-  auto* words = reinterpret_cast<uint64_t*>(peers.base[d] + l.inbox_agree_at(kind, slot, rank));
+  auto* words = reinterpret_cast<uint64_t*>(peers.at(d) + l.inbox_agree_at(kind, slot, rank));
 #pragma unroll
   for (int i = 0; i < kFingerprintWords; ++i) ptx::st_relaxed_sys_u64(words + i, ll_tagged(tag, f.w[i]));
 }
@@ -259,7 +266,7 @@ __device__ __forceinline__ void ll_inbox_publish(const LlPeers& peers, const LlL
 // (bounded) for each word to carry `tag`; else they must carry it already (read after the arrival words), and one
 // that does not counts as a difference. A difference is recorded once per rank (agree_report_rows) and, like a
 // timed-out wait, gives false; the same result for every thread; ends with __syncthreads.
-__device__ __forceinline__ bool ll_inbox_agree(const uint8_t* self, const LlLayout& l, LlRankMask alive, LlKind kind,
+__device__ __forceinline__ bool ll_inbox_agree(const uint8_t* self, const LlLayout& l, LlRanks alive, LlKind kind,
                                                int slot, const Fingerprint& f, uint64_t tag, const WaitCtx& ctx,
                                                bool poll) {
   __shared__ uint32_t differs[kLlMaxRanks];  // per rank, bit i: word i differs from ours (or lacks the tag)
@@ -313,7 +320,7 @@ __device__ __forceinline__ bool ll_inbox_agree(const uint8_t* self, const LlLayo
 // no fence, so the bases are known before the rows' arrival words come in (warp 0 left out, ll_waiter; a thread's
 // first loads go out together). Whole block; false for every thread after a timeout; ends with __syncthreads.
 __device__ __forceinline__ bool ll_expert_bases(const uint8_t* self, const LlLayout& l, int slot, int rank,
-                                                LlRankMask alive, uint64_t calls, const WaitCtx& ctx, int stage,
+                                                LlRanks alive, uint64_t calls, const WaitCtx& ctx, int stage,
                                                 int* base, int* total, int* n) {
   const int R = l.num_ranks, L = l.local_experts(), w = ll_waiter(), W = ll_waiters();
   auto word = [&](int i) { return ll_count_word(self, l, slot, i % R, rank * L + i / R); };
@@ -341,7 +348,7 @@ __device__ __forceinline__ bool ll_expert_bases(const uint8_t* self, const LlLay
 // live source rank, sources ascending. n: [R] tokens per source (0 for masked ranks), read once per block.
 
 // n[s] = ll_ntok(s) for every rank s. Threads 0..R-1; the caller's next barrier publishes it.
-__device__ __forceinline__ void ll_load_ntok(const uint8_t* self, const LlLayout& l, int slot, LlRankMask sources,
+__device__ __forceinline__ void ll_load_ntok(const uint8_t* self, const LlLayout& l, int slot, LlRanks sources,
                                              int* n) {
   if (threadIdx.x < l.num_ranks) n[threadIdx.x] = ll_ntok(self, l, slot, sources, threadIdx.x);
 }
@@ -361,13 +368,39 @@ __device__ __forceinline__ void ll_item_source(const int* n, int R, int per_toke
   *rest = item;
 }
 
-// Bit d set when any of the token's slots names an expert of rank d. Lane k < K holds slot k's expert (-1 for
-// none; callers have already dropped experts of masked ranks).
-__device__ __forceinline__ LlRankMask ll_rank_mask(int expert, int experts_per_rank) {
-  const LlRankMask bit = expert >= 0 ? LlRankMask(1) << (expert / experts_per_rank) : 0;
-  const uint32_t lo = __reduce_or_sync(0xffffffffu, uint32_t(bit));
-  const uint32_t hi = __reduce_or_sync(0xffffffffu, uint32_t(bit >> 32));
-  return LlRankMask(hi) << 32 | lo;
+// A token's destination ranks, spread over a warp: lane k < K holds the rank of slot k's expert, kLlNoRank for
+// none (callers have already dropped experts of masked ranks), the other lanes kLlNoRank. A list of at most K
+// ranks rather than a bit per rank, so that its size does not grow with the job.
+constexpr int kLlNoRank = INT_MAX;
+
+__device__ __forceinline__ int ll_slot_rank(int expert, int experts_per_rank) {
+  return expert >= 0 ? expert / experts_per_rank : kLlNoRank;
 }
+
+// Each destination rank of a token once, ranks ascending (the order combine adds the partials in), from a
+// destination list: `LlDestWalk walk(list); for (int d; (d = walk.next()) != kLlNoRank;)`. Every lane gets the same
+// ranks, so the loop is the same in every lane. The rank after d is taken out before the caller works on d, so its
+// warp reduction is under way while the caller's stores go out instead of after them.
+class LlDestWalk {
+ public:
+  __device__ __forceinline__ explicit LlDestWalk(int list) : pending_(list) { next_ = take(); }
+  __device__ __forceinline__ int next() {
+    const int d = next_;
+    if (d != kLlNoRank) next_ = take();
+    return d;
+  }
+
+ private:
+  // the lowest rank still pending in any lane, taken out of every lane that holds it; kLlNoRank once none is left
+  __device__ __forceinline__ int take() {
+    const int d = __reduce_min_sync(0xffffffffu, pending_);
+    if (pending_ == d) pending_ = kLlNoRank;
+    return d;
+  }
+  int pending_, next_;
+};
+
+// Whether rank r is among a token's destinations (every lane gets the same answer).
+__device__ __forceinline__ bool ll_has_rank(int pending, int r) { return __any_sync(0xffffffffu, pending == r); }
 
 }  // namespace dc

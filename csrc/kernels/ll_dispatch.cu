@@ -32,8 +32,8 @@ __global__ void __launch_bounds__(kLlThreads, 1)
   const SendRange range(a, l);
   RowItem r;
   if (kSend) range.load_first(a, l, r);
-  LlRankMask alive;
-  const uint64_t calls = ll_enter<kSend>(peers.base[ctx.rank], l, kLlDispatch, a.slot, ctx, &alive);
+  LlRanks alive;
+  const uint64_t calls = ll_enter<kSend>(peers.at(ctx.rank), l, kLlDispatch, a.slot, ctx, &alive);
   ll_trace(a.trace, kLlTraceEntry);
   extern __shared__ int smem[];
   if (kSend) dispatch_send_phase(a, l, peers, ctx, alive, calls, smem, range, r);

@@ -87,11 +87,11 @@ __device__ __forceinline__ void fan_out_rows(const LlDispatchArgs& a, const LlLa
 
 // calls: the slot's send count this receive waits for (every rank's).
 __device__ __forceinline__ void dispatch_recv_phase(const LlDispatchArgs& a, const LlLayout& l, const LlPeers& peers,
-                                                    const WaitCtx& ctx, LlRankMask alive, uint64_t calls, int* smem) {
+                                                    const WaitCtx& ctx, LlRanks alive, uint64_t calls, int* smem) {
   const int R = l.num_ranks, L = l.local_experts(), rank = ctx.rank, slot = a.slot;
   const int K = a.topk, tid = threadIdx.x, warp = tid >> 5;
   const int64_t rows = l.rows_per_expert();
-  uint8_t* self = peers.base[rank];
+  uint8_t* self = peers.at(rank);
   int* base = smem;               // [L][R]
   int* total = smem + L * R;      // [L]
   int* n = total + L;             // [R] tokens of each source

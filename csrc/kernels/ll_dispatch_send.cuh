@@ -36,14 +36,15 @@ __device__ __forceinline__ void load_token_chunk(const LlDispatchArgs& a, const 
   }
 }
 
-// One warp: the loaded chunk c of token t goes to every rank in `dests`.
+// One warp: the loaded chunk c of token t goes to every rank in `dests` (a destination list: ll_slot_rank).
 __device__ __forceinline__ void send_token_chunk(const LlDispatchArgs& a, const LlLayout& l, const LlPeers& peers,
-                                                 int rank, int t, int c, LlRankMask dests, int lane,
+                                                 int rank, int t, int c, int dests, int lane,
                                                  const int4 (&v)[kSendUnroll]) {
   const int64_t H = l.hidden;
   if (!a.use_fp8) {
-    for (LlRankMask m = dests; m; m &= m - 1) {
-      uint8_t* row = peers.base[__ffsll(m) - 1] + l.stage_x_at(a.slot, rank, t);
+    LlDestWalk walk(dests);
+    for (int d; (d = walk.next()) != kLlNoRank;) {
+      uint8_t* row = peers.at(d) + l.stage_x_at(a.slot, rank, t);
 #pragma unroll
       for (int u = 0; u < kSendUnroll; ++u) {
         const int64_t idx = send_elem(c, u, lane, false);
@@ -67,10 +68,10 @@ __device__ __forceinline__ void send_token_chunk(const LlDispatchArgs& a, const 
     }
     quantize_e4m3<16>(f, a.use_ue8m0, &scale[g], q[g]);
   }
-  for (LlRankMask m = dests; m; m &= m - 1) {
-    const int d = __ffsll(m) - 1;
-    uint8_t* row = peers.base[d] + l.stage_x_at(a.slot, rank, t);
-    auto* scales = reinterpret_cast<float*>(peers.base[d] + l.stage_scales_at(a.slot, rank, t));
+  LlDestWalk walk(dests);
+  for (int d; (d = walk.next()) != kLlNoRank;) {
+    uint8_t* row = peers.at(d) + l.stage_x_at(a.slot, rank, t);
+    auto* scales = reinterpret_cast<float*>(peers.at(d) + l.stage_scales_at(a.slot, rank, t));
 #pragma unroll
     for (int g = 0; g < kPairs; ++g) {
       const int64_t idx = send_elem(c, 2 * g, lane, true);  // 16-aligned; H % 128 == 0 keeps a block whole
@@ -83,7 +84,7 @@ __device__ __forceinline__ void send_token_chunk(const LlDispatchArgs& a, const 
 }
 
 // The expert an id names, -1 when empty, out of range, or on a masked rank.
-__device__ __forceinline__ int valid_expert(const LlLayout& l, LlRankMask alive, int64_t e) {
+__device__ __forceinline__ int valid_expert(const LlLayout& l, LlRanks alive, int64_t e) {
   return (e >= 0 && e < l.num_experts && ll_is_alive(alive, int(e) / l.local_experts())) ? int(e) : -1;
 }
 
@@ -116,20 +117,19 @@ __device__ __forceinline__ void load_row_item(const LlDispatchArgs& a, const LlL
 // Bad input in this call (which: 0 ids out of range, 1 a duplicate expert in a row): told to every live rank, us
 // included, whose receive half records it (ll_record_bad_input), so every rank raises the same error once.
 __device__ __forceinline__ void report_bad_input(const LlDispatchArgs& a, const LlLayout& l, const LlPeers& peers,
-                                                 const WaitCtx& ctx, LlRankMask alive, uint64_t calls, int which) {
+                                                 const WaitCtx& ctx, LlRanks alive, uint64_t calls, int which) {
   ll_store_to_live(peers, l, alive, l.input_err_at(a.slot, which, ctx.rank), calls);
 }
 
 // The rows of tokens [t0, t1): the block's warps take (token, chunk) items, item w first (already in `r`); each
 // token goes once to every rank holding any of its experts.
 __device__ __forceinline__ void send_rows(const LlDispatchArgs& a, const LlLayout& l, const LlPeers& peers, int rank,
-                                          LlRankMask alive, int t0, int t1, int nchunks, RowItem& r) {
+                                          LlRanks alive, int t0, int t1, int nchunks, RowItem& r) {
   const int L = l.local_experts(), lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   for (int item = warp; item < (t1 - t0) * nchunks; item += kLlWarps) {
     const int t = t0 + item / nchunks, c = item % nchunks;
     if (item != warp) load_row_item(a, l, t, c, r);
-    const LlRankMask dests = ll_rank_mask(valid_expert(l, alive, r.id), L);
-    if (dests) send_token_chunk(a, l, peers, rank, t, c, dests, lane, r.v);
+    send_token_chunk(a, l, peers, rank, t, c, ll_slot_rank(valid_expert(l, alive, r.id), L), lane, r.v);
   }
 }
 
@@ -153,7 +153,7 @@ struct RangeMeta {
 // entries before t0 (a shared-memory histogram). A short range (n <= kShortRange) is then ranked by warp 0 alone
 // (it starts its rows after that; the other warps start theirs at once); a long one after the rows, by
 // send_range_meta.
-__device__ __forceinline__ void rank_range_early(const LlDispatchArgs& a, const LlLayout& l, LlRankMask alive, int t0,
+__device__ __forceinline__ void rank_range_early(const LlDispatchArgs& a, const LlLayout& l, LlRanks alive, int t0,
                                                  int n, const RangeMeta& m) {
   const int E = l.num_experts, p0 = t0 * a.topk, tid = threadIdx.x;
   // a thread's first id of the range is in flight with the histogram's loads: one memory round trip for both
@@ -176,7 +176,7 @@ __device__ __forceinline__ void rank_range_early(const LlDispatchArgs& a, const 
 // given, so an entry's rank can pass 16 bits only then: such an entry gets no key (the receiver likewise drops rows
 // past an expert's R * M), and nothing is written out of bounds.
 __device__ __forceinline__ void send_range_meta(const LlDispatchArgs& a, const LlLayout& l, const LlPeers& peers,
-                                                const WaitCtx& ctx, LlRankMask alive, uint64_t calls, int t0, int n,
+                                                const WaitCtx& ctx, LlRanks alive, uint64_t calls, int t0, int n,
                                                 const RangeMeta& m) {
   const int R = l.num_ranks, E = l.num_experts, L = l.local_experts(), rank = ctx.rank;
   const int K = a.topk, tid = threadIdx.x;
@@ -191,10 +191,10 @@ __device__ __forceinline__ void send_range_meta(const LlDispatchArgs& a, const L
   for (int i = tid; i < R * n; i += blockDim.x) {
     const int d = i / n, j = i % n, e = m.own[j];
     if (!ll_is_alive(alive, d)) continue;
-    reinterpret_cast<int*>(peers.base[d] + l.meta_at(a.slot, rank, t0 + j / K))[j % K] =
+    reinterpret_cast<int*>(peers.at(d) + l.meta_at(a.slot, rank, t0 + j / K))[j % K] =
         (e >= 0 && e / L == d && m.rank_in[j] <= 0xffff) ? ((e % L) << 16 | m.rank_in[j]) : -1;
   }
-  int* keys = reinterpret_cast<int*>(peers.base[rank] + l.entry_key_at(a.slot)) + t0 * K;
+  int* keys = reinterpret_cast<int*>(peers.at(rank) + l.entry_key_at(a.slot)) + t0 * K;
   for (int j = tid; j < n; j += blockDim.x) {
     const int e = m.own[j];
     keys[j] = e >= 0 && m.rank_in[j] <= 0xffff ? (e << 16 | m.rank_in[j]) : -1;
@@ -209,7 +209,7 @@ __device__ __forceinline__ void send_range_meta(const LlDispatchArgs& a, const L
 // range check of the ids (out-of-range slots count as -1; the call still completes on every rank and the error is
 // reported, not waited on). smem: E ints.
 __device__ __forceinline__ void send_counts(const LlDispatchArgs& a, const LlLayout& l, const LlPeers& peers,
-                                            const WaitCtx& ctx, LlRankMask alive, uint64_t calls, int* smem) {
+                                            const WaitCtx& ctx, LlRanks alive, uint64_t calls, int* smem) {
   const int R = l.num_ranks, E = l.num_experts, rank = ctx.rank, T = a.num_tokens, P = T * a.topk;
   const int tid = threadIdx.x;
   int* counts = smem;  // [E]
@@ -226,10 +226,10 @@ __device__ __forceinline__ void send_counts(const LlDispatchArgs& a, const LlLay
   ll_trace(a.trace, kLlTraceCounts);
   for (int i = tid; i < R * E; i += blockDim.x)
     if (ll_is_alive(alive, i / E))
-      ptx::st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(peers.base[i / E] + l.counts_at(a.slot, rank)) + i % E,
+      ptx::st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(peers.at(i / E) + l.counts_at(a.slot, rank)) + i % E,
                               ll_tagged(calls, counts[i % E]));
   if (tid < R && ll_is_alive(alive, tid))
-    ptx::st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(peers.base[tid] + l.ntok_at(a.slot, rank)),
+    ptx::st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(peers.at(tid) + l.ntok_at(a.slot, rank)),
                             ll_tagged(calls, T));
   if (tid == 0 && bad_id) report_bad_input(a, l, peers, ctx, alive, calls, 0);
 }
@@ -259,7 +259,7 @@ struct SendRange {
 // Nothing on the way is ranked over all entries by one block, and every block signals its own arrival. A single
 // block does all of it. r: the warp's first item (SendRange::load_first).
 __device__ __forceinline__ void dispatch_send_phase(const LlDispatchArgs& a, const LlLayout& l, const LlPeers& peers,
-                                                    const WaitCtx& ctx, LlRankMask alive, uint64_t calls, int* smem,
+                                                    const WaitCtx& ctx, LlRanks alive, uint64_t calls, int* smem,
                                                     const SendRange& range, RowItem& r) {
   const int t0 = range.t0, t1 = range.t1, nchunks = range.nchunks;
   // the call's words first, tagged like the counts, so a receiver compares them before it uses anything of ours
@@ -278,7 +278,7 @@ __device__ __forceinline__ void dispatch_send_phase(const LlDispatchArgs& a, con
   }
   if (blockIdx.x == 0) send_counts(a, l, peers, ctx, alive, calls, smem);
   ll_trace(a.trace, kLlTraceSendMeta);
-  ll_finish_send(peers.base[ctx.rank], peers, l, kLlDispatch, a.slot, ctx.seq, calls, ctx.rank, alive, nullptr,
+  ll_finish_send(peers.at(ctx.rank), peers, l, kLlDispatch, a.slot, ctx.seq, calls, ctx.rank, alive, nullptr,
                  a.trace);
 }
 

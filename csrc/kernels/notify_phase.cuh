@@ -253,7 +253,7 @@ __device__ __forceinline__ NotifyEnd notify_phase(const NotifyArgs& a, const Nvl
   // rank: the payload sees a non-zero invalid count, and the host learns why (the counts, or the AgreeRecord).
   if (agree) {
     const uint8_t* slots = self + layout.agree_at(ctx.seq);
-    const AgreeResult ar = agree_block(slots, a.agree, ctx.seq, R, 0xffffffffu, ctx, kStageAgree, host == nullptr,
+    const AgreeResult ar = agree_block(slots, a.agree, ctx.seq, R, AllRanks{}, ctx, kStageAgree, host == nullptr,
                                        host != nullptr ? host->agree_rows : nullptr);
     if (ar.status < 0) return kNotifyStopped;
     if (ar.status == 0) {

@@ -1,6 +1,7 @@
 // What a rank's low-latency kernels need besides per-call arguments: the low-latency buffer layout, the peer
 // table of that buffer, the shared error record and the timeout. Owned by deepcomm/cuda/ll_buffer.py.
 #pragma once
+#include <array>
 #include <cstdint>
 #include <string>
 
@@ -13,7 +14,8 @@ namespace dc {
 
 struct LlContext {
   LlLayout layout;
-  LlPeers peers{};
+  LlPeers peers{};                                // what the kernels take (api.hpp)
+  std::array<uint8_t*, kLlMaxRanks> bases{};      // every rank's base: the device table's contents (set_peer_table)
   int rank;
   ErrorRecord* err_device = nullptr;
   uint64_t timeout_ns = 100ull * 1000 * 1000 * 1000;
@@ -30,6 +32,23 @@ struct LlContext {
     DC_HOST_ASSERT(num_ranks >= 1 && num_ranks <= kLlMaxRanks,
                    "low-latency mode: at most " + std::to_string(kLlMaxRanks) + " ranks (LL_MAX_RANKS)");
     DC_HOST_ASSERT(rank_ >= 0 && rank_ < num_ranks, "low-latency mode: rank out of range");
+  }
+
+  void set_peer(int r, uint8_t* base) {
+    DC_HOST_ASSERT(r >= 0 && r < layout.num_ranks, "set_peer: rank out of range");
+    bases[r] = base;
+    if (r < kLlInlinePeers)
+      peers.base[r] = base;
+    else
+      peers.all = nullptr;  // the device table no longer holds every base: set_peer_table again
+  }
+
+  // The peer table for a launch: past kLlInlinePeers ranks the device copy of `bases` must have been given.
+  const LlPeers& launch_peers() const {
+    DC_HOST_ASSERT(layout.num_ranks <= kLlInlinePeers || peers.all != nullptr,
+                   "low-latency mode: more than " + std::to_string(kLlInlinePeers) +
+                       " ranks need the peer table in device memory (LlContext.set_peer_table after set_peer)");
+    return peers;
   }
 
   // The low-latency kernels keep their own call numbers in the buffer (csrc/kernels/ll_common.cuh).

@@ -65,11 +65,9 @@ namespace dc {
 
 enum LlKind : int { kLlDispatch = 0, kLlCombine = 1 };
 
-// Low-latency mode spans every rank of the job: at most the width of its rank masks (one bit per rank: the live
-// ranks, each token's destination ranks; csrc/kernels/ll_common.cuh).
-using LlRankMask = uint64_t;
-constexpr int kLlMaxRanks = 64;
-static_assert(kLlMaxRanks <= 64, "LlRankMask holds one bit per rank");
+// Low-latency mode spans every rank of the job, at most 256 (32 nodes x 8 GPUs): the kernels' live-rank set
+// (csrc/runtime/rank_set.hpp), their peer table (LlPeers) and a thread per rank in the agreement and the waits.
+constexpr int kLlMaxRanks = 256;
 
 struct LlLayout {
   int num_ranks, num_experts, max_tokens, topk_max;

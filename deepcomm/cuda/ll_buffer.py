@@ -93,6 +93,11 @@ class LlBuffer:
                 # stores meant for r at inbox_at(slot, rank) + f land at outbox_at(slot, r) + f, for either slot
                 p = self.memory.ptr + lay["outbox"] - lay["inbox"] + (r - rank) * lay["block"]
             self.ctx.set_peer(r, p)
+        # past LL_INLINE_PEERS ranks the kernels read the far peers' bases from device memory (csrc/kernels/api.hpp)
+        self.peer_table = None
+        if world_size > C.LL_INLINE_PEERS:
+            self.peer_table = torch.tensor(self.ctx.peer_bases(), dtype=torch.int64, device=device)
+            self.ctx.set_peer_table(self.peer_table.data_ptr())
         self.ctx.set_pdl(pdl_mode())
         self.ctx.set_error_record(err_dev)
         self.ctx.set_agree_record(agree_dev)  # shared with the NVLink buffer (deepcomm/cuda/agree_record.py)

@@ -120,12 +120,12 @@ def test_field_at_rejects_unknown_fields():
         ctx.field_at("entry", 0, 0)
 
 
-def test_the_context_holds_a_peer_for_every_rank_up_to_the_mask_width():
+def test_the_context_holds_a_peer_for_every_rank_the_internode_path_takes():
     """Low-latency mode spans every rank of the job (internode too): the context's peer table has room for
-    LL_MAX_RANKS ranks, the width of the kernels' rank masks (64 bits), and refuses more instead of writing past
-    it."""
+    LL_MAX_RANKS ranks, as many as the internode path takes (32 nodes x 8 GPUs), and refuses more instead of
+    writing past it."""
     n = C.LL_MAX_RANKS
-    assert n == 64 and C.MAX_RANKS == 8  # beyond one NVLink domain: 8 nodes x 8 GPUs
+    assert n == C.transport.INTERNODE_MAX_RANKS == 256 and C.MAX_RANKS == 8
     ctx = C.LlContext(n - 1, n, 2 * n, 8, 1024, TOPK_MAX, True)
     for r in range(n):
         ctx.set_peer(r, 0x10000 * (r + 1))
@@ -135,3 +135,22 @@ def test_the_context_holds_a_peer_for_every_rank_up_to_the_mask_width():
         C.LlContext(0, n + 1, 2 * (n + 1), 8, 1024, TOPK_MAX)
     with pytest.raises(ValueError, match="rank out of range"):
         C.LlContext(4, 4, 8, 8, 1024, TOPK_MAX)
+
+
+def test_ranks_past_the_inline_peers_need_the_device_peer_table():
+    """The kernels take the first LL_INLINE_PEERS bases in their arguments and the rest from a device-memory copy of
+    peer_bases(): a launch in a larger job without that copy raises instead of reading a null table, and a later
+    set_peer of a far rank drops it until it is given again."""
+    n = C.LL_INLINE_PEERS + 8
+    ctx = C.LlContext(0, n, 2 * n, 8, 1024, TOPK_MAX)
+    bases = [0x10000 * (r + 1) for r in range(n)]
+    for r, b in enumerate(bases):
+        ctx.set_peer(r, b)
+    assert ctx.peer_bases() == bases
+    words = [0] * C.FINGERPRINT_WORDS
+    with pytest.raises(ValueError, match="peer table in device memory"):
+        ctx.agree_reject(words, 0, 0, 0)
+    ctx.set_peer_table(0x5000)
+    ctx.set_peer(n - 1, 0x9000)
+    with pytest.raises(ValueError, match="peer table in device memory"):
+        ctx.agree_reject(words, 0, 0, 0)

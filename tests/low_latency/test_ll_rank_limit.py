@@ -1,5 +1,5 @@
 """A backend whose low-latency mode serves fewer ranks than the group (Capabilities.max_low_latency_ranks: the
-internode backend, its kernels' rank masks being 64 bits wide) refuses a low-latency call in Buffer, with a
+internode backend: deepcomm._C.LL_MAX_RANKS) refuses a low-latency call in Buffer, with a
 ValueError on every rank before anything is exchanged, and the Buffer goes on with the next call. On the CPU over
 the reference backend, its capability lowered to stand for a group larger than the limit."""
 import dataclasses
