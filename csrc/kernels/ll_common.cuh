@@ -18,8 +18,14 @@ constexpr int kLlThreads = 256;
 static_assert(kLlMaxRanks <= kLlThreads, "the agreement and the per-rank waits take one thread per rank");
 constexpr int kLlWarps = kLlThreads / 32;
 
-// The live ranks of a call (every rank but the masked ones), the same in every thread.
-using LlRanks = RankSet<kLlMaxRanks>;
+// The live ranks of a call (every rank but the masked ones), the same in every thread. `all`: no rank is masked,
+// the usual case, where a look needs no word of the set (the checks run once per expert id).
+struct LlRanks {
+  RankSet<kLlMaxRanks> set;
+  bool all;
+  __device__ __forceinline__ bool has(int r) const { return all || set.has(r); }
+  __device__ __forceinline__ LlRanks without(int r) const { return LlRanks{set.without(r), false}; }
+};
 
 __device__ __forceinline__ bool ll_is_alive(const LlRanks& alive, int r) { return alive.has(r); }
 
@@ -53,9 +59,10 @@ __device__ __forceinline__ uint64_t ll_enter(const uint8_t* self, const LlLayout
                                              WaitCtx& ctx, LlRanks* alive) {
   const int lane = threadIdx.x & 31;
   const int* mask = reinterpret_cast<const int*>(self + l.mask);
-  int masked[LlRanks::kWords];
+  constexpr int kWords = RankSet<kLlMaxRanks>::kWords;
+  int masked[kWords];
 #pragma unroll
-  for (int g = 0; g < LlRanks::kWords; ++g)
+  for (int g = 0; g < kWords; ++g)
     masked[g] = 32 * g + lane < l.num_ranks ? ptx::ld_volatile_s32(mask + 32 * g + lane) : 1;
   const uint64_t seq =
       ptx::ld_relaxed_sys_u64(reinterpret_cast<const uint64_t*>(self + (kSend ? l.seq : l.slot_seq)) +
@@ -63,8 +70,14 @@ __device__ __forceinline__ uint64_t ll_enter(const uint8_t* self, const LlLayout
   const uint64_t calls =
       ptx::ld_relaxed_sys_u64(reinterpret_cast<const uint64_t*>(self + l.slot_calls) + kind * 2 + slot);
 #pragma unroll
-  for (int g = 0; g < LlRanks::kWords; ++g) alive->w[g] = __ballot_sync(0xffffffffu, masked[g] == 0);
-  alive->add(ctx.rank);
+  bool none_masked = true;  // ranks past num_ranks read as masked
+#pragma unroll
+  for (int g = 0; g < kWords; ++g) {
+    alive->set.w[g] = __ballot_sync(0xffffffffu, masked[g] == 0);
+    none_masked = none_masked && (masked[g] == 0 || 32 * g + lane >= l.num_ranks);
+  }
+  alive->set.add(ctx.rank);
+  alive->all = __all_sync(0xffffffffu, none_masked);
   ctx.seq = kSend ? seq + 1 : seq;
   return calls + (kSend ? 1 : 0);
 }
@@ -225,7 +238,7 @@ __device__ __forceinline__ int ll_count(const uint8_t* self, const LlLayout& l, 
   return ll_is_alive(alive, s) ? int(uint32_t(ptx::ld_relaxed_sys_u64(ll_count_word(self, l, slot, s, e)))) : 0;
 }
 
-// Tokens source s dispatched in `slot`, 0 for a source not in `sources` (a rank bit mask); read like ll_count.
+// Tokens source s dispatched in `slot`, 0 for a source not in `sources` (a rank set); read like ll_count.
 __device__ __forceinline__ int ll_ntok(const uint8_t* self, const LlLayout& l, int slot, LlRanks sources, int s) {
   return ll_is_alive(sources, s) ? int(uint32_t(ptx::ld_relaxed_sys_u64(ll_ntok_word(self, l, slot, s)))) : 0;
 }
