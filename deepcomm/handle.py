@@ -27,8 +27,8 @@ class WorkspaceViews:
 
     def make(self, name: str) -> torch.Tensor:
         shape, strides, offset, dtype = self.specs[name]
-        if self.slot is not None:  # the view may outlive the handle unseen: the workspace is never reused
-            self.slot.escaped = True
+        if self.slot is not None:  # the view may outlive the handle unseen: the workspace is never reused, and the
+            self.slot.escaped, self.slot.work = True, None  # pool no longer keeps its memory alive
         base = self.base if dtype is None else self.base.view(dtype)
         return base.as_strided((self.n,) if shape is None else shape, strides, offset)
 

@@ -21,7 +21,8 @@ SIZE_CLASSES = 24     # size classes (powers of two of int32 elements) a pool ke
 
 
 class WorkSlot:
-    """One pooled workspace; ``escaped`` once a tensor view of it was made (it then leaves the pool)."""
+    """One pooled workspace; ``escaped`` once a tensor view of it was made (it then leaves the pool, and ``work`` is
+    None: the views keep the memory as long as they need it)."""
     __slots__ = ("work", "escaped")
 
     def __init__(self, work: torch.Tensor):

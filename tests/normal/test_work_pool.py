@@ -54,7 +54,9 @@ def test_a_workspace_whose_view_was_made_is_never_taken_again(env):
     b = env.b
     *_, h = _fresh(b)
     ptr = _work(h).data_ptr()
+    slot = h.__dict__["_count_matrix"].slot
     count_matrix = h.count_matrix  # a view of the workspace that outlives the handle
+    assert slot.escaped and slot.work is None  # the pool keeps its memory no longer
     del h
     *_, h2 = _fresh(b)
     assert _work(h2).data_ptr() != ptr and count_matrix.data_ptr() != _work(h2).data_ptr()
