@@ -1,6 +1,6 @@
 // A method of a bound class that reads its positional arguments with the Python C API (METH_FASTCALL) instead of
-// pybind11's dispatcher, for the few crossings made once per collective call: pybind11 converts a 35-argument call
-// and its 16 agreement words in about a microsecond more than this does. FastArgs reads the arguments in order and
+// pybind11's dispatcher, for the few crossings made once per collective call: pybind11 converts a 34-argument call
+// with its 16 agreement words in about a microsecond more than this does. FastArgs reads the arguments in order and
 // raises TypeError naming the method and the argument's position, as pybind11 would refuse them.
 //
 //   PyObject* f(PyObject* self, PyObject* const* args, Py_ssize_t n) {

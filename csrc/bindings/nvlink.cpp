@@ -86,7 +86,6 @@ py::tuple dispatch_result(const NvlDispatchResult& r, py::object out) {
   return py::make_tuple(r.status, r.num_recv, r.bad_all, r.bad_mine, r.per_expert, std::move(out), r.waited_us);
 }
 
-
 // NvlContext.dispatch_into(arena, arena_at, reserve_rows, x_type, scale_type, with_idx, with_weights, flags, caller,
 // comm, previous, start, end, topk_idx, T, K, E, in_rank, send_pos, notify_out, host_tag, x, x_row_bytes, scales,
 // scale_row_bytes, topk_weights, count_matrix, invalid_count, out_rows, num_blocks, expert_alignment, src_idx_copy,
@@ -140,9 +139,10 @@ PyObject* dispatch_into(PyObject* self, PyObject* const* args, Py_ssize_t nargs)
   }, args);
 }
 
-PyMethodDef dispatch_into_def = {"dispatch_into", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(
-                                                      &dispatch_into)),
+PyMethodDef dispatch_into_def = {"dispatch_into",
+                                 reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&dispatch_into)),
                                  METH_FASTCALL, "NvlContext.dispatch_into (csrc/bindings/nvlink.cpp)"};
+
 }  // namespace
 
 void register_nvlink(py::module_& m) {
@@ -154,8 +154,8 @@ void register_nvlink(py::module_& m) {
   // ---- NVLink context and collective kernels ----
   py::class_<NvlContext> nvl(m, "NvlContext");
   nvl.def(py::init<int, int, int, int, int64_t, int64_t, int64_t>(), py::arg("rank"), py::arg("num_ranks"),
-           py::arg("local_experts_cap"), py::arg("max_tokens"), py::arg("hidden_max"), py::arg("topk_max"),
-           py::arg("arena_bytes"))
+          py::arg("local_experts_cap"), py::arg("max_tokens"), py::arg("hidden_max"), py::arg("topk_max"),
+          py::arg("arena_bytes"))
       .def("layout", [](const NvlContext& c) { return layout_dict(c.layout); })
       .def("set_peer", [](NvlContext& c, int r, uintptr_t base) {
         DC_HOST_ASSERT(r >= 0 && r < c.layout.num_ranks, "set_peer: rank out of range");

@@ -65,4 +65,3 @@ class WorkPool:
 
     def clear(self) -> None:
         self._queues.clear()
-
