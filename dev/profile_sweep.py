@@ -5,7 +5,8 @@ fused with notify into one launch or not (DEEPCOMM_DISPATCH_FUSED)
 checked equal to the default variant's (which the tests prove bit-exact against the reference) on plain and ugly
 routing; then the notify kernel's phase stamps at 128 and 4096 tokens. The variants are switched in-process with
 deepcomm._C.set_tuning. A diagnostic, not the benchmark:
-`python dev/profile_sweep.py [--json PATH]`; fails (non-zero exit) when a variant's outputs differ."""
+`python dev/profile_sweep.py [--json PATH] [--trace-only]`; fails (non-zero exit) when a variant's outputs differ.
+``--trace-only``: the notify trace alone (24 SMs), in both launch modes."""
 from __future__ import annotations
 
 import argparse
@@ -153,7 +154,7 @@ def _notify_trace(C, buf, x, idx, w, tokens):
             t = trace.cpu()
             entry = t[:, 0, 0]
             t0 = int(entry[entry > 0].min())
-            last = int(t[:, P - 1, 0].argmax())  # the block that stored the tag
+            last = int(t[:, P - 1, 0].argmax())  # the block that wrote the host counts
             for p in range(P):
                 col = t[:, p, 0]
                 col = col[col > 0]
@@ -178,10 +179,11 @@ def _notify_trace(C, buf, x, idx, w, tokens):
                      "blocks": int((t[:, p, 0] > 0).sum())})
     return {"tokens": tokens, "ns_per_clock": round(ns_per_clk, 4), "points": rows,
             "notify_kernel_us_untraced": _kernel_us(untraced, "notify_dispatch"),
-            "dispatch_kernel_us_untraced": _kernel_us(untraced, "dc::dispatch_kernel")}
+            "dispatch_kernel_us_untraced": _kernel_us(untraced, "dc::dispatch_kernel"),
+            "fused_kernel_us_untraced": _kernel_us(untraced, "dispatch_fused_kernel")}
 
 
-def worker(rank, world, hidden, json_path):
+def worker(rank, world, hidden, json_path, trace_only=False):
     from deepcomm._ext import load_extension
     C = load_extension()
     dev = torch.device("cuda", rank)
@@ -190,7 +192,16 @@ def worker(rank, world, hidden, json_path):
                   "DEEPCOMM_COMBINE_CONFIG")
     start = {k: C.get_tuning(k) for k in knob_names}
     for sms in SMS:
+        if trace_only and sms != SMS[-1]:
+            continue
         buf, idx, w, x, fp8, h, y = setup_calls(rank, TOKENS, hidden, sms)
+        if trace_only:
+            for fused in (0, 1):  # the fused launch's notify blocks stamp the same points
+                C.set_tuning("DEEPCOMM_DISPATCH_FUSED", fused)
+                traces += [dict(_notify_trace(C, buf, x, idx, w, t), fused=fused) for t in TRACE_TOKENS]
+            C.set_tuning("DEEPCOMM_DISPATCH_FUSED", start["DEEPCOMM_DISPATCH_FUSED"])
+            buf.destroy()
+            continue
         timed = {
             "fresh bf16": lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E),
             "fresh fp8": lambda: buf.dispatch(fp8, topk_idx=idx, topk_weights=w, num_experts=E),
@@ -234,8 +245,10 @@ def worker(rank, world, hidden, json_path):
         print(f"{what:32s} {r['case']:12s} sms {r['num_sms']:3d}  {us:7.1f} us{extra}"
               f"  {'ok' if r['outputs_equal_default'] else 'OUTPUTS DIFFER'}")
     for tr in traces:
-        print(f"--- notify trace, {tr['tokens']} tokens, 24 SMs' buffer (untraced: notify kernel "
-              f"{tr['notify_kernel_us_untraced']} us, dispatch kernel {tr['dispatch_kernel_us_untraced']} us; "
+        print(f"--- notify trace{', one launch' if tr.get('fused') else ''}, {tr['tokens']} tokens, 24 SMs' "
+              "buffer (untraced: notify kernel "
+              f"{tr['notify_kernel_us_untraced']} us, dispatch kernel {tr['dispatch_kernel_us_untraced']} us, "
+              f"fused kernel {tr['fused_kernel_us_untraced']} us; "
               f"{tr['ns_per_clock']} ns per SM clock): us from the first entry, median over blocks / latest block; "
               "last block by its own clock")
         for p in tr["points"]:
@@ -257,5 +270,6 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--json", default="")
+    p.add_argument("--trace-only", action="store_true")
     a = p.parse_args()
-    run_on_gpus(worker, 1, a.hidden, a.json, timeout_s=400)
+    run_on_gpus(worker, 1, a.hidden, a.json, a.trace_only, timeout_s=400)

@@ -194,7 +194,7 @@ void register_nvlink(py::module_& m) {
         launch_dispatch_layout(a, c.wait_ctx(), stream_of(stream));
       })
       .def("set_dispatch_counts", [](NvlContext& c, uintptr_t host, uintptr_t dev) {
-        c.counts_host = ptr<const DispatchCounts>(host);
+        c.counts_host = ptr<DispatchCounts>(host);
         c.counts_device = ptr<DispatchCounts>(dev);
       })
       // One normal dispatch crossing (csrc/runtime/nvl_calls.hpp): the steps in `flags`, then

@@ -85,7 +85,7 @@ void register_runtime(py::module_& m) {
   // A fresh dispatch whose wait returned status 3: (1 + first differing peer, its first differing word, rows)
   m.def("read_dispatch_disagreement", [](uintptr_t counts_host, int num_ranks) {
     const auto* h = ptr<const DispatchCounts>(counts_host);
-    return py::make_tuple(h->disagree, h->disagree_word,
+    return py::make_tuple(count_value(h->disagree), count_value(h->disagree_word),
                           rows_of(h->agree_rows, std::min(num_ranks, kAgreeRecordRanks)));
   });
 }

@@ -16,13 +16,28 @@ constexpr int kAgreeMaxRanks = 32;
 
 __device__ __forceinline__ bool agree_on(const Fingerprint& f) { return f.w[0] != 0; }
 
-// One thread: our words into a peer's slot for us, then its tag with release (so a reader that sees the tag sees
-// the words). The caller's next release store to that peer (its first signal) follows it.
-__device__ __forceinline__ void agree_publish(uint8_t* slot, const Fingerprint& f, uint64_t tag) {
+// One thread: our words into a peer's slot for us, without its tag (agree_publish, or a caller that stores the
+// tag itself after a system-scope fence it needs anyway).
+__device__ __forceinline__ uint64_t* agree_store_words(uint8_t* slot, const Fingerprint& f) {
   auto* s = reinterpret_cast<AgreeSlot*>(slot);
 #pragma unroll
   for (int i = 0; i < kFingerprintWords; ++i) s->words[i] = f.w[i];
-  ptx::st_release_sys_u64(&s->tag, tag);
+  return &s->tag;
+}
+
+// One thread: a system-scope fence, then the tag of the words agree_store_words left (unless null) and the caller's
+// first signal to that peer, `flag`, both as relaxed stores the fence releases, with the thread's stores before it
+// (a release store each would fence twice before the peer hears of the call).
+__device__ __forceinline__ void release_words_and_flag(uint64_t* words_tag, uint64_t* flag, uint64_t value) {
+  ptx::fence_acq_rel_sys();
+  if (words_tag != nullptr) ptx::st_relaxed_sys_u64(words_tag, value);
+  ptx::st_relaxed_sys_u64(flag, value);
+}
+
+// One thread: our words into a peer's slot for us, then its tag with release (so a reader that sees the tag sees
+// the words). The caller's next release store to that peer (its first signal) follows it.
+__device__ __forceinline__ void agree_publish(uint8_t* slot, const Fingerprint& f, uint64_t tag) {
+  ptx::st_release_sys_u64(agree_store_words(slot, f), tag);
 }
 
 // The other mode's slot (WaitCtx::cross) in which peer s left its words of call f.w[CALL] on this Buffer, or null:

@@ -296,10 +296,12 @@ __global__ void __launch_bounds__((kSend + kReduce) * 32, 1)
   for (int s = 0; s < R; ++s) real += a.count_matrix[s * R + rank];
   a.num_recv = min(a.num_recv, real);
   const bool agree = agree_on(a.agree);
-  if (blockIdx.x == 0 && tid < R) {
-    if (agree)  // the call's words go with combine_ready (released before it)
-      agree_publish(peers.base[tid] + layout.agree_at(ctx.seq) + int64_t(rank) * kAgreeSlotBytes, a.agree, ctx.seq);
-    ptx::st_release_sys_u64(reinterpret_cast<uint64_t*>(peers.base[tid] + layout.combine_ready) + rank, ctx.seq);
+  if (blockIdx.x == 0 && tid < R) {  // the call's words go with combine_ready, one fence releasing both
+    uint64_t* words_tag =
+        agree ? agree_store_words(peers.base[tid] + layout.agree_at(ctx.seq) + int64_t(rank) * kAgreeSlotBytes, a.agree)
+              : nullptr;
+    release_words_and_flag(words_tag, reinterpret_cast<uint64_t*>(peers.base[tid] + layout.combine_ready) + rank,
+                           ctx.seq);
   }
   __syncthreads();
   // Senders and reducers alike compare every rank's words first: on a difference (or a rank that rejected its

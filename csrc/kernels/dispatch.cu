@@ -197,12 +197,14 @@ __device__ __forceinline__ void dispatch_payload(const DispatchArgs& a, const Nv
     const DispatchOutLayout out(rows, a.x_row_bytes, a.scale_row_bytes, a.topk);
     const int64_t offsets[5] = {out.x, out.scales, out.topk_idx, out.topk_weights, out.src_idx};
     auto* box = reinterpret_cast<uint64_t*>(peers.base[tid] + layout.mailbox) + rank * kMailboxWords;
-    // a cached dispatch's words go with the mailbox (released before it)
-    if (agree_on(a.agree))
-      agree_publish(peers.base[tid] + layout.agree_at(ctx.seq) + int64_t(rank) * kAgreeSlotBytes, a.agree, ctx.seq);
+    // a cached dispatch's words go with the mailbox, one fence releasing both
+    uint64_t* words_tag =
+        agree_on(a.agree)
+            ? agree_store_words(peers.base[tid] + layout.agree_at(ctx.seq) + int64_t(rank) * kAgreeSlotBytes, a.agree)
+            : nullptr;
     for (int j = 0; j < 5; ++j) box[1 + j] = uint64_t(a.out_block + offsets[j]);
     box[6] = uint64_t(rows);
-    ptx::st_release_sys_u64(box, ctx.seq);
+    release_words_and_flag(words_tag, box, ctx.seq);
   }
   __syncthreads();
   // Every block compares every rank's words before it uses a mailbox: on a difference (or a rank that rejected
@@ -366,31 +368,38 @@ __global__ void __launch_bounds__(kDispatchThreads, 1)
 
 // A fresh dispatch in one launch (DEEPCOMM_DISPATCH_FUSED=1; not the default: on one H200 at world size 1 it took
 // the same host time per call as the two launches, its counts coming later by what the launch saves, and about
-// 2 us more GPU time at 4096 tokens, docs/tuning.md): the call's number at entry (every block), the notify phase
-// in blocks 0..notify_blocks(T)-1 (notify_phase.cuh), then the payload in every block, once the notify phase's
-// last block has released NotifyWork::kNotifyDone for this call (the counts the payload reads written, or the
-// call stopped: the payload then sees the invalid count it set and stops too). The host launches it only where the
-// notify blocks are at most the payload blocks, all of them resident (num_sms <= the SMs), so the blocks that
-// wait never keep the last notify block out.
+// 2 us more GPU time at 4096 tokens, docs/tuning.md): the notify phase in blocks 0..notify_blocks(T)-1
+// (notify_phase.cuh), then the payload in every block, once the notify phase's last block has released
+// NotifyWork::kNotifyDone for this call (the counts the payload reads written, or the call stopped: the payload
+// then sees the invalid count it set and stops too). The call's number advances by entry tickets (call_entry.cuh):
+// the other blocks take theirs at entry, the notify blocks after their phase, so that the counts do not wait for a
+// ticket's round trip. The host launches it only where the notify blocks are at most the payload blocks, all of
+// them resident (num_sms <= the SMs), so the blocks that wait never keep the last notify block out.
 template <int kUnroll, bool kPrefetch>
 __global__ void __launch_bounds__(kDispatchThreads, 1)
     dispatch_fused_kernel(NotifyArgs na, DispatchArgs a, NvlLayout layout, Peers peers, WaitCtx ctx_in) {
   uint8_t* self = peers.base[ctx_in.rank];
   uint8_t* work = self + layout.notify_work;
-  const WaitCtx ctx = enter_call(ctx_in, reinterpret_cast<uint32_t*>(work + NotifyWork::kEntryTicket));
+  auto* ticket = reinterpret_cast<uint32_t*>(work + NotifyWork::kEntryTicket);
   auto* done = reinterpret_cast<uint64_t*>(work + NotifyWork::kNotifyDone);
   const int G = notify_blocks(na.num_tokens);
+  WaitCtx ctx = ctx_in;
   if (int(blockIdx.x) < G) {
     // the counts out: notify_phase released `done` before it wrote the host's counts
-    const notify_detail::NotifyEnd end = notify_detail::notify_phase(na, layout, peers, ctx, G, ctx.seq, done);
-    if (end == notify_detail::kNotifyStopped) {
-      __syncthreads();  // every thread's stores before the release
-      if (threadIdx.x == 0) {
+    uint64_t seq = 0;
+    const notify_detail::NotifyEnd end = notify_detail::notify_phase(na, layout, peers, ctx_in, G, true, seq, done);
+    ctx.seq = seq;
+    __syncthreads();  // every thread's stores before the release, and the phase's shared words read
+    if (threadIdx.x == 0) {
+      if (end == notify_detail::kNotifyStopped) {
         *const_cast<int*>(a.invalid_count) = -1;  // nothing moves
         ptx::fence_acq_rel_gpu();
-        ptx::st_release_gpu_u64(done, ctx.seq);
+        ptx::st_release_gpu_u64(done, seq);
       }
+      take_entry_ticket(ctx_in, ticket, seq);
     }
+  } else {
+    ctx = enter_call(ctx_in, ticket);
   }
   // Twice the peers' timeout: a peer that never comes is reported by the notify phase's wait (naming it), which
   // then releases the flag, before this wait gives up

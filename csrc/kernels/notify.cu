@@ -19,7 +19,8 @@ using namespace notify_detail;
 
 __global__ void __launch_bounds__(kNotifyThreads, 1)
     notify_dispatch_kernel(NotifyArgs a, NvlLayout layout, Peers peers, WaitCtx ctx_base) {
-  notify_phase(a, layout, peers, ctx_base, int(gridDim.x), 0);
+  uint64_t seq;
+  notify_phase(a, layout, peers, ctx_base, int(gridDim.x), false, seq);
 }
 
 }  // namespace

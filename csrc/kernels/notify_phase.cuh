@@ -95,12 +95,14 @@ __device__ __forceinline__ void trace_after_sync(uint64_t* trace, int point) {
 }
 
 // The notify phase of blocks 0..G-1 (one token per thread; notify.cu's kernel, or the first part of a fused
-// dispatch in dispatch.cu). `fused_seq` 0: a kernel of its own, which advances the call number itself and lets
-// the payload kernel behind it in; else the call's number, advanced at the fused kernel's entry (call_entry.cuh).
-// `counts_done` (the fused dispatch's, else null): released with the call's number as soon as the counts the
-// payload reads are written, before the counts for the host, so that the payload does not wait for those stores.
+// dispatch in dispatch.cu). Each block reads the call's number (counter + 1) at entry, into `seq` for every thread.
+// Not `fused`: a kernel of its own, which advances the counter itself and lets the payload kernel behind it in;
+// `fused`: the fused kernel advances it by entry tickets (call_entry.cuh), which these blocks take after this
+// phase, so that the phase does not wait for a ticket's round trip first. `counts_done` (the fused dispatch's,
+// else null): released with the call's number as soon as the counts the payload reads are written, before the
+// counts for the host, so that the payload does not wait for those stores.
 __device__ __forceinline__ NotifyEnd notify_phase(const NotifyArgs& a, const NvlLayout& layout, const Peers& peers,
-                                                  const WaitCtx& ctx_base, int G, uint64_t fused_seq,
+                                                  const WaitCtx& ctx_base, int G, bool fused, uint64_t& seq,
                                                   uint64_t* counts_done = nullptr) {
   __shared__ NotifyShared sh;
   extern __shared__ int dyn[];
@@ -120,7 +122,7 @@ __device__ __forceinline__ NotifyEnd notify_phase(const NotifyArgs& a, const Nvl
   // The payload kernel behind us (launched with programmatic dependent launch) may now put its blocks on the SMs:
   // they wait for this kernel to complete before they read anything (dispatch.cu), and every block of ours is
   // resident by the time the last one gets here, so none of ours is kept out.
-  if (fused_seq == 0) ptx::launch_dependents();
+  if (!fused) ptx::launch_dependents();
 
   for (int i = tid; i < E; i += blockDim.x) expert_count[i] = 0;
   if (tid == 0) {
@@ -129,9 +131,10 @@ __device__ __forceinline__ NotifyEnd notify_phase(const NotifyArgs& a, const Nvl
     // blocks already running. The counter is read before any ticket is taken, so every block reads the number
     // before the last block advances it.
     sh.chunk = single ? 0 : int(atomicAdd(reinterpret_cast<unsigned*>(work + NotifyWork::kChunkTicket), 1u));
-    sh.tag = fused_seq != 0 ? fused_seq : *counter + 1;
+    sh.tag = *counter + 1;
   }
   __syncthreads();
+  seq = sh.tag;
 
   // ---- this block's tokens ----
   const int chunk = sh.chunk;
@@ -215,7 +218,7 @@ __device__ __forceinline__ NotifyEnd notify_phase(const NotifyArgs& a, const Nvl
       *reinterpret_cast<uint32_t*>(work + NotifyWork::kChunkTicket) = 0u;
     }
     sh.seq = sh.tag;  // the call's number
-    if (fused_seq == 0) *counter = sh.seq;  // advanced here instead of by a bump kernel
+    if (!fused) *counter = sh.seq;  // advanced here instead of by a bump kernel
   }
   if (!single) {
     for (int e = tid; e < E; e += blockDim.x) {
@@ -233,19 +236,21 @@ __device__ __forceinline__ NotifyEnd notify_phase(const NotifyArgs& a, const Nvl
   const int row_len = R + L + 1;
   const NotifyOut out(R, L);  // where the results go in a.notify_out (nvl_layout.hpp)
   const bool agree = agree_on(a.agree);
-  // the call's words go first to every peer (its slot for us), released before the counts' flag below
-  if (agree && tid < R) agree_publish(peers.base[tid] + layout.agree_at(ctx.seq) + int64_t(rank) * kAgreeSlotBytes,
-                                      a.agree, ctx.seq);
+  // The call's words go to every peer (its slot for us) with the counts; one system-scope fence then releases
+  // both the words' tag and the counts' flag.
+  uint64_t* agree_tag = nullptr;
+  if (agree && tid < R)
+    agree_tag = agree_store_words(peers.base[tid] + layout.agree_at(ctx.seq) + int64_t(rank) * kAgreeSlotBytes,
+                                  a.agree);
   for (int i = tid; i < R * row_len; i += blockDim.x) {
     const int dst = i / row_len, j = i % row_len;
     const int v = j < R ? sh.rank_total[j] : (j < R + L ? expert_count[dst * L + (j - R)] : sh.invalid);
     reinterpret_cast<int*>(peers.base[dst] + layout.notify_counts)[rank * row_len + j] = v;
   }
   __syncthreads();
-  if (tid < R) {
-    ptx::fence_acq_rel_sys();
-    ptx::st_release_sys_u64(reinterpret_cast<uint64_t*>(peers.base[tid] + layout.notify_flag) + rank, ctx.seq);
-  }
+  if (tid < R)
+    release_words_and_flag(agree_tag, reinterpret_cast<uint64_t*>(peers.base[tid] + layout.notify_flag) + rank,
+                           ctx.seq);
   trace_after_sync(a.trace, kNotifyTraceSent);
   DispatchCounts* host = a.host_counts;
   // Every rank's words before the counts are used: a rank that rejected its call, or one in another call, sends
@@ -260,15 +265,11 @@ __device__ __forceinline__ NotifyEnd notify_phase(const NotifyArgs& a, const Nvl
       if (tid == 0) {
         a.notify_out[out.bad_all] = -1;
         a.notify_out[out.bad_mine] = 0;
-        if (host != nullptr) {
-          host->num_recv = 0;
-          host->bad_all = 0;
-          host->bad_mine = 0;
-          host->num_local_experts = L;
-          host->disagree = ar.peer + 1;
-          host->disagree_word = ar.word;
+        if (host != nullptr) {  // every rank's words (agree_rows, by agree_block) before the words that say so
+          const uint32_t tag = count_tag(a.host_tag);
           ptx::fence_acq_rel_sys();
-          ptx::st_release_sys_u64(&host->tag, a.host_tag);
+          ptx::st_relaxed_sys_u64(&host->disagree_word, tagged_count(tag, ar.word));
+          ptx::st_relaxed_sys_u64(&host->disagree, tagged_count(tag, ar.peer + 1));
         }
       }
       return kNotifyStopped;
@@ -286,13 +287,14 @@ __device__ __forceinline__ NotifyEnd notify_phase(const NotifyArgs& a, const Nvl
   if (!ok) return kNotifyStopped;  // the host sees the error record instead of the tag
   trace_stamp(a.trace, kNotifyTraceFlags);
   const int* counts = reinterpret_cast<const int*>(self + layout.notify_counts);
+  const uint32_t host_tag = count_tag(a.host_tag);
   for (int i = tid; i < R * R; i += blockDim.x)
     a.notify_out[out.count_matrix + i] = ptx::ld_volatile_s32(counts + (i / R) * row_len + i % R);
   for (int l = tid; l < L; l += blockDim.x) {
     int sum = 0;
     for (int s = 0; s < R; ++s) sum += ptx::ld_volatile_s32(counts + s * row_len + R + l);
     a.notify_out[out.per_expert + l] = sum;
-    if (host != nullptr) host->per_expert[l] = sum;
+    if (host != nullptr) ptx::st_relaxed_sys_u64(&host->per_expert[l], tagged_count(host_tag, sum));
   }
   __shared__ int recv_total;
   if (tid == 0) {
@@ -312,25 +314,14 @@ __device__ __forceinline__ NotifyEnd notify_phase(const NotifyArgs& a, const Nvl
       ptx::st_release_gpu_u64(counts_done, ctx.seq);
     }
   }
-  if (tid == 0) {
-    const int bad = a.notify_out[out.bad_all], recv = recv_total;
-    if (host != nullptr) {
-      host->num_recv = recv;
-      host->bad_all = bad;
-      host->bad_mine = sh.invalid;
-      host->num_local_experts = L;
-      host->disagree = 0;
-    }
+  if (tid == 0 && host != nullptr) {  // tagged words: the host takes each as it comes, `disagree` first
+    ptx::st_relaxed_sys_u64(&host->num_recv, tagged_count(host_tag, recv_total));
+    ptx::st_relaxed_sys_u64(&host->bad_all, tagged_count(host_tag, a.notify_out[out.bad_all]));
+    ptx::st_relaxed_sys_u64(&host->bad_mine, tagged_count(host_tag, sh.invalid));
+    ptx::st_relaxed_sys_u64(&host->num_local_experts, tagged_count(host_tag, L));
+    ptx::st_relaxed_sys_u64(&host->disagree, tagged_count(host_tag, 0));
   }
   trace_after_sync(a.trace, kNotifyTraceHost);
-  if (host != nullptr) {
-    __syncthreads();
-    if (tid == 0) {
-      ptx::fence_acq_rel_sys();
-      ptx::st_release_sys_u64(&host->tag, a.host_tag);
-    }
-  }
-  trace_stamp(a.trace, kNotifyTraceTag);
   return kNotifyCountsOut;
 }
 

@@ -11,17 +11,22 @@
 
 namespace dc {
 
+// Thread 0 of a block, once its block has read the call's number `seq` (counter + 1): its entry ticket. The block
+// that takes the last one (every block has read the counter by then) stores the number and resets the ticket.
+__device__ __forceinline__ void take_entry_ticket(const WaitCtx& in, uint32_t* ticket, uint64_t seq) {
+  ptx::fence_acq_rel_gpu();  // our read of the counter comes before our ticket
+  if (ptx::atom_add_release_gpu_u32(ticket, 1u) == uint32_t(gridDim.x - 1)) {
+    ptx::fence_acq_rel_gpu();  // every block's read came before the last ticket
+    *ticket = 0u;
+    *const_cast<uint64_t*>(in.seq_ptr) = seq;
+  }
+}
+
 __device__ __forceinline__ WaitCtx enter_call(const WaitCtx& in, uint32_t* ticket) {
   __shared__ uint64_t seq;
   if (threadIdx.x == 0) {
-    auto* counter = const_cast<uint64_t*>(in.seq_ptr);
-    seq = *counter + 1;
-    ptx::fence_acq_rel_gpu();  // our read of the counter comes before our ticket
-    if (ptx::atom_add_release_gpu_u32(ticket, 1u) == uint32_t(gridDim.x - 1)) {
-      ptx::fence_acq_rel_gpu();  // every block's read came before the last ticket
-      *ticket = 0u;
-      *counter = seq;
-    }
+    seq = *in.seq_ptr + 1;
+    take_entry_ticket(in, ticket, seq);
   }
   __syncthreads();
   WaitCtx c = in;

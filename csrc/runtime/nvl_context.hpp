@@ -18,7 +18,7 @@ struct NvlContext {
   ErrorRecord* err_device = nullptr;  // mapped host memory, device view
   const ErrorRecord* err_host = nullptr;  // the same record, host view (a host wait stops when it is set)
   DispatchCounts* counts_device = nullptr;  // mapped host memory: a fresh dispatch's counts, device view
-  const DispatchCounts* counts_host = nullptr;  // ... host view
+  DispatchCounts* counts_host = nullptr;  // ... host view (the host clears the words it read)
   uint64_t timeout_ns = 100ull * 1000 * 1000 * 1000;
   AgreeRecord* agree_device = nullptr;  // mapped host memory: a call-fingerprint difference (agree_record.hpp)
   const uint8_t* cross = nullptr;  // our low-latency buffer's agree slots (WaitCtx::cross), null before it exists

@@ -57,8 +57,8 @@ def test_set_tuning_changes_what_get_tuning_reads_and_rejects_unknown_knobs():
 @needs_ext
 def test_notify_trace_names_match_its_point_count():
     C = load_extension()
-    assert len(C.NOTIFY_TRACE_NAMES) == C.NOTIFY_TRACE_POINTS == 9
-    assert C.NOTIFY_TRACE_NAMES[0] == "entry" and C.NOTIFY_TRACE_NAMES[-1] == "tag stored"
+    assert len(C.NOTIFY_TRACE_NAMES) == C.NOTIFY_TRACE_POINTS == 8
+    assert C.NOTIFY_TRACE_NAMES[0] == "entry" and C.NOTIFY_TRACE_NAMES[-1] == "host counts written"
     assert C.NOTIFY_TRACE_BLOCKS == 256
 
 
