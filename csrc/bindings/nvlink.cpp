@@ -1,7 +1,7 @@
 // deepcomm._C normal mode over NVLink: NvlContext (the layout kernel; notify, dispatch, combine in one crossing
 // each; csrc/runtime/nvl_calls.hpp). Argument order is positional: deepcomm/nvlink/backend.py is the caller.
-// dispatch_call and combine_call stay positional, not typed argument structs (typed_args.hpp): they are on the
-// host-time-critical path, and every attribute Python sets on a struct costs host time per call.
+// dispatch_call, dispatch_into and combine_call stay positional, not typed argument structs (typed_args.hpp): they
+// are on the host-time-critical path, and every attribute Python sets on a struct costs host time per call.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -143,6 +143,33 @@ PyMethodDef dispatch_into_def = {"dispatch_into",
                                  reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&dispatch_into)),
                                  METH_FASTCALL, "NvlContext.dispatch_into (csrc/bindings/nvlink.cpp)"};
 
+// NvlContext.combine_call(flags, caller, comm, previous, start, end, num_blocks, x, topk_weights, recv_src_idx,
+// count_matrix, send_pos, out, out_weights, N, T, H, K, use_fp8, fingerprint): one normal combine in the stream
+// order of `flags` (kCallWaitCaller / kCallCallerWaits). Every combine makes this crossing, so its arguments are
+// read with the C API (fast_method.hpp).
+PyObject* combine_call(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  return fast_method_body("NvlContext.combine_call", nargs, 20, [&](FastArgs& a) -> py::object {
+    const NvlContext& c = py::handle(self).cast<const NvlContext&>();
+    const int flags = a.i32();
+    const uintptr_t caller = a.u64(), comm = a.u64(), previous = a.u64(), start = a.u64(), end = a.u64();
+    const int num_blocks = a.i32();
+    const uintptr_t x = a.u64(), topk_weights = a.u64(), recv_src_idx = a.u64(), count_matrix = a.u64();
+    const uintptr_t send_pos = a.u64(), out = a.u64(), out_weights = a.u64();
+    const int N = a.i32(), T = a.i32(), H = a.i32(), K = a.i32();
+    const bool use_fp8 = a.boolean();
+    const Words fingerprint = a.ints<kFingerprintWords>();
+    CombineArgs args{ptr<const void>(x), ptr<const float>(topk_weights), ptr<const int>(recv_src_idx),
+                     ptr<const int>(count_matrix), ptr<const int>(send_pos), ptr<void>(out), ptr<float>(out_weights),
+                     N, T, H, K, use_fp8, fingerprint_of(fingerprint)};
+    nvl_combine(c, stream_order(caller, comm, previous, start, end, flags), args, num_blocks);
+    return py::none();
+  }, args);
+}
+
+PyMethodDef combine_call_def = {"combine_call",
+                                reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&combine_call)),
+                                METH_FASTCALL, "NvlContext.combine_call (csrc/bindings/nvlink.cpp)"};
+
 }  // namespace
 
 void register_nvlink(py::module_& m) {
@@ -216,18 +243,9 @@ void register_nvlink(py::module_& m) {
             expert_alignment, src_idx_copy, wait_timeout_s, fingerprint);
         const NvlDispatchResult r = run_dispatch(c, stream_order(caller, comm, previous, start, end, flags), call);
         return dispatch_result(r, py::make_tuple(r.out[0], r.out[1], r.out[2], r.out[3], r.out[4], r.out[5]));
-      })
-      .def("combine_call", [](const NvlContext& c, int flags, uintptr_t caller, uintptr_t comm, uintptr_t previous,
-                              uintptr_t start, uintptr_t end, int num_blocks, uintptr_t x, uintptr_t topk_weights,
-                              uintptr_t recv_src_idx, uintptr_t count_matrix, uintptr_t send_pos, uintptr_t out,
-                              uintptr_t out_weights, int N, int T, int H, int K, bool use_fp8,
-                              const Words& fingerprint) {
-        CombineArgs a{ptr<const void>(x), ptr<const float>(topk_weights), ptr<const int>(recv_src_idx),
-                      ptr<const int>(count_matrix), ptr<const int>(send_pos), ptr<void>(out), ptr<float>(out_weights),
-                      N, T, H, K, use_fp8, fingerprint_of(fingerprint)};
-        nvl_combine(c, stream_order(caller, comm, previous, start, end, flags), a, num_blocks);
       });
-  add_fast_method(nvl, &dispatch_into_def);  // its comment is at the function, above
+  add_fast_method(nvl, &dispatch_into_def);  // their comments are at the functions, above
+  add_fast_method(nvl, &combine_call_def);
 }
 
 }  // namespace dc::bindings
