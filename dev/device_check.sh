@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One full check on a GPU machine: build, GPU tests, benchmark. Logs and JSON go to $OUT (default ./out).
 #   bash dev/device_check.sh [quick|full|tests|bench|soak|verify|sanitize|ll|ll-ab|ll-bench-ab|ll-settings|round|
-#                                internode]
+#                                internode|parts-ab]
 #   (default quick; full = tests + soak + sanitize + bench, more than one device call's 600 s now: run its modes
 #    apart; verify = tests + soak, no bench; sanitize = compute-sanitizer memcheck/racecheck/synccheck on the
 #    intranode kernels, dev/sanitize.sh; ll = the low-latency loop: its GPU tests, the low-latency benchmark and
@@ -10,6 +10,7 @@
 #    in one call: the low-latency GPU tests and benchmark on the tree as it is (A), then again with the patch file
 #    $AB_PATCH applied (B; e.g. `git diff main exp/branch > ab.patch`, an untracked file in the tree), about 7 minutes;
 #    internode = the internode GPU tests (emulated NIC and NVSHMEM transports) and the internode benchmark;
+#    parts-ab = the host parts of a normal-mode call of the tree and of each patch in $AB_PATCHES, two rounds;
 #    shared WORLD = the multi-rank GPU suite with WORLD ranks (default 4) all on GPU 0 under MPS (launch/with_mps.sh,
 #    docs/testing.md), the killed-peer tests last, then the soak at WORLD ranks; within ~540 s in all; SHARED_FILES,
 #    WS1_FIRST, PROFILE_FIRST, BENCH_FIRST and SHARED_TESTS_ONLY below pick the parts)
@@ -150,6 +151,58 @@ if [[ "$MODE" == ll-bench-ab ]]; then
     done
     build "tree"
   done
+  exit 0
+fi
+
+# The host parts of a normal-mode call at world size 1 (dev/profile_host_parts.py, both launch modes' splits) into
+# $OUT/ab/parts_$1.json, its split lines into the summary; with AB_TRACE=1 the notify trace too (both launch modes),
+# with AB_KERNELS=1 each call's kernel times and span (dev/profile_kernels.py, 24 SMs).
+quick_parts() {
+  mkdir -p "$OUT/ab"
+  echo "== $1" | tee -a "$summary"
+  timeout 120 python3 dev/profile_host_parts.py --json "$OUT/ab/parts_$1.json" > "$OUT/ab/parts_$1.log" 2>&1
+  python3 - "$OUT/ab/parts_$1.json" <<'PY' | tee -a "$summary"
+import json, sys
+d = json.load(open(sys.argv[1]))["parts_us"]
+for k in ("split: whole call", "split: crossing: counts seen", "split, one launch: whole call",
+          "split, one launch: crossing: counts seen", "buf.dispatch cached bf16", "buf.combine"):
+    print(f"  {k:45s} {d.get(k)}")
+PY
+  if [[ "${AB_KERNELS:-0}" == 1 ]]; then  # each call's kernels and span at 128 and 4096 tokens, 24 SMs
+    timeout 150 python3 dev/profile_kernels.py --sms 24 --json "$OUT/ab/kernels_$1.json" > "$OUT/ab/kernels_$1.log" 2>&1
+    grep -E "^(fresh|cached|combine|graph)" "$OUT/ab/kernels_$1.log" | cut -c1-75 | tee -a "$summary"
+  fi
+  if [[ "${AB_TRACE:-0}" == 1 ]]; then
+    timeout 150 python3 dev/profile_sweep.py --trace-only --json "$OUT/ab/trace_$1.json" 2>&1 \
+      | grep -A10 "notify trace" > "$OUT/ab/trace_$1.log"
+    grep -E "notify trace|host counts written" "$OUT/ab/trace_$1.log" | tee -a "$summary"
+  fi
+}
+
+# parts-ab: the host parts (quick_parts) of the tree as it is and of each patch in $AB_PATCHES, each applied alone
+# and rebuilt, in two rounds so that drift shows; then, with AB_TESTS (test files, e.g. "tests/normal/x.py"), those
+# GPU tests on the last patch's tree. About 45 s per build and profile (70 with AB_TRACE=1).
+if [[ "$MODE" == parts-ab ]]; then
+  read -ra patches <<< "${AB_PATCHES:-}"
+  [[ ${#patches[@]} -gt 0 ]] || { echo "parts-ab: set AB_PATCHES to patch files in the tree"; exit 1; }
+  for round in 1 2; do
+    quick_parts "tree-r$round"
+    for p in "${patches[@]}"; do
+      git apply "$p" || { echo "parts-ab: $p does not apply"; exit 1; }
+      build "$p"
+      quick_parts "$(basename "$p" .patch)-r$round"
+      if [[ $round == 2 && -n "${AB_TESTS:-}" && "$p" == "${patches[-1]}" ]]; then
+        t0=$(date +%s)
+        # shellcheck disable=SC2086  # a list of test files
+        timeout 200 python3 -m pytest -q -ra -m gpu -p no:cacheprovider $AB_TESTS > "$OUT/ab/gpu_tests.log" 2>&1
+        echo "gpu tests on $p: rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$summary"
+        tail -6 "$OUT/ab/gpu_tests.log"
+      fi
+      git apply -R "$p"
+    done
+    [[ $round == 1 ]] && build "tree"
+  done
+  tar czf "$OUT/ab.tgz" -C "$OUT" ab && rm -rf "$OUT/ab"  # one file back: the device tool returns a few only
   exit 0
 fi
 
