@@ -20,6 +20,7 @@ class DeviceErrorRecord:
     # the record's first word (its flag) read in place: a look at an empty record, at every call, then costs no
     # crossing into the extension (None: always ask the extension)
     _flag_word: Optional[ctypes.c_int] = None
+    broken_reason: Optional[str] = None  # why the Buffer is broken, where not by a timeout (set_broken_by)
 
     def __init__(self, C, device: torch.device, timeout_s: float):
         self.C, self.device = C, device
@@ -49,6 +50,8 @@ class DeviceErrorRecord:
         and the call numbers out of step. ``leave_input``: an input error stays recorded, for a later look (the
         caller already holds one). A record still being written (flag 2) is left for the next look."""
         if self.broken:
+            if self.broken_reason is not None:
+                raise RuntimeError(self.broken_reason)
             raise RuntimeError("deepcomm: this Buffer had a communication timeout; destroy it and build a new one on "
                                "every rank, or mask the lost peer (Buffer.mask_ranks) to go on in low-latency mode")
         word = self._flag_word
@@ -79,6 +82,17 @@ class DeviceErrorRecord:
             raise CommTimeoutError(rank, peer, stage_text(self.C, stage),
                                    f"call #{seq}, waited {waited_ns / 1e9:.3f} s")
 
+    def set_broken_by(self, call: str, error: BaseException) -> None:
+        """``call`` raised ``error`` inside its crossing into the extension, where its first exchange may have
+        begun: the peers may wait for what this rank never sent, so the Buffer takes no more calls here (its next
+        one would meet theirs out of step); each later call raises RuntimeError saying why."""
+        if not self.broken:
+            self.broken, self.broken_peer = True, None
+            self.broken_reason = (
+                f"deepcomm: this Buffer's {call} failed inside its crossing into the extension, after its exchange "
+                f"with the other ranks may have begun ({type(error).__name__}: {error}); the other ranks' call cannot "
+                "finish (they end in a CommTimeoutError): destroy this Buffer and build a new one on every rank")
+
     def set_masked(self, ranks: frozenset) -> None:
         """After a timeout waiting for a peer that is now masked, the record is cleared and work may go on."""
         torch.cuda.synchronize(self.device)  # queued kernels gave up at once after the record was set
@@ -94,3 +108,4 @@ class DeviceErrorRecord:
         self._flag_word = None
         self.C.host_mapped_free(self.err_host)
         self.C.host_mapped_free(self.agree_host)
+

@@ -366,10 +366,14 @@ class CudaBackend:
                 v.data_ptr(), call.x_row_bytes, sc.data_ptr() if sc is not None else 0, call.scale_row_bytes,
                 w.data_ptr() if w is not None else 0, count_matrix_ptr, invalid_ptr)
         tail = (self.config.num_sms, alignment, src_copy_ptr, self._wait_timeout_s, call.words)
-        if reserve_rows is None:
-            return self.nvl.ctx.dispatch_call(*head, out_block, out_rows, *tail)
-        return self.nvl.ctx.dispatch_into(self.arena.core, self._arena_at, reserve_rows, call.x_type, call.scale_type,
-                                          call.fresh, w is not None, *head, out_rows, *tail)
+        try:
+            if reserve_rows is None:
+                return self.nvl.ctx.dispatch_call(*head, out_block, out_rows, *tail)
+            return self.nvl.ctx.dispatch_into(self.arena.core, self._arena_at, reserve_rows, call.x_type,
+                                              call.scale_type, call.fresh, w is not None, *head, out_rows, *tail)
+        except Exception as e:
+            self.nvl.set_broken_by("dispatch" if call.fresh else "cached dispatch", e)
+            raise
 
     def _fresh(self, call: "_Call", topk_idx: torch.Tensor, num_experts: int, expert_alignment: int,
                num_worst_tokens: int):
@@ -532,12 +536,16 @@ class CudaBackend:
         out = torch.empty(T, H, dtype=x.dtype, device=self.device)
         out_w = torch.empty(T, K, dtype=torch.float32, device=self.device) if topk_weights is not None else None
         self._joined += 1
-        self.nvl.ctx.combine_call(flags, wait, run, prev, self._start_handle, end, self.config.num_sms, x.data_ptr(),
-                                  topk_weights.data_ptr() if topk_weights is not None else 0,
-                                  field_ptr(handle, "recv_src_idx"), field_ptr(handle, "count_matrix"),
-                                  field_ptr(handle, "send_pos"), out.data_ptr(),
-                                  out_w.data_ptr() if out_w is not None else 0, x.shape[0], T, H, K, use_fp8,
-                                  words_or_none(fingerprint))
+        try:
+            self.nvl.ctx.combine_call(flags, wait, run, prev, self._start_handle, end, self.config.num_sms,
+                                      x.data_ptr(), topk_weights.data_ptr() if topk_weights is not None else 0,
+                                      field_ptr(handle, "recv_src_idx"), field_ptr(handle, "count_matrix"),
+                                      field_ptr(handle, "send_pos"), out.data_ptr(),
+                                      out_w.data_ptr() if out_w is not None else 0, x.shape[0], T, H, K, use_fp8,
+                                      words_or_none(fingerprint))
+        except Exception as e:
+            self.nvl.set_broken_by("combine", e)
+            raise
         if async_finish:
             self._after(True, (x, topk_weights, handle.recv_src_idx, handle.count_matrix, handle.send_pos, out, out_w))
         else:

@@ -15,6 +15,7 @@ if C is not None:
     from deepcomm.nvlink import backend as B
     from deepcomm.cuda.arena import Arena
     from deepcomm.cuda.call_errors import CallErrors
+    from deepcomm.cuda.error_record import DeviceErrorRecord
     B._load_flags(C)
 
 CALLER, OTHER, COMM, CAPTURE = 11, 22, 33, 44
@@ -117,8 +118,9 @@ def cpu_backend(setattr_):
     arena_bytes, worst = B.arena_sizes(C, 1, 256, 1024)
     state.memory = torch.zeros(arena_bytes + worst, dtype=torch.uint8)  # the arena, then the bounce area
     b.arena = Arena(state.memory.data_ptr(), arena_bytes, None)
-    b.nvl = types.SimpleNamespace(ctx=FakeCtx(), layout={"arena": 4096}, broken=False,
-                                  check_error=lambda **kw: None, owed=[])
+    b.nvl = types.SimpleNamespace(ctx=FakeCtx(), layout={"arena": 4096}, broken=False, broken_peer=None,
+                                  broken_reason=None, check_error=lambda **kw: None, owed=[])
+    b.nvl.set_broken_by = lambda call, error: DeviceErrorRecord.set_broken_by(b.nvl, call, error)
     b.bounce_offset, b.bounce_bytes = arena_bytes, worst
     b.comm_stream = types.SimpleNamespace(cuda_stream=COMM, wait_stream=state.waited_streams.append)
     b._events = [FakeEvent(100 + i) for i in range(B.EVENT_RING)]

@@ -346,8 +346,42 @@ def test_joined_calls_count_each_crossing_before_it_is_made(env, monkeypatch):
         with pytest.raises(RuntimeError, match="out of memory"):
             b.combine(torch.zeros(64, 1024, dtype=torch.bfloat16), h, None)
     assert b.joined_calls == before + 2
+    assert not b.nvl.broken  # an error before the crossing: the Buffer rejects the call and goes on
     with monkeypatch.context() as m:
         m.setattr(ctx, "dispatch_into", no_memory)
         with pytest.raises(RuntimeError, match="out of memory"):
             b.dispatch(x, None, None, E, h, 1)
     assert b.joined_calls == before + 3
+
+
+@pytest.mark.parametrize("call", ["dispatch", "cached dispatch", "combine"])
+def test_an_error_inside_the_crossing_breaks_the_buffer_saying_why(env, monkeypatch, call):
+    """A crossing that raises (a failed launch, after the call's first exchange may have begun) leaves the peers
+    waiting for this rank: the Buffer takes no more calls, and its next one says why instead of meeting theirs out
+    of step."""
+    from deepcomm.cuda.error_record import DeviceErrorRecord
+    b, ctx = env.b, env.ctx
+    x, idx, w, E = _inputs()
+    h = b.dispatch(x, idx, w, E, None, 1)[4]
+
+    def launch_fails(*args, **kwargs):
+        raise RuntimeError("CUDA error: too many resources requested for launch (simulated)")
+    name = "combine_call" if call == "combine" else "dispatch_into"
+    with monkeypatch.context() as m:
+        m.setattr(ctx, name, launch_fails)
+        with pytest.raises(RuntimeError, match="too many resources"):
+            if call == "combine":
+                b.combine(torch.zeros(64, 1024, dtype=torch.bfloat16), h, None)
+            else:
+                b.dispatch(x, idx if call == "dispatch" else None, w, E, None if call == "dispatch" else h, 1)
+    assert b.nvl.broken and b.nvl.broken_peer is None
+    assert f"this Buffer's {call} failed inside its crossing" in b.nvl.broken_reason
+    assert "RuntimeError: CUDA error: too many resources" in b.nvl.broken_reason
+    # the record's look at the start of every later call raises that reason (DeviceErrorRecord.check_error)
+    record = DeviceErrorRecord.__new__(DeviceErrorRecord)
+    record.broken, record.broken_peer, record.broken_reason = b.nvl.broken, None, b.nvl.broken_reason
+    with pytest.raises(RuntimeError, match="destroy this Buffer and build a new one on every rank"):
+        record.check_error()
+    record.broken_reason = None  # a timeout's break keeps its own text
+    with pytest.raises(RuntimeError, match="had a communication timeout"):
+        record.check_error()
