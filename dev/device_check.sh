@@ -134,23 +134,32 @@ quick_ll_bench() {
   echo | tee -a "$summary"
 }
 
-# ll-bench-ab: the low-latency benchmark only (deepcomm, 1/128/256 tokens, CUDA graphs) of the tree as it is and of
-# each patch in $AB_PATCHES (space-separated patch files in the tree, e.g. `git diff main exp/x > x.patch`), each
-# applied alone and rebuilt, in two rounds so that drift shows; no tests (run the winner's with ll-ab or ll-settings);
-# about 40 s per build and benchmark
-if [[ "$MODE" == ll-bench-ab ]]; then
+# The A/B loop of ll-bench-ab and parts-ab: in two rounds (so that drift shows), `$2 LABEL` on the tree as it is,
+# then on each patch in $AB_PATCHES (space-separated patch files in the tree, e.g. `git diff main exp/x > x.patch`)
+# applied alone and rebuilt, labels "tree-rN" and "<patch name>-rN"; `$3 ROUND PATCH` (optional) right after each
+# patch's measurement, on its tree.
+ab_rounds() {
+  local mode="$1" measure="$2" after="${3:-}" round p
   read -ra patches <<< "${AB_PATCHES:-}"
-  [[ ${#patches[@]} -gt 0 ]] || { echo "ll-bench-ab: set AB_PATCHES to patch files in the tree"; exit 1; }
+  [[ ${#patches[@]} -gt 0 ]] || { echo "$mode: set AB_PATCHES to patch files in the tree"; exit 1; }
   for round in 1 2; do
-    quick_ll_bench "tree, round $round"
+    "$measure" "tree-r$round"
     for p in "${patches[@]}"; do
-      git apply "$p" || { echo "ll-bench-ab: $p does not apply"; exit 1; }
+      git apply "$p" || { echo "$mode: $p does not apply"; exit 1; }
       build "$p"
-      quick_ll_bench "$p, round $round"
+      "$measure" "$(basename "$p" .patch)-r$round"
+      [[ -n "$after" ]] && "$after" "$round" "$p"
       git apply -R "$p"
     done
-    build "tree"
+    [[ $round == 1 ]] && build "tree"
   done
+}
+
+# ll-bench-ab: the low-latency benchmark only (deepcomm, 1/128/256 tokens, CUDA graphs) of the tree as it is and of
+# each patch in $AB_PATCHES (ab_rounds); no tests (run the winner's with ll-ab or ll-settings); about 40 s per build
+# and benchmark
+if [[ "$MODE" == ll-bench-ab ]]; then
+  ab_rounds ll-bench-ab quick_ll_bench
   exit 0
 fi
 
@@ -179,29 +188,20 @@ PY
   fi
 }
 
-# parts-ab: the host parts (quick_parts) of the tree as it is and of each patch in $AB_PATCHES, each applied alone
-# and rebuilt, in two rounds so that drift shows; then, with AB_TESTS (test files, e.g. "tests/normal/x.py"), those
-# GPU tests on the last patch's tree. About 45 s per build and profile (70 with AB_TRACE=1).
+# parts-ab: the host parts (quick_parts) of the tree as it is and of each patch in $AB_PATCHES (ab_rounds); then,
+# with AB_TESTS (test files, e.g. "tests/normal/x.py"), those GPU tests on the last patch's tree in the second round.
+# About 45 s per build and profile (70 with AB_TRACE=1).
+parts_ab_tests() {
+  [[ $1 == 2 && -n "${AB_TESTS:-}" && "$2" == "${patches[-1]}" ]] || return 0
+  local t0
+  t0=$(date +%s)
+  # shellcheck disable=SC2086  # a list of test files
+  timeout 200 python3 -m pytest -q -ra -m gpu -p no:cacheprovider $AB_TESTS > "$OUT/ab/gpu_tests.log" 2>&1
+  echo "gpu tests on $2: rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$summary"
+  tail -6 "$OUT/ab/gpu_tests.log"
+}
 if [[ "$MODE" == parts-ab ]]; then
-  read -ra patches <<< "${AB_PATCHES:-}"
-  [[ ${#patches[@]} -gt 0 ]] || { echo "parts-ab: set AB_PATCHES to patch files in the tree"; exit 1; }
-  for round in 1 2; do
-    quick_parts "tree-r$round"
-    for p in "${patches[@]}"; do
-      git apply "$p" || { echo "parts-ab: $p does not apply"; exit 1; }
-      build "$p"
-      quick_parts "$(basename "$p" .patch)-r$round"
-      if [[ $round == 2 && -n "${AB_TESTS:-}" && "$p" == "${patches[-1]}" ]]; then
-        t0=$(date +%s)
-        # shellcheck disable=SC2086  # a list of test files
-        timeout 200 python3 -m pytest -q -ra -m gpu -p no:cacheprovider $AB_TESTS > "$OUT/ab/gpu_tests.log" 2>&1
-        echo "gpu tests on $p: rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$summary"
-        tail -6 "$OUT/ab/gpu_tests.log"
-      fi
-      git apply -R "$p"
-    done
-    [[ $round == 1 ]] && build "tree"
-  done
+  ab_rounds parts-ab quick_parts parts_ab_tests
   tar czf "$OUT/ab.tgz" -C "$OUT" ab && rm -rf "$OUT/ab"  # one file back: the device tool returns a few only
   exit 0
 fi
