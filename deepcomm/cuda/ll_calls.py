@@ -254,15 +254,21 @@ class LowLatencyEngine:
         hook."""
         phases = self.C.LL_PHASES  # enum LlPhases (csrc/kernels/ll_phases.hpp)
         self.joined += 1
-        if not return_recv_hook and after_send is None:
-            launch(phases["both"], stream)
-            self.errors.raise_pending()
-            return _noop
-        launch(phases["send"], stream)
-        if after_send is not None:
-            after_send(stream)
+        # A launch or a put that fails here may leave the peers waiting for what this rank never sent: the Buffer
+        # then takes no more calls (DeviceErrorRecord.set_broken_by), its next one would meet theirs out of step.
+        try:
+            if not return_recv_hook and after_send is None:
+                launch(phases["both"], stream)
+            else:
+                launch(phases["send"], stream)
+                if after_send is not None:
+                    after_send(stream)
+                if not return_recv_hook:
+                    launch(phases["recv"], stream)
+        except Exception as e:
+            self.record.set_broken_by("low-latency call", e)
+            raise
         if not return_recv_hook:
-            launch(phases["recv"], stream)
             self.errors.raise_pending()
             return _noop
         sent = torch.cuda.Event()
@@ -277,7 +283,11 @@ class LowLatencyEngine:
             current = torch.cuda.current_stream(self.device)
             if current.cuda_stream != stream:
                 current.wait_event(sent)
-            launch(phases["recv"], current.cuda_stream)
+            try:
+                launch(phases["recv"], current.cuda_stream)
+            except Exception as e:
+                self.record.set_broken_by("low-latency receive hook", e)
+                raise
             if current.cuda_stream != stream:
                 for t in tensors:
                     t.record_stream(current)

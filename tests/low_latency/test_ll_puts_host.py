@@ -123,8 +123,10 @@ def test_stores_through_the_outbox_then_puts_equal_direct_stores(world, monkeypa
 
 def test_no_put_peers_one_fused_launch():
     """_launch without put peers and without a hook: one launch of both halves (main's path)."""
+    from deepcomm.cuda.error_record import DeviceErrorRecord
     from deepcomm.cuda.ll_calls import LowLatencyEngine
-    record = types.SimpleNamespace(masked=frozenset())
+    record = DeviceErrorRecord.__new__(DeviceErrorRecord)  # its state only: no mapped memory on a CPU box
+    record.masked, record.broken, record.broken_peer = frozenset(), False, None
     errors = types.SimpleNamespace(raise_pending=lambda: None)
     calls = LowLatencyEngine(C, None, 0, 2, torch.device("cpu"), record, errors, "ipc", 4)
     phases = C.LL_PHASES
@@ -142,11 +144,17 @@ def test_no_put_peers_one_fused_launch():
     # that fails inside
     assert calls.joined == 2
 
+    assert not record.broken
+
     def failing(phases, s):
         raise RuntimeError("launch failed")
     with pytest.raises(RuntimeError, match="launch failed"):
         calls._launch(failing, False, 5)
     assert calls.joined == 3
+    # the peers may wait for what this rank never sent: the Buffer takes no more calls, and says why
+    assert record.broken and "low-latency call failed inside its crossing" in record.broken_reason
+    with pytest.raises(RuntimeError, match="RuntimeError: launch failed"):
+        record.check_error(low_latency=True)
 
 
 def test_call_words_travel_inside_the_put_sections():
