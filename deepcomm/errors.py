@@ -4,6 +4,14 @@ from __future__ import annotations
 from typing import Optional
 
 
+def crossing_failure_text(call: str, error: BaseException) -> str:
+    """Why a Buffer takes no more calls after ``call`` raised ``error`` inside its crossing into the extension,
+    where its exchange with the other ranks may have begun (they may wait for what this rank never sent)."""
+    return (f"deepcomm: this Buffer's {call} failed inside its crossing into the extension, after its exchange with "
+            f"the other ranks may have begun ({type(error).__name__}: {error}); the other ranks' call cannot finish "
+            "(they end in a CommTimeoutError): destroy this Buffer and build a new one on every rank")
+
+
 class CommTimeoutError(RuntimeError):
     """A wait for a peer passed ``timeout_s``.
 

@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from ..errors import CommTimeoutError
+from ..errors import CommTimeoutError, crossing_failure_text
 from .agree_record import recorded_disagreement
 from .wait_stages import input_error_text, stage_text
 
@@ -87,11 +87,7 @@ class DeviceErrorRecord:
         begun: the peers may wait for what this rank never sent, so the Buffer takes no more calls here (its next
         one would meet theirs out of step); each later call raises RuntimeError saying why."""
         if not self.broken:
-            self.broken, self.broken_peer = True, None
-            self.broken_reason = (
-                f"deepcomm: this Buffer's {call} failed inside its crossing into the extension, after its exchange "
-                f"with the other ranks may have begun ({type(error).__name__}: {error}); the other ranks' call cannot "
-                "finish (they end in a CommTimeoutError): destroy this Buffer and build a new one on every rank")
+            self.broken, self.broken_peer, self.broken_reason = True, None, crossing_failure_text(call, error)
 
     def set_masked(self, ranks: frozenset) -> None:
         """After a timeout waiting for a peer that is now masked, the record is cleared and work may go on."""

@@ -31,6 +31,7 @@ from .. import agreement
 from ..backend_protocol import Capabilities
 from ..config import Config
 from ..dispatch_rows import pad_to_worst
+from ..errors import CommTimeoutError
 from ..hosts import hosts_of
 from ..validation import MAX_TOPK
 from . import hier_agree, hier_kernels, hier_normal
@@ -175,14 +176,19 @@ class InternodeBackend:
                 self._check_topk(t.shape[1])
         if handle is not None and torch.is_tensor(handle.num_recv_tokens_per_expert):
             num_worst_tokens = handle.num_recv
-        with torch.cuda.device(self.device):
-            if self.kernels is not None:
-                self.kernels.check_deferred()
-                out = hier_kernels.dispatch(self.kernels, x, topk_idx, topk_weights, num_experts, handle,
-                                            expert_alignment, fingerprint)
-            else:
-                out = hier_normal.dispatch(self.comm, x, topk_idx, topk_weights, num_experts, handle,
-                                           expert_alignment, fingerprint)
+        joined = self.joined_calls
+        try:
+            with torch.cuda.device(self.device):
+                if self.kernels is not None:
+                    self.kernels.check_deferred()
+                    out = hier_kernels.dispatch(self.kernels, x, topk_idx, topk_weights, num_experts, handle,
+                                                expert_alignment, fingerprint)
+                else:
+                    out = hier_normal.dispatch(self.comm, x, topk_idx, topk_weights, num_experts, handle,
+                                               expert_alignment, fingerprint)
+        except Exception as e:
+            self._break_if_joined("dispatch" if handle is None else "cached dispatch", joined, e)
+            raise
         return pad_to_worst(out, num_worst_tokens, handle is not None) if num_worst_tokens else out
 
     def combine(self, x, handle, topk_weights, previous_event=None, async_finish=False, use_fp8=False,
@@ -190,11 +196,24 @@ class InternodeBackend:
         self._normal_mode_check()
         if topk_weights is not None:
             self._check_topk(topk_weights.shape[1])
-        with torch.cuda.device(self.device):
-            if self.kernels is not None:
-                self.kernels.check_deferred()
-                return hier_kernels.combine(self.kernels, x, handle, topk_weights, use_fp8, fingerprint)
-            return hier_normal.combine(self.comm, x, handle, topk_weights, use_fp8, fingerprint)
+        joined = self.joined_calls
+        try:
+            with torch.cuda.device(self.device):
+                if self.kernels is not None:
+                    self.kernels.check_deferred()
+                    return hier_kernels.combine(self.kernels, x, handle, topk_weights, use_fp8, fingerprint)
+                return hier_normal.combine(self.comm, x, handle, topk_weights, use_fp8, fingerprint)
+        except Exception as e:
+            self._break_if_joined("combine", joined, e)
+            raise
+
+    def _break_if_joined(self, call: str, joined: int, error: Exception) -> None:
+        """After a normal-mode ``call`` raised ``error``: where the call had begun an exchange (joined_calls moved
+        past ``joined``) and the error is not one every rank raises alike (a ValueError, decided from what the ranks
+        exchanged) nor a timeout (which breaks the Buffer itself), the peers may wait for what this rank never sent:
+        the Buffer takes no more calls (RecordedWaits.set_broken_by)."""
+        if self.joined_calls != joined and not isinstance(error, (ValueError, CommTimeoutError)):
+            self.transport.set_broken_by(call, error)
 
     # low-latency mode (internode_ll.py)
     def low_latency_dispatch(self, *args, **kwargs):

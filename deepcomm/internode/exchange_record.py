@@ -8,7 +8,9 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from ..errors import CommTimeoutError
+from ..errors import CommTimeoutError, crossing_failure_text
+
+TIMED_OUT = "deepcomm: this Buffer timed out earlier; destroy it and build a new one on every rank"
 from ..cuda.wait_stages import stage_text
 
 
@@ -45,6 +47,17 @@ def check_round(send_bytes: Sequence[int], send_begin: Sequence[int], rank: int,
 class RecordedWaits:
     """Mixin. The owner sets ``C`` (the extension), ``device``, ``err_host`` (0 until allocated), ``broken``,
     ``region`` (its registered memory as bytes) and ``mem`` (its registered memory, with ``close()``)."""
+    broken_reason: Optional[str] = None  # why ``broken``, where not a timeout (set_broken_by)
+
+    def broken_error(self) -> RuntimeError:
+        """What every call of a broken Buffer raises."""
+        return RuntimeError(self.broken_reason or TIMED_OUT)
+
+    def set_broken_by(self, call: str, error: BaseException) -> None:
+        """``call`` raised ``error`` inside its crossing into the extension after its exchange began: no more
+        calls (the peers may wait for what this rank never sent); each later one raises saying why."""
+        if not self.broken:
+            self.broken, self.broken_reason = True, crossing_failure_text(call, error)
 
     def _what(self, seq: int) -> str:
         """Names the step a timeout happened in, for the error's detail."""
@@ -84,4 +97,4 @@ class ExchangeRecord(RecordedWaits):
 
     def refuse_if_broken(self) -> None:
         if self.broken:
-            raise RuntimeError("deepcomm: this Buffer timed out earlier; destroy it and build a new one on every rank")
+            raise self.broken_error()

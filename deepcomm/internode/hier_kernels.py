@@ -111,9 +111,8 @@ class HierKernels:
         the records hold so far); compare the words of earlier launches whose header copy has run (a disagreement
         is raised by ``end_call``, once this call made its exchange)."""
         for record in (self.tr, self.link):
-            if record.broken:  # a timeout raised before: the same refusal as every later call
-                raise RuntimeError("deepcomm: this Buffer timed out earlier; destroy it and build a new one on every "
-                                   "rank")
+            if record.broken:  # a timeout or a failed crossing before: the same refusal as every later call
+                raise record.broken_error()
             record.check_error()
         self.agreement.collect()
 

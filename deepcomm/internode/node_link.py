@@ -73,7 +73,7 @@ class NodeLink(RecordedWaits):
     def next_epoch(self) -> int:
         """The epoch of the next hierarchical kernel launch (the same sequence as the barrier's)."""
         if self.broken:
-            raise RuntimeError("deepcomm: this Buffer timed out earlier; destroy it and build a new one on every rank")
+            raise self.broken_error()
         self.epoch += 1
         return self.epoch
 
@@ -102,7 +102,7 @@ class NodeLink(RecordedWaits):
         if self.gpus == 1:
             return
         if self.broken:
-            raise RuntimeError("deepcomm: this Buffer timed out earlier; destroy it and build a new one on every rank")
+            raise self.broken_error()
         self.epoch += 1
         self.stage = stage
         stream = torch.cuda.current_stream(self.device)
