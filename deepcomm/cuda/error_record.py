@@ -104,4 +104,3 @@ class DeviceErrorRecord:
         self._flag_word = None
         self.C.host_mapped_free(self.err_host)
         self.C.host_mapped_free(self.agree_host)
-

@@ -9,9 +9,10 @@ from typing import List, Optional, Sequence
 import torch
 
 from ..errors import CommTimeoutError, crossing_failure_text
-
-TIMED_OUT = "deepcomm: this Buffer timed out earlier; destroy it and build a new one on every rank"
 from ..cuda.wait_stages import stage_text
+
+# what every call of a Buffer that a timeout broke raises (RecordedWaits.broken_error)
+TIMED_OUT = "deepcomm: this Buffer timed out earlier; destroy it and build a new one on every rank"
 
 
 def peer_list(rank: int, world_size: int, peers: Optional[Sequence[int]]) -> List[int]:
