@@ -27,6 +27,12 @@ class Capabilities:
     # the most ranks its low-latency mode serves (0: any number); a low-latency call of a larger group raises
     # ValueError in Buffer on every rank before anything is exchanged
     max_low_latency_ranks: int = 0
+    # plain calls (a dispatch without a route-only mask, num_worst_tokens, previous_event or async_finish, and a
+    # cached one without topk_idx; a combine without previous_event or async_finish) may be checked and read by the
+    # backend's ``arg_reader`` (None where it has none: deepcomm/cuda/arg_reader.py), whose methods return None
+    # (Buffer then checks in Python) or what ``dispatch_read(read, num_experts, expert_alignment, handle)`` and
+    # ``combine_read(read, handle)`` take; its checks are Buffer's (deepcomm/validation.py), its words agreement's
+    reads_plain_calls: bool = False
 
 
 @runtime_checkable

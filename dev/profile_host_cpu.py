@@ -15,7 +15,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the repository, for tests.helpers
-from tests.helpers.nvl_stand_ins import C, Patches, cpu_backend  # noqa: E402
+from tests.helpers.nvl_stand_ins import C, Patches, cpu_backend, put_behind_buffer  # noqa: E402
 
 REPS = 20000
 
@@ -32,9 +32,7 @@ def _buffer_over(backend):
             port = s.getsockname()[1]
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     buf = deepcomm.Buffer(max_tokens_per_rank=256, hidden=1024, backend="reference")
-    buf._backend.destroy()
-    buf._backend, buf._takes_fingerprints = backend, True
-    buf._x_dtypes = backend.capabilities.x_dtypes
+    put_behind_buffer(buf, backend)
     return buf
 
 
@@ -92,6 +90,16 @@ def main(json_path: str) -> None:
             ctx.calls.clear()
             buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
 
+        def python_checks(call):  # the Buffer's Python checks instead of the C++ argument reader
+            def run():
+                readers = buf._read_fresh, buf._read_cached, buf._read_combine
+                buf._read_fresh = buf._read_cached = buf._read_combine = None
+                try:
+                    call()
+                finally:
+                    buf._read_fresh, buf._read_cached, buf._read_combine = readers
+            return run
+
         def buf_cached():
             ctx.calls.clear()
             buf.dispatch(x, handle=bh)
@@ -102,14 +110,18 @@ def main(json_path: str) -> None:
 
         cases = {
             "Buffer.dispatch fresh (bf16, ids, weights)": buf_fresh,
+            "Buffer.dispatch fresh, Python checks": python_checks(buf_fresh),
             "Buffer.dispatch cached (bf16)": buf_cached,
+            "Buffer.dispatch cached, Python checks": python_checks(buf_cached),
             "Buffer.combine": buf_combine,
+            "Buffer.combine, Python checks": python_checks(buf_combine),
             "backend fresh dispatch (bf16, ids, weights)": fresh,
             "backend cached dispatch (bf16)": cached,
             "backend combine": combine,
             "  of which the stand-in crossing (subtract)": fake_crossing,
             "check_dispatch_x": lambda: v.check_dispatch_x(x, dev, (torch.bfloat16,), H, 256),
             "agreement.dispatch (fresh)": lambda: agreement.dispatch(1, 1, x, idx, w, E, None),
+            "DispatchArgReader.fresh": lambda: b.arg_reader.fresh(x, idx, w, E, 1, 1),
             "agreement.combine": lambda: agreement.combine(1, 1, x, h, None, False),
             "backend _order (plain call)": lambda: b._order(None, False),
         }

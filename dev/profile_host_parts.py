@@ -58,6 +58,18 @@ def _median_us(fn, reps=REPS) -> float:
     return round(statistics.median(times) * 1e6, 2)
 
 
+@contextlib.contextmanager
+def _reader_off(buf):
+    """The Buffer's plain calls through its Python checks and fingerprint instead of the C++ argument reader
+    (deepcomm/cuda/arg_reader.py) inside."""
+    readers = buf._read_fresh, buf._read_cached, buf._read_combine
+    buf._read_fresh = buf._read_cached = buf._read_combine = None
+    try:
+        yield
+    finally:
+        buf._read_fresh, buf._read_cached, buf._read_combine = readers
+
+
 def _cases(buf, idx, w, x, fp8, h, y):
     import deepcomm.validation as v
     from deepcomm.nvlink.backend import REPORT_INVALID, WAIT
@@ -88,6 +100,15 @@ def _cases(buf, idx, w, x, fp8, h, y):
     def three_views():  # a fresh BF16 dispatch's outputs: x, topk_idx, topk_weights
         r = be.arena.reserve(three_bytes)
         be.arena.core.dispatch_views(r[0], r[1], True, n, bf16, x.shape[1] * 2, 0, 0, k, True, True)
+
+    # the same views as DLPack capsules handed to torch's importer: a second core over the same memory without the
+    # exchange table (deepcomm/cuda/arena.py), for the A/B
+    from deepcomm.cuda.arena import ALIGN, _dlpack_importer
+    capsule_core = be.C.ArenaCore(base, be.arena.nbytes, ALIGN, be.C.DLPACK_CUDA, di, _dlpack_importer(), None)
+
+    def three_capsule_views():
+        r = capsule_core.reserve(three_bytes)
+        capsule_core.dispatch_views(r[0], r[1], True, n, bf16, x.shape[1] * 2, 0, 0, k, True, True)
 
     # the fresh dispatch's crossing alone, replayed with the arguments a real call passed (a new tag each time, so
     # that the host waits for this call's counts); and the same crossing told not to wait (BEGIN | NOTIFY |
@@ -127,12 +148,16 @@ def _cases(buf, idx, w, x, fp8, h, y):
     fresh_res = fresh_crossing()
 
     def buffer_layer():
-        backend_dispatch = be.dispatch
-        be.dispatch = lambda *a, **k: fresh_out
+        backend_dispatch, backend_read = be.dispatch, be.dispatch_read
+        be.dispatch = be.dispatch_read = lambda *a, **k: fresh_out
         try:
             buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=256)
         finally:
-            be.dispatch = backend_dispatch
+            be.dispatch, be.dispatch_read = backend_dispatch, backend_read
+
+    def python_checks(call):  # the Buffer's Python checks and fingerprint instead of the C++ reader, for the A/B
+        with _reader_off(buf):
+            return call()
 
     def backend_python():
         be.nvl.ctx = _IntoProxy(real, lambda *args: fresh_res)
@@ -172,6 +197,12 @@ def _cases(buf, idx, w, x, fp8, h, y):
         "be.dispatch cached bf16": lambda: be.dispatch(x, None, None, 256, h, 1, fingerprint=words),
         "buf.dispatch fresh bf16": lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=256),
         "buf.dispatch fresh bf16, one launch (+ the knob pair)": fresh_one_launch,
+        "buf.dispatch fresh bf16, Python checks": lambda: python_checks(
+            lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=256)),
+        "fresh dispatch, Buffer layer alone, Python checks": lambda: python_checks(buffer_layer),
+        "DispatchArgReader.fresh (checks, fingerprint, reads)": lambda: be.arg_reader.fresh(x, idx, w, 256, 1, 1),
+        "buf.dispatch cached bf16, Python checks": lambda: python_checks(lambda: buf.dispatch(x, handle=h)),
+        "buf.combine, Python checks": lambda: python_checks(lambda: buf.combine(y, h)),
         "knob pair (set_tuning twice)": knob_pair,
         "fresh crossing, no wait, one launch (+ the knob pair)": lambda: one_launch(
             lambda: real.dispatch_into(*no_wait)),
@@ -206,6 +237,7 @@ def _cases(buf, idx, w, x, fp8, h, y):
         "arena reserve+release": reserve_release,
         "arena reserve + one bf16 view": one_view,
         "arena reserve + three views": three_views,
+        "arena reserve + three views, DLPack capsules": three_capsule_views,
         "raw current stream": lambda: torch._C._cuda_getCurrentRawStream(di),
         "as_tensor (CAI), for comparison": lambda: as_device_bytes(base, 128 * 7168 * 2, dev),
         "torch.empty [128,7168] bf16": lambda: torch.empty(128, 7168, dtype=torch.bfloat16, device=dev),
@@ -260,14 +292,19 @@ def _crossing_split(buf, idx, w, x, reps=REPS) -> dict:
 def worker(rank, world, tokens, json_path):
     from deepcomm._ext import load_selftest
     buf, idx, w, x, fp8, h, y = setup_calls(rank, tokens, 7168, 24)
+    from deepcomm.cuda.arg_reader import exchange_api
+    exchange = exchange_api() is not None  # torch's DLPack exchange table: the argument reader and the views use it
+    print(f"torch {torch.__version__}: DLPack exchange table {'present' if exchange else 'absent'}")
     out = {}
     for name, fn in _cases(buf, idx, w, x, fp8, h, y).items():
         out[name] = _median_us(fn)
         if hasattr(fn, "waits"):
             out[f"{name}: of which waiting"] = round(statistics.median(fn.waits), 2)
-    # the whole call split at the crossing's stamps: the default launches, then notify and payload as one launch
-    for fused, label in ((0, "split"), (1, "split, one launch")):
-        with _fused(buf._backend.C, fused):
+    # the whole call split at the crossing's stamps: the default, the Python checks instead of the C++ reader, then
+    # notify and payload as one launch
+    for fused, reader, label in ((0, True, "split"), (0, False, "split, Python checks"),
+                                 (1, True, "split, one launch")):
+        with _fused(buf._backend.C, fused), (contextlib.nullcontext() if reader else _reader_off(buf)):
             out.update({f"{label}: {k}": v for k, v in _crossing_split(buf, idx, w, x).items()})
     # what one launch and one stream-order call cost the host here (csrc/selftest/launch_probe.hpp)
     probe = load_selftest().launch_probe(200, torch.cuda.current_stream().cuda_stream)
@@ -278,6 +315,7 @@ def worker(rank, world, tokens, json_path):
     if json_path:
         with open(json_path, "w") as f:
             json.dump({"tokens": tokens, "parts_us": out, "device": torch.cuda.get_device_name(0),
+                       "torch": torch.__version__, "dlpack_exchange_table": exchange,
                        "commit": os.environ.get("DEEPCOMM_COMMIT", "")}, f, indent=1)
 
 

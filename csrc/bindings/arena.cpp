@@ -1,6 +1,7 @@
 // deepcomm._C.ArenaCore: the dispatch-output arena (runtime/arena_core.hpp). Its views leave as DLPack capsules
-// handed to the consumer given at construction (a DLPack importer such as torch's), so one crossing returns every
-// typed tensor of a call; the module itself knows no framework.
+// handed to the consumer given at construction (a DLPack importer such as torch's), or through the framework's
+// DLPack exchange table where one was given, so one crossing returns every typed tensor of a call; the module
+// itself knows no framework.
 #include <Python.h>
 #include <pybind11/pybind11.h>
 
@@ -54,11 +55,47 @@ std::vector<ArenaViewSpec> read_specs(py::handle specs) {
   return out;
 }
 
+// A view handed to a framework through its exchange table: the versioned form the table takes, around the arena's
+// view (whose deleter gives its share of the block back).
+struct VersionedView {
+  dlpack::ManagedTensorVersioned managed;  // first: the table's deleter gets its address
+  dlpack::ManagedTensor* view;
+};
+
+void delete_versioned(dlpack::ManagedTensorVersioned* m) {
+  auto* v = reinterpret_cast<VersionedView*>(m);
+  v->view->deleter(v->view);
+  delete v;
+}
+
+// made[i] as the framework's tensor through its exchange table; the views from i on are the caller's until then
+py::object exchange_view(const dlpack::ExchangeApi* api, dlpack::ManagedTensor* view) {
+  auto* v = new VersionedView{{{dlpack::kExchangeApiMajor, 0}, nullptr, delete_versioned, 0, view->dl_tensor}, view};
+  void* out = nullptr;
+  if (api->managed_tensor_to_py_object_no_sync(&v->managed, &out) != 0) {
+    // the table took ownership ("stolen") whatever it returned: nothing to delete here
+    throw py::error_already_set();
+  }
+  return py::reinterpret_steal<py::object>(static_cast<PyObject*>(out));
+}
+
 }  // namespace
 
 py::tuple consume_views(BoundArena& a, int64_t offset, int64_t size, bool owned,
                         const std::vector<ArenaViewSpec>& specs) {
   std::vector<dlpack::ManagedTensor*> made = a.core.views(offset, size, owned, specs);
+  if (a.exchange != nullptr) {
+    py::tuple out(made.size());
+    for (size_t i = 0; i < made.size(); ++i) {
+      try {
+        out[i] = exchange_view(a.exchange, made[i]);
+      } catch (...) {  // the views not yet handed over die here, the others with their tensors
+        for (size_t j = i + 1; j < made.size(); ++j) made[j]->deleter(made[j]);
+        throw;
+      }
+    }
+    return out;
+  }
   std::vector<py::object> capsules;  // each owns its view until the consumer takes it
   capsules.reserve(made.size());
   for (size_t i = 0; i < made.size(); ++i) {
@@ -103,13 +140,27 @@ void register_arena(py::module_& m) {
   m.attr("DLPACK_CPU") = int(dlpack::kCPU);
   m.attr("DLPACK_CUDA") = int(dlpack::kCUDA);
   py::class_<BoundArena>(m, "ArenaCore")
+      // exchange: the capsule of the framework's DLPack exchange table (its views are made through it), or None
+      // (each view leaves as a capsule handed to `consumer`)
       .def(py::init([](uintptr_t base, int64_t nbytes, int64_t align, int device_type, int device_id,
-                       py::object consumer) {
-             return new BoundArena{ArenaCore(base, nbytes, align, dlpack::Device{device_type, device_id}),
-                                   std::move(consumer)};
+                       py::object consumer, py::object exchange) {
+             auto* a = new BoundArena{ArenaCore(base, nbytes, align, dlpack::Device{device_type, device_id}),
+                                      std::move(consumer)};
+             if (!exchange.is_none()) {
+               a->exchange = static_cast<const dlpack::ExchangeApi*>(
+                   PyCapsule_GetPointer(exchange.ptr(), dlpack::kExchangeApiCapsuleName));
+               if (a->exchange == nullptr || a->exchange->header.version.major != dlpack::kExchangeApiMajor ||
+                   a->exchange->managed_tensor_to_py_object_no_sync == nullptr) {
+                 delete a;
+                 if (PyErr_Occurred()) throw py::error_already_set();
+                 throw py::value_error("ArenaCore: the exchange table is not of DLPack major version 1");
+               }
+               a->exchange_ref = std::move(exchange);
+             }
+             return a;
            }),
            py::arg("base"), py::arg("nbytes"), py::arg("align"), py::arg("device_type"), py::arg("device_id"),
-           py::arg("consumer"))
+           py::arg("consumer"), py::arg("exchange") = py::none())
       .def("reserve", [](BoundArena& a, int64_t nbytes) -> py::object {
         auto r = a.core.reserve(nbytes);
         if (!r) return py::none();

@@ -16,6 +16,10 @@ namespace dc::bindings {
 struct BoundArena {
   ArenaCore core;
   pybind11::object consumer;  // takes a DLPack capsule, returns the framework's tensor (torch's importer)
+  // the framework's DLPack exchange table (runtime/dlpack_abi.hpp), where it has one: its views are then made by
+  // the table's managed_tensor_to_py_object_no_sync, without a capsule or a call through Python; else null
+  const dlpack::ExchangeApi* exchange = nullptr;
+  pybind11::object exchange_ref;  // keeps the table's capsule alive
 };
 
 // The views `specs` of the reserved range (offset, size), each handed to the arena's consumer.

@@ -1,5 +1,6 @@
 // The parts of deepcomm._C, one per subsystem, each in its own file of csrc/bindings/; module.cpp calls them in
-// this order. Every binding takes raw pointers and streams as ints: no torch types cross this boundary.
+// this order. Every binding takes raw pointers and streams as ints, except DispatchArgReader, which has torch
+// describe its tensors through the DLPack exchange table (runtime/dlpack_abi.hpp); nothing links libtorch.
 #pragma once
 #include <pybind11/pybind11.h>
 
@@ -12,6 +13,8 @@ void register_layouts(pybind11::module_& m);      // layouts.cpp: NVLink buffer,
 void register_nvlink(pybind11::module_& m);       // nvlink.cpp: the layout kernel, NvlContext (normal mode)
 void register_low_latency(pybind11::module_& m);  // low_latency.cpp: LlContext
 void register_arena(pybind11::module_& m);        // arena.cpp: ArenaCore (dispatch outputs as DLPack views)
+void register_dispatch_args(pybind11::module_& m);  // dispatch_args.cpp: DispatchArgReader (a fresh dispatch's
+                                                    // arguments checked and read in one crossing)
 
 // transport.cpp: the submodule deepcomm._C.transport (mlx5 WQEs, host queue pair, emulated NIC, CPU proxy), then
 // the parts below inside it.

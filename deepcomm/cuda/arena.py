@@ -58,8 +58,9 @@ class Arena:
         on_cuda = device is not None and device.type == "cuda"
         index = (device.index if device.index is not None else torch.cuda.current_device()) if on_cuda else 0
         self.base_ptr, self.nbytes, self.device = base_ptr, nbytes, device
+        # views are made through torch's DLPack exchange table where it has one (no capsule, no Python call)
         self._core = C.ArenaCore(base_ptr, nbytes, ALIGN, C.DLPACK_CUDA if on_cuda else C.DLPACK_CPU, index,
-                                 _dlpack_importer())
+                                 _dlpack_importer(), getattr(torch.Tensor, "__dlpack_c_exchange_api__", None))
         # the core's methods themselves: no Python frame in between on the per-call path
         self.reserve, self.trim, self.release = self._core.reserve, self._core.trim, self._core.release
         self.free_bytes = self._core.free_bytes

@@ -23,6 +23,7 @@ from ..gpu_share import GPU_SMS_ENV, shares_gpu, usable_sms
 from ..backend_protocol import Capabilities
 from ..handle import Handle, WorkspaceViews, field_ptr
 from ..cuda.agree_record import dispatch_disagreement, words_or_none
+from ..cuda.arg_reader import dispatch_arg_reader
 from ..cuda.arena import Arena
 from ..cuda.call_errors import CallErrors
 from ..cuda.ll_calls import LowLatencyEngine, low_latency_blocks
@@ -64,23 +65,43 @@ def _remember(cache: dict, key, value):
 
 
 class _Call:
-    """What one dispatch moves: the payload tensors and their row sizes, its outputs' DLPack types (Arena.dlpack_type),
-    its fingerprint's words and its stream order (from _order)."""
-    __slots__ = ("values", "scales", "weights", "K", "fresh", "x_row_bytes", "scale_row_bytes", "x_type", "x_view",
-                 "scale_type", "order", "words")
+    """What one dispatch moves: its sizes, the payload's addresses and row sizes, its outputs' DLPack types
+    (Arena.dlpack_type), its fingerprint's words and its stream order (from _order). Made from the tensors
+    (``of_tensors``) or from what the C++ argument reader read of them (``of_read``)."""
+    __slots__ = ("T", "H", "K", "fresh", "x_ptr", "scales_ptr", "weights_ptr", "idx_ptr", "with_weights",
+                 "x_row_bytes", "scale_row_bytes", "x_type", "x_view", "scale_type", "order", "words")
 
-    def __init__(self, values: torch.Tensor, scales: Optional[torch.Tensor], weights: Optional[torch.Tensor],
-                 K: int, fresh: bool, words: tuple, types: dict):
+    @classmethod
+    def of_tensors(cls, values: torch.Tensor, scales: Optional[torch.Tensor], weights: Optional[torch.Tensor],
+                   topk_idx: Optional[torch.Tensor], K: int, fresh: bool, words: tuple, types: dict) -> "_Call":
         # fresh: a dispatch without a handle, whose outputs include the received topk_idx
-        self.values, self.scales, self.weights, self.K = values, scales, weights, K
-        self.fresh, self.words = fresh, words
-        self.x_row_bytes = values.shape[1] * values.element_size()
-        self.x_type, self.x_view = types[values.dtype]
+        c = cls.__new__(cls)
+        c.T, c.H = values.shape
+        c.K, c.fresh, c.words = K, fresh, words
+        c.x_ptr = values.data_ptr()
+        c.idx_ptr = topk_idx.data_ptr() if topk_idx is not None else 0
+        c.with_weights = weights is not None
+        c.weights_ptr = weights.data_ptr() if weights is not None else 0
+        c.x_row_bytes = c.H * values.element_size()
+        c.x_type, c.x_view = types[values.dtype]
         if scales is not None:
-            self.scale_row_bytes = scales.shape[1] * scales.element_size()
-            self.scale_type = types[scales.dtype][0]
+            c.scales_ptr = scales.data_ptr()
+            c.scale_row_bytes = scales.shape[1] * scales.element_size()
+            c.scale_type = types[scales.dtype][0]
         else:
-            self.scale_row_bytes = self.scale_type = 0
+            c.scales_ptr = c.scale_row_bytes = c.scale_type = 0
+        return c
+
+    @classmethod
+    def of_read(cls, read: tuple, types: dict, fresh: bool) -> "_Call":
+        """A dispatch from the tuple of DispatchArgReader.fresh or .cached (deepcomm/cuda/arg_reader.py)."""
+        c = cls.__new__(cls)
+        (c.T, c.H, c.K, _, x_dtype, scales_dtype, c.x_row_bytes, c.scale_row_bytes, c.x_ptr, c.scales_ptr, c.idx_ptr,
+         c.weights_ptr, c.with_weights, c.words) = read
+        c.fresh = fresh
+        c.x_type, c.x_view = types[x_dtype]
+        c.scale_type = types[scales_dtype][0] if scales_dtype is not None else 0
+        return c
 
     def typed(self, views: tuple) -> tuple:
         """The outputs a crossing made, with x viewed as its dtype where the arena made it as bytes."""
@@ -105,7 +126,7 @@ def _carve(arena: Arena, reserved, n: int, call: _Call, bounce: bool = False) ->
     is not the arena's: nothing returns)."""
     return call.typed(arena.core.dispatch_views(reserved[0], reserved[1], not bounce, n, call.x_type, call.x_row_bytes,
                                                 call.scale_type, call.scale_row_bytes, call.K, call.fresh,
-                                                call.weights is not None))
+                                                call.with_weights))
 
 
 class _OutputTypes(dict):
@@ -158,7 +179,7 @@ class CudaBackend:
     capabilities = Capabilities(x_dtypes=(torch.bfloat16,), takes_fingerprints=True,
                                 checks_expert_ids_on_device=True, checks_layout_ids_on_device=True,
                                 checks_low_latency_ids_on_device=LowLatencyEngine.checks_ids_on_device,
-                                counts_joined_calls=True)
+                                counts_joined_calls=True, reads_plain_calls=True)
 
     def __init__(self, group, config, rank: int, world_size: int, device: torch.device):
         C = load_extension()
@@ -216,9 +237,14 @@ class CudaBackend:
         self.meet = ModeMeet(self.nvl, device, normal_exchange=self._exchange_words)
         self.ll = LowLatencyEngine(C, group, rank, world_size, device, self.nvl, self.errors,
                                    config.low_latency_memory, low_latency_blocks(C, device), meet=self.meet)
+        # a plain call's arguments checked and read in one crossing (Capabilities.reads_plain_calls; None where
+        # torch has no DLPack exchange table)
+        self.arg_reader = dispatch_arg_reader(C, world_size, self._device_index, config.hidden,
+                                              config.max_tokens_per_rank)
 
     # ---- plumbing ----
-    def _order(self, previous_event: Optional[torch.cuda.Event], async_finish: bool):
+    def _order(self, previous_event: Optional[torch.cuda.Event], async_finish: bool, caller: Optional[int] = None,
+               capturing: Optional[bool] = None):
         """Where a new call runs and what it waits for; the C++ side does it with the launches
         (csrc/runtime/nvl_calls.hpp). Returns ``(wait stream, run stream, flags, previous event, end event)``:
         the run stream waits for ``previous`` and, with WAIT_CALLER, for the wait stream; with an end event the
@@ -229,14 +255,17 @@ class CudaBackend:
         runs on the communication stream, which waits for the caller's work (or for ``previous_event``); its end
         event is ``self.event`` (one of a ring, so an event a user holds is re-recorded only calls later, and
         waiting on it then waits for a later call of the same stream: never too early). Consecutive calls never
-        overlap: each waits for the stream the previous one ran on."""
+        overlap: each waits for the stream the previous one ran on. ``caller`` / ``capturing``: the caller's stream
+        and whether it is being captured, where the call knows them already (None: asked here)."""
         self.errors.check()
-        caller = _current_stream(self._device_index)
+        if caller is None:
+            caller = _current_stream(self._device_index)
         comm = self.comm_stream.cuda_stream
         last, last_end = self._last_stream, self._last_end
         # While a CUDA graph is captured, work outside the capture cannot be waited for (and the capture began
         # after it); the calls captured together still follow each other on the capture stream.
-        capturing = is_capturing()
+        if capturing is None:
+            capturing = is_capturing()
         if capturing and not self._last_captured:
             last = None
         self._last_captured = capturing
@@ -336,10 +365,11 @@ class CudaBackend:
             values, scales = x, None
         K = topk_idx.shape[1] if topk_idx is not None else (topk_weights.shape[1] if topk_weights is not None else 0)
         self._enter_normal()
-        call = _Call(values, scales, topk_weights, K, handle is None, words_or_none(fingerprint), self._types)
+        call = _Call.of_tensors(values, scales, topk_weights, topk_idx if handle is None else None, K, handle is None,
+                                words_or_none(fingerprint), self._types)
         call.order = self._order(previous_event, async_finish)
         if handle is None:
-            recv, handle_out = self._fresh(call, topk_idx, num_experts, expert_alignment, num_worst_tokens)
+            recv, handle_out = self._fresh(call, num_experts, expert_alignment, num_worst_tokens)
         else:
             recv = self._cached(call, handle)
             handle_out = handle
@@ -351,6 +381,21 @@ class CudaBackend:
         recv_x = (out_x, out_scales) if scales is not None else out_x
         return recv_x, out_idx, out_w, recv.per_expert, handle_out
 
+    def dispatch_read(self, read: tuple, num_experts: int, expert_alignment: int, handle: Optional[Handle] = None):
+        """dispatch() of a plain call (no num_worst_tokens, previous_event or async_finish; with a handle, no
+        topk_idx) whose arguments ``arg_reader.fresh`` / ``arg_reader.cached`` checked and read
+        (deepcomm/cuda/arg_reader.py), ``read`` being its tuple: the same steps without reading the tensors again."""
+        self._enter_normal()
+        call = _Call.of_read(read, self._types, handle is None)
+        call.order = self._order(None, False, read[3], False)
+        if handle is None:
+            recv, handle = self._fresh(call, num_experts, expert_alignment, 0)
+        else:
+            recv = self._cached(call, handle)
+        self.errors.raise_pending()
+        out_x, out_scales, out_idx, out_w = recv.out
+        return (out_x if read[5] is None else (out_x, out_scales)), out_idx, out_w, recv.per_expert, handle
+
     def _cross(self, call: "_Call", steps: int, reserve_rows: Optional[int], topk_idx_ptr: int, T: int, E: int,
                in_rank_ptr: int, send_pos_ptr: int, notify_out_ptr: int, tag: int, count_matrix_ptr: int,
                invalid_ptr: int, out_block: int, out_rows: int, alignment: int, src_copy_ptr: int):
@@ -359,25 +404,23 @@ class CudaBackend:
         bounce area, or no payload); else NvlContext.dispatch_into, rows into an arena block it reserves for that
         many rows, the outputs' views made in the same crossing (None: no such block free, nothing launched)."""
         self._joined += 1  # counted before the crossing: an error inside it may come after the launch
-        v, sc, w = call.values, call.scales, call.weights
         wait, run, flags, prev, end = call.order
         head = (steps | flags, wait, run, prev, self._start_handle, end,
                 topk_idx_ptr, T, call.K, E, in_rank_ptr, send_pos_ptr, notify_out_ptr, tag,
-                v.data_ptr(), call.x_row_bytes, sc.data_ptr() if sc is not None else 0, call.scale_row_bytes,
-                w.data_ptr() if w is not None else 0, count_matrix_ptr, invalid_ptr)
+                call.x_ptr, call.x_row_bytes, call.scales_ptr, call.scale_row_bytes,
+                call.weights_ptr, count_matrix_ptr, invalid_ptr)
         tail = (self.config.num_sms, alignment, src_copy_ptr, self._wait_timeout_s, call.words)
         try:
             if reserve_rows is None:
                 return self.nvl.ctx.dispatch_call(*head, out_block, out_rows, *tail)
             return self.nvl.ctx.dispatch_into(self.arena.core, self._arena_at, reserve_rows, call.x_type,
-                                              call.scale_type, call.fresh, w is not None, *head, out_rows, *tail)
+                                              call.scale_type, call.fresh, call.with_weights, *head, out_rows, *tail)
         except Exception as e:
             self.nvl.set_broken_by("dispatch" if call.fresh else "cached dispatch", e)
             raise
 
-    def _fresh(self, call: "_Call", topk_idx: torch.Tensor, num_experts: int, expert_alignment: int,
-               num_worst_tokens: int):
-        R, T = self.world_size, call.values.shape[0]
+    def _fresh(self, call: "_Call", num_experts: int, expert_alignment: int, num_worst_tokens: int):
+        R, T = self.world_size, call.T
         L = num_experts // R
         # One int32 allocation: send_pos | notify_out (count matrix, tokens per local expert, bad-id counts) | the
         # handle's src_idx copy | is_token_in_rank's bytes, carved by FreshDispatchWork (csrc/runtime/nvl_layout.hpp);
@@ -394,7 +437,7 @@ class CudaBackend:
         notify_ptr = work_ptr + 4 * notify_at
         invalid_ptr = work_ptr + 4 * bad_at
         src_ptr = work_ptr + 4 * src_at
-        args = (topk_idx.data_ptr(), T, num_experts, work_ptr + 4 * in_rank_at, send_ptr, notify_ptr)
+        args = (call.idx_ptr, T, num_experts, work_ptr + 4 * in_rank_at, send_ptr, notify_ptr)
         bounce_block = self._arena_at + self.bounce_offset
         self._tag += 1
         if num_worst_tokens:
@@ -434,7 +477,7 @@ class CudaBackend:
             per_expert = res[4]
         n = res[1]
         recv = _Recv(out, per_expert, (work,))
-        handle = Handle.of_fresh_dispatch(num_experts, T, call.values.shape[1], n,
+        handle = Handle.of_fresh_dispatch(num_experts, T, call.H, n,
                                           WorkspaceViews(work, specs, n, work_ptr, slot), per_expert)
         return recv, handle
 
@@ -529,27 +572,44 @@ class CudaBackend:
     # ---- normal combine ----
     def combine(self, x: torch.Tensor, handle: Handle, topk_weights: Optional[torch.Tensor],
                 previous_event=None, async_finish: bool = False, use_fp8: bool = False, fingerprint=None):
-        T, H = handle.num_tokens, x.shape[1]
         K = topk_weights.shape[1] if topk_weights is not None else 0
         self._enter_normal()
-        wait, run, flags, prev, end = self._order(previous_event, async_finish)
-        out = torch.empty(T, H, dtype=x.dtype, device=self.device)
-        out_w = torch.empty(T, K, dtype=torch.float32, device=self.device) if topk_weights is not None else None
-        self._joined += 1
-        try:
-            self.nvl.ctx.combine_call(flags, wait, run, prev, self._start_handle, end, self.config.num_sms,
-                                      x.data_ptr(), topk_weights.data_ptr() if topk_weights is not None else 0,
-                                      field_ptr(handle, "recv_src_idx"), field_ptr(handle, "count_matrix"),
-                                      field_ptr(handle, "send_pos"), out.data_ptr(),
-                                      out_w.data_ptr() if out_w is not None else 0, x.shape[0], T, H, K, use_fp8,
-                                      words_or_none(fingerprint))
-        except Exception as e:
-            self.nvl.set_broken_by("combine", e)
-            raise
+        order = self._order(previous_event, async_finish)
+        out, out_w = self._combine(order, x.data_ptr(), topk_weights.data_ptr() if topk_weights is not None else 0,
+                                   topk_weights is not None, x.shape[0], x.shape[1], K, x.dtype, use_fp8, handle,
+                                   words_or_none(fingerprint))
         if async_finish:
             self._after(True, (x, topk_weights, handle.recv_src_idx, handle.count_matrix, handle.send_pos, out, out_w))
         else:
             self.errors.raise_pending()
+        return out, out_w
+
+    def combine_read(self, read: tuple, handle: Handle):
+        """combine() of a plain call (no previous_event or async_finish) whose arguments ``arg_reader.combine``
+        checked and read (deepcomm/cuda/arg_reader.py), ``read`` being its tuple."""
+        N, H, K, caller, x_ptr, w_ptr, with_weights, use_fp8, words = read
+        self._enter_normal()
+        order = self._order(None, False, caller, False)
+        out = self._combine(order, x_ptr, w_ptr, with_weights, N, H, K, torch.bfloat16, use_fp8, handle, words)
+        self.errors.raise_pending()
+        return out
+
+    def _combine(self, order: tuple, x_ptr: int, w_ptr: int, with_weights: bool, N: int, H: int, K: int, dtype,
+                 use_fp8: bool, handle: Handle, words: tuple):
+        """The combine's outputs, allocated, and its one crossing (NvlContext.combine_call) in ``order``."""
+        wait, run, flags, prev, end = order
+        T = handle.num_tokens
+        out = torch.empty(T, H, dtype=dtype, device=self.device)
+        out_w = torch.empty(T, K, dtype=torch.float32, device=self.device) if with_weights else None
+        self._joined += 1
+        try:
+            self.nvl.ctx.combine_call(flags, wait, run, prev, self._start_handle, end, self.config.num_sms, x_ptr,
+                                      w_ptr, field_ptr(handle, "recv_src_idx"), field_ptr(handle, "count_matrix"),
+                                      field_ptr(handle, "send_pos"), out.data_ptr(),
+                                      out_w.data_ptr() if out_w is not None else 0, N, T, H, K, use_fp8, words)
+        except Exception as e:
+            self.nvl.set_broken_by("combine", e)
+            raise
         return out, out_w
 
     # ---- low-latency mode and masking (the engine, ll_calls.py) ----

@@ -14,6 +14,7 @@ if C is not None:
     from deepcomm.config import Config
     from deepcomm.nvlink import backend as B
     from deepcomm.cuda.arena import Arena
+    from deepcomm.cuda.arg_reader import dispatch_arg_reader
     from deepcomm.cuda.call_errors import CallErrors
     from deepcomm.cuda.error_record import DeviceErrorRecord
     B._load_flags(C)
@@ -135,5 +136,19 @@ def cpu_backend(setattr_):
     b._types, b._arena_at = B._OutputTypes(b.arena), b.nvl.layout["arena"]
     b._work_cache, b._work_pool = {}, B.WorkPool(b.device)
     b._wait_timeout_s = 8.5
+    # the plain calls' C++ argument reader over CPU tensors, asking the stand-in's stream (never captured)
+    b.arg_reader = dispatch_arg_reader(C, 1, -1, 1024, 256, lambda index: state.stream)
     state.b, state.ctx = b, b.nvl.ctx
     return state
+
+
+def put_behind_buffer(buf, b) -> None:
+    """Make the stand-in backend ``b`` the backend of ``buf`` (a Buffer of world size 1 made on the reference
+    backend, whose own backend is destroyed): the Buffer layer's checks, fingerprint, numbering and plain calls'
+    argument reader in front of the stand-in."""
+    buf._backend.destroy()
+    buf._backend, buf._takes_fingerprints, buf._counts_joined = b, True, True
+    buf._x_dtypes = b.capabilities.x_dtypes
+    reader = b.arg_reader
+    if reader is not None:
+        buf._read_fresh, buf._read_cached, buf._read_combine = reader.fresh, reader.cached, reader.combine
