@@ -45,4 +45,7 @@ def dispatch_arg_reader(C, world_size: int, device_index: int, max_hidden: int, 
               "fp8_code": agreement.DTYPE_CODES[torch.float8_e4m3fn],
               "scales_fp32": agreement.SCALES_FP32, "scales_ue8m0": agreement.SCALES_UE8M0}
     samples = {name: torch.empty(0, dtype=getattr(torch, name)) for name in READ_DTYPES}
-    return C.DispatchArgReader(api, torch.Tensor, samples, limits, layout, current_stream)
+    try:
+        return C.DispatchArgReader(api, torch.Tensor, samples, limits, layout, current_stream)
+    except ValueError:  # a table of another major version, or one that cannot describe a dtype the calls use
+        return None

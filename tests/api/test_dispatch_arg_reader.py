@@ -295,3 +295,15 @@ def test_combine_reads_agree_with_python(seed):
             assert read[7] is use_fp8 and read[8] == agreement.combine(11, 4, x, call, w, use_fp8)
         elif what not in ("subclass", "fp8 flag int"):
             assert not python, what
+
+
+def test_a_table_the_reader_cannot_use_turns_it_off(monkeypatch):
+    """A capsule that is not a DLPack exchange table (or a table that cannot describe a dtype the calls use): no
+    reader, so every call takes the Python checks; the Buffer still works."""
+    import ctypes
+    from deepcomm.cuda import arg_reader
+    new = ctypes.pythonapi.PyCapsule_New
+    new.restype, new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    keep = ctypes.c_int(0)
+    monkeypatch.setattr(arg_reader, "exchange_api", lambda: new(ctypes.addressof(keep), b"not_a_table", None))
+    assert arg_reader.dispatch_arg_reader(C, R, -1, MAX_HIDDEN, MAX_TOKENS) is None
