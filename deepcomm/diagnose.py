@@ -47,6 +47,16 @@ def nvshmem_status(C) -> tuple:
     return True, None, f"{LIB_NAME} not in $NVSHMEM_HOME/lib or the nvidia-nvshmem wheel ({INSTALL_HINT})"
 
 
+def exchange_table_line(C) -> str:
+    """Whether plain normal-mode calls are checked and read in C++: it needs torch's DLPack exchange table
+    (deepcomm/cuda/arg_reader.py); without it they take the Python checks, which cost more host time."""
+    from .cuda.arg_reader import dispatch_arg_reader
+    if dispatch_arg_reader(C, 1, -1, 8, 1) is None:
+        return ("plain calls' arguments: read by the Python checks (this torch has no usable DLPack exchange table, "
+                "torch.Tensor.__dlpack_c_exchange_api__: torch 2.10 or later has one)")
+    return "plain calls' arguments: read in C++ through torch's DLPack exchange table"
+
+
 def gpu_lines() -> List[str]:
     if not torch.cuda.is_available():
         return ["GPUs: none visible to torch (CUDA is not available)"]
@@ -142,6 +152,7 @@ def report() -> str:
         compiled, lib, why = nvshmem_status(C)
         lines.append("  NVSHMEM: " + ("compiled in; " if compiled else "not compiled in; ")
                      + (f"host library found: {lib}" if lib else f"host library: {why}" if compiled else why))
+        lines.append("  " + exchange_table_line(C))
     lines += gpu_lines()
     topo = nvidia_smi_topology()
     if topo:

@@ -6,6 +6,8 @@ import subprocess
 import sys
 import types
 
+import pytest
+
 import deepcomm
 from deepcomm import diagnose
 
@@ -73,3 +75,15 @@ def test_gpu_table_with_stand_in_gpus(monkeypatch):
     lines = diagnose.gpu_lines()
     assert lines[0] == "GPUs: 3" and lines[1] == "  cuda:0 H200, sm_90, 132 SMs, 141 GiB"
     assert lines[-3:] == ["      0    -   ok   no", "      1   ok    -   ok", "      2   no   ok    -"]
+
+
+def test_report_says_how_plain_calls_are_read(monkeypatch):
+    from deepcomm._ext import load_extension
+    from deepcomm.cuda import arg_reader
+    C = load_extension()
+    if C is None:
+        pytest.skip("deepcomm._C is not built")
+    with_table = diagnose.exchange_table_line(C)
+    assert ("read in C++" in with_table) == (arg_reader.exchange_api() is not None)
+    monkeypatch.setattr(arg_reader, "exchange_api", lambda: None)
+    assert "read by the Python checks" in diagnose.exchange_table_line(C)
