@@ -74,8 +74,7 @@ class Buffer:
         self._pending_op = None
         self._calls = 0  # collective calls made on this Buffer (agreement.Word.CALL)
         self._takes_fingerprints = False
-        # the backend's argument reader's methods, where plain calls take them (Capabilities.reads_plain_calls)
-        self._read_fresh = self._read_cached = self._read_combine = None
+        self._arg_reader = None  # the backend's argument reader, where plain calls take it (reads_plain_calls)
         self._counts_joined = False  # the backend counts the calls that entered their first exchange
         self._joined_at = -1  # its count when the current call's backend part began (-1: not counted)
         if not (dist.is_available() and dist.is_initialized()):
@@ -131,9 +130,8 @@ class Buffer:
         self._x_dtypes = caps.x_dtypes
         # plain calls checked, fingerprinted and read in one crossing (Capabilities.reads_plain_calls); with
         # check_calls on, the store compares each call's signature first: the Python path does that
-        reader = self._backend.arg_reader if caps.reads_plain_calls else None
-        if reader is not None and caps.takes_fingerprints and self._call_checker is None:
-            self._read_fresh, self._read_cached, self._read_combine = reader.fresh, reader.cached, reader.combine
+        if caps.reads_plain_calls and caps.takes_fingerprints and self._call_checker is None:
+            self._arg_reader = self._backend.arg_reader
         buffer_registry.register(self)  # for the custom ops of torch.compile (deepcomm/custom_ops.py)
 
     # ---- properties -------------------------------------------------------------------------------------
@@ -201,18 +199,18 @@ class Buffer:
         ``topk_idx`` / ``topk_weights`` travel if given; ``num_tokens_per_expert`` (int32 ``[E]``) gives the
         per-expert counts DeepEP's way (deepcomm/route_only.py).
         """
-        backend = self._live()
-        if (self._read_fresh is not None and is_token_in_rank is None and num_tokens_per_expert is None
+        backend, reader = self._live(), self._arg_reader
+        if (reader is not None and is_token_in_rank is None and num_tokens_per_expert is None
                 and previous_event is None and async_finish is False and type(num_worst_tokens) is int
                 and not num_worst_tokens and type(expert_alignment) is int and expert_alignment >= 1):
             # a plain call: checked, fingerprinted and read in C++ (deepcomm/cuda/arg_reader.py); None where
             # anything is not what the checks below accept, which then name it
             if handle is None:
-                read = self._read_fresh(x, topk_idx, topk_weights, num_experts, self._calls, self._buffer_word)
+                read = reader.fresh(x, topk_idx, topk_weights, num_experts, self._calls, self._buffer_word)
             elif (topk_idx is None and type(handle) is Handle and handle.buffer_id == self.buffer_id
                   and (num_experts is None or type(num_experts) is int and num_experts == handle.num_experts)):
-                read = self._read_cached(x, topk_weights, handle.num_tokens, handle.num_experts, handle.call,
-                                         self._calls, self._buffer_word)
+                read = reader.cached(x, topk_weights, handle.num_tokens, handle.num_experts, handle.call, self._calls,
+                                     self._buffer_word)
             else:
                 read = None
             if read is not None:
@@ -288,12 +286,12 @@ class Buffer:
         ``previous_event`` / ``async_finish`` as in ``dispatch``. ``use_fp8``: rows that cross to another rank
         travel as e4m3 with one fp32 scale per 128 values (bf16 ``x``, ``H % 128 == 0``; same value on every
         rank); lossy, see docs/api.md."""
-        backend = self._live()
-        if (self._read_combine is not None and previous_event is None and async_finish is False
+        backend, reader = self._live(), self._arg_reader
+        if (reader is not None and previous_event is None and async_finish is False
                 and type(handle) is Handle and handle.buffer_id == self.buffer_id):
             # a plain combine: checked, fingerprinted and read in C++ (deepcomm/cuda/arg_reader.py), or None
-            read = self._read_combine(x, topk_weights, handle.num_recv, use_fp8, handle.call, self._calls,
-                                      self._buffer_word)
+            read = reader.combine(x, topk_weights, handle.num_recv, use_fp8, handle.call, self._calls,
+                                  self._buffer_word)
             if read is not None:
                 self._backend_owns_call()
                 return backend.combine_read(read, handle)

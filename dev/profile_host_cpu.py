@@ -92,12 +92,11 @@ def main(json_path: str) -> None:
 
         def python_checks(call):  # the Buffer's Python checks instead of the C++ argument reader
             def run():
-                readers = buf._read_fresh, buf._read_cached, buf._read_combine
-                buf._read_fresh = buf._read_cached = buf._read_combine = None
+                reader, buf._arg_reader = buf._arg_reader, None
                 try:
                     call()
                 finally:
-                    buf._read_fresh, buf._read_cached, buf._read_combine = readers
+                    buf._arg_reader = reader
             return run
 
         def buf_cached():

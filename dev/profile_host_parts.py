@@ -62,12 +62,11 @@ def _median_us(fn, reps=REPS) -> float:
 def _reader_off(buf):
     """The Buffer's plain calls through its Python checks and fingerprint instead of the C++ argument reader
     (deepcomm/cuda/arg_reader.py) inside."""
-    readers = buf._read_fresh, buf._read_cached, buf._read_combine
-    buf._read_fresh = buf._read_cached = buf._read_combine = None
+    reader, buf._arg_reader = buf._arg_reader, None
     try:
         yield
     finally:
-        buf._read_fresh, buf._read_cached, buf._read_combine = readers
+        buf._arg_reader = reader
 
 
 def _cases(buf, idx, w, x, fp8, h, y):

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "arena_views.hpp"
+#include "exchange_table.hpp"
 #include "registry.hpp"
 
 namespace py = pybind11;
@@ -140,21 +141,15 @@ void register_arena(py::module_& m) {
   m.attr("DLPACK_CPU") = int(dlpack::kCPU);
   m.attr("DLPACK_CUDA") = int(dlpack::kCUDA);
   py::class_<BoundArena>(m, "ArenaCore")
-      // exchange: the capsule of the framework's DLPack exchange table (its views are made through it), or None
-      // (each view leaves as a capsule handed to `consumer`)
+      // exchange: the capsule of the framework's DLPack exchange table (its views are made through it), or None;
+      // without a usable table each view leaves as a capsule handed to `consumer`
       .def(py::init([](uintptr_t base, int64_t nbytes, int64_t align, int device_type, int device_id,
                        py::object consumer, py::object exchange) {
              auto* a = new BoundArena{ArenaCore(base, nbytes, align, dlpack::Device{device_type, device_id}),
                                       std::move(consumer)};
-             if (!exchange.is_none()) {
-               a->exchange = static_cast<const dlpack::ExchangeApi*>(
-                   PyCapsule_GetPointer(exchange.ptr(), dlpack::kExchangeApiCapsuleName));
-               if (a->exchange == nullptr || a->exchange->header.version.major != dlpack::kExchangeApiMajor ||
-                   a->exchange->managed_tensor_to_py_object_no_sync == nullptr) {
-                 delete a;
-                 if (PyErr_Occurred()) throw py::error_already_set();
-                 throw py::value_error("ArenaCore: the exchange table is not of DLPack major version 1");
-               }
+             const dlpack::ExchangeApi* table = exchange_table(exchange);
+             if (table != nullptr && table->managed_tensor_to_py_object_no_sync != nullptr) {
+               a->exchange = table;
                a->exchange_ref = std::move(exchange);
              }
              return a;

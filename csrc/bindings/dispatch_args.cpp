@@ -18,6 +18,7 @@
 #include <string>
 
 #include "../runtime/dlpack_abi.hpp"
+#include "exchange_table.hpp"
 #include "fast_method.hpp"
 #include "registry.hpp"
 
@@ -93,11 +94,9 @@ class DispatchArgReader {
                     py::object current_stream)
       : type_(reinterpret_cast<PyTypeObject*>(tensor_type.ptr())),
         type_ref_(py::reinterpret_borrow<py::object>(tensor_type)), current_stream_(std::move(current_stream)) {
-    api_ = static_cast<const dlpack::ExchangeApi*>(PyCapsule_GetPointer(api.ptr(), dlpack::kExchangeApiCapsuleName));
-    if (api_ == nullptr) throw py::error_already_set();
-    if (api_->header.version.major != dlpack::kExchangeApiMajor || api_->dltensor_from_py_object_no_sync == nullptr ||
-        api_->current_work_stream == nullptr)
-      throw py::value_error("DispatchArgReader: the DLPack exchange table is not of major version 1 or lacks "
+    api_ = exchange_table(api);
+    if (api_ == nullptr || api_->dltensor_from_py_object_no_sync == nullptr || api_->current_work_stream == nullptr)
+      throw py::value_error("DispatchArgReader: not a DLPack exchange table of major version 1, or one without "
                             "dltensor_from_py_object_no_sync");
     bf16_ = sample_type(samples, "bfloat16"); fp8_ = sample_type(samples, "float8_e4m3fn");
     f32_ = sample_type(samples, "float32"); i32_ = sample_type(samples, "int32"); i64_ = sample_type(samples, "int64");
@@ -143,9 +142,7 @@ class DispatchArgReader {
         t.size[1] > lim_.max_topk || !placed(t))
       return py::none();
     const bool with_weights = weights != Py_None;
-    if (with_weights && !(describe(weights, w) && same_dtype(w.dtype, f32_) && w.dims == 2 && w.size[0] == T &&
-                          w.size[1] == t.size[1] && placed(w)))
-      return py::none();
+    if (with_weights && !weights_ok(weights, w, T, t.size[1])) return py::none();
     long long E = 0;
     if (!PyLong_CheckExact(experts) || !as_long(experts, E) || E < 1 || E % lim_.num_ranks != 0 || E > INT32_MAX)
       return py::none();
@@ -168,9 +165,7 @@ class DispatchArgReader {
     Described w;
     if (!read_payload(args[0], p) || p.values.size[0] != T) return py::none();
     const bool with_weights = weights != Py_None;
-    if (with_weights && !(describe(weights, w) && same_dtype(w.dtype, f32_) && w.dims == 2 && w.size[0] == T &&
-                          w.size[1] <= lim_.max_topk && placed(w)))
-      return py::none();
+    if (with_weights && !weights_ok(weights, w, T, -1)) return py::none();
     const long long K = with_weights ? w.size[1] : 0;
     CallWords c;
     c.op = fp_.op_dispatch;
@@ -196,9 +191,7 @@ class DispatchArgReader {
         x.ptr % uintptr_t(lim_.data_align) != 0)
       return py::none();
     const bool with_weights = weights != Py_None;
-    if (with_weights && !(describe(weights, w) && same_dtype(w.dtype, f32_) && w.dims == 2 && w.size[0] == N &&
-                          w.size[1] <= lim_.max_topk && placed(w)))
-      return py::none();
+    if (with_weights && !weights_ok(weights, w, N, -1)) return py::none();
     uintptr_t caller = 0;
     if (!caller_stream(caller)) return py::none();
     const long long K = with_weights ? w.size[1] : 0;
@@ -255,6 +248,11 @@ class DispatchArgReader {
     a.device = d.device;
     a.ptr = reinterpret_cast<uintptr_t>(d.data) + uintptr_t(d.byte_offset);
     return true;
+  }
+  // topk_weights: float32 [rows, cols] (cols -1: any up to max_topk), contiguous on the device
+  bool weights_ok(PyObject* weights, Described& w, long long rows, long long cols) const {
+    return describe(weights, w) && same_dtype(w.dtype, f32_) && w.dims == 2 && w.size[0] == rows &&
+           (cols >= 0 ? w.size[1] == cols : w.size[1] <= lim_.max_topk) && placed(w);
   }
   bool placed(const Described& a) const {  // contiguous and on the Buffer's device
     return a.contiguous && a.device.device_type == device_.device_type && a.device.device_id == device_.device_id;

@@ -12,6 +12,8 @@ from typing import List, Optional
 
 import torch
 
+from .dlpack_table import exchange_api
+
 ALIGN = 256
 
 
@@ -60,7 +62,7 @@ class Arena:
         self.base_ptr, self.nbytes, self.device = base_ptr, nbytes, device
         # views are made through torch's DLPack exchange table where it has one (no capsule, no Python call)
         self._core = C.ArenaCore(base_ptr, nbytes, ALIGN, C.DLPACK_CUDA if on_cuda else C.DLPACK_CPU, index,
-                                 _dlpack_importer(), getattr(torch.Tensor, "__dlpack_c_exchange_api__", None))
+                                 _dlpack_importer(), exchange_api())
         # the core's methods themselves: no Python frame in between on the per-call path
         self.reserve, self.trim, self.release = self._core.reserve, self._core.trim, self._core.release
         self.free_bytes = self._core.free_bytes

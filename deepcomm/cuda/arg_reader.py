@@ -12,13 +12,9 @@ import torch
 from .. import agreement
 from .. import validation as v
 from ..fp8 import BLOCK
+from .dlpack_table import exchange_api
 
 READ_DTYPES = ("bfloat16", "float8_e4m3fn", "float32", "int32", "int64")
-
-
-def exchange_api():
-    """torch's DLPack C exchange table (a capsule), or None where this torch has none (the reader then stays off)."""
-    return getattr(torch.Tensor, "__dlpack_c_exchange_api__", None)
 
 
 def dispatch_arg_reader(C, world_size: int, device_index: int, max_hidden: int, max_tokens: int,

@@ -299,11 +299,18 @@ def test_combine_reads_agree_with_python(seed):
 
 def test_a_table_the_reader_cannot_use_turns_it_off(monkeypatch):
     """A capsule that is not a DLPack exchange table (or a table that cannot describe a dtype the calls use): no
-    reader, so every call takes the Python checks; the Buffer still works."""
+    reader, so every call takes the Python checks, and the arena's views go out as capsules."""
     import ctypes
     from deepcomm.cuda import arg_reader
     new = ctypes.pythonapi.PyCapsule_New
     new.restype, new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
     keep = ctypes.c_int(0)
-    monkeypatch.setattr(arg_reader, "exchange_api", lambda: new(ctypes.addressof(keep), b"not_a_table", None))
+    foreign = new(ctypes.addressof(keep), b"not_a_table", None)
+    monkeypatch.setattr(arg_reader, "exchange_api", lambda: foreign)
     assert arg_reader.dispatch_arg_reader(C, R, -1, MAX_HIDDEN, MAX_TOKENS) is None
+    # the arena makes its views as DLPack capsules then
+    from deepcomm.cuda.arena import ALIGN, _dlpack_importer
+    memory = torch.zeros(4096, dtype=torch.uint8)
+    core = C.ArenaCore(memory.data_ptr(), 4096, ALIGN, C.DLPACK_CPU, 0, _dlpack_importer(), foreign)
+    (view,) = core.views(0, 64, False, ((0, (16,), 0, 32),))
+    assert view.dtype == torch.int32 and view.data_ptr() == memory.data_ptr()

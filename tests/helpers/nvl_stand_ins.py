@@ -149,6 +149,4 @@ def put_behind_buffer(buf, b) -> None:
     buf._backend.destroy()
     buf._backend, buf._takes_fingerprints, buf._counts_joined = b, True, True
     buf._x_dtypes = b.capabilities.x_dtypes
-    reader = b.arg_reader
-    if reader is not None:
-        buf._read_fresh, buf._read_cached, buf._read_combine = reader.fresh, reader.cached, reader.combine
+    buf._arg_reader = b.arg_reader

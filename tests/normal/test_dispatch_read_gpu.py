@@ -32,8 +32,8 @@ def _worker(rank, world):
     dev = torch.device("cuda", torch.cuda.current_device())
     buf = cuda_buffer(max_tokens_per_rank=128, hidden=H, num_sms=24)
     be = buf._backend
-    assert (buf._read_fresh is not None) == (exchange_api() is not None)
-    if buf._read_fresh is None:
+    assert (buf._arg_reader is not None) == (exchange_api() is not None)
+    if buf._arg_reader is None:
         return  # this torch has no exchange table: the Python path is the only one (the other GPU tests cover it)
     reads = []
     real_read, real_combine_read = be.dispatch_read, be.combine_read
@@ -50,9 +50,9 @@ def _worker(rank, world):
         before = len(reads)
         read_out = _outputs(buf.dispatch(xx, idx, ww, num_experts=E))
         assert len(reads) == before + 1, name
-        saved, buf._read_fresh = buf._read_fresh, None
+        saved, buf._arg_reader = buf._arg_reader, None
         python_out = _outputs(buf.dispatch(xx, idx, ww, num_experts=E))
-        buf._read_fresh = saved
+        buf._arg_reader = saved
         assert len(reads) == before + 1, name
         torch.cuda.synchronize()
         assert _same(read_out, python_out), name
@@ -67,10 +67,9 @@ def _worker(rank, world):
         before = len(reads)
         read_out = call()
         assert len(reads) == before + 1, name
-        saved = buf._read_fresh, buf._read_cached, buf._read_combine
-        buf._read_fresh = buf._read_cached = buf._read_combine = None
+        saved, buf._arg_reader = buf._arg_reader, None
         python_out = call()
-        buf._read_fresh, buf._read_cached, buf._read_combine = saved
+        buf._arg_reader = saved
         assert len(reads) == before + 1, name
         torch.cuda.synchronize()
         assert _same(read_out, python_out), name
@@ -85,7 +84,7 @@ def _worker(rank, world):
     # while a graph is captured the reader refuses (a fresh dispatch waits for its counts); the Buffer then raises
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        refused = buf._read_fresh(x, idx, w, E, 1, 1)
+        refused = buf._arg_reader.fresh(x, idx, w, E, 1, 1)
         torch.zeros(1, device=dev)
     assert refused is None
     torch.cuda.synchronize()
