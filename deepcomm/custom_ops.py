@@ -30,7 +30,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import validation as v
 from .buffer_registry import lookup
 from .fp8 import BLOCK
-from .handle import Handle, LowLatencyHandle
+from .cuda.owned_views import int32_host, workspace_outputs
+from .handle import Handle, LowLatencyHandle, WorkspaceViews
 
 _lib = torch.library.Library("deepcomm", "FRAGMENT")
 
@@ -108,6 +109,8 @@ def _check_x_shapes(buf, x, x_scales) -> Tuple[int, int]:
 
 
 # ---- normal dispatch ---------------------------------------------------------------------------------------
+# the Handle's routing tensors, in the order of the dispatch operator's outputs
+ROUTING = ("is_token_in_rank", "send_pos", "count_matrix", "recv_src_idx")
 DISPATCH_OUTPUTS = ("recv_x", "recv_x_scales", "recv_topk_idx", "recv_topk_weights", "num_recv_tokens_per_expert",
                     "is_token_in_rank", "send_pos", "count_matrix", "recv_src_idx", "node_count_matrix")
 
@@ -122,23 +125,40 @@ def _dispatch(buffer_id, x, x_scales, topk_idx, topk_weights, num_experts, exper
     dev = buf.device
     # a fresh dispatch's counts are host ints (read back already): a CPU tensor; the worst-case form's stay where
     # they are (no host sync)
-    counts = per_expert if torch.is_tensor(per_expert) else torch.tensor(per_expert, dtype=torch.int32)
+    counts = per_expert if torch.is_tensor(per_expert) else _host_counts(per_expert)
     node_counts = handle.node_count_matrix if _has_node_counts(buf) else None
-    # The CUDA backend's routing tensors are views of one workspace; an operator's outputs must not share
-    # storage (traced code may assume they do not), so each gets its own copy. Only traced code pays for it:
-    # eager deepcomm.ops calls the Buffer directly (deepcomm/eager_ops.py).
-    routing = [handle.is_token_in_rank, handle.send_pos, handle.count_matrix, handle.recv_src_idx]
+    routing, empties = _routing_outputs(handle, (scales is None) + (recv_w is None) + (node_counts is None), dev)
+    if handle.node_count_matrix is not None and routing[3] is not handle.recv_src_idx:
+        _node_routes[routing[3]] = handle.node_route  # the internode forwarding record, under the new tensor too
+    return (values, empties.pop() if scales is None else scales, recv_idx,
+            empties.pop() if recv_w is None else recv_w, counts, *routing,
+            empties.pop() if node_counts is None else node_counts)
+
+
+def _host_counts(per_expert) -> torch.Tensor:
+    made = int32_host(per_expert)
+    return made if made is not None else torch.tensor(per_expert, dtype=torch.int32)
+
+
+def _routing_outputs(handle: Handle, num_absent: int, device) -> Tuple[list, list]:
+    """The handle's routing tensors as operator outputs, which must not share a storage (traced code may assume
+    they do not), and ``num_absent`` empty tensors. The CUDA backend's are parts of one workspace, not made yet
+    (deepcomm/handle.py WorkspaceViews): they become views with storages of their own over it, in one crossing
+    (deepcomm/cuda/owned_views.py); other backends' (or without that crossing) are copied where they share one.
+    Only traced code pays for this: eager deepcomm.ops calls the Buffer directly (deepcomm/eager_ops.py)."""
+    work = handle.__dict__.get("_" + ROUTING[0])
+    if type(work) is WorkspaceViews and all(handle.__dict__.get("_" + name) is work for name in ROUTING):
+        made = workspace_outputs(work, ROUTING, num_absent)
+        if made is not None:
+            return list(made[:len(ROUTING)]), list(made[len(ROUTING):])
+    routing = [getattr(handle, name) for name in ROUTING]
     seen = set()
     for i, t in enumerate(routing):
         key = t.untyped_storage().data_ptr()
         if key in seen or t._base is not None:
             routing[i] = t.clone()
         seen.add(key)
-    if routing[3] is not handle.recv_src_idx and handle.node_count_matrix is not None:
-        _node_routes[routing[3]] = handle.node_route  # the internode forwarding record, under the copy too
-    return (values, _absent(dev) if scales is None else scales, recv_idx,
-            _absent(dev) if recv_w is None else recv_w, counts, *routing,
-            _absent(dev) if node_counts is None else node_counts)
+    return routing, [_absent(device) for _ in range(num_absent)]
 
 
 def _dispatch_fake(buffer_id, x, x_scales, topk_idx, topk_weights, num_experts, expert_alignment,

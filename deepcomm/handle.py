@@ -27,10 +27,21 @@ class WorkspaceViews:
 
     def make(self, name: str) -> torch.Tensor:
         shape, strides, offset, dtype = self.specs[name]
-        if self.slot is not None:  # the view may outlive the handle unseen: the workspace is never reused, and the
-            self.slot.escaped, self.slot.work = True, None  # pool no longer keeps its memory alive
+        self.escape()
         base = self.base if dtype is None else self.base.view(dtype)
         return base.as_strided((self.n,) if shape is None else shape, strides, offset)
+
+    def escape(self) -> None:
+        """A view of the base is about to exist, and may outlive the handle unseen: the workspace is never reused,
+        and the pool no longer keeps its memory alive."""
+        if self.slot is not None:
+            self.slot.escaped, self.slot.work = True, None
+
+    def extent(self, name: str) -> tuple:
+        """``(shape, strides, byte offset, dtype)`` of view ``name``."""
+        shape, strides, offset, dtype = self.specs[name]
+        dtype = self.base.dtype if dtype is None else dtype
+        return (self.n,) if shape is None else shape, strides, offset * dtype.itemsize, dtype
 
 
 class _MadeOnRead:
@@ -87,6 +98,10 @@ class Handle:
     node_route: Optional[object] = None
     # which call on its Buffer made it (the dispatch's number; deepcomm/agreement.py, word HANDLE): 0 until set
     call: int = 0
+    # num_recv_tokens_per_expert as the int32 CPU tensor the dispatch operator returned (deepcomm.ops inside a
+    # compiled graph, where the list holds symbolic ints): the operators take it back as it is instead of a tensor
+    # rebuilt from the ints; None elsewhere
+    per_expert_tensor: Optional[torch.Tensor] = None
 
     @classmethod
     def of_fresh_dispatch(cls, num_experts: int, num_tokens: int, hidden: int, num_recv: int,
@@ -101,7 +116,7 @@ class Handle:
             "num_recv": num_recv, "_is_token_in_rank": route, "_send_pos": route,
             "_count_matrix": route, "_recv_src_idx": route,
             "num_recv_tokens_per_expert": num_recv_tokens_per_expert, "node_count_matrix": None, "node_route": None,
-            "call": 0})
+            "call": 0, "per_expert_tensor": None})
         return h
 
 

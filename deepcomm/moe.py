@@ -102,7 +102,10 @@ def fused_dispatch(buffer: "Buffer", x: torch.Tensor, topk_idx: torch.Tensor, pr
     # alignment) plus its rank among the group's rows (rows ascending). Pairs that do not exist go to a spare
     # position past the end, dropped. No data-dependent shapes beyond the counts, so torch.compile traces it.
     total = sum(counts)
-    starts = torch.tensor([0] + list(counts[:-1]), dtype=torch.int64).cumsum(0).to(dev)
+    # the counts as a tensor: inside a compiled graph the dispatch operator's own (not rebuilt from symbolic ints)
+    per_expert = handle.per_expert_tensor
+    per_expert = torch.tensor(counts, dtype=torch.int64) if per_expert is None else per_expert.to(torch.int64)
+    starts = (per_expert.cumsum(0) - per_expert).to(dev)
     place = starts + member.to(torch.int64).cumsum(dim=0) - 1                       # [N, L]
     dest = torch.where(member, place, torch.full_like(place, total)).reshape(-1)
     rows = torch.arange(n, device=dev).unsqueeze(1).expand(n, num_local)
@@ -119,7 +122,7 @@ def fused_dispatch(buffer: "Buffer", x: torch.Tensor, topk_idx: torch.Tensor, pr
         probs_per_row = padded_w[row_index, column]
     ctx = FusedContext(handle=handle, row_index=row_index, num_recv=n, tokens_per_expert=list(counts),
                        dtype=x.dtype)
-    return permuted, torch.tensor(counts, dtype=torch.int64), probs_per_row, ctx
+    return permuted, per_expert, probs_per_row, ctx
 
 
 def fused_combine(buffer: "Buffer", expert_out: torch.Tensor, ctx: FusedContext) -> torch.Tensor:

@@ -29,7 +29,9 @@ def handle_args(handle: Handle) -> tuple:
     counts = handle.num_recv_tokens_per_expert
     worst_case = torch.is_tensor(counts)
     if not worst_case:
-        counts = torch.tensor(counts, dtype=torch.int32)
+        counts = handle.per_expert_tensor
+        if counts is None:
+            counts = torch.tensor(handle.num_recv_tokens_per_expert, dtype=torch.int32)
     return (handle.is_token_in_rank, handle.send_pos, handle.count_matrix, handle.recv_src_idx, counts,
             handle.node_count_matrix, handle.num_experts, handle.hidden, worst_case)
 
@@ -84,7 +86,8 @@ def dispatch(buf, x, topk_idx, topk_weights=None, num_experts: Optional[int] = N
     handle = Handle(buffer_id=buf.buffer_id, num_experts=num_experts, num_tokens=values.shape[0],
                     hidden=values.shape[1], num_recv=recv_src_idx.shape[0], is_token_in_rank=in_rank,
                     send_pos=send_pos, count_matrix=count_matrix, recv_src_idx=recv_src_idx,
-                    num_recv_tokens_per_expert=per_expert, node_count_matrix=node_counts)
+                    num_recv_tokens_per_expert=per_expert, node_count_matrix=node_counts,
+                    per_expert_tensor=None if num_worst_tokens else counts)
     if node_counts is not None and not torch.compiler.is_compiling():
         handle.node_route = c.node_route_of(recv_src_idx)
     return ((recv_x, recv_scales) if is_pair else recv_x), recv_idx, c.present(recv_w), per_expert, handle

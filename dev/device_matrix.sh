@@ -11,6 +11,8 @@
 #        | kernels            each call's kernels' GPU time at world size 1 (dev/profile_kernels.py) into
 #                             $OUT/kernel_time.json
 #        | copy               the copy probes' rates at 4-32 SMs (dev/profile_copy.py) into $OUT/copy.json
+#        | compiled           a dispatch + combine step compiled with inductor against eager (dev/profile_compiled.py)
+#                             into $OUT/compiled.json
 #                             (each profiler step takes $PROFILE_ARGS after its own arguments)
 #        | 1:FILE,FILE        tests/*/FILE.py at world size 1 (one rank on the GPU)
 #        | N:FILE,FILE[:EXPR] the files with N ranks sharing GPU 0 under MPS (docs/testing.md), pytest -k EXPR
@@ -88,6 +90,7 @@ for step in "$@"; do
     sweep)   profiler="profile_sweep.py|sweep||40" ;;  # a variant whose outputs differ fails the step
     kernels) profiler="profile_kernels.py|kernel_time||30" ;;
     copy)    profiler="profile_copy.py|copy||20" ;;
+    compiled) profiler="profile_compiled.py|compiled||10" ;;
   esac
   if [[ -n "$profiler" ]]; then
     IFS='|' read -r script name extra shown <<< "$profiler"

@@ -25,37 +25,6 @@ void capsule_destructor(PyObject* capsule) {  // a capsule no consumer took: its
   }
 }
 
-int64_t as_int(PyObject* o, const char* what) {
-  const long long v = PyLong_AsLongLong(o);
-  if (v == -1 && PyErr_Occurred()) {
-    PyErr_Clear();
-    throw py::type_error(std::string("ArenaCore.views: ") + what + " must be an int");
-  }
-  return v;
-}
-
-// specs: a sequence of (byte offset, shape tuple, DLPack type code, bits), read with the C API (this is per call)
-std::vector<ArenaViewSpec> read_specs(py::handle specs) {
-  py::sequence seq = py::reinterpret_borrow<py::sequence>(specs);
-  std::vector<ArenaViewSpec> out(seq.size());
-  for (size_t i = 0; i < out.size(); ++i) {
-    py::handle item = seq[i];
-    if (!PyTuple_Check(item.ptr()) || PyTuple_GET_SIZE(item.ptr()) != 4)
-      throw py::type_error("ArenaCore.views: a spec is (offset, shape, type code, bits)");
-    PyObject* t = item.ptr();
-    ArenaViewSpec& s = out[i];
-    s.offset = as_int(PyTuple_GET_ITEM(t, 0), "offset");
-    PyObject* shape = PyTuple_GET_ITEM(t, 1);
-    if (!PyTuple_Check(shape) || PyTuple_GET_SIZE(shape) < 1 || PyTuple_GET_SIZE(shape) > 4)
-      throw py::type_error("ArenaCore.views: shape must be a tuple of 1 to 4 ints");
-    s.ndim = int(PyTuple_GET_SIZE(shape));
-    for (int d = 0; d < s.ndim; ++d) s.shape[d] = as_int(PyTuple_GET_ITEM(shape, d), "shape");
-    s.dtype = dlpack::DataType{uint8_t(as_int(PyTuple_GET_ITEM(t, 2), "type code")),
-                               uint8_t(as_int(PyTuple_GET_ITEM(t, 3), "bits")), 1};
-  }
-  return out;
-}
-
 // A view handed to a framework through its exchange table: the versioned form the table takes, around the arena's
 // view (whose deleter gives its share of the block back).
 struct VersionedView {
@@ -80,7 +49,38 @@ py::object exchange_view(const dlpack::ExchangeApi* api, dlpack::ManagedTensor* 
   return py::reinterpret_steal<py::object>(static_cast<PyObject*>(out));
 }
 
+int64_t as_int(PyObject* o, const char* who, const char* what) {
+  const long long v = PyLong_AsLongLong(o);
+  if (v == -1 && PyErr_Occurred()) {
+    PyErr_Clear();
+    throw py::type_error(std::string(who) + ": " + what + " must be an int");
+  }
+  return v;
+}
+
 }  // namespace
+
+// specs: a sequence of (byte offset, shape tuple, DLPack type code, bits), read with the C API (this is per call)
+std::vector<ArenaViewSpec> read_view_specs(py::handle specs, const char* who) {
+  py::sequence seq = py::reinterpret_borrow<py::sequence>(specs);
+  std::vector<ArenaViewSpec> out(seq.size());
+  for (size_t i = 0; i < out.size(); ++i) {
+    py::handle item = seq[i];
+    if (!PyTuple_Check(item.ptr()) || PyTuple_GET_SIZE(item.ptr()) != 4)
+      throw py::type_error(std::string(who) + ": a spec is (offset, shape, type code, bits)");
+    PyObject* t = item.ptr();
+    ArenaViewSpec& s = out[i];
+    s.offset = as_int(PyTuple_GET_ITEM(t, 0), who, "offset");
+    PyObject* shape = PyTuple_GET_ITEM(t, 1);
+    if (!PyTuple_Check(shape) || PyTuple_GET_SIZE(shape) < 1 || PyTuple_GET_SIZE(shape) > 4)
+      throw py::type_error(std::string(who) + ": shape must be a tuple of 1 to 4 ints");
+    s.ndim = int(PyTuple_GET_SIZE(shape));
+    for (int d = 0; d < s.ndim; ++d) s.shape[d] = as_int(PyTuple_GET_ITEM(shape, d), who, "shape");
+    s.dtype = dlpack::DataType{uint8_t(as_int(PyTuple_GET_ITEM(t, 2), who, "type code")),
+                               uint8_t(as_int(PyTuple_GET_ITEM(t, 3), who, "bits")), 1};
+  }
+  return out;
+}
 
 py::tuple consume_views(BoundArena& a, int64_t offset, int64_t size, bool owned,
                         const std::vector<ArenaViewSpec>& specs) {
@@ -169,7 +169,7 @@ void register_arena(py::module_& m) {
       .def("free_bytes", [](BoundArena& a) { return a.core.free_bytes(); })
       .def_property_readonly("releases", [](const BoundArena& a) { return a.core.releases(); })
       .def("views", [](BoundArena& a, int64_t offset, int64_t size, bool owned, py::handle specs) {
-        return consume_views(a, offset, size, owned, read_specs(specs));
+        return consume_views(a, offset, size, owned, read_view_specs(specs, "ArenaCore.views"));
       }, py::arg("offset"), py::arg("size"), py::arg("owned"), py::arg("specs"))
       // a dispatch's (x, scales, topk_idx, topk_weights) over a range, as dispatch_into makes them (the bounce area)
       .def("dispatch_views", [](BoundArena& a, int64_t offset, int64_t size, bool owned, int64_t n, int x_type,

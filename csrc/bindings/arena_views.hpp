@@ -22,6 +22,10 @@ struct BoundArena {
   pybind11::object exchange_ref;  // keeps the table's capsule alive
 };
 
+// View specs from Python: a sequence of (byte offset, shape tuple of 1 to 4 ints, DLPack type code, bits); `who`
+// names the caller in a TypeError.
+std::vector<ArenaViewSpec> read_view_specs(pybind11::handle specs, const char* who);
+
 // The views `specs` of the reserved range (offset, size), each handed to the arena's consumer.
 pybind11::tuple consume_views(BoundArena& a, int64_t offset, int64_t size, bool owned,
                               const std::vector<ArenaViewSpec>& specs);

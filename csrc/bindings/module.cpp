@@ -17,4 +17,5 @@ PYBIND11_MODULE(_C, m) {
   register_low_latency(m);
   register_arena(m);
   register_dispatch_args(m);
+  register_owned_views(m);
 }

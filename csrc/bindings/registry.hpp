@@ -15,6 +15,8 @@ void register_low_latency(pybind11::module_& m);  // low_latency.cpp: LlContext
 void register_arena(pybind11::module_& m);        // arena.cpp: ArenaCore (dispatch outputs as DLPack views)
 void register_dispatch_args(pybind11::module_& m);  // dispatch_args.cpp: DispatchArgReader (a fresh dispatch's
                                                     // arguments checked and read in one crossing)
+void register_owned_views(pybind11::module_& m);    // owned_views.cpp: OwnedViews (tensors with storages of their
+                                                    // own over one owner's memory)
 
 // transport.cpp: the submodule deepcomm._C.transport (mlx5 WQEs, host queue pair, emulated NIC, CPU proxy), then
 // the parts below inside it.

@@ -66,7 +66,8 @@ def test_handles_are_dataclasses_with_documented_fields():
     from dataclasses import fields
     assert [f.name for f in fields(deepcomm.Handle)] == [
         "buffer_id", "num_experts", "num_tokens", "hidden", "num_recv", "is_token_in_rank", "send_pos",
-        "count_matrix", "recv_src_idx", "num_recv_tokens_per_expert", "node_count_matrix", "node_route", "call"]
+        "count_matrix", "recv_src_idx", "num_recv_tokens_per_expert", "node_count_matrix", "node_route", "call",
+        "per_expert_tensor"]
     assert [f.name for f in fields(deepcomm.LowLatencyHandle)] == [
         "src_info", "layout", "recv_pos", "num_experts", "num_max_dispatch_tokens_per_rank", "hidden", "buffer_id",
         "slot", "call"]
