@@ -6,7 +6,6 @@
 #include <Python.h>
 #include <pybind11/pybind11.h>
 
-#include <algorithm>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -75,38 +74,15 @@ struct OwnedViews {
                   py::handle spec_seq) const {
     const std::vector<ArenaViewSpec> specs = read_view_specs(spec_seq, "OwnedViews.views");
     for (const ArenaViewSpec& s : specs) {  // all checked before any view exists
-      if (s.ndim < 1 || s.ndim > 4 || s.dtype.bits % 8 != 0 || s.dtype.bits == 0)
-        throw std::invalid_argument("OwnedViews.views: a view has 1 to 4 dims and whole-byte elements");
-      int64_t elems = 1;
-      for (int d = 0; d < s.ndim; ++d) {
-        if (s.shape[d] < 0) throw std::invalid_argument("OwnedViews.views: negative extent");
-        elems *= s.shape[d];
-      }
-      const int64_t bytes = elems * (s.dtype.bits / 8);
-      if (bytes > 0 && (s.offset < 0 || s.offset + bytes > nbytes))
-        throw std::out_of_range("OwnedViews.views: view at " + std::to_string(s.offset) + " of " +
-                                std::to_string(bytes) + " bytes outside the owner's " + std::to_string(nbytes));
-      if (bytes > 0 && owner.is_none())
+      if (checked_view_bytes(s, nbytes, "OwnedViews.views") > 0 && owner.is_none())
         throw std::invalid_argument("OwnedViews.views: a view with elements needs an owner");
     }
     py::tuple out(specs.size());
     for (size_t i = 0; i < specs.size(); ++i) {
       const ArenaViewSpec& s = specs[i];
       auto* v = new OwnedView{};
-      int64_t stride = 1;
-      for (int d = s.ndim - 1; d >= 0; --d) {
-        v->shape[d] = s.shape[d];
-        v->strides[d] = stride;
-        stride *= std::max<int64_t>(s.shape[d], 1);
-      }
-      dlpack::Tensor& t = v->managed.dl_tensor;
-      t.data = reinterpret_cast<void*>(base + uintptr_t(std::max<int64_t>(s.offset, 0)));
-      t.device = dlpack::Device{device_type, device_id};
-      t.ndim = s.ndim;
-      t.dtype = s.dtype;
-      t.shape = v->shape;
-      t.strides = v->strides;
-      t.byte_offset = 0;
+      describe_view(v->managed.dl_tensor, s, reinterpret_cast<void*>(base + uintptr_t(s.offset)),
+                    dlpack::Device{device_type, device_id}, v->shape, v->strides);
       v->managed.version = dlpack::Version{dlpack::kExchangeApiMajor, 0};
       v->managed.deleter = delete_owned;
       v->owner = owner.is_none() ? nullptr : owner.ptr();

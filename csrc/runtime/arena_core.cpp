@@ -104,23 +104,44 @@ int64_t ArenaCore::free_bytes() {
   return n;
 }
 
+int64_t checked_view_bytes(const ArenaViewSpec& s, int64_t range_bytes, const char* who) {
+  if (s.ndim < 1 || s.ndim > 4 || s.dtype.bits % 8 != 0 || s.dtype.bits == 0)
+    throw std::invalid_argument(std::string(who) + ": a view has 1 to 4 dims and whole-byte elements");
+  int64_t elems = 1;
+  for (int d = 0; d < s.ndim; ++d) {
+    if (s.shape[d] < 0) throw std::invalid_argument(std::string(who) + ": negative extent");
+    elems *= s.shape[d];
+  }
+  const int64_t bytes = elems * (s.dtype.bits / 8);
+  if (s.offset < 0 || s.offset + bytes > range_bytes)
+    throw std::out_of_range(std::string(who) + ": view at " + std::to_string(s.offset) + " of " +
+                            std::to_string(bytes) + " bytes outside the range of " + std::to_string(range_bytes));
+  return bytes;
+}
+
+void describe_view(dlpack::Tensor& t, const ArenaViewSpec& s, void* data, dlpack::Device device, int64_t* shape,
+                   int64_t* strides) {
+  int64_t stride = 1;
+  for (int d = s.ndim - 1; d >= 0; --d) {
+    shape[d] = s.shape[d];
+    strides[d] = stride;
+    stride *= std::max<int64_t>(s.shape[d], 1);
+  }
+  t.data = data;
+  t.device = device;
+  t.ndim = s.ndim;
+  t.dtype = s.dtype;
+  t.shape = shape;
+  t.strides = strides;
+  t.byte_offset = 0;
+}
+
 std::vector<dlpack::ManagedTensor*> ArenaCore::views(int64_t offset, int64_t size, bool owned,
                                                      const std::vector<ArenaViewSpec>& specs) const {
   if (offset < 0 || size < 0 || (owned && offset + size > nbytes_))
     throw std::out_of_range("ArenaCore.views: range outside the arena");
-  for (const ArenaViewSpec& s : specs) {  // all checked before any view exists: a throw leaves the range reserved
-    if (s.ndim < 1 || s.ndim > 4 || s.dtype.bits % 8 != 0 || s.dtype.bits == 0)
-      throw std::invalid_argument("ArenaCore.views: a view has 1 to 4 dims and whole-byte elements");
-    int64_t elems = 1;
-    for (int d = 0; d < s.ndim; ++d) {
-      if (s.shape[d] < 0) throw std::invalid_argument("ArenaCore.views: negative extent");
-      elems *= s.shape[d];
-    }
-    const int64_t bytes = elems * (s.dtype.bits / 8);
-    if (s.offset < 0 || s.offset + bytes > size)
-      throw std::out_of_range("ArenaCore.views: view at " + std::to_string(s.offset) + " of " +
-                              std::to_string(bytes) + " bytes outside the range of " + std::to_string(size));
-  }
+  // all checked before any view exists: a throw leaves the range reserved
+  for (const ArenaViewSpec& s : specs) checked_view_bytes(s, size, "ArenaCore.views");
   std::shared_ptr<RangeOwner> owner;
   if (owned) owner = std::make_shared<RangeOwner>(state_, offset, size);
   std::vector<dlpack::ManagedTensor*> out;
@@ -128,20 +149,8 @@ std::vector<dlpack::ManagedTensor*> ArenaCore::views(int64_t offset, int64_t siz
   for (const ArenaViewSpec& s : specs) {
     auto* ctx = new ViewCtx{};
     ctx->owner = owner;
-    int64_t stride = 1;
-    for (int d = s.ndim - 1; d >= 0; --d) {
-      ctx->shape[d] = s.shape[d];
-      ctx->strides[d] = stride;
-      stride *= std::max<int64_t>(s.shape[d], 1);
-    }
-    dlpack::Tensor& t = ctx->managed.dl_tensor;
-    t.data = reinterpret_cast<void*>(base_ + uintptr_t(offset + s.offset));
-    t.device = device_;
-    t.ndim = s.ndim;
-    t.dtype = s.dtype;
-    t.shape = ctx->shape;
-    t.strides = ctx->strides;
-    t.byte_offset = 0;
+    describe_view(ctx->managed.dl_tensor, s, reinterpret_cast<void*>(base_ + uintptr_t(offset + s.offset)), device_,
+                  ctx->shape, ctx->strides);
     ctx->managed.manager_ctx = ctx;
     ctx->managed.deleter = delete_view;
     out.push_back(&ctx->managed);

@@ -24,6 +24,15 @@ struct ArenaViewSpec {
   dlpack::DataType dtype;
 };
 
+// The bytes `s` covers, after checking it: 1 to 4 dims of whole-byte elements, no negative extent, inside
+// [0, range_bytes). Throws std::invalid_argument / std::out_of_range prefixed with `who`.
+int64_t checked_view_bytes(const ArenaViewSpec& s, int64_t range_bytes, const char* who);
+
+// `t` describing the spec's row-major view at `data` on `device`; its extents go into `shape` and `strides` (4 each,
+// owned by the caller's view).
+void describe_view(dlpack::Tensor& t, const ArenaViewSpec& s, void* data, dlpack::Device device, int64_t* shape,
+                   int64_t* strides);
+
 class ArenaCore {
  public:
   using Range = std::pair<int64_t, int64_t>;  // (offset, size)
