@@ -48,6 +48,8 @@ class Backend(Protocol):
                 **agreed): ...
     @property
     def event(self) -> Optional[torch.cuda.Event]: ...  # the end of the last call (None where calls are synchronous)
+    # why the Buffer takes no more calls where a call failed inside its crossing into the extension (None otherwise)
+    broken_reason: Optional[str]
 
     # ---- low-latency mode ----
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, use_ue8m0,

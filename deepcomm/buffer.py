@@ -18,6 +18,7 @@ from .buffer_report import log_buffer_created
 from .call_check import CallChecker, resolve_check_calls
 from .config import DEFAULT_HIDDEN, DEFAULT_TIMEOUT_S, Config, default_num_sms
 from .errors import CommTimeoutError
+from .failure_board import FailureBoard
 from .gpu_share import GPU_SMS_ENV, usable_sms
 from .handle import Handle, LowLatencyHandle
 from .rendezvous import default_store, wait_for_group
@@ -46,6 +47,9 @@ def _collective(op: str):
                     self._reject(op, e, _handle_argument(method, self, args, kwargs))
                 elif self._never_joined(e):  # the store (check_calls) agreed already: the peers are in the backend
                     self._reject_in_backend(op, e, _handle_argument(method, self, args, kwargs))
+                told = self._tell_failure(e)
+                if told is not None:
+                    raise told from e
                 raise
             finally:
                 self._pending_op = None
@@ -70,6 +74,7 @@ class Buffer:
                  low_latency_memory: Optional[str] = None, internode_transport: Optional[str] = None,
                  check_calls: Optional[bool] = None):
         self._backend = None
+        self._failures = None
         self._call_checker = None
         self._pending_op = None
         self._calls = 0  # collective calls made on this Buffer (agreement.Word.CALL)
@@ -117,6 +122,9 @@ class Buffer:
             self._call_checker = CallChecker(default_store(), self._group, self._rank, self._world_size,
                                              self.config.timeout_s, f"b{number}")
         self._buffer_word = 0 if number is None else number + 1  # agreement.Word.BUFFER
+        # where a call that broke this rank's Buffer says why, and the peers' timeouts read it
+        self._failures = (None if number is None else
+                          FailureBoard(default_store(), dist.get_process_group_ranks(self._group), number, self._rank))
         self._backend, choice = make_backend(backend, self._group, self.config, self._rank, self._world_size,
                                              self._device, number)
         self._backend_name = choice.name
@@ -341,6 +349,20 @@ class Buffer:
         return (self._joined_at >= 0 and not isinstance(error, CommTimeoutError) and self._backend is not None
                 and self._backend.joined_calls == self._joined_at)
 
+    def _tell_failure(self, error: Exception) -> Optional[CommTimeoutError]:
+        """After a call raised ``error``: where it broke this rank's Buffer inside its crossing (the peers then wait
+        for what this rank never sent), say why on the failure board; where it is a timeout, the same timeout with
+        what the peers said there (deepcomm/failure_board.py), to raise instead. None: raise ``error`` as it is."""
+        if self._backend is None or self._failures is None:
+            return None
+        board = self._failures
+        if isinstance(error, CommTimeoutError):
+            return board.explain(error)
+        reason = self._backend.broken_reason
+        if reason is not None:
+            board.post(reason)
+        return None
+
     def _reject(self, op: str, error: Exception, handle=None) -> None:
         """This rank's call ``op`` raised ``error`` before its exchange: tell the other ranks, which are in that
         exchange (or soon will be), so they raise naming this rank; the caller then raises ``error``. ``handle``:
@@ -447,7 +469,13 @@ class Buffer:
     # ---- lifetime ---------------------------------------------------------------------------------------
     def synchronize(self) -> None:
         """Wait until this Buffer's outstanding device work is done."""
-        self._live().synchronize()
+        try:
+            self._live().synchronize()
+        except Exception as e:
+            told = self._tell_failure(e)
+            if told is not None:
+                raise told from e
+            raise
 
     def destroy(self) -> None:
         """Release the backend's resources. Idempotent; the Buffer is unusable afterwards."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Optional
 
 import torch
 
@@ -91,6 +92,11 @@ class InternodeBackend:
                 self.kernels.reject(fingerprint, cached=handle is not None)
             else:
                 hier_agree.join_rejected(self.comm, fingerprint)
+
+    @property
+    def broken_reason(self) -> Optional[str]:
+        """Why this Buffer takes no more calls, where a call failed inside its crossing (None otherwise)."""
+        return self.transport.broken_reason or self.link.broken_reason or self.ll.record.broken_reason
 
     @property
     def joined_calls(self) -> int:

@@ -304,6 +304,11 @@ class CudaBackend:
         return self._joined + self.ll.joined
 
     @property
+    def broken_reason(self) -> Optional[str]:
+        """Why this Buffer takes no more calls, where a call failed inside its crossing (None otherwise)."""
+        return self.nvl.broken_reason
+
+    @property
     def event(self) -> Optional[torch.cuda.Event]:
         """The end of the last call: its end event, or, for a call that ran on the caller's stream, an event
         recorded there now (which also covers what the caller queued after the call: later, never earlier)."""

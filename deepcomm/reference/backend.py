@@ -41,6 +41,9 @@ class ReferenceBackend:
         self.comm = Comm(group, rank, world_size, device, config.timeout_s, make_own_group=make_own)
         self.masked: frozenset = frozenset()
 
+    # no call of this backend fails after its first exchange began without every rank raising (no extension)
+    broken_reason: Optional[str] = None
+
     @property
     def joined_calls(self) -> int:
         """Calls whose first exchange (Comm.agree, every call kind's) this rank has entered."""

@@ -116,3 +116,48 @@ def _killed_peer_worker(rank, world, mode):
 @pytest.mark.parametrize("mode", ["normal", "low_latency"])
 def test_killed_peer_times_out(mode):
     run_with_faults(_killed_peer_worker, 2, mode, killed=(1,), deadline_s=150)
+
+
+class _FailingLaunch:
+    """Stands in for a rank's NvlContext: its dispatch crossing fails as a failed kernel launch would (after the
+    call was counted as joined); everything else goes to the real context."""
+
+    def __init__(self, real):
+        self.real = real
+
+    def dispatch_into(self, *args):
+        raise RuntimeError("simulated launch failure")
+
+    dispatch_call = dispatch_into
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+def _failed_launch_worker(rank, world):
+    import torch.distributed as dist
+    import deepcomm
+    gen = torch.Generator().manual_seed(31 + rank)
+    buf = _buffer()
+    _good_round(buf, "normal", gen)
+    x, idx, _ = _inputs(gen, buf.device)
+    if rank == 1:
+        buf._backend.nvl.ctx = _FailingLaunch(buf._backend.nvl.ctx)
+        with pytest.raises(RuntimeError, match="simulated launch failure"):
+            buf.dispatch(x, topk_idx=idx, num_experts=E)
+        with pytest.raises(RuntimeError, match="failed inside its crossing"):  # this Buffer takes no more calls
+            buf.dispatch(x, topk_idx=idx, num_experts=E)
+    else:
+        with pytest.raises(deepcomm.CommTimeoutError) as info:
+            buf.dispatch(x, topk_idx=idx, num_experts=E)
+        text = str(info.value)
+        assert "rank 1 reported: deepcomm: this Buffer's dispatch failed inside its crossing" in text, text
+        assert "simulated launch failure" in text, text
+    dist.barrier()  # rank 1 stays until rank 0 timed out (its kernel wrote into our buffer)
+    buf.destroy()
+
+
+def test_a_peer_whose_launch_failed_is_named_in_the_timeout():
+    """A rank whose dispatch fails inside its crossing (after its exchange may have begun) says why on the failure
+    board (deepcomm/failure_board.py); the rank that waited for it times out naming that reason."""
+    run_on_gpus(_failed_launch_worker, 2, timeout_s=120)
