@@ -1,6 +1,7 @@
-"""Host cost of deepcomm.ops inside torch.compile graphs: a dispatch + combine step (no grad, as inference and the
-forward of a compiled training step run the operators) compiled with inductor, against the same step eager, at
-world size 1 with L local experts (L = 32 is an EP8 rank's share of 256 experts). Each compiled step runs twice:
+"""Host cost of deepcomm.ops inside torch.compile graphs: a dispatch + combine step compiled with inductor, against
+the same step eager, at world size 1 with L local experts (L = 32 is an EP8 rank's share of 256 experts): its
+forward under no_grad (inference), and forward and backward with autograd (a training step: the backward is a
+cached dispatch and a combine). Each compiled step runs twice:
 with the operator outputs of this tree, and as before them ("copies": the routing tensors copied, the counts made
 by torch.tensor, and the combine given a counts tensor rebuilt from the symbolic ints), each checked bit for bit
 against eager. A diagnostic, not the benchmark: `python dev/profile_compiled.py [--experts 32,256] [--json PATH]`.
@@ -8,6 +9,7 @@ Without a GPU it runs the reference backend on the CPU (a check of the script; i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -88,32 +90,43 @@ def worker(rank, world, tokens, hidden, num_sms, experts_list, json_path):
             out, combined_w = ops.combine(buf, recv_x, handle, topk_weights=recv_w)
             return out, combined_w
 
-        with torch.no_grad():
-            want = [t.clone() for t in step(x, idx, w)]
-            host, wall = _host_us(lambda: step(x, idx, w), sync)
-            rows.append({"experts": E, "local_experts": E // world, "path": "eager", "host_us": host, "wall_us": wall})
-            for variant in ("copies", "this tree"):
-                torch._dynamo.reset()
-                compiled = torch.compile(step, fullgraph=True, backend="inductor")
-                t0 = time.perf_counter()
-                if variant == "copies":
-                    with _AsBefore():
-                        got = compiled(x, idx, w)
+        xg, wg = x.detach().requires_grad_(), w.detach().requires_grad_()
+
+        def train(fn):
+            """The step with autograd, then its backward (a cached dispatch and a combine): (out, x.grad, w.grad)."""
+            def run():
+                xg.grad = wg.grad = None
+                out, combined_w = fn(xg, idx, wg)
+                (out.float().sum() + combined_w.sum()).backward()
+                return out.detach(), xg.grad, wg.grad
+            return run
+
+        for kind in ("forward, no grad", "forward and backward"):
+            grad = kind == "forward and backward"
+            with torch.set_grad_enabled(grad):
+                run = train(step) if grad else (lambda: step(x, idx, w))
+                want = [t.clone() for t in run()]
+                host, wall = _host_us(run, sync)
+                rows.append({"experts": E, "local_experts": E // world, "step": kind, "path": "eager",
+                             "host_us": host, "wall_us": wall})
+                for variant in ("copies", "this tree"):
+                    torch._dynamo.reset()
+                    compiled = torch.compile(step, fullgraph=True, backend="inductor")
+                    crun = train(compiled) if grad else (lambda: compiled(x, idx, w))
+                    t0 = time.perf_counter()
+                    with (_AsBefore() if variant == "copies" else contextlib.nullcontext()):
+                        got = crun()
                         same = all(torch.equal(a, b) for a, b in zip(want, got))
-                        host, wall = _host_us(lambda: compiled(x, idx, w), sync)
-                else:
-                    got = compiled(x, idx, w)
-                    same = all(torch.equal(a, b) for a, b in zip(want, got))
-                    host, wall = _host_us(lambda: compiled(x, idx, w), sync)
-                rows.append({"experts": E, "local_experts": E // world, "path": f"compiled, {variant}",
-                             "host_us": host, "wall_us": wall, "bit_exact": same,
-                             "first_call_s": round(time.perf_counter() - t0, 1)})
+                        host, wall = _host_us(crun, sync)
+                    rows.append({"experts": E, "local_experts": E // world, "step": kind,
+                                 "path": f"compiled, {variant}", "host_us": host, "wall_us": wall,
+                                 "bit_exact": same, "first_call_s": round(time.perf_counter() - t0, 1)})
         dist.barrier()
         buf.destroy()
     if rank == 0:
-        print(f"{'experts':>7s} {'path':24s} {'host':>8s} {'wall':>8s}   (us per dispatch + combine step)")
+        print(f"{'experts':>7s} {'step':22s} {'path':24s} {'host':>8s} {'wall':>8s}   (us per step)")
         for r in rows:
-            print(f"{r['experts']:7d} {r['path']:24s} {r['host_us']:8.1f} {r['wall_us']:8.1f} "
+            print(f"{r['experts']:7d} {r['step']:22s} {r['path']:24s} {r['host_us']:8.1f} {r['wall_us']:8.1f} "
                   f"{'' if r.get('bit_exact', True) else 'NOT BIT-EXACT'}")
         if json_path:
             with open(json_path, "w") as f:
