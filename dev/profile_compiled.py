@@ -41,6 +41,24 @@ def _host_us(fn, sync, iters=ITERS):
     return round(statistics.median(host), 1), round((clock() - t_loop) / iters * 1e6, 1)
 
 
+def _cprofile(fn, sync, path, title, iters=300):
+    """``fn`` ``iters`` times under cProfile: the functions with the most own time, appended to ``path``."""
+    import cProfile
+    import io
+    import pstats
+    sync()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(iters):
+        fn()
+    prof.disable()
+    sync()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+    with open(path, "a") as f:
+        f.write(f"==== {title}, {iters} steps ====\n{text.getvalue()}\n")
+
+
 class _AsBefore:
     """The operator outputs as they were made before OwnedViews and Handle.per_expert_tensor: patched in for the
     compile (handle_args) and the runs (the operator's own Python)."""
@@ -68,7 +86,7 @@ class _AsBefore:
         self.c.workspace_outputs, self.c._host_counts, self.ops.handle_args = self.saved
 
 
-def worker(rank, world, tokens, hidden, num_sms, experts_list, json_path):
+def worker(rank, world, tokens, hidden, num_sms, experts_list, json_path, cprofile_path=""):
     import deepcomm
     from deepcomm import ops
     torch._dynamo.config.capture_dynamic_output_shape_ops = True
@@ -121,6 +139,10 @@ def worker(rank, world, tokens, hidden, num_sms, experts_list, json_path):
                     rows.append({"experts": E, "local_experts": E // world, "step": kind,
                                  "path": f"compiled, {variant}", "host_us": host, "wall_us": wall,
                                  "bit_exact": same, "first_call_s": round(time.perf_counter() - t0, 1)})
+                    if cprofile_path and variant == "this tree" and rank == 0:
+                        _cprofile(crun, sync, cprofile_path, f"compiled {kind}, {E} experts")
+                if cprofile_path and rank == 0:
+                    _cprofile(run, sync, cprofile_path, f"eager {kind}, {E} experts")
         dist.barrier()
         buf.destroy()
     if rank == 0:
@@ -145,6 +167,7 @@ if __name__ == "__main__":
     p.add_argument("--num-sms", type=int, default=24)
     p.add_argument("--experts", default="32,256")
     p.add_argument("--json", default="")
+    p.add_argument("--cprofile", default="", help="also write the steps' cProfile (eager, compiled) here")
     a = p.parse_args()
-    run_on_gpus(worker, 1, a.tokens, a.hidden, a.num_sms, [int(e) for e in a.experts.split(",")], a.json,
+    run_on_gpus(worker, 1, a.tokens, a.hidden, a.num_sms, [int(e) for e in a.experts.split(",")], a.json, a.cprofile,
                 timeout_s=600, device="cuda" if torch.cuda.is_available() else "cpu")
