@@ -363,6 +363,21 @@ class Buffer:
             board.post(reason)
         return None
 
+    def _telling(self, fn, *args):
+        """``fn(*args)``, its error passed through _tell_failure (a timeout then names what the peers posted)."""
+        try:
+            return fn(*args)
+        except Exception as e:
+            told = self._tell_failure(e)
+            if told is not None:
+                raise told from e
+            raise
+
+    def _telling_hook(self, hook, returned: bool):
+        """A low-latency call's receive hook as the caller gets it: where one was asked for (``returned``), called
+        through _telling, so a failure inside it is posted and a timeout it raises names what the peers posted."""
+        return functools.partial(self._telling, hook) if returned and hook is not None else hook
+
     def _reject(self, op: str, error: Exception, handle=None) -> None:
         """This rank's call ``op`` raised ``error`` before its exchange: tell the other ranks, which are in that
         exchange (or soon will be), so they raise naming this rank; the caller then raises ``error``. ``handle``:
@@ -419,7 +434,7 @@ class Buffer:
             x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, use_ue8m0, return_recv_hook,
             **agreed)
         handle.buffer_id, handle.call = self.buffer_id, self._calls
-        return recv_x, recv_count, handle, hook
+        return recv_x, recv_count, handle, self._telling_hook(hook, return_recv_hook)
 
     @_collective("low_latency_combine")
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, return_recv_hook=False, use_fp8=False):
@@ -436,9 +451,11 @@ class Buffer:
                              lambda: agreement.low_latency_combine(self._calls, self._buffer_word, x, topk_idx, handle,
                                                                    use_fp8))
         if use_fp8:
-            return backend.low_latency_combine(x, topk_idx, topk_weights, handle, return_recv_hook, use_fp8=True,
-                                               **agreed)
-        return backend.low_latency_combine(x, topk_idx, topk_weights, handle, return_recv_hook, **agreed)
+            combined, hook = backend.low_latency_combine(x, topk_idx, topk_weights, handle, return_recv_hook,
+                                                         use_fp8=True, **agreed)
+        else:
+            combined, hook = backend.low_latency_combine(x, topk_idx, topk_weights, handle, return_recv_hook, **agreed)
+        return combined, self._telling_hook(hook, return_recv_hook)
 
     # ---- masking lost ranks (low-latency mode) ----------------------------------------------------------
     def mask_ranks(self, ranks: Iterable[int]) -> None:
@@ -469,13 +486,7 @@ class Buffer:
     # ---- lifetime ---------------------------------------------------------------------------------------
     def synchronize(self) -> None:
         """Wait until this Buffer's outstanding device work is done."""
-        try:
-            self._live().synchronize()
-        except Exception as e:
-            told = self._tell_failure(e)
-            if told is not None:
-                raise told from e
-            raise
+        self._telling(self._live().synchronize)
 
     def destroy(self) -> None:
         """Release the backend's resources. Idempotent; the Buffer is unusable afterwards."""

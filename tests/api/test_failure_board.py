@@ -92,3 +92,52 @@ def test_the_other_ranks_timeouts_name_the_rank_that_broke(world):
         kind, _, text, cause = outs[rank]
         assert kind == "timeout" and cause == "CommTimeoutError", outs
         assert f"rank {rank} timed out" in text and f"rank 1 reported: {REASON}" in text, outs
+
+
+def _timeouts_after_a_post(rank, world):
+    """Rank 1 posts a reason; rank 0's synchronize() and low-latency receive hooks then time out (simulated) and
+    must name it. Returns rank 0's messages."""
+    import torch
+    import deepcomm
+    buf = deepcomm.Buffer(max_tokens_per_rank=16, hidden=128, backend="reference", timeout_s=3)
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 1:
+        buf._failures.post("rank 1's reason")
+        store.set("posted", "1")
+    store.wait(["posted"])
+    out = []
+    if rank == 0:
+        b = buf._backend
+
+        def timing_out():
+            raise CommTimeoutError(0, 1, "low_latency_dispatch:data", "waited 3 s")
+        b.synchronize = timing_out
+        b.low_latency_dispatch = lambda *a, **k: (None, None, deepcomm.LowLatencyHandle(*([None] * 7)), timing_out)
+        b.low_latency_combine = lambda *a, **k: (None, timing_out)
+        x, idx = torch.randn(4, 128).to(torch.bfloat16), torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]])
+        hooks = [buf.low_latency_dispatch(x, idx, 16, 8, use_fp8=False, return_recv_hook=True)[3]]
+        hooks.append(buf.low_latency_combine(torch.randn(4, 32, 128).to(torch.bfloat16), idx, torch.rand(4, 2),
+                                             _ll_handle(buf), return_recv_hook=True)[1])
+        for fn in [buf.synchronize] + hooks:
+            try:
+                fn()
+            except CommTimeoutError as e:
+                out.append(str(e))
+    store.set(f"done{rank}", "1")
+    store.wait(["done0", "done1"])
+    return out
+
+
+def _ll_handle(buf):
+    import torch
+    from deepcomm.handle import LowLatencyHandle
+    return LowLatencyHandle(src_info=torch.zeros(4, 32, dtype=torch.int32),
+                            layout=torch.zeros(4, 2, 2, dtype=torch.int32), recv_pos=torch.zeros(4, 2, dtype=torch.int32),
+                            num_experts=8, num_max_dispatch_tokens_per_rank=16, hidden=128, buffer_id=buf.buffer_id)
+
+
+def test_synchronize_and_receive_hooks_name_what_the_peers_posted():
+    outs = run_ranks(_timeouts_after_a_post, 2, timeout=120)
+    assert len(outs[0]) == 3 and outs[1] == [], outs
+    for text in outs[0]:
+        assert "waited 3 s; rank 1 reported: rank 1's reason" in text, outs
