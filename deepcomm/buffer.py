@@ -47,9 +47,7 @@ def _collective(op: str):
                     self._reject(op, e, _handle_argument(method, self, args, kwargs))
                 elif self._never_joined(e):  # the store (check_calls) agreed already: the peers are in the backend
                     self._reject_in_backend(op, e, _handle_argument(method, self, args, kwargs))
-                told = self._tell_failure(e)
-                if told is not None:
-                    raise told from e
+                self._raise_told(e)
                 raise
             finally:
                 self._pending_op = None
@@ -363,14 +361,19 @@ class Buffer:
             board.post(reason)
         return None
 
+    def _raise_told(self, error: Exception) -> None:
+        """Inside the handler of ``error``: raise what _tell_failure makes of it, if anything (the caller re-raises
+        ``error`` otherwise)."""
+        told = self._tell_failure(error)
+        if told is not None:
+            raise told from error
+
     def _telling(self, fn, *args):
         """``fn(*args)``, its error passed through _tell_failure (a timeout then names what the peers posted)."""
         try:
             return fn(*args)
         except Exception as e:
-            told = self._tell_failure(e)
-            if told is not None:
-                raise told from e
+            self._raise_told(e)
             raise
 
     def _telling_hook(self, hook, returned: bool):

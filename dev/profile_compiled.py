@@ -5,14 +5,13 @@ cached dispatch and a combine). Each compiled step runs twice:
 with the operator outputs of this tree, and as before them ("copies": the routing tensors copied, the counts made
 by torch.tensor, and the combine given a counts tensor rebuilt from the symbolic ints), each checked bit for bit
 against eager. A diagnostic, not the benchmark: `python dev/profile_compiled.py [--experts 32,256] [--json PATH]`.
-Without a GPU it runs the reference backend on the CPU (a check of the script; its times mean little)."""
+One rank per GPU (speed figures mean nothing on a shared GPU); the timer and the profile are dev/profile_host.py's."""
 from __future__ import annotations
 
 import argparse
 import contextlib
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -21,43 +20,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the repository, for tests.helpers
 from tests.helpers.nccl_run import run_on_gpus  # noqa: E402
-
-ITERS = 200
-
-
-def _host_us(fn, sync, iters=ITERS):
-    """(median host us per call, loop wall us per call incl. the device)."""
-    for _ in range(20):
-        fn()
-    sync()
-    host = []
-    clock = time.perf_counter
-    t_loop = clock()
-    for _ in range(iters):
-        t0 = clock()
-        fn()
-        host.append((clock() - t0) * 1e6)
-    sync()
-    return round(statistics.median(host), 1), round((clock() - t_loop) / iters * 1e6, 1)
-
-
-def _cprofile(fn, sync, path, title, iters=300):
-    """``fn`` ``iters`` times under cProfile: the functions with the most own time, appended to ``path``."""
-    import cProfile
-    import io
-    import pstats
-    sync()
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(iters):
-        fn()
-    prof.disable()
-    sync()
-    text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
-    with open(path, "a") as f:
-        f.write(f"==== {title}, {iters} steps ====\n{text.getvalue()}\n")
-
+from profile_host import _cprofile, _host_times  # noqa: E402  (this folder, the script's own)
 
 class _AsBefore:
     """The operator outputs as they were made before OwnedViews and Handle.per_expert_tensor: patched in for the
@@ -91,13 +54,10 @@ def worker(rank, world, tokens, hidden, num_sms, experts_list, json_path, cprofi
     from deepcomm import ops
     torch._dynamo.config.capture_dynamic_output_shape_ops = True
     torch._dynamo.config.capture_scalar_outputs = True
-    on_gpu = torch.cuda.is_available()
-    dev = torch.device("cuda", rank) if on_gpu else torch.device("cpu")
-    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
-    backend = "cuda" if on_gpu else "reference"
+    dev = torch.device("cuda", rank)
     rows = []
     for E in experts_list:
-        buf = deepcomm.Buffer(max_tokens_per_rank=tokens, hidden=hidden, backend=backend, num_sms=num_sms)
+        buf = deepcomm.Buffer(max_tokens_per_rank=tokens, hidden=hidden, backend="cuda", num_sms=num_sms)
         g = torch.Generator(device=dev).manual_seed(E)
         idx = torch.rand(tokens, E, device=dev, generator=g).topk(8, dim=1).indices
         w = torch.rand(tokens, 8, device=dev, generator=g)
@@ -124,9 +84,9 @@ def worker(rank, world, tokens, hidden, num_sms, experts_list, json_path, cprofi
             with torch.set_grad_enabled(grad):
                 run = train(step) if grad else (lambda: step(x, idx, w))
                 want = [t.clone() for t in run()]
-                host, wall = _host_us(run, sync)
+                t = _host_times(run)
                 rows.append({"experts": E, "local_experts": E // world, "step": kind, "path": "eager",
-                             "host_us": host, "wall_us": wall})
+                             "host_us": t["host_us"], "wall_us": t["wall_us"]})
                 for variant in ("copies", "this tree"):
                     torch._dynamo.reset()
                     compiled = torch.compile(step, fullgraph=True, backend="inductor")
@@ -135,14 +95,14 @@ def worker(rank, world, tokens, hidden, num_sms, experts_list, json_path, cprofi
                     with (_AsBefore() if variant == "copies" else contextlib.nullcontext()):
                         got = crun()
                         same = all(torch.equal(a, b) for a, b in zip(want, got))
-                        host, wall = _host_us(crun, sync)
+                        t = _host_times(crun)
                     rows.append({"experts": E, "local_experts": E // world, "step": kind,
-                                 "path": f"compiled, {variant}", "host_us": host, "wall_us": wall,
+                                 "path": f"compiled, {variant}", "host_us": t["host_us"], "wall_us": t["wall_us"],
                                  "bit_exact": same, "first_call_s": round(time.perf_counter() - t0, 1)})
                     if cprofile_path and variant == "this tree" and rank == 0:
-                        _cprofile(crun, sync, cprofile_path, f"compiled {kind}, {E} experts")
+                        _cprofile({f"compiled {kind}, {E} experts": (crun, None)}, cprofile_path, tokens, 300)
                 if cprofile_path and rank == 0:
-                    _cprofile(run, sync, cprofile_path, f"eager {kind}, {E} experts")
+                    _cprofile({f"eager {kind}, {E} experts": (run, None)}, cprofile_path, tokens, 300)
         dist.barrier()
         buf.destroy()
     if rank == 0:
@@ -154,7 +114,7 @@ def worker(rank, world, tokens, hidden, num_sms, experts_list, json_path, cprofi
             with open(json_path, "w") as f:
                 json.dump({"world_size": world, "tokens": tokens, "hidden": hidden, "num_sms": num_sms,
                            "torch": torch.__version__, "rows": rows,
-                           "device": torch.cuda.get_device_name(dev) if on_gpu else "cpu",
+                           "device": torch.cuda.get_device_name(dev),
                            "commit": os.environ.get("DEEPCOMM_COMMIT", "")}, f, indent=1)
     if not all(r.get("bit_exact", True) for r in rows):
         raise SystemExit("a compiled step differs from eager")
@@ -170,4 +130,4 @@ if __name__ == "__main__":
     p.add_argument("--cprofile", default="", help="also write the steps' cProfile (eager, compiled) here")
     a = p.parse_args()
     run_on_gpus(worker, 1, a.tokens, a.hidden, a.num_sms, [int(e) for e in a.experts.split(",")], a.json, a.cprofile,
-                timeout_s=600, device="cuda" if torch.cuda.is_available() else "cpu")
+                timeout_s=600)

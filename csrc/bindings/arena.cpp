@@ -41,12 +41,7 @@ void delete_versioned(dlpack::ManagedTensorVersioned* m) {
 // made[i] as the framework's tensor through its exchange table; the views from i on are the caller's until then
 py::object exchange_view(const dlpack::ExchangeApi* api, dlpack::ManagedTensor* view) {
   auto* v = new VersionedView{{{dlpack::kExchangeApiMajor, 0}, nullptr, delete_versioned, 0, view->dl_tensor}, view};
-  void* out = nullptr;
-  if (api->managed_tensor_to_py_object_no_sync(&v->managed, &out) != 0) {
-    // the table took ownership ("stolen") whatever it returned: nothing to delete here
-    throw py::error_already_set();
-  }
-  return py::reinterpret_steal<py::object>(static_cast<PyObject*>(out));
+  return framework_tensor(api, &v->managed);
 }
 
 int64_t as_int(PyObject* o, const char* who, const char* what) {

@@ -21,4 +21,11 @@ inline const dlpack::ExchangeApi* exchange_table(pybind11::handle capsule) {
   return api->header.version.major == dlpack::kExchangeApiMajor ? api : nullptr;
 }
 
+// `managed` as the framework's tensor, made by the table; the table owns `managed` from here whatever it returns.
+inline pybind11::object framework_tensor(const dlpack::ExchangeApi* api, dlpack::ManagedTensorVersioned* managed) {
+  void* out = nullptr;
+  if (api->managed_tensor_to_py_object_no_sync(managed, &out) != 0) throw pybind11::error_already_set();
+  return pybind11::reinterpret_steal<pybind11::object>(static_cast<PyObject*>(out));
+}
+
 }  // namespace dc::bindings

@@ -57,13 +57,6 @@ struct HostInts {
 
 void delete_host_ints(dlpack::ManagedTensorVersioned* m) { delete reinterpret_cast<HostInts*>(m); }
 
-// `managed` handed to the framework; the table owns it from here whatever it returns
-py::object to_framework(const dlpack::ExchangeApi* api, dlpack::ManagedTensorVersioned* managed) {
-  void* out = nullptr;
-  if (api->managed_tensor_to_py_object_no_sync(managed, &out) != 0) throw py::error_already_set();
-  return py::reinterpret_steal<py::object>(static_cast<PyObject*>(out));
-}
-
 struct OwnedViews {
   const dlpack::ExchangeApi* api = nullptr;
   py::object table_ref;  // keeps the table's capsule alive
@@ -87,7 +80,7 @@ struct OwnedViews {
       v->managed.deleter = delete_owned;
       v->owner = owner.is_none() ? nullptr : owner.ptr();
       Py_XINCREF(v->owner);
-      out[i] = to_framework(api, &v->managed);
+      out[i] = framework_tensor(api, &v->managed);
     }
     return out;
   }
@@ -121,7 +114,7 @@ struct OwnedViews {
     t.byte_offset = 0;
     h->managed.version = dlpack::Version{dlpack::kExchangeApiMajor, 0};
     h->managed.deleter = delete_host_ints;
-    return to_framework(api, &h->managed);
+    return framework_tensor(api, &h->managed);
   }
 };
 

@@ -9,7 +9,7 @@
 namespace dc::dlpack {
 
 enum DeviceType : int32_t { kCPU = 1, kCUDA = 2 };
-enum TypeCode : uint8_t { kInt = 0, kUInt = 1, kFloat = 2, kBfloat = 4, kBool = 6 };
+enum TypeCode : uint8_t { kInt = 0, kUInt = 1, kFloat = 2, kBfloat = 4 };
 
 struct Device {
   int32_t device_type;

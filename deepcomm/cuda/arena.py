@@ -12,7 +12,7 @@ from typing import List, Optional
 
 import torch
 
-from .dlpack_table import exchange_api
+from .dlpack_table import DLPACK_TYPES, exchange_api
 
 ALIGN = 256
 
@@ -31,10 +31,8 @@ def as_device_bytes(ptr: int, nbytes: int, device: torch.device, owner=None) -> 
     return torch.as_tensor(_DeviceBytes(ptr, nbytes, owner), device=device)
 
 
-# DLPack (type code, bits) of the dtypes an output is made of. FP8 (DLPack's float8_e4m3fn code) is imported as
-# such where this torch reads that code (Arena probes it once), else leaves as uint8 and is viewed back.
-_DLPACK = {torch.bfloat16: (4, 16), torch.float32: (2, 32), torch.int64: (0, 64), torch.int32: (0, 32),
-           torch.int16: (0, 16), torch.uint8: (1, 8), torch.float8_e4m3fn: (10, 8)}
+# An output's DLPack type is DLPACK_TYPES'. FP8 (DLPack's float8_e4m3fn code) is imported as such where this torch
+# reads that code (Arena probes it once), else leaves as uint8 and is viewed back.
 _AS_BYTES = {torch.float8_e4m3fn: torch.uint8}
 
 
@@ -83,7 +81,7 @@ class Arena:
         if self.nbytes < 1:
             return False
         try:
-            (t,) = self._core.views(0, 1, False, ((0, (1,), *_DLPACK[dtype]),))
+            (t,) = self._core.views(0, 1, False, ((0, (1,), *DLPACK_TYPES[dtype]),))
         except Exception:  # the importer refuses the code
             return False
         return t.dtype == dtype
@@ -93,7 +91,7 @@ class Arena:
         it as (code << 8 | bits, csrc/runtime/dispatch_views.hpp), and the dtype it is viewed as after, where this
         torch cannot import ``dtype`` itself."""
         viewed = self._viewed.get(dtype)
-        code, bits = _DLPACK[viewed if viewed is not None else dtype]
+        code, bits = DLPACK_TYPES[viewed if viewed is not None else dtype]
         return code << 8 | bits, (dtype if viewed is not None else None)
 
     def views(self, offset: int, size: int, specs, owned: bool = True) -> List[torch.Tensor]:
@@ -101,7 +99,7 @@ class Arena:
         crossing; the range returns to the arena when the last of them dies (``owned=False``: a range that is not
         the free list's, such as the bounce area past the arena's end, and never returns)."""
         made = list(self._core.views(offset, size, owned, tuple(
-            (off, shape, *_DLPACK[self._viewed.get(dtype, dtype)]) for off, shape, dtype in specs)))
+            (off, shape, *DLPACK_TYPES[self._viewed.get(dtype, dtype)]) for off, shape, dtype in specs)))
         for i, spec in enumerate(specs):
             if spec[2] in self._viewed:
                 made[i] = made[i].view(spec[2])

@@ -8,10 +8,8 @@ from typing import Optional
 
 import torch
 
-from .dlpack_table import exchange_api
+from .dlpack_table import DLPACK_TYPES, exchange_api
 
-# DLPack (type code, bits) of the dtypes a view may have
-DLPACK_TYPES = {torch.bool: (6, 8), torch.int32: (0, 32), torch.int64: (0, 64), torch.float32: (2, 32)}
 _maker = []  # [OwnedViews or None], looked up once
 
 
@@ -31,10 +29,10 @@ def owned_views():
 
 
 def device_of(t: torch.Tensor) -> tuple:
-    """``(DLPack device type, device index)`` of ``t``'s memory."""
-    if t.device.type == "cuda":
-        return 2, t.device.index
-    return 1, 0
+    """``(DLPack device type, device index)`` of ``t``'s memory (the extension's codes, as the arena takes them)."""
+    from .._ext import load_extension
+    C = load_extension()
+    return (C.DLPACK_CUDA, t.device.index) if t.device.type == "cuda" else (C.DLPACK_CPU, 0)
 
 
 def absent_spec() -> tuple:
