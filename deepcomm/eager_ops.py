@@ -24,7 +24,7 @@ def dispatch_backward_inputs(grad_recv_x, grad_recv_weights, local_slots, rows: 
     if local_slots is not None:
         if grad_recv_weights is None:
             grad_recv_weights = torch.zeros(local_slots.shape, dtype=torch.float32, device=device)
-        weights = torch.where(local_slots, grad_recv_weights, torch.zeros_like(grad_recv_weights))
+        weights = torch.where(local_slots, grad_recv_weights, 0.0)
     return grad_recv_x.contiguous(), weights
 
 
@@ -52,39 +52,48 @@ def _buffer_dispatch(buf, values, scales, topk_idx, topk_weights, num_experts: i
     return recv_values, recv_scales, recv_idx, recv_w, per_expert, handle
 
 
+# The autograd functions below take as graph inputs only the tensors that can carry a gradient, and return as graph
+# outputs only the ones that can: everything else goes in and out through one plain list (``call``). torch's
+# autograd pays per argument and per output of an apply (wrapping, checks, the zeros it makes for unused
+# gradients), which is host time on every training step.
 class _Dispatch(torch.autograd.Function):
     """Forward: ``buf.dispatch``; backward: ``buf.combine`` of the gradients along the same handle (the weights'
-    gradients masked to the slots that were local at the receiver, the only ones dispatch forwarded). The
-    counts and the handle are not tensors of the graph: they go back to the caller through ``box``."""
+    gradients masked to the slots that were local at the receiver, the only ones dispatch forwarded). ``call``:
+    ``[buf, scales, topk_idx, num_experts, expert_alignment, num_worst_tokens]``, to which forward appends
+    ``(recv_scales, recv_topk_idx, counts, handle)``, the outputs that are not the graph's."""
 
     @staticmethod
-    def forward(ctx, box: list, buf, values, scales, topk_idx, topk_weights, num_experts: int, expert_alignment: int,
-                num_worst_tokens: int):
+    def forward(ctx, call: list, values, topk_weights):
+        buf, scales, topk_idx, num_experts, expert_alignment, num_worst_tokens = call
         recv_values, recv_scales, recv_idx, recv_w, per_expert, handle = _buffer_dispatch(
             buf, values, scales, topk_idx, topk_weights, num_experts, expert_alignment, num_worst_tokens)
-        box.append((per_expert, handle))
+        call.append((recv_scales, recv_idx, per_expert, handle))
         ctx.buf, ctx.handle, ctx.x_dtype = buf, handle, values.dtype
         # only the local-slot mask is kept: recv_topk_idx is a view of the CUDA backend's arena, and holding it
         # until backward would pin an arena block per layer
         ctx.local_slots = recv_idx >= 0 if topk_weights is not None else None
-        return recv_values, recv_scales, recv_idx, recv_w
+        if not values.requires_grad:  # an output without a path back to a graph input (its backward still runs)
+            ctx.mark_non_differentiable(recv_values)
+        return recv_values, recv_w
 
     @staticmethod
-    def backward(ctx, grad_recv_x, _g_scales, _g_idx, grad_recv_weights):
+    def backward(ctx, grad_recv_x, grad_recv_weights):
         handle = ctx.handle
         grad_recv_x, weights = dispatch_backward_inputs(grad_recv_x, grad_recv_weights, ctx.local_slots,
                                                         handle.num_recv, handle.hidden, ctx.x_dtype,
                                                         handle.recv_src_idx.device)
         grad_x, grad_weights = ctx.buf.combine(grad_recv_x, handle, topk_weights=weights)
-        return None, None, grad_x, None, None, grad_weights, None, None, None
+        return None, grad_x, grad_weights
 
 
 class _Combine(torch.autograd.Function):
     """Forward: ``buf.combine``; backward: a cached dispatch of the gradients along the same handle (every copy of
-    a token receives the token's gradient). With ``use_fp8`` the backward treats the cast as the identity."""
+    a token receives the token's gradient). With ``use_fp8`` the backward treats the cast as the identity.
+    ``call``: ``(buf, handle, use_fp8)``."""
 
     @staticmethod
-    def forward(ctx, buf, x, handle, topk_weights, use_fp8: bool):
+    def forward(ctx, call: tuple, x, topk_weights):
+        buf, handle, use_fp8 = call
         combined_x, combined_w = buf.combine(x, handle, topk_weights=topk_weights, use_fp8=use_fp8)
         ctx.buf, ctx.handle, ctx.x_dtype = buf, handle, x.dtype
         ctx.weights_k = None if topk_weights is None else topk_weights.shape[1]
@@ -97,7 +106,7 @@ class _Combine(torch.autograd.Function):
                                                            (handle.num_tokens, handle.hidden), ctx.weights_k,
                                                            ctx.x_dtype, handle.recv_src_idx.device)
         grad_x, _, grad_weights, _, _ = ctx.buf.dispatch(grad_combined_x, topk_weights=weights, handle=handle)
-        return None, grad_x, None, grad_weights if ctx.weights_k is not None else None, None
+        return None, grad_x, grad_weights if ctx.weights_k is not None else None
 
 
 def _wants_grad(*tensors) -> bool:
@@ -114,14 +123,13 @@ def dispatch(buf, values, scales, topk_idx, topk_weights, num_experts: int, expe
     if not _wants_grad(values, topk_weights):
         return _buffer_dispatch(buf, values, scales, topk_idx, topk_weights, num_experts, expert_alignment,
                                 num_worst_tokens)
-    box: list = []
-    recv_values, recv_scales, recv_idx, recv_w = _Dispatch.apply(box, buf, values, scales, topk_idx, topk_weights,
-                                                                 num_experts, expert_alignment, num_worst_tokens)
-    per_expert, handle = box[0]
+    call = [buf, scales, topk_idx, num_experts, expert_alignment, num_worst_tokens]
+    recv_values, recv_w = _Dispatch.apply(call, values, topk_weights)
+    recv_scales, recv_idx, per_expert, handle = call[-1]
     return recv_values, recv_scales, recv_idx, recv_w, per_expert, handle
 
 
 def combine(buf, x, handle, topk_weights: Optional[torch.Tensor], use_fp8: bool):
     if not _wants_grad(x, topk_weights):
         return buf.combine(x, handle, topk_weights=topk_weights, use_fp8=use_fp8)
-    return _Combine.apply(buf, x, handle, topk_weights, use_fp8)
+    return _Combine.apply((buf, handle, use_fp8), x, topk_weights)

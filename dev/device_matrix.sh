@@ -13,6 +13,8 @@
 #        | copy               the copy probes' rates at 4-32 SMs (dev/profile_copy.py) into $OUT/copy.json
 #        | compiled           a dispatch + combine step compiled with inductor against eager (dev/profile_compiled.py)
 #                             into $OUT/compiled.json
+#        | autograd           the eager differentiable calls against the Buffer's (dev/profile_autograd.py), and
+#                             against deepcomm/eager_ops.py at $AUTOGRAD_REV if set, into $OUT/autograd.json
 #                             (each profiler step takes $PROFILE_ARGS after its own arguments)
 #        | 1:FILE,FILE        tests/*/FILE.py at world size 1 (one rank on the GPU)
 #        | N:FILE,FILE[:EXPR] the files with N ranks sharing GPU 0 under MPS (docs/testing.md), pytest -k EXPR
@@ -91,6 +93,7 @@ for step in "$@"; do
     kernels) profiler="profile_kernels.py|kernel_time||30" ;;
     copy)    profiler="profile_copy.py|copy||20" ;;
     compiled) profiler="profile_compiled.py|compiled||10" ;;
+    autograd) profiler="profile_autograd.py|autograd|${AUTOGRAD_REV:+--rev $AUTOGRAD_REV}|12" ;;
   esac
   if [[ -n "$profiler" ]]; then
     IFS='|' read -r script name extra shown <<< "$profiler"

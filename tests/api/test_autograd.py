@@ -71,6 +71,14 @@ def _autograd_worker(rank, world):
     in_any = (idx >= 0).any(dim=1, keepdim=True).double()
     copies = h2.is_token_in_rank.sum(1, keepdim=True).double()
     torch.testing.assert_close(x2.grad, g_out * 2.0 * copies * in_any, rtol=0, atol=0)
+
+    # gradient wrt the weights only, through recv_topk_weights alone (recv_x unused, x without a gradient): each
+    # slot's gradient comes once, from the rank holding its expert; the slots that were not local there get none
+    w3 = w.detach().clone().requires_grad_()
+    recv3, _, recv_w3, _, _ = deepcomm.ops.dispatch(buf, x.detach(), idx, w3, num_experts=PER_RANK * world)
+    assert not recv3.requires_grad and recv_w3.requires_grad
+    (recv_w3 * 3.0).sum().backward()
+    torch.testing.assert_close(w3.grad, 3.0 * (idx >= 0).float(), rtol=0, atol=0)
     buf.destroy()
     return True
 
