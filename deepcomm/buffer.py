@@ -18,7 +18,7 @@ from .buffer_report import log_buffer_created
 from .call_check import CallChecker, resolve_check_calls
 from .config import DEFAULT_HIDDEN, DEFAULT_TIMEOUT_S, Config, default_num_sms
 from .errors import CommTimeoutError
-from .failure_board import FailureBoard
+from .failure_board import TIMEOUT_GRACE_S, FailureBoard
 from .gpu_share import GPU_SMS_ENV, usable_sms
 from .handle import Handle, LowLatencyHandle
 from .rendezvous import default_store, wait_for_group
@@ -355,7 +355,8 @@ class Buffer:
             return None
         board = self._failures
         if isinstance(error, CommTimeoutError):
-            return board.explain(error)
+            board.post(str(error))  # this rank's Buffer is broken too: say where it gave up
+            return board.explain(error, min(TIMEOUT_GRACE_S, 0.5 * self.config.timeout_s))
         reason = self._backend.broken_reason
         if reason is not None:
             board.post(reason)

@@ -8,7 +8,8 @@ NVSHMEM puts (DEEPCOMM_LL_FORCE_PUTS=1), whose words travel inside the puts. A n
 a low-latency call on the others raises the reference text on every rank too, and the Buffer goes on with agreeing
 calls of both modes; also when the low-latency call is a Buffer's first (the one that makes the low-latency
 buffer), or a first one a rank rejected, and when it is a later one of a new shape (which remakes the buffer) or
-one a rank rejected."""
+one a rank rejected. Through puts, where no exchange compares a normal-mode call with a low-latency one, each
+rank's timeout names the stage at which the others gave up, and a rebuilt Buffer works."""
 from __future__ import annotations
 
 import os
@@ -16,9 +17,9 @@ import os
 import pytest
 import torch
 
-from tests.agreement.test_agreement_gpu import (E, H, M, Inputs, _agreeing_round, _buffers, _expect_disagreement,
-                                                _round, _same)
-from tests.helpers.nccl_run import (has_nvshmem_wheel, needs_ranks, rank_device, ranks_for_tests, run_on_gpus,
+from tests.agreement.test_agreement_gpu import (E, H, M, T, Inputs, Side, _agreeing_round, _buffers,
+                                                _expect_disagreement, _round, _same)
+from tests.helpers.nccl_run import (cuda_buffer, has_nvshmem_wheel, needs_ranks, rank_device, ranks_for_tests, run_on_gpus,
                                     scaled)
 
 pytestmark = [pytest.mark.gpu, needs_ranks(2)]
@@ -200,3 +201,56 @@ def _later_call_worker(rank, world):
 
 def test_a_normal_call_meeting_a_later_low_latency_call_raises_on_every_rank():
     run_on_gpus(_later_call_worker, WORLD, timeout_s=scaled(600))
+
+
+
+PUT_TIMEOUT_S = 6.0
+
+
+def _puts_mode_worker(rank, world):
+    """Every peer reached by NVSHMEM puts: a fresh dispatch on rank 0 met by a low-latency dispatch on the others is
+    not compared by any exchange (docs/troubleshooting.md, "Not caught"). Each rank's call must end in a
+    CommTimeoutError that names the stage at which the peer it waited for gave up (that peer's own timeout, read
+    from the failure board); a Buffer built again on every rank then runs an agreeing round bit for bit."""
+    import torch.distributed as dist
+    import deepcomm
+    os.environ["DEEPCOMM_LL_MEMORY"] = "nvshmem"
+    os.environ["DEEPCOMM_LL_FORCE_PUTS"] = "1"
+    dev = rank_device(rank)
+    torch.cuda.set_device(dev)
+    gen = torch.Generator().manual_seed(5000 + rank)
+    buf = cuda_buffer(num_sms=8, max_tokens_per_rank=4 * T, hidden=H, num_max_low_latency_tokens=M,
+                      timeout_s=PUT_TIMEOUT_S)
+    inp = Inputs(gen, dev)
+    _round(Side("cuda", buf), inp)  # makes the low-latency buffer
+    buf.synchronize()
+    assert buf._backend.ll.buffer.put_peers == [p for p in range(world) if p != rank]
+    with pytest.raises(deepcomm.CommTimeoutError) as info:
+        if rank == 0:
+            buf.dispatch(inp.x, inp.idx, inp.w, num_experts=E)
+        else:
+            buf.low_latency_dispatch(inp.x, inp.idx, M, E, use_fp8=False)
+        buf.synchronize()
+    err = info.value
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"puts-mode-stage/{rank}", err.stage)
+    assert err.peer is not None and err.peer != rank, str(err)
+    peer_stage = store.get(f"puts-mode-stage/{err.peer}").decode()
+    said = str(err).split(f"rank {err.peer} reported: ", 1)
+    assert len(said) == 2, f"rank {rank}: the timeout names nothing peer {err.peer} reported: {err}"
+    assert said[1].startswith(f"deepcomm: rank {err.peer} timed out") and f"at stage '{peer_stage}'" in said[1], \
+        f"rank {rank}: {err}"
+    buf.destroy()
+    dist.barrier()
+    fresh = _buffers(dev)
+    _agreeing_round(fresh, Inputs(gen, dev), rank, "a rebuild after the timeout (puts)")
+    for s in fresh:
+        s.buf.destroy()
+    from deepcomm.cuda import nvshmem_session
+    nvshmem_session.finalize()
+
+
+@pytest.mark.skipif(not has_nvshmem_wheel(),
+                    reason="nvidia.nvshmem is not importable (pip install nvidia-nvshmem-cu13)")
+def test_a_normal_call_meeting_a_low_latency_call_through_puts_times_out_naming_each_stage():
+    run_on_gpus(_puts_mode_worker, WORLD, timeout_s=scaled(600))

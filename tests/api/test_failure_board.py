@@ -141,3 +141,47 @@ def test_synchronize_and_receive_hooks_name_what_the_peers_posted():
     assert len(outs[0]) == 3 and outs[1] == [], outs
     for text in outs[0]:
         assert "waited 3 s; rank 1 reported: rank 1's reason" in text, outs
+
+
+def test_a_timed_out_rank_waits_briefly_for_the_awaited_peer_to_post():
+    a, b, _ = _boards()
+    err = CommTimeoutError(0, 1, "dispatch:counts", "waited 3 s")
+    t0 = time.monotonic()
+    assert a.explain(err, grace_s=0.3) is None and 0.25 < time.monotonic() - t0 < 2.0  # bounded by the grace
+    b.post("deepcomm: rank 1 timed out waiting for peer 0 at stage 'combine:agree'")
+    t0 = time.monotonic()
+    told = a.explain(err, grace_s=30.0)  # posted already: no wait
+    assert time.monotonic() - t0 < 1.0
+    assert told.detail == "waited 3 s; rank 1 reported: deepcomm: rank 1 timed out waiting for peer 0 at stage " \
+                          "'combine:agree'"
+
+
+def _calls_that_differ_time_out(rank, world):
+    """Every rank's call times out (simulated: the backend raises the CommTimeoutError a device wait would), each in
+    a call of another kind, the later ones up to a second after rank 0: each rank's timeout must name the stage
+    the others gave up at."""
+    import deepcomm
+    buf = deepcomm.Buffer(max_tokens_per_rank=16, hidden=64, backend="reference", timeout_s=3)
+    stages = ["dispatch:counts", "combine:agree", "low_latency_dispatch:data"]
+    b = buf._backend
+
+    def timing_out(*args, **kwargs):
+        time.sleep(0.5 * rank)
+        raise CommTimeoutError(rank, (rank + 1) % world, stages[rank], "waited 3 s")
+    b.synchronize = timing_out
+    try:
+        buf.synchronize()
+    except CommTimeoutError as e:
+        return str(e)
+    return ""
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_in_different_calls_name_each_others_stages(world):
+    stages = ["dispatch:counts", "combine:agree", "low_latency_dispatch:data"]
+    outs = run_ranks(_calls_that_differ_time_out, world, timeout=120)
+    for rank, text in enumerate(outs):
+        peer = (rank + 1) % world
+        assert text.startswith(f"deepcomm: rank {rank} timed out waiting for peer {peer} at stage '{stages[rank]}'")
+        assert (f"rank {peer} reported: deepcomm: rank {peer} timed out waiting for peer {(peer + 1) % world} at "
+                f"stage '{stages[peer]}'") in text, outs
