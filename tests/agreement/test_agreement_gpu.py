@@ -167,15 +167,22 @@ def _buffers(dev):
     return [Side("cuda", cuda_buffer(num_sms=8, **kw)), Side("reference", reference(dev, **kw))]
 
 
-def _cases_worker(rank, world, puts=False):
-    """Every case of _cases, each followed by an agreeing round. ``puts``: the low-latency cases only, with every
-    peer reached by NVSHMEM puts (their words travel inside the puts)."""
+def worker_device(rank, puts=False) -> torch.device:
+    """This rank's GPU, made current; with ``puts``, every low-latency peer is reached by NVSHMEM puts
+    (DEEPCOMM_LL_FORCE_PUTS=1, the low-latency buffer in NVSHMEM memory) for the Buffers made after this."""
     if puts:
         import os
         os.environ["DEEPCOMM_LL_MEMORY"] = "nvshmem"
         os.environ["DEEPCOMM_LL_FORCE_PUTS"] = "1"
     dev = rank_device(rank)
     torch.cuda.set_device(dev)
+    return dev
+
+
+def _cases_worker(rank, world, puts=False):
+    """Every case of _cases, each followed by an agreeing round. ``puts``: the low-latency cases only, with every
+    peer reached by NVSHMEM puts (their words travel inside the puts)."""
+    dev = worker_device(rank, puts)
     sides = _buffers(dev)
     me = world - 1
     tag = " (puts)" if puts else ""

@@ -12,14 +12,12 @@ one a rank rejected. Through puts, where no exchange compares a normal-mode call
 rank's timeout names the stage at which the others gave up, and a rebuilt Buffer works."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from tests.agreement.test_agreement_gpu import (E, H, M, T, Inputs, Side, _agreeing_round, _buffers,
-                                                _expect_disagreement, _round, _same)
-from tests.helpers.nccl_run import (cuda_buffer, has_nvshmem_wheel, needs_ranks, rank_device, ranks_for_tests, run_on_gpus,
+                                                _expect_disagreement, _round, _same, worker_device)
+from tests.helpers.nccl_run import (cuda_buffer, has_nvshmem_wheel, needs_ranks, ranks_for_tests, run_on_gpus,
                                     scaled)
 
 pytestmark = [pytest.mark.gpu, needs_ranks(2)]
@@ -44,11 +42,7 @@ def _shape_cases(rank, me, dev):
 
 def _shape_worker(rank, world, puts=False):
     """``puts``: with every peer reached by NVSHMEM puts (the new shape's words travel inside the puts)."""
-    if puts:
-        os.environ["DEEPCOMM_LL_MEMORY"] = "nvshmem"
-        os.environ["DEEPCOMM_LL_FORCE_PUTS"] = "1"
-    dev = rank_device(rank)
-    torch.cuda.set_device(dev)
+    dev = worker_device(rank, puts)
     sides = _buffers(dev)
     me = world - 1
     tag = " (puts)" if puts else ""
@@ -117,8 +111,7 @@ def _meet_then_agree(sides, call, rank, what, gen, dev):
 
 
 def _mode_worker(rank, world):
-    dev = rank_device(rank)
-    torch.cuda.set_device(dev)
+    dev = worker_device(rank)
     sides = _buffers(dev)
     gen = torch.Generator().manual_seed(4000 + rank)
     _agreeing_round(sides, Inputs(gen, dev), rank, "the start")
@@ -151,8 +144,7 @@ def _first_call_cases(rank, me, dev):
 
 
 def _first_call_worker(rank, world):
-    dev = rank_device(rank)
-    torch.cuda.set_device(dev)
+    dev = worker_device(rank)
     gen = torch.Generator().manual_seed(5000 + rank)
     for what, with_handle, call in _first_call_cases(rank, world - 1, dev):
         sides = _buffers(dev)  # no low-latency buffer yet
@@ -188,8 +180,7 @@ def _later_call_cases(rank, me, dev):
 
 
 def _later_call_worker(rank, world):
-    dev = rank_device(rank)
-    torch.cuda.set_device(dev)
+    dev = worker_device(rank)
     gen = torch.Generator().manual_seed(6000 + rank)
     for what, call in _later_call_cases(rank, world - 1, dev):
         sides = _buffers(dev)
@@ -214,10 +205,7 @@ def _puts_mode_worker(rank, world):
     from the failure board); a Buffer built again on every rank then runs an agreeing round bit for bit."""
     import torch.distributed as dist
     import deepcomm
-    os.environ["DEEPCOMM_LL_MEMORY"] = "nvshmem"
-    os.environ["DEEPCOMM_LL_FORCE_PUTS"] = "1"
-    dev = rank_device(rank)
-    torch.cuda.set_device(dev)
+    dev = worker_device(rank, puts=True)
     gen = torch.Generator().manual_seed(5000 + rank)
     buf = cuda_buffer(num_sms=8, max_tokens_per_rank=4 * T, hidden=H, num_max_low_latency_tokens=M,
                       timeout_s=PUT_TIMEOUT_S)
