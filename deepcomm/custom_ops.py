@@ -45,8 +45,11 @@ _node_routes = WeakIdKeyDictionary()
 
 def _define(name: str, schema: str, impl, fake) -> None:
     _lib.define(f"{name}{schema}")
-    # the real implementation runs Python that torch.compile must not trace (it reads data, it talks to peers)
-    _lib.impl(name, torch.compiler.disable(impl), "CompositeExplicitAutograd")
+    # The real implementation runs Python that torch.compile must not trace (it reads data, it talks to peers). It
+    # never is: dynamo puts the operator in its graph as it is, and runs the compiled graph with itself disabled,
+    # so the implementation's frames never reach it (tests/api/test_compile.py counts the frames). Wrapping it in
+    # torch.compiler.disable would import torch._dynamo with deepcomm, seconds of every process's start-up.
+    _lib.impl(name, impl, "CompositeExplicitAutograd")
     torch.library.register_fake(f"deepcomm::{name}", fake, lib=_lib)
 
 

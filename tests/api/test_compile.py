@@ -70,6 +70,16 @@ def _dispatch_combine_worker(rank, world, backend):
     # new routing, new token count: the same compiled code (sizes are symbolic), still equal
     x2, idx2, w2 = _inputs(1 - rank)
     _same(_run(step, x2, idx2, w2), _run(compiled, x2, idx2, w2), f"{backend} rank {rank}, second inputs")
+    # Dynamo must never reach the operators' implementations (Python that reads data and talks to peers), which
+    # are registered without torch.compiler.disable: compiled without fullgraph, forward and backward twice,
+    # dynamo sees one frame, the step's own.
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    again = torch.compile(step, backend=backend)
+    for _ in range(2):
+        _same(want, _run(again, x, idx, w), f"{backend} rank {rank}, without fullgraph")
+    assert dict(counters["frames"]) == {"total": 1, "ok": 1}, dict(counters["frames"])
     buf.destroy()
     return True
 
