@@ -454,11 +454,8 @@ class Buffer:
         agreed = self._agree({"hidden": x.shape[2], "topk": topk_idx.shape[1], "use_fp8": use_fp8},
                              lambda: agreement.low_latency_combine(self._calls, self._buffer_word, x, topk_idx, handle,
                                                                    use_fp8))
-        if use_fp8:
-            combined, hook = backend.low_latency_combine(x, topk_idx, topk_weights, handle, return_recv_hook,
-                                                         use_fp8=True, **agreed)
-        else:
-            combined, hook = backend.low_latency_combine(x, topk_idx, topk_weights, handle, return_recv_hook, **agreed)
+        combined, hook = backend.low_latency_combine(x, topk_idx, topk_weights, handle, return_recv_hook,
+                                                     use_fp8=use_fp8, **agreed)
         return combined, self._telling_hook(hook, return_recv_hook)
 
     # ---- masking lost ranks (low-latency mode) ----------------------------------------------------------
