@@ -48,7 +48,7 @@ int32 (the words, then a fresh dispatch's rows per destination rank, zeros in th
 from __future__ import annotations
 
 import enum
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -188,41 +188,45 @@ def _ranks(ranks: Sequence[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
-def _by_value(values: Sequence[int], show=str) -> str:
-    """"12 on ranks 0, 2 vs 24 on rank 1": each value with the ranks that hold it, in order of first holder."""
+def _by_value(values: Sequence[int], show=str, ranks: Optional[Sequence[int]] = None) -> str:
+    """"12 on ranks 0, 2 vs 24 on rank 1": each value with the ranks that hold it, in order of first holder
+    (``values[i]`` is rank ``ranks[i]``'s, rank ``i``'s without ``ranks``)."""
     groups: Dict[int, List[int]] = {}
-    for r, v in enumerate(values):
+    for r, v in zip(ranks if ranks is not None else range(len(values)), values):
         groups.setdefault(v, []).append(r)
     return " vs ".join(f"{show(v)} on {_ranks(rs)}" for v, rs in groups.items())
 
 
-def check(rows: Sequence[Sequence[int]]) -> None:
-    """``rows[r]``: rank r's words. Returns when every rank made the same call with the same call-wide arguments;
-    otherwise raises ValueError whose text depends only on ``rows`` (the same on every rank), naming the first of:
-    a word that is not a fingerprint, the call order (op, call number, Buffer), a rank that rejected its call, then
-    every argument that differs, with each rank's value."""
+def check(rows: Sequence[Sequence[int]], ranks: Optional[Sequence[int]] = None) -> None:
+    """``rows[r]``: rank r's words (``rows[i]`` rank ``ranks[i]``'s, where only some ranks' words are at hand).
+    Returns when every rank made the same call with the same call-wide arguments; otherwise raises ValueError whose
+    text depends only on ``rows`` (the same on every rank), naming the first of: a word that is not a fingerprint,
+    the call order (op, call number, Buffer), a rank that rejected its call, then every argument that differs, with
+    each rank's value."""
     first = list(rows[0])
     if (len(first) == WORDS and first[Word.MAGIC] == MAGIC and not first[Word.REJECTED]
             and all(list(row) == first for row in rows)):
         return  # the common case, kept short (host time)
     rows = [tuple(int(v) for v in row) for row in rows]
     column = lambda w: [row[w] for row in rows]  # noqa: E731
-    bad = [r for r, row in enumerate(rows) if len(row) != WORDS or row[Word.MAGIC] != MAGIC]
+    label = list(ranks) if ranks is not None else list(range(len(rows)))
+    bad = [label[i] for i, row in enumerate(rows) if len(row) != WORDS or row[Word.MAGIC] != MAGIC]
     if bad:
         raise ValueError(f"fingerprint: {_ranks(bad)} sent words that are not a deepcomm call fingerprint "
                          f"(layout version {MAGIC & 0xFFFF} expected); every rank must run the same deepcomm")
     ops, calls, buffers = column(Word.OP), column(Word.CALL), column(Word.BUFFER)
     name = lambda op: OP_NAMES.get(op, f"op {op}")  # noqa: E731
     if len(set(buffers)) > 1:
-        raise ValueError(f"call order: ranks are in calls of different Buffers ("
-                         f"{_by_value(buffers, lambda b: f'Buffer #{b}')}); every rank must call the same Buffer")
+        raise ValueError("call order: ranks are in calls of different Buffers ("
+                         + _by_value(buffers, lambda b: f"Buffer #{b}", label)
+                         + "); every rank must call the same Buffer")
     if len(set(ops)) > 1 or len(set(calls)) > 1:
         raise ValueError("call order: the ranks are in different calls on this Buffer ("
                          + _by_value([o << 32 | c for o, c in zip(ops, calls)],
-                                     lambda k: f"{name(k >> 32)} #{k & 0xFFFFFFFF}")
+                                     lambda k: f"{name(k >> 32)} #{k & 0xFFFFFFFF}", label)
                          + "); every rank must make the same calls in the same order; no rank ran the call")
     where = f"{name(ops[0])} call #{calls[0]} on this Buffer"
-    rejects = [(r, row[Word.REJECTED]) for r, row in enumerate(rows) if row[Word.REJECTED]]
+    rejects = [(label[i], row[Word.REJECTED]) for i, row in enumerate(rows) if row[Word.REJECTED]]
     if rejects:
         arg = lambda code: REJECT_ARGS[code - 1] if 0 < code <= len(REJECT_ARGS) else "call"  # noqa: E731
         codes = [c for _, c in rejects]
@@ -238,7 +242,7 @@ def check(rows: Sequence[Sequence[int]]) -> None:
             if arg is None:  # TOPK: the ids' columns where ids travel, else the weights'
                 weights_only = ops[0] == Op.COMBINE or (ops[0] == Op.DISPATCH and rows[0][Word.HANDLE] != 0)
                 arg = "topk_weights" if weights_only else "topk_idx"
-            differ.append((arg, what, _by_value(values, show)))
+            differ.append((arg, what, _by_value(values, show, label)))
     if differ:
         (arg, what, values), more = differ[0], differ[1:]
         raise ValueError(f"{arg}: {what} differs across ranks in {where}: {values}"

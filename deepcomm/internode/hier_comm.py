@@ -59,6 +59,11 @@ class HierComm:
         self.node, self.local = divmod(rank, gpus_per_node)
         self.other_nodes = [m for m in range(self.num_nodes) if m != self.node]
         self.traffic: Counter = Counter()
+        # The torch routing (hier_normal.py), where calls of every kind meet in the same exchanges: a count round's
+        # rail header carries our words in our slot of our node's GPUs, and our strip is zeroed once read
+        # (hier_agree.py). The kernels (hier_kernels.py) set it False: their count round only ever meets count
+        # rounds (a cached dispatch or a combine is a launch with handshakes of its own), and keeps its row alone.
+        self.node_headers = True
         self._empty = torch.empty(0, dtype=torch.uint8, device=self.device)  # what a rail rank sent: nothing
 
     # ---- topology ----
@@ -132,12 +137,15 @@ class HierComm:
         return self.link.area()
 
     # ---- both hops ----
-    def all_gather(self, t: torch.Tensor, stage: str, wait: bool = True, words: bool = False) -> torch.Tensor:
+    def all_gather(self, t: torch.Tensor, stage: str, wait: bool = True,
+                   words: Optional[Sequence[int]] = None) -> torch.Tensor:
         """``[R, *t.shape]``: every rank's ``t``. Our row goes by RDMA to our rail ranks; then each rank puts the
         rows of its rail into every GPU of its node. ``wait=False``: both hops only queued (the result fills in
-        stream order); the caller makes the one host sync and reads both error records. ``words``: the row starts
-        with a call's words (hier_agree.py); with several GPUs per node they also travel through the strip, so
-        every rank's words land in place even where the ranks disagree about the row's length."""
+        stream order); the caller makes the one host sync and reads both error records. ``words``: the call's words,
+        which the row starts with (hier_agree.py); with several GPUs per node they also travel through the strip (and
+        with ``node_headers`` in our slot of a rail header first), so every rank's words land in place even where
+        the ranks disagree about the row's length or the kind of call (the gathered rows then start with the
+        strip's words)."""
         R, N = self.world_size, self.num_nodes
         flat = (t if t.dim() == 1 and t.is_contiguous() else t.contiguous().reshape(-1)).view(torch.uint8)
         nbytes = flat.numel()
@@ -147,8 +155,10 @@ class HierComm:
         else:
             mine = torch.zeros(1, stride, dtype=torch.uint8, device=self.device)
             mine[0, :nbytes] = flat
+        head = (hier_agree.first_header(self, words) if words is not None and self.gpus > 1 and self.node_headers
+                else None)
         got = self.rail_exchange({m: [mine] for m in self.other_nodes}, {m: stride for m in self.other_nodes}, stage,
-                                 wait=wait)
+                                 header=head, wait=wait)
         rail_rows = [mine if m == self.node else got[m].view(1, stride) for m in range(N)]
         if self.gpus == 1:  # the rail is every rank, in rank order: no NVLink hop to take
             rows = torch.cat(rail_rows)
@@ -157,15 +167,17 @@ class HierComm:
                 for g in range(self.gpus):
                     for m in range(N):
                         hop.put(g, self.rank_of(m, self.local) * stride, rail_rows[m])
-                if words:
+                if words is not None:
                     hier_agree.put_rail_words(self, hop, rail_rows)
             rows = self.node_area()[:R * stride].view(R, stride)
         if nbytes < stride:
             rows = rows[:, :nbytes]
         if self.gpus > 1:
             rows = rows.clone()  # out of our node area, which the next hop overwrites
-            if words:
+            if words is not None:
                 rows[:, :RAIL_HEADER_BYTES] = hier_agree.strip_words(self)
+                if self.node_headers:
+                    hier_agree.clear_strip(self)
         out = rows.view(t.dtype)  # [R, elements of one row]
         if not out.is_contiguous():  # rows cut from their 16-byte stride (count_row pads its row: not there)
             out = out.contiguous()

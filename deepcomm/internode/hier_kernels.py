@@ -70,6 +70,7 @@ class HierKernels:
 
     def __init__(self, comm: HierComm, num_sms: int, device_puts=None):
         self.comm = comm
+        comm.node_headers = False  # the count round meets only count rounds here (HierComm.node_headers)
         self.tr, self.link = comm.transport, comm.link
         self.device_puts = device_puts
         self._make_counters(comm.device)
@@ -375,7 +376,7 @@ def fresh_counts(k: HierKernels, topk_idx: torch.Tensor, num_experts: int, T: in
     rank, R, N, G = comm.rank, comm.world_size, comm.num_nodes, comm.gpus
     kernels = k.tr.T if comm.device.type == "cuda" else None  # a CPU device (the tests' stand-ins): torch
     tables = hier_route.route(kernels, topk_idx, num_experts, R, G, fingerprint)
-    gathered = comm.all_gather(tables.row, "dispatch:counts", wait=False, words=fingerprint is not None)  # no sync
+    gathered = comm.all_gather(tables.row, "dispatch:counts", wait=False, words=fingerprint)  # no sync
     width = gathered.shape[1]
     if comm.device.type == "cuda":  # the call's one host wait: the counts, through mapped memory
         flat = k.counts.fetch(gathered, k.tr.timeout_s * 1.5 + 1.0, [k.tr, k.link], rank, "dispatch:counts (host)")

@@ -89,9 +89,9 @@ def fresh_route(comm: HierComm, topk_idx: torch.Tensor, num_experts: int, T: int
     (ValueError on every rank, hier_agree.check)."""
     R, G = comm.world_size, comm.gpus
     in_rank, send_pos, in_node, row = count_row(comm, topk_idx, num_experts, T, fingerprint)
-    gathered = comm.all_gather(row, "dispatch:counts", words=fingerprint is not None)
+    gathered = comm.all_gather(row, "dispatch:counts", words=fingerprint)
     if fingerprint is not None:
-        hier_agree.check(gathered[:, :agreement.WORDS].tolist(), fingerprint)
+        hier_agree.fresh_check(comm, gathered[:, :agreement.WORDS].tolist(), fingerprint)
         gathered = gathered[:, agreement.WORDS:]
     count_matrix = gathered[:, :R].contiguous()
     node_counts = gathered[:, R:R + comm.num_nodes].contiguous() if G > 1 else count_matrix
@@ -174,15 +174,15 @@ def dispatch(comm: HierComm, x, topk_idx: Optional[torch.Tensor], topk_weights: 
     from_node = {m: ncounts[comm.rank_of(m, comm.local)][comm.node] for m in comm.other_nodes}
     first = handle is not None and fingerprint is not None  # a cached dispatch's first exchange: the words too
     got = comm.rail_exchange(blocks, {m: n * stride for m, n in from_node.items()}, "dispatch:rdma",
-                             header=hier_agree.header(fingerprint, dev) if first else None)
-    # the rail's words: compared here with one GPU per node; else forwarded with the rows, compared after them
-    rail_words = hier_agree.dispatch_rail(comm, fingerprint) if first else None
+                             header=hier_agree.first_header(comm, fingerprint) if first else None)
+    # the words heard: compared here with one GPU per node; else the rail's forwarded with the rows, compared after
+    known = hier_agree.dispatch_rail(comm, fingerprint) if first else None
 
     # NVLink hop: forward the rows of every source of our rail to the GPUs of our node that hold them.
     with comm.node_hop("dispatch:forward") as hop:
-        if rail_words is not None:
-            hier_agree.put_words(comm, rail_words)
-        forward = rail_words is None or hier_agree.rail_agrees(rail_words, fingerprint)
+        if known is not None:
+            hier_agree.put_words(comm, hier_agree.rail_words(comm, known))
+        forward = known is None or hier_agree.rail_agrees(comm, known, fingerprint)
         for m, s in enumerate(comm.rail() if forward else []):
             if s == rank:
                 src, dest = packed, in_rank[:, comm.node_ranks()]
@@ -197,8 +197,8 @@ def dispatch(comm: HierComm, x, topk_idx: Optional[torch.Tensor], topk_weights: 
                                        f"{index.numel()} rows name it (count exchange and rows disagree)")
                 first_row = sum(counts[q][d] for q in range(s))
                 hop.put(g, first_row * stride, src, index)
-    if rail_words is not None:
-        hier_agree.check_strip(comm, fingerprint)
+    if known is not None:
+        hier_agree.check_strip(comm, known, fingerprint)
 
     # Our area now holds our rows in the reference order (source rank, then token).
     n_recv = sum(counts[s][rank] for s in range(R))
@@ -331,7 +331,7 @@ def combine(comm: HierComm, x: torch.Tensor, handle: Handle, topk_weights: Optio
     got = comm.rail_exchange(blocks, recv_bytes, "combine:rdma",
                              header=hier_agree.combine_header(comm, fingerprint) if fingerprint is not None else None)
     if fingerprint is not None:
-        hier_agree.check(hier_agree.combine_rows(comm, fingerprint), fingerprint)
+        hier_agree.combine_check(comm, fingerprint)
 
     # Sum the node partials, nodes ascending, fp32 from +0; one rounding.
     acc = torch.zeros(T, H, dtype=torch.float32, device=dev)

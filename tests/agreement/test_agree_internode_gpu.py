@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.agreement.test_agreement_gpu import (E, H, M, T, Inputs, Side, _agreeing_round, _cases,
-                                                _expect_disagreement, _first_low_latency_cases)
+                                                _expect_disagreement, _first_low_latency_cases, _outcome)
 from tests.helpers.nccl_run import cuda_buffer, has_nvshmem_wheel, needs_ranks, rank_device, reference, run_on_gpus, scaled
 
 pytestmark = [pytest.mark.gpu, needs_ranks(2)]
@@ -94,7 +94,8 @@ def _two_gpus_per_node_worker(rank, world, kernels):
     """2 nodes x 2 GPUs, on the kernels (their NVLink hop carries every rank's words into the strip) and on the
     torch routing (DEEPCOMM_INTERNODE_KERNELS=0): every normal-mode disagreement of one kind of call (fresh
     dispatch, cached dispatch, combine, a rank that rejected its input) raises on every rank the reference text,
-    and the next agreeing round is bit-exact."""
+    and the next agreeing round is bit-exact. On the torch routing also a fresh dispatch on one rank against a
+    combine on the others (each rank raises the call order of the words it heard)."""
     import os
     os.environ["DEEPCOMM_INTERNODE_KERNELS"] = "1" if kernels else "0"
     dev = rank_device(rank)
@@ -110,6 +111,18 @@ def _two_gpus_per_node_worker(rank, world, kernels):
             if "low-latency" in what or " on the others" in what:  # one kind of call at a time (troubleshooting.md)
                 continue
             _expect_disagreement(sides, call, rank, f"2x2, odd rank {me}: {what}", deferred)
+            _agreeing_round(sides, Inputs(gen, dev), rank, what)
+    # On the torch routing calls of different kinds meet too (hier_agree.py): one odd rank is never a checkerboard.
+    # A rank that did not hear every rank's words names those it heard, and the ranks it did not.
+    for me in (1, world - 1) if not kernels else ():
+        for what, call, _ in _cases(rank, world, me, dev):
+            if " on the others" not in what or "low-latency" in what:
+                continue
+            ref, got = _outcome(sides[1], call), _outcome(sides[0], call)
+            assert ref is not None and ref.startswith("call order: the ranks are in different calls"), ref
+            assert got is not None and got.startswith("call order: the ranks are in different calls"), (
+                f"2x2, odd rank {me}: {what}, rank {rank}: {got!r}")
+            assert got == ref or "did not reach this rank" in got, f"rank {rank}: {got!r} against {ref!r}"
             _agreeing_round(sides, Inputs(gen, dev), rank, what)
     for s in sides:
         s.buf.destroy()

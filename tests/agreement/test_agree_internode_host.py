@@ -93,7 +93,8 @@ def _worker(world: World, odd_rank: int = 1):
             words6 = agreement.dispatch(6, BUF, x, idx, w, E, None)
             step(words6, lambda: dispatch(comm, x, idx, w, E, None, 1, fingerprint=words6))
         # call 7: rank 1 makes a cached dispatch, the others a combine; call 8: a fresh dispatch against a combine
-        # (calls of different kinds meet safely only with one GPU per node)
+        # (with one GPU per node the reference text on every rank; with several a rank may not hear every rank's
+        # words: tests/agreement/test_agree_internode_kinds_host.py)
         for call, rank1_call in ((7, "cached"), (8, "fresh")) if G == 1 else ():
             if odd and rank1_call == "cached":
                 words = agreement.dispatch(call, BUF, x, None, w, E, h1)

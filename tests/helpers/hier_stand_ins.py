@@ -90,6 +90,7 @@ def recording_kernels(world, rank: int, launches: list, max_tokens: int, hidden:
     tr.mem, tr.offsets = types.SimpleNamespace(ptr=0x10000), {"send": 0, "recv": 0x100, "signal": 0x200, "credit": 0}
     link = RecordedArea(world, rank)
     comm = HierComm(tr, link, rank, world.world_size, G, torch.device("cpu"))
+    comm.node_headers = False  # as HierKernels.__init__ sets it
     k = HierKernels.__new__(HierKernels)
     k.comm, k.tr, k.link, k.device_puts = comm, tr, link, None
     k.agreement = DeferredAgreement()

@@ -7,10 +7,14 @@ Per rank it hands out stand-ins with the interfaces the routing code calls:
 - ``ThreadComm``: the reference backend's ``Comm`` (deepcomm/reference/collectives.py) with its all_gather and
   all_to_all done between the threads, so the reference backend's own dispatch / combine code runs unchanged;
 - ``RailTransport``: the RDMA hop of ``HierComm`` (NicTransport's interface): a round delivers each rank's block
-  for each rail peer, and refuses bytes for any other rank;
+  for each rail peer, and refuses bytes for any other rank; a round waits for the rail's ranks only;
 - ``NodeArea``: the NVLink hop of ``HierComm`` (NodeLink's interface): every rank's area is a tensor the node's
-  threads write; a fence is a barrier of all ranks, and an area is poisoned before every stage, so stale rows are
-  never read as fresh ones.
+  threads write; a fence is a barrier of the node's ranks only, and an area is poisoned before every stage, so
+  stale rows are never read as fresh ones.
+
+As on GPUs, a rail round pairs with the rail's next round and a fence with the node's next fence, whatever stage
+each rank is in: ranks whose calls take the two hops in different orders can wait for each other in a circle,
+which the barriers' timeout breaks (``threading.BrokenBarrierError`` on every waiting rank).
 
 ``run(world, fn)`` calls ``fn(rank)`` on every thread and returns the results by rank; the first exception is
 raised in the caller, and a failing rank breaks the barrier so no thread waits forever.
@@ -28,23 +32,46 @@ from deepcomm.reference.collectives import Comm, PendingRows
 POISON = 0xEE
 
 
-class World:
-    def __init__(self, world_size: int, gpus_per_node: int, area_bytes: int = 0, timeout_s: float = 300.0):
-        self.world_size, self.gpus = world_size, gpus_per_node
-        self.barrier = threading.Barrier(world_size, timeout=timeout_s)
-        self.board: List[object] = [None] * world_size
-        self.areas = [torch.full((area_bytes,), POISON, dtype=torch.uint8) for _ in range(world_size)]
+class Group:
+    """A barrier and a board among some ranks (all of them, a node's or a rail's)."""
+
+    def __init__(self, ranks: List[int], timeout_s: float):
+        self.ranks = ranks
+        self.barrier = threading.Barrier(len(ranks), timeout=timeout_s)
+        self.board: Dict[int, object] = {}
 
     def wait(self) -> None:
         self.barrier.wait()
 
-    def all_gather(self, rank: int, obj) -> list:
-        """Every rank's ``obj``, by rank (a collective of all threads)."""
+    def all_gather(self, rank: int, obj) -> Dict[int, object]:
+        """Every member's ``obj``, by rank (a collective of the group's threads)."""
         self.board[rank] = obj
         self.wait()
-        out = list(self.board)
+        out = dict(self.board)
         self.wait()  # nobody overwrites the board before everyone has read it
         return out
+
+
+class World:
+    def __init__(self, world_size: int, gpus_per_node: int, area_bytes: int = 0, timeout_s: float = 300.0):
+        self.world_size, self.gpus = world_size, gpus_per_node
+        G = gpus_per_node
+        self.everyone = Group(list(range(world_size)), timeout_s)
+        self.barrier = self.everyone.barrier
+        self.nodes = [Group(list(range(n, n + G)), timeout_s) for n in range(0, world_size, G)]
+        self.rails = [Group(list(range(l, world_size, G)), timeout_s) for l in range(G)]
+        self.areas = [torch.full((area_bytes,), POISON, dtype=torch.uint8) for _ in range(world_size)]
+
+    def groups(self) -> List[Group]:
+        return [self.everyone] + self.nodes + self.rails
+
+    def wait(self) -> None:
+        self.everyone.wait()
+
+    def all_gather(self, rank: int, obj) -> list:
+        """Every rank's ``obj``, by rank (a collective of all threads)."""
+        got = self.everyone.all_gather(rank, obj)
+        return [got[r] for r in range(self.world_size)]
 
 
 def run(world: World, fn: Callable[[int], object]) -> list:
@@ -56,7 +83,8 @@ def run(world: World, fn: Callable[[int], object]) -> list:
             results[rank] = fn(rank)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller
             errors.append(exc)
-            world.barrier.abort()
+            for group in world.groups():
+                group.barrier.abort()
 
     torch.set_num_threads(1)
     threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(world.world_size)]
@@ -123,7 +151,7 @@ class RailTransport:
                 assert send_bytes[d] <= self.slot_bytes
                 blocks[d] = self.send[send_begin[d]:send_begin[d] + send_bytes[d]].clone()
                 self.sent[d] = self.sent.get(d, 0) + send_bytes[d]
-        every = self.world.all_gather(self.rank, blocks)
+        every = self.world.rails[self.rank % self.world.gpus].all_gather(self.rank, blocks)
         self.recv = {s: every[s][self.rank] for s in self.peers}
         if self.whole_slots:
             pad = lambda b: torch.cat([b, torch.full((self.slot_bytes - b.numel(),), POISON, dtype=torch.uint8)])  # noqa: E731
@@ -152,7 +180,7 @@ class NodeArea:
             return
         if stage.endswith(":free"):
             self.area().fill_(POISON)  # only we read our area, and we are done with it
-        self.world.wait()
+        self.world.nodes[self.first // self.gpus].wait()
 
     def synchronize(self) -> None:
         pass
