@@ -8,8 +8,9 @@ from .internode_layout import extension, rows
 # Bytes at the front of every rail block of a call's first RDMA exchange, and of every section the kernels send:
 # the call's fingerprint, agreement.WORDS int32 words (hier_agree.py; zeros where nothing is compared).
 RAIL_HEADER_BYTES: int = extension().RAIL_HEADER_BYTES
-# With several GPUs per node a combine's rail header carries the words of every GPU of its node (hier_agree.py):
-# up to this many headers, which every receive slot has room for.
+# With several GPUs per node a combine's rail header carries the words of every GPU of its node, and on the torch
+# routing every first exchange's header has a slot per GPU of the node (hier_agree.py): up to this many headers,
+# which every receive slot has room for.
 MAX_NODE_HEADERS: int = extension().MAX_NODE_HEADERS
 
 
