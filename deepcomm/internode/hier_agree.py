@@ -37,10 +37,10 @@ words it heard (``heard``: its strip and the rail headers). Where the kinds take
 combine, NVLink first, on some ranks; a dispatch, rail first, on others) a rank may not hear every rank's words:
 it raises the difference among those it heard, naming the ranks whose words did not reach it (``check_heard``).
 Every rank does hear a word that differs from its own: a rank whose node and rail all made its call hears,
-through a node GPU or a rail rank, the words of any rank on another node and another rail. Only a
-"checkerboard" of kinds (two ranks of one rail in dispatches whose node GPUs of another rail are in combines, and
-the reverse on the other node) waits in a circle, each rank for the hop its peer takes second: that ends in every
-rank's timeout. Our strip is zeroed once read, so a slot no rank wrote in a call reads as no words rather than an
+through a node GPU or a rail rank, the words of any rank on another node and another rail. That holds unless
+the waits form a circle: a rail-first rank waits for its rail peers that take the NVLink hop first, and those for
+their node peers that take the rail first (at 2 x 2 a "checkerboard": ranks 0 and 3 in dispatches, 1 and 2 in
+combines, or the reverse). The ranks in a circle time out. Our strip is zeroed once read, so a slot no rank wrote in a call reads as no words rather than an
 earlier call's."""
 from __future__ import annotations
 
