@@ -36,7 +36,11 @@ def _same(a, b, what):
             _same(u, w, f"{what}[{i}]")
         return
     assert a.shape == b.shape and a.dtype == b.dtype, f"{what}: {a.shape}/{a.dtype} vs {b.shape}/{b.dtype}"
-    assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), f"{what} differs"
+    ab, bb = a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+    if not torch.equal(ab, bb):
+        rows = (ab != bb).reshape(a.shape[0], -1).any(dim=1).nonzero()[:, 0].tolist() if a.dim() else []
+        raise AssertionError(f"{what} differs: {len(rows)} of {a.shape[0] if a.dim() else 1} rows, the first "
+                             f"{rows[:8]}")
 
 
 def _fresh_dispatch_same(cuda, ref, payload, idx, w, E, what):
