@@ -7,7 +7,10 @@ hidden) pair is kept for ``--ll-shape-every`` low-latency
 iterations, since each new pair re-makes the low-latency buffer), runs it on ``--backend`` and on the reference
 backend in the same process group, and compares every output byte. Inputs are drawn on the device. Runs ``--iterations`` or until ``--seconds`` pass, whichever comes first, then prints
 the counts per mode/dtype on rank 0 and exits non-zero on any mismatch. ``--self-check`` flips one output byte in
-one iteration to show the comparison catches it (the run must then fail).
+one iteration to show the comparison catches it (the run must then fail). ``--keep N`` keeps the last N normal-mode
+dispatch outputs alive, as training keeps every layer's ``recv_x`` for the backward pass: the Buffer's output space
+fills, later dispatches take their exact-size and overflow placements, and each kept output is compared with its
+reference again when it is let go (a later call that wrote into it shows there).
 
     python -m deepcomm.soak --backend cuda --iterations 10000      # GPUs: one process per GPU
     python -m deepcomm.soak --world-size 4 --iterations 2000        # 4 ranks sharing the GPUs (MPS; docs/testing.md)
@@ -23,7 +26,7 @@ import argparse
 import random
 import sys
 import time
-from collections import Counter
+from collections import Counter, deque
 
 from deepcomm.local_launch import device_type, init_rank, launch
 
@@ -48,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--self-check", action="store_true")
     p.add_argument("--timeout-s", type=float, default=60.0,
                    help="the tested Buffer's timeout: a stalled wait raises CommTimeoutError naming its stage")
+    p.add_argument("--keep", type=int, default=0,
+                   help="keep the last N normal-mode dispatch outputs alive, each checked again when let go")
     p.add_argument("--progress", action="store_true",
                    help="rank 0 prints each iteration's case before it runs, so a run that stalls shows where")
     return p
@@ -120,7 +125,7 @@ def _inputs(case: Case, rng: random.Random, gen, device):
 
 
 def _normal(buf, ref, case, x, idx, w, gen, device, corrupt):
-    """``(outputs equal, a byte was corrupted)``."""
+    """``(outputs equal, a byte was corrupted, (received, reference) rows of the dispatch)``."""
     import torch
     from deepcomm.fp8 import pack_ue8m0, per_token_cast_to_fp8
     payload = x
@@ -141,7 +146,15 @@ def _normal(buf, ref, case, x, idx, w, gen, device, corrupt):
                                           ref.combine(y, want[4], topk_weights=rw)))
     if case.hidden % 128 == 0:  # the FP8 combine, same rows
         ok &= _same(buf.combine(y, got[4], use_fp8=True)[0], ref.combine(y, want[4], use_fp8=True)[0])
-    return ok, flipped
+    return ok, flipped, (got[0], want[0])
+
+
+def _let_go(kept: deque, keep: int, failures: list, rank: int) -> None:
+    """Compare the kept outputs past the last ``keep`` with their references once more, then drop them."""
+    while len(kept) > keep:
+        it, (got, want) = kept.popleft()
+        if not _same(got, want):
+            failures.append(f"iteration {it} rank {rank}: a kept dispatch output changed after its call")
 
 
 def _low_latency(buf, ref, case, x, idx, w, gen, device, world, corrupt):
@@ -188,6 +201,7 @@ def run_worker(rank: int, world: int, local_rank: int, args, dev_type: str) -> i
     ll_shape, ll_left = None, 0
     gen = torch.Generator(device=device)
     counts, failures = Counter(), []
+    kept = deque()  # (iteration, (received, reference)) of the last --keep normal-mode dispatches
     to_corrupt = args.self_check and rank == 0  # once, in the first iteration past the middle that has data
     start = time.monotonic()
     for it in range(args.iterations):
@@ -208,7 +222,10 @@ def run_worker(rank: int, world: int, local_rank: int, args, dev_type: str) -> i
                   f"H={case.hidden} E={case.experts} K={case.topk} mask={case.mask}", flush=True)
         corrupt = to_corrupt and it >= args.iterations // 2
         if case.mode == "normal":
-            ok, flipped = _normal(buf, ref, case, x, idx, w, gen, device, corrupt)
+            ok, flipped, rows = _normal(buf, ref, case, x, idx, w, gen, device, corrupt)
+            if args.keep > 0 and ok:
+                kept.append((it, rows))
+                _let_go(kept, args.keep, failures, rank)
         else:
             ok, flipped = _low_latency(buf, ref, case, x, idx, w, gen, device, world, corrupt)
         to_corrupt &= not flipped
@@ -216,22 +233,27 @@ def run_worker(rank: int, world: int, local_rank: int, args, dev_type: str) -> i
         if not ok:
             failures.append(f"iteration {it} rank {rank}: {case.label()} T={x.shape[0]} H={case.hidden} "
                             f"E={case.experts} K={case.topk} mask={case.mask}")
+    _let_go(kept, 0, failures, rank)
     buf.synchronize()
     every = [None] * world
-    dist.all_gather_object(every, (counts, failures))
+    # dispatches whose rows went through the overflow area (the CUDA backend's, with the output space full)
+    overflowed = getattr(getattr(buf, "_backend", None), "bounced_calls", 0)
+    dist.all_gather_object(every, (counts, failures, overflowed))
     if rank == 0:
         total, all_failures = Counter(), []
-        for c, f in every:
+        for c, f, _ in every:
             total.update(c)
             all_failures += f
         print(f"deepcomm soak | backend {buf.backend_name} | world_size {world} | "
               f"{sum(total.values()) // world} iterations in {time.monotonic() - start:.1f} s")
         for label in sorted(total):
             print(f"  {label:22s} {total[label] // world:7d}")
+        if args.keep:
+            print(f"  overflowed dispatches  {sum(o for _, _, o in every):7d} (all ranks)")
         print(f"  mismatches             {len(all_failures):7d}")
         for line in all_failures[:20]:
             print("  " + line)
-    failed = any(f for _, f in every)
+    failed = any(f for _, f, _ in every)
     buf.destroy()
     ref.destroy()
     dist.barrier()

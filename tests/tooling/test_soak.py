@@ -12,3 +12,21 @@ def test_soak_passes_on_matching_backends():
 
 def test_soak_catches_a_corrupted_byte():
     assert soak.main(SMALL + ["--self-check"]) == 1
+
+
+def test_soak_keeps_outputs_and_checks_them_when_let_go():
+    assert soak.main(SMALL + ["--keep", "5"]) == 0
+
+
+def test_a_kept_output_that_changed_is_a_mismatch():
+    import collections
+
+    import torch
+    want = torch.arange(6, dtype=torch.int32).reshape(3, 2)
+    changed = want.clone()
+    kept = collections.deque([(4, (want.clone(), want)), (7, (changed, want)), (9, (want.clone(), want))])
+    changed[1, 0] = 99  # written after its call was checked
+    failures = []
+    soak._let_go(kept, 1, failures, rank=2)
+    assert failures == ["iteration 7 rank 2: a kept dispatch output changed after its call"]
+    assert [it for it, _ in kept] == [9]
