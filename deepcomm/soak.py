@@ -124,29 +124,51 @@ def _inputs(case: Case, rng: random.Random, gen, device):
     return x, idx, w
 
 
+def _rows_differing(a, b) -> int:
+    """How many rows of two same-shaped tensors differ in any byte."""
+    import torch
+    if a.numel() == 0:
+        return 0
+    return int((a.contiguous().view(torch.uint8).reshape(a.shape[0], -1)
+                != b.contiguous().view(torch.uint8).reshape(b.shape[0], -1)).any(dim=1).sum())
+
+
 def _normal(buf, ref, case, x, idx, w, gen, device, corrupt):
-    """``(outputs equal, a byte was corrupted, (received, reference) rows of the dispatch)``."""
+    """``(names of the outputs that differ, a byte was corrupted, (received, reference) rows of the dispatch)``;
+    a differing ``recv_x`` says how many rows differ, and how many still do once the device is synchronized."""
     import torch
     from deepcomm.fp8 import pack_ue8m0, per_token_cast_to_fp8
     payload = x
     if case.dtype != "bf16":
         vals, scales = per_token_cast_to_fp8(x, use_ue8m0=case.dtype == "ue8m0")
         payload = (vals, pack_ue8m0(scales) if case.dtype == "ue8m0" else scales)
+    backend = getattr(buf, "_backend", None)
+    overflowed = getattr(backend, "bounced_calls", 0)
     got = buf.dispatch(payload, topk_idx=idx, topk_weights=w, num_experts=case.experts, expert_alignment=4)
     want = ref.dispatch(payload, topk_idx=idx, topk_weights=w, num_experts=case.experts, expert_alignment=4)
     recv = got[0][0] if isinstance(got[0], tuple) else got[0]
     flipped = corrupt and _flip_one_byte(recv)
-    ok = all(_same(a, b) for a, b in zip(got[:4], want[:4]))
-    ok &= all(_same(getattr(got[4], f), getattr(want[4], f))
-              for f in ("is_token_in_rank", "send_pos", "count_matrix", "recv_src_idx", "num_recv"))
+    differ = [name for name, a, b in zip(("recv_x", "recv_topk_idx", "recv_topk_weights", "per_expert"),
+                                         got[:4], want[:4]) if not _same(a, b)]
+    if "recv_x" in differ:
+        g, v = (got[0][0], want[0][0]) if isinstance(got[0], tuple) else (got[0], want[0])
+        rows = _rows_differing(g, v)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        overflow = "overflowed" if getattr(backend, "bounced_calls", 0) > overflowed else "placed"
+        differ[0] = f"recv_x ({rows} of {g.shape[0]} rows, {_rows_differing(g, v)} after a synchronize; {overflow})"
+    differ += [f"handle.{f}" for f in ("is_token_in_rank", "send_pos", "count_matrix", "recv_src_idx", "num_recv")
+               if not _same(getattr(got[4], f), getattr(want[4], f))]
     n = got[4].num_recv
     y = torch.randn(n, case.hidden, generator=gen, device=device).to(torch.bfloat16)
     rw = torch.rand(n, case.topk, generator=gen, device=device)
-    ok &= all(_same(a, b) for a, b in zip(buf.combine(y, got[4], topk_weights=rw),
-                                          ref.combine(y, want[4], topk_weights=rw)))
-    if case.hidden % 128 == 0:  # the FP8 combine, same rows
-        ok &= _same(buf.combine(y, got[4], use_fp8=True)[0], ref.combine(y, want[4], use_fp8=True)[0])
-    return ok, flipped, (got[0], want[0])
+    if not all(_same(a, b) for a, b in zip(buf.combine(y, got[4], topk_weights=rw),
+                                           ref.combine(y, want[4], topk_weights=rw))):
+        differ.append("combine")
+    if case.hidden % 128 == 0 and not _same(buf.combine(y, got[4], use_fp8=True)[0],
+                                            ref.combine(y, want[4], use_fp8=True)[0]):  # the FP8 combine, same rows
+        differ.append("FP8 combine")
+    return differ, flipped, (got[0], want[0])
 
 
 def _let_go(kept: deque, keep: int, failures: list, rank: int) -> None:
@@ -222,17 +244,20 @@ def run_worker(rank: int, world: int, local_rank: int, args, dev_type: str) -> i
                   f"H={case.hidden} E={case.experts} K={case.topk} mask={case.mask}", flush=True)
         corrupt = to_corrupt and it >= args.iterations // 2
         if case.mode == "normal":
-            ok, flipped, rows = _normal(buf, ref, case, x, idx, w, gen, device, corrupt)
+            differ, flipped, rows = _normal(buf, ref, case, x, idx, w, gen, device, corrupt)
+            ok = not differ
             if args.keep > 0 and ok:
                 kept.append((it, rows))
                 _let_go(kept, args.keep, failures, rank)
         else:
+            differ = []
             ok, flipped = _low_latency(buf, ref, case, x, idx, w, gen, device, world, corrupt)
         to_corrupt &= not flipped
         counts[case.label()] += 1
         if not ok:
             failures.append(f"iteration {it} rank {rank}: {case.label()} T={x.shape[0]} H={case.hidden} "
-                            f"E={case.experts} K={case.topk} mask={case.mask}")
+                            f"E={case.experts} K={case.topk} mask={case.mask}"
+                            + (f": {', '.join(differ)} differ" if differ else ""))
     _let_go(kept, 0, failures, rank)
     buf.synchronize()
     every = [None] * world
