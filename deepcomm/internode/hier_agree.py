@@ -95,17 +95,18 @@ def _rail_header_rows(comm, m: int) -> List[List[int]]:
 def heard(comm, fingerprint: Sequence[int], strip: bool = True) -> Dict[int, List[int]]:
     """Several GPUs per node, after a call's first exchange (rail round and NVLink stage): every rank's words we
     have, by rank: ours, every valid slot of the rail headers in our receive slots and (``strip``) of our strip."""
-    known: Dict[int, List[int]] = {}
-    if strip:
-        for s, w in zip(range(comm.world_size), _as_rows(strip_words(comm))):
-            if valid(w):
-                known[s] = w
+    known = strip_heard(comm) if strip else {}
     for m in comm.other_nodes:
         for s, w in zip(comm.node_ranks(m), _rail_header_rows(comm, m)):
             if valid(w):
                 known.setdefault(s, w)
     known[comm.rank] = list(fingerprint)
     return known
+
+
+def strip_heard(comm) -> Dict[int, List[int]]:
+    """The valid words of our strip, by rank (host: one read of the strip)."""
+    return {s: w for s, w in enumerate(_as_rows(strip_words(comm))) if valid(w)}
 
 
 def check_heard(comm, known: Dict[int, List[int]], fingerprint: Sequence[int]) -> None:
@@ -268,13 +269,15 @@ def rail_agrees(comm, known: Dict[int, List[int]], fingerprint: Sequence[int]) -
 
 
 def check_strip(comm, known: Dict[int, List[int]], fingerprint: Sequence[int]) -> None:
-    """After the NVLink stage of a cached dispatch (several GPUs per node): every rank's words from our strip and
-    the rail headers, with ``known``; the strip is zeroed after."""
+    """After the NVLink stage of a cached dispatch (several GPUs per node): every rank's words from our strip, then
+    those of ``known`` (the rail headers' words, read once by ``dispatch_rail``) for ranks the strip did not give;
+    the strip is zeroed after."""
     if comm.gpus > 1:
-        every = heard(comm, fingerprint)
+        every = strip_heard(comm)
         clear_strip(comm)
         for s, w in known.items():
             every.setdefault(s, w)
+        every[comm.rank] = list(fingerprint)
         check_heard(comm, every, fingerprint)
 
 
