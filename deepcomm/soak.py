@@ -124,18 +124,15 @@ def _inputs(case: Case, rng: random.Random, gen, device):
     return x, idx, w
 
 
-def _rows_differing(a, b) -> int:
-    """How many rows of two same-shaped tensors differ in any byte."""
-    import torch
-    if a.numel() == 0:
-        return 0
-    return int((a.contiguous().view(torch.uint8).reshape(a.shape[0], -1)
-                != b.contiguous().view(torch.uint8).reshape(b.shape[0], -1)).any(dim=1).sum())
+def _values(recv):
+    """The rows of a received ``recv_x``: the tensor, or the values of an FP8 pair."""
+    return recv[0] if isinstance(recv, tuple) else recv
 
 
-def _normal(buf, ref, case, x, idx, w, gen, device, corrupt):
+def _normal(buf, ref, case, x, idx, w, gen, device, corrupt, rank, earlier=()):
     """``(names of the outputs that differ, a byte was corrupted, (received, reference) rows of the dispatch)``;
-    a differing ``recv_x`` says how many rows differ, and how many still do once the device is synchronized."""
+    a differing ``recv_x`` is described by deepcomm.row_diff (``earlier``: kept outputs' rows it may repeat) and
+    says whether the call went through the overflow area."""
     import torch
     from deepcomm.fp8 import pack_ue8m0, per_token_cast_to_fp8
     payload = x
@@ -146,17 +143,15 @@ def _normal(buf, ref, case, x, idx, w, gen, device, corrupt):
     overflowed = getattr(backend, "bounced_calls", 0)
     got = buf.dispatch(payload, topk_idx=idx, topk_weights=w, num_experts=case.experts, expert_alignment=4)
     want = ref.dispatch(payload, topk_idx=idx, topk_weights=w, num_experts=case.experts, expert_alignment=4)
-    recv = got[0][0] if isinstance(got[0], tuple) else got[0]
-    flipped = corrupt and _flip_one_byte(recv)
+    flipped = corrupt and _flip_one_byte(_values(got[0]))
     differ = [name for name, a, b in zip(("recv_x", "recv_topk_idx", "recv_topk_weights", "per_expert"),
                                          got[:4], want[:4]) if not _same(a, b)]
     if "recv_x" in differ:
-        g, v = (got[0][0], want[0][0]) if isinstance(got[0], tuple) else (got[0], want[0])
-        rows = _rows_differing(g, v)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        from deepcomm.row_diff import explain_rows
         overflow = "overflowed" if getattr(backend, "bounced_calls", 0) > overflowed else "placed"
-        differ[0] = f"recv_x ({rows} of {g.shape[0]} rows, {_rows_differing(g, v)} after a synchronize; {overflow})"
+        why = explain_rows(_values(got[0]), _values(want[0]), want[4].count_matrix[:, rank].tolist(),
+                           [_values(e) for e in earlier])
+        differ[0] = f"recv_x ({overflow}: {why})"
     differ += [f"handle.{f}" for f in ("is_token_in_rank", "send_pos", "count_matrix", "recv_src_idx", "num_recv")
                if not _same(getattr(got[4], f), getattr(want[4], f))]
     n = got[4].num_recv
@@ -244,7 +239,8 @@ def run_worker(rank: int, world: int, local_rank: int, args, dev_type: str) -> i
                   f"H={case.hidden} E={case.experts} K={case.topk} mask={case.mask}", flush=True)
         corrupt = to_corrupt and it >= args.iterations // 2
         if case.mode == "normal":
-            differ, flipped, rows = _normal(buf, ref, case, x, idx, w, gen, device, corrupt)
+            differ, flipped, rows = _normal(buf, ref, case, x, idx, w, gen, device, corrupt, rank,
+                                            [got for _, (got, _) in kept])
             ok = not differ
             if args.keep > 0 and ok:
                 kept.append((it, rows))

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tests.helpers.nccl_run import cuda_buffer, needs_ranks, rank_device, ranks_for_tests, reference, run_on_gpus, sms
-from tests.helpers.row_diff import explain_rows
+from deepcomm.row_diff import explain_rows
 
 pytestmark = [pytest.mark.gpu,
               needs_ranks(2)]

@@ -10,8 +10,10 @@ def test_soak_passes_on_matching_backends():
     assert soak.main(SMALL) == 0
 
 
-def test_soak_catches_a_corrupted_byte():
+def test_soak_catches_a_corrupted_byte(capfd):
     assert soak.main(SMALL + ["--self-check"]) == 1
+    # the mismatch line names the output and what its wrong row holds (deepcomm/row_diff.py)
+    assert "recv_x (placed: 1 of" in capfd.readouterr().out
 
 
 def test_soak_keeps_outputs_and_checks_them_when_let_go():

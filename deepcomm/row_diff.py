@@ -1,4 +1,4 @@
-"""What rows of a received tensor that differ from the reference look like: for a GPU test that fails, the text says
+"""What rows of a received tensor that differ from the reference look like: for a GPU test or soak that fails, the text says
 which source ranks the rows came from, whether they are still wrong once the device is synchronized (wrong rows, or
 rows read before they landed), and what each wrong row holds instead (zeros, another row of this call, or a row of
 an earlier call's output)."""
