@@ -11,6 +11,7 @@ Low-latency mode (deepcomm/cuda/ll_calls.py) uses its own double-buffered buffer
 """
 from __future__ import annotations
 
+import os
 from typing import Optional, Tuple, Union
 
 import torch
@@ -33,7 +34,8 @@ from .nvl_buffer import NvlBuffer
 
 Payload = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 
-ARENA_OUTPUTS = 4         # worst-case dispatch outputs the arena holds at once (plus one bounce area)
+ARENA_OUTPUTS = 4         # worst-case dispatch outputs the arena holds at once (plus one bounce area) by default
+ARENA_OUTPUTS_ENV = "DEEPCOMM_ARENA_OUTPUTS"
 
 
 def _share_note() -> str:
@@ -160,11 +162,27 @@ def _worst_output_bytes(C, rows: int, hidden: int) -> int:
     return max(bf16, fp8)
 
 
+def arena_outputs() -> int:
+    """Worst-case dispatch outputs the arena holds: ``$DEEPCOMM_ARENA_OUTPUTS`` where set (a positive int; more
+    keeps more outputs alive on the zero-copy path, e.g. every layer's recv_x kept for backward), else
+    ARENA_OUTPUTS. ``ValueError`` names the variable."""
+    env = os.environ.get(ARENA_OUTPUTS_ENV, "").strip()
+    if not env:
+        return ARENA_OUTPUTS
+    try:
+        n = int(env)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"{ARENA_OUTPUTS_ENV}: expected a positive integer, got {env!r}")
+    return n
+
+
 def arena_sizes(C, world_size: int, max_tokens: int, hidden: int) -> Tuple[int, int]:
-    """``(arena, bounce)`` bytes: room for ARENA_OUTPUTS worst-case dispatch outputs, and one more for the bounce
-    area used when the arena is full. The NVLink buffer's arena region holds both."""
+    """``(arena, bounce)`` bytes: room for ``arena_outputs()`` worst-case dispatch outputs, and one more for the
+    bounce area used when the arena is full. The NVLink buffer's arena region holds both."""
     worst = _worst_output_bytes(C, world_size * max_tokens, hidden)
-    return ARENA_OUTPUTS * worst, worst
+    return arena_outputs() * worst, worst
 
 
 class CudaBackend:

@@ -28,3 +28,20 @@ def test_cli_prints_both_buffers(capsys):
     assert sizing.main(["--ranks", "2", "--tokens", "64", "--hidden", "1024", "--experts", "16"]) == 0
     out = capsys.readouterr().out
     assert "total" in out and "low-latency buffer" in out
+
+
+def test_the_arena_holds_as_many_worst_case_outputs_as_deepcomm_arena_outputs_says(monkeypatch):
+    from deepcomm.nvlink.backend import ARENA_OUTPUTS_ENV, _worst_output_bytes, arena_sizes
+    from deepcomm._ext import load_extension
+    C = load_extension()
+    worst = _worst_output_bytes(C, 2 * 1024, 7168)
+    monkeypatch.delenv(ARENA_OUTPUTS_ENV, raising=False)
+    assert arena_sizes(C, 2, 1024, 7168) == (4 * worst, worst)
+    default = sizing.nvl_buffer_bytes(2, 1024, 7168)["arena"]
+    monkeypatch.setenv(ARENA_OUTPUTS_ENV, " 12 ")
+    assert arena_sizes(C, 2, 1024, 7168) == (12 * worst, worst)
+    assert sizing.nvl_buffer_bytes(2, 1024, 7168)["arena"] >= default + 8 * worst  # the sizes reported follow it
+    for bad in ("0", "-3", "four"):
+        monkeypatch.setenv(ARENA_OUTPUTS_ENV, bad)
+        with pytest.raises(ValueError, match=ARENA_OUTPUTS_ENV):
+            arena_sizes(C, 2, 1024, 7168)
