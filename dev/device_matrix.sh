@@ -27,6 +27,8 @@
 #                             is stopped with SIGABRT, which makes Python dump every thread's traceback there;
 #                             SOAK_BUDGET_S caps the step's seconds
 #        | soak:N             the same with N ranks sharing GPU 0 under MPS (--world-size N) into $OUT/soakN.log
+#        | soak:N@VAR=V,...   the same with these environment variables set for that step only (e.g.
+#                             soak:8@DEEPCOMM_ARENA_OUTPUTS=64), into $OUT/soakN_VAR_V_....log
 # e.g. bash dev/device_matrix.sh profile 1:test_normal_world1 2:test_agreement_gpu,test_intranode 8:test_intranode
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
@@ -56,18 +58,22 @@ for step in "$@"; do
     tail -3 "$OUT/deepep_build.log"
     continue
   fi
-  if [[ "$step" == soak || "$step" == soak:* ]]; then
+  if [[ "$step" == soak || "$step" == soak:* || "$step" == soak@* ]]; then
     budget=$(( budget < ${SOAK_BUDGET_S:-$budget} ? budget : ${SOAK_BUDGET_S:-$budget} ))
-    ranks=1; [[ "$step" == soak:* ]] && ranks="${step#soak:}"
-    log="$OUT/soak$ranks.log"
+    base="${step%%@*}"; step_env=()
+    [[ "$step" == *@* ]] && IFS=',' read -r -a step_env <<< "${step#*@}"
+    ranks=1; [[ "$base" == soak:* ]] && ranks="${base#soak:}"
+    tag=""; [[ "$step" == *@* ]] && tag="_$(printf %s "${step#*@}" | tr -c 'A-Za-z0-9_.-' '_')"
+    log="$OUT/soak$ranks$tag.log"
     if (( ranks == 1 )); then
       # shellcheck disable=SC2086
-      RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=${SOAK_PORT:-29561} \
+      env "${step_env[@]}" RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=${SOAK_PORT:-29561} \
         timeout -s ABRT "$budget" python3 -X faulthandler -m deepcomm.soak --backend cuda --progress \
         ${SOAK_ARGS:---seconds 60} > "$log" 2>&1
     else
       # shellcheck disable=SC2086
-      timeout "$budget" bash launch/with_mps.sh python3 -m deepcomm.soak --world-size "$ranks" --progress \
+      env "${step_env[@]}" timeout "$budget" bash launch/with_mps.sh python3 -m deepcomm.soak --world-size "$ranks" \
+        --progress \
         ${SOAK_ARGS:---seconds 60} > "$log" 2>&1
     fi
     echo "$step: rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$summary"
