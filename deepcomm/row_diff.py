@@ -15,6 +15,14 @@ def _differing(got: torch.Tensor, want: torch.Tensor) -> list:
     return (_rows(got) != _rows(want)).any(dim=1).nonzero()[:, 0].tolist()
 
 
+def differing_rows(got: torch.Tensor, want: torch.Tensor) -> str:
+    """How many rows of ``got`` differ from ``want`` in any byte, as text ("a different shape" where they differ
+    in shape or type)."""
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return f"a different shape ({tuple(got.shape)} against {tuple(want.shape)})"
+    return str(len(_differing(got, want))) if got.numel() else "0"
+
+
 def _find(row: torch.Tensor, table: torch.Tensor) -> list:
     """Indices of ``table``'s rows equal to ``row`` (both uint8 rows of the same width)."""
     if table.shape[0] == 0 or table.shape[1] != row.shape[0]:

@@ -124,21 +124,47 @@ def _inputs(case: Case, rng: random.Random, gen, device):
     return x, idx, w
 
 
+def _seed(args, it: int, rank: int) -> int:
+    """The seed of ``rank``'s inputs at iteration ``it``: inputs differ by rank and iteration, and any rank can draw
+    any rank's again (``_expected_recv``)."""
+    return args.seed * 1_000_003 + it * 131 + rank
+
+
+def _payload(case, x):
+    """What a normal-mode dispatch of this case sends: ``x``, or its FP8 pair (UE8M0 scales packed)."""
+    if case.dtype == "bf16":
+        return x
+    from deepcomm.fp8 import pack_ue8m0, per_token_cast_to_fp8
+    vals, scales = per_token_cast_to_fp8(x, use_ue8m0=case.dtype == "ue8m0")
+    return vals, pack_ue8m0(scales) if case.dtype == "ue8m0" else scales
+
+
+def _expected_recv(case, args, it: int, world: int, rank: int, device):
+    """The rows of recv_x this rank must receive, from every rank's inputs drawn again here: an oracle without any
+    collective (the reference backend's all-to-all included), to tell which side of a mismatch is wrong."""
+    import torch
+    from deepcomm import layout
+    gen = torch.Generator(device=device)
+    parts = []
+    for s in range(world):
+        gen.manual_seed(_seed(args, it, s))
+        x, idx, _ = _inputs(case, random.Random(_seed(args, it, s)), gen, device)
+        parts.append(_values(_payload(case, x))[layout.token_in_rank(idx, case.experts, world)[:, rank]])
+    return torch.cat(parts)
+
+
 def _values(recv):
     """The rows of a received ``recv_x``: the tensor, or the values of an FP8 pair."""
     return recv[0] if isinstance(recv, tuple) else recv
 
 
-def _normal(buf, ref, case, x, idx, w, gen, device, corrupt, rank, earlier=()):
+def _normal(buf, ref, case, x, idx, w, gen, device, corrupt, rank, earlier=(), expected=None):
     """``(names of the outputs that differ, a byte was corrupted, (received, reference) rows of the dispatch)``;
-    a differing ``recv_x`` is described by deepcomm.row_diff (``earlier``: kept outputs' rows it may repeat) and
-    says whether the call went through the overflow area."""
+    a differing ``recv_x`` is described by deepcomm.row_diff (``earlier``: kept outputs' rows it may repeat), says
+    whether the call went through the overflow area and (``expected``: a callable giving the rows this rank must
+    receive) how many rows of each side differ from them."""
     import torch
-    from deepcomm.fp8 import pack_ue8m0, per_token_cast_to_fp8
-    payload = x
-    if case.dtype != "bf16":
-        vals, scales = per_token_cast_to_fp8(x, use_ue8m0=case.dtype == "ue8m0")
-        payload = (vals, pack_ue8m0(scales) if case.dtype == "ue8m0" else scales)
+    payload = _payload(case, x)
     backend = getattr(buf, "_backend", None)
     overflowed = getattr(backend, "bounced_calls", 0)
     got = buf.dispatch(payload, topk_idx=idx, topk_weights=w, num_experts=case.experts, expert_alignment=4)
@@ -147,10 +173,14 @@ def _normal(buf, ref, case, x, idx, w, gen, device, corrupt, rank, earlier=()):
     differ = [name for name, a, b in zip(("recv_x", "recv_topk_idx", "recv_topk_weights", "per_expert"),
                                          got[:4], want[:4]) if not _same(a, b)]
     if "recv_x" in differ:
-        from deepcomm.row_diff import explain_rows
+        from deepcomm.row_diff import differing_rows, explain_rows
         overflow = "overflowed" if getattr(backend, "bounced_calls", 0) > overflowed else "placed"
         why = explain_rows(_values(got[0]), _values(want[0]), want[4].count_matrix[:, rank].tolist(),
                            [_values(e) for e in earlier])
+        if expected is not None:
+            rows = expected()
+            why += (f"; against every rank's inputs drawn again here, {differing_rows(_values(got[0]), rows)} rows "
+                    f"of this backend and {differing_rows(_values(want[0]), rows)} of the reference differ")
         differ[0] = f"recv_x ({overflow}: {why})"
     differ += [f"handle.{f}" for f in ("is_token_in_rank", "send_pos", "count_matrix", "recv_src_idx", "num_recv")
                if not _same(getattr(got[4], f), getattr(want[4], f))]
@@ -231,7 +261,7 @@ def run_worker(rank: int, world: int, local_rank: int, args, dev_type: str) -> i
             ll_shape, ll_left = draw_ll_shape(rng, world, args), max(1, args.ll_shape_every)
         case = Case(rng, world, args, ll_shape)
         ll_left -= case.mode == "low_latency"
-        seed = args.seed * 1_000_003 + it * 131 + rank  # inputs differ by rank and iteration
+        seed = _seed(args, it, rank)
         gen.manual_seed(seed)
         x, idx, w = _inputs(case, random.Random(seed), gen, device)
         if args.progress and rank == 0:
@@ -239,8 +269,9 @@ def run_worker(rank: int, world: int, local_rank: int, args, dev_type: str) -> i
                   f"H={case.hidden} E={case.experts} K={case.topk} mask={case.mask}", flush=True)
         corrupt = to_corrupt and it >= args.iterations // 2
         if case.mode == "normal":
-            differ, flipped, rows = _normal(buf, ref, case, x, idx, w, gen, device, corrupt, rank,
-                                            [got for _, (got, _) in kept])
+            differ, flipped, rows = _normal(
+                buf, ref, case, x, idx, w, gen, device, corrupt, rank, [got for _, (got, _) in kept],
+                lambda: _expected_recv(case, args, it, world, rank, device))
             ok = not differ
             if args.keep > 0 and ok:
                 kept.append((it, rows))

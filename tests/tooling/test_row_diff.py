@@ -1,7 +1,7 @@
 """deepcomm.row_diff, which describes the wrong rows of a received tensor in GPU tests and the soak."""
 import torch
 
-from deepcomm.row_diff import explain_rows
+from deepcomm.row_diff import differing_rows, explain_rows
 
 
 def test_equal_tensors_give_no_text():
@@ -29,3 +29,12 @@ def test_only_the_first_rows_are_described():
     got = torch.ones(6, 4, dtype=torch.int32)
     text = explain_rows(got, want, [6], shown=2)
     assert text.count("row ") == 2 and "6 of 6 rows differ" in text
+
+
+def test_differing_rows_counts_rows_or_names_a_shape_difference():
+    want = torch.zeros(5, 3, dtype=torch.int32)
+    got = want.clone()
+    got[1, 2] = got[4, 0] = 1
+    assert differing_rows(got, want) == "2"
+    assert differing_rows(want[:0], want[:0]) == "0"
+    assert differing_rows(got[:4], want).startswith("a different shape ((4, 3) against (5, 3))")

@@ -12,8 +12,11 @@ def test_soak_passes_on_matching_backends():
 
 def test_soak_catches_a_corrupted_byte(capfd):
     assert soak.main(SMALL + ["--self-check"]) == 1
-    # the mismatch line names the output and what its wrong row holds (deepcomm/row_diff.py)
-    assert "recv_x (placed: 1 of" in capfd.readouterr().out
+    # the mismatch line names the output, what its wrong row holds (deepcomm/row_diff.py), and which side differs
+    # from every rank's inputs drawn again (the corrupted backend, not the reference)
+    out = capfd.readouterr().out
+    assert "recv_x (placed: 1 of" in out
+    assert "drawn again here, 1 rows of this backend and 0 of the reference differ" in out
 
 
 def test_soak_keeps_outputs_and_checks_them_when_let_go():
