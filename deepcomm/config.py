@@ -29,6 +29,20 @@ def _resolve_choice(arg: str, value: Optional[str], env_name: str, choices, defa
     return value
 
 
+def env_positive_int(name: str) -> Optional[int]:
+    """``$name`` as a positive int, or None where it is unset or blank; ``ValueError`` names the variable."""
+    env = os.environ.get(name, "").strip()
+    if not env:
+        return None
+    try:
+        n = int(env)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"{name}: expected a positive integer, got {env!r}")
+    return n
+
+
 def resolve_low_latency_memory(value: Optional[str]) -> str:
     """Where the CUDA backend puts its low-latency buffer: ``value`` when given, else ``$DEEPCOMM_LL_MEMORY``, else
     "ipc" (cudaMalloc + CUDA IPC). "nvshmem" uses NVSHMEM's symmetric heap. ``ValueError`` names the source."""

@@ -17,6 +17,8 @@ from typing import List, Sequence
 import torch
 import torch.distributed as dist
 
+from .config import env_positive_int
+
 GPU_SMS_ENV = "DEEPCOMM_GPU_SMS"
 
 
@@ -34,16 +36,8 @@ def shares_gpu() -> bool:
 
 def sm_budget(sm_count: int) -> int:
     """``sm_count``, or ``$DEEPCOMM_GPU_SMS`` where that is set and smaller; ValueError names the variable."""
-    env = os.environ.get(GPU_SMS_ENV, "").strip()
-    if not env:
-        return sm_count
-    try:
-        n = int(env)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise ValueError(f"{GPU_SMS_ENV}: expected a positive integer, got {env!r}")
-    return min(n, sm_count)
+    n = env_positive_int(GPU_SMS_ENV)
+    return sm_count if n is None else min(n, sm_count)
 
 
 def usable_sms(device: torch.device) -> int:

@@ -11,7 +11,6 @@ Low-latency mode (deepcomm/cuda/ll_calls.py) uses its own double-buffered buffer
 """
 from __future__ import annotations
 
-import os
 from typing import Optional, Tuple, Union
 
 import torch
@@ -19,6 +18,7 @@ import torch
 from .. import agreement
 from .._ext import load_extension
 from ..validation import is_capturing
+from ..config import env_positive_int
 from ..errors import CommTimeoutError
 from ..gpu_share import GPU_SMS_ENV, shares_gpu, usable_sms
 from ..backend_protocol import Capabilities
@@ -166,16 +166,8 @@ def arena_outputs() -> int:
     """Worst-case dispatch outputs the arena holds: ``$DEEPCOMM_ARENA_OUTPUTS`` where set (a positive int; more
     keeps more outputs alive on the zero-copy path, e.g. every layer's recv_x kept for backward), else
     ARENA_OUTPUTS. ``ValueError`` names the variable."""
-    env = os.environ.get(ARENA_OUTPUTS_ENV, "").strip()
-    if not env:
-        return ARENA_OUTPUTS
-    try:
-        n = int(env)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise ValueError(f"{ARENA_OUTPUTS_ENV}: expected a positive integer, got {env!r}")
-    return n
+    n = env_positive_int(ARENA_OUTPUTS_ENV)
+    return ARENA_OUTPUTS if n is None else n
 
 
 def arena_sizes(C, world_size: int, max_tokens: int, hidden: int) -> Tuple[int, int]:
