@@ -45,7 +45,7 @@ def test_kept_outputs_are_never_written_and_each_dispatch_shows_its_rows(monkeyp
     b, rng = env.b, random.Random(seed)
     H, K, E = 1024, 4, 8
     kept = []  # (byte, recv_x, the whole output or None)
-    paths = {"worst": 0, "exact": 0, "bounce": 0, "cached": 0}
+    paths = {"worst": 0, "exact": 0, "bounce": 0, "cached": 0, "worst-case sized": 0}
     for step in range(240):
         env.byte = step % 251 + 1
         env.ctx.recv = rng.choice([0, 1, rng.randint(1, 256), 256, rng.randint(200, 256)])
@@ -53,11 +53,15 @@ def test_kept_outputs_are_never_written_and_each_dispatch_shows_its_rows(monkeyp
         x, idx, w = torch.zeros(T, H, dtype=torch.bfloat16), torch.zeros(T, K, dtype=torch.int64), torch.zeros(T, K)
         live = [entry for entry in kept if entry[2] is not None]
         bounced, calls = b.bounced_calls, len(env.ctx.calls)
-        if live and rng.random() < 0.25:  # a cached dispatch of a kept output's handle
+        kind = rng.random()
+        if live and kind < 0.2:  # a cached dispatch of a kept output's handle
             out = b.dispatch(x, None, w, E, rng.choice(live)[2][4], 1)
             paths["cached"] += 1
-        else:
-            out = b.dispatch(x, idx, w, E, None, 1)
+        elif kind < 0.35:  # worst-case sized, as in a CUDA graph: no wait, every row of the capacity placed
+            out = b.dispatch(x, idx, w, E, None, 1, num_worst_tokens=256)
+            paths["worst-case sized"] += 1
+        else:  # a waited fresh dispatch, plain or on the communication stream
+            out = b.dispatch(x, idx, w, E, None, 1, async_finish=rng.random() < 0.3)
             if b.bounced_calls > bounced:
                 paths["bounce"] += 1
             else:
