@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tests.helpers.nccl_run import cuda_buffer, needs_ranks, rank_device, ranks_for_tests, reference, run_on_gpus, sms
-from deepcomm.row_diff import explain_rows
+from deepcomm.row_diff import differing_rows, explain_rows
 
 pytestmark = [pytest.mark.gpu,
               needs_ranks(2)]
@@ -77,6 +77,25 @@ def _cases(rank):
     ]
 
 
+def _kept_inputs(rank, i, dev):
+    """``(topk_idx, topk_weights, x)`` of ``rank``'s ``i``-th kept dispatch, from a seed of their own, so that any
+    rank can draw any rank's again (``_kept_recv_x``)."""
+    gen = torch.Generator().manual_seed(50_000 + 100 * i + rank)
+    idx, w = _routing(gen, 1024, 256, 8, "random", dev)
+    return idx, w, torch.randn(1024, 7168, generator=gen).to(torch.bfloat16).to(dev)
+
+
+def _kept_recv_x(rank, world, i, dev):
+    """The recv_x ``rank`` must get from the ``i``-th kept dispatch, from every rank's inputs drawn again here: an
+    oracle with no collective, to tell which side of a mismatch is wrong."""
+    from deepcomm import layout
+    parts = []
+    for s in range(world):
+        idx, _, x = _kept_inputs(s, i, dev)
+        parts.append(x[layout.token_in_rank(idx, 256, world)[:, rank]])
+    return torch.cat(parts)
+
+
 def _intranode_worker(rank, world):
     from deepcomm.fp8 import pack_ue8m0, per_token_cast_to_fp8
 
@@ -124,13 +143,16 @@ def _intranode_worker(rank, world):
     cuda.set_num_sms(sms(24))
     kept = []
     for i in range(10):
-        idx, w = _routing(gen, 1024, 256, 8, "random", dev)
-        x = torch.randn(1024, 7168, generator=gen).to(torch.bfloat16).to(dev)
+        idx, w, x = _kept_inputs(rank, i, dev)
         bounced = cuda._backend.bounced_calls
         got = cuda.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=256)
         want = ref.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=256)
         for name, a, b in zip(("recv_x", "recv_topk_idx", "recv_topk_weights"), got[:3], want[:3]):
             why = explain_rows(a, b, want[4].count_matrix[:, rank].tolist(), [k[0] for k in kept])
+            if why and name == "recv_x":
+                rows = _kept_recv_x(rank, world, i, dev)
+                why += (f"; against every rank's inputs drawn again here, {differing_rows(a, rows)} rows of the "
+                        f"CUDA backend and {differing_rows(b, rows)} of the reference differ")
             assert not why, (f"kept output {i} {name} (bounced: {cuda._backend.bounced_calls > bounced}, arena "
                              f"{cuda._backend.arena.free_bytes()} of {cuda._backend.arena.nbytes} bytes free): {why}")
         kept.append(got)
