@@ -1,7 +1,7 @@
-"""What rows of a received tensor that differ from the reference look like: for a GPU test or soak that fails, the text says
-which source ranks the rows came from, whether they are still wrong once the device is synchronized (wrong rows, or
-rows read before they landed), and what each wrong row holds instead (zeros, another row of this call, or a row of
-an earlier call's output)."""
+"""What rows of a received tensor that differ from the reference look like: for a GPU test or soak that fails, the
+text says which source ranks the rows came from, whether they are still wrong once the device is synchronized
+(wrong rows, or rows read before they landed), and what each wrong row holds instead (zeros, another row of this
+call, or a row of an earlier call's output). ``received_rows`` is an oracle of the rows a rank must receive."""
 from __future__ import annotations
 
 import torch
@@ -11,8 +11,18 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8).reshape(t.shape[0], -1)
 
 
-def _differing(got: torch.Tensor, want: torch.Tensor) -> list:
+def differing_indices(got: torch.Tensor, want: torch.Tensor) -> list:
+    """Indices of the rows of ``got`` that differ from ``want`` (the same shape and type) in any byte."""
     return (_rows(got) != _rows(want)).any(dim=1).nonzero()[:, 0].tolist()
+
+
+def received_rows(sent, num_experts: int, rank: int) -> torch.Tensor:
+    """The rows ``rank`` must receive from a normal-mode dispatch, given every rank's ``(rows, topk_idx)`` in rank
+    order: each source's rows that name an expert of ``rank``, sources ascending, tokens ascending. An oracle of
+    recv_x that needs no collective, where each rank can draw every rank's inputs again."""
+    from . import layout
+    world = len(sent)
+    return torch.cat([rows[layout.token_in_rank(idx, num_experts, world)[:, rank]] for rows, idx in sent])
 
 
 def differing_rows(got: torch.Tensor, want: torch.Tensor) -> str:
@@ -20,7 +30,7 @@ def differing_rows(got: torch.Tensor, want: torch.Tensor) -> str:
     in shape or type)."""
     if got.shape != want.shape or got.dtype != want.dtype:
         return f"a different shape ({tuple(got.shape)} against {tuple(want.shape)})"
-    return str(len(_differing(got, want))) if got.numel() else "0"
+    return str(len(differing_indices(got, want))) if got.numel() else "0"
 
 
 def _find(row: torch.Tensor, table: torch.Tensor) -> list:
@@ -31,16 +41,16 @@ def _find(row: torch.Tensor, table: torch.Tensor) -> list:
 
 
 def explain_rows(got: torch.Tensor, want: torch.Tensor, recv_counts, earlier=(), shown: int = 4) -> str:
-    """``got`` against ``want`` (the same shape, rows ordered by source rank as ``recv_counts`` gives them); ``earlier``:
-    tensors of earlier calls whose rows a wrong row may repeat. An empty string where they are equal."""
-    rows = _differing(got, want)
+    """``got`` against ``want`` (the same shape, rows ordered by source rank as ``recv_counts`` gives them);
+    ``earlier``: tensors of earlier calls whose rows a wrong row may repeat. An empty string where they are equal."""
+    rows = differing_indices(got, want)
     if not rows:
         return ""
     bounds = torch.tensor(list(recv_counts)).cumsum(0).tolist()
     sources = sorted({next(s for s, b in enumerate(bounds) if r < b) for r in rows})
     if got.is_cuda:
         torch.cuda.synchronize(got.device)
-    after = _differing(got, want)
+    after = differing_indices(got, want)
     parts = [f"{len(rows)} of {got.shape[0]} rows differ (from source ranks {sources}; received per source "
              f"{list(recv_counts)}); after a device synchronize {len(after)} still differ"]
     g, w = _rows(got), _rows(want)

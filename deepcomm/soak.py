@@ -143,14 +143,14 @@ def _expected_recv(case, args, it: int, world: int, rank: int, device):
     """The rows of recv_x this rank must receive, from every rank's inputs drawn again here: an oracle without any
     collective (the reference backend's all-to-all included), to tell which side of a mismatch is wrong."""
     import torch
-    from deepcomm import layout
+    from deepcomm.row_diff import received_rows
     gen = torch.Generator(device=device)
-    parts = []
+    sent = []
     for s in range(world):
         gen.manual_seed(_seed(args, it, s))
         x, idx, _ = _inputs(case, random.Random(_seed(args, it, s)), gen, device)
-        parts.append(_values(_payload(case, x))[layout.token_in_rank(idx, case.experts, world)[:, rank]])
-    return torch.cat(parts)
+        sent.append((_values(_payload(case, x)), idx))
+    return received_rows(sent, case.experts, rank)
 
 
 def _values(recv):

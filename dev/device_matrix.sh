@@ -60,10 +60,12 @@ for step in "$@"; do
   fi
   if [[ "$step" == soak || "$step" == soak:* || "$step" == soak@* ]]; then
     budget=$(( budget < ${SOAK_BUDGET_S:-$budget} ? budget : ${SOAK_BUDGET_S:-$budget} ))
-    base="${step%%@*}"; step_env=()
-    [[ "$step" == *@* ]] && IFS=',' read -r -a step_env <<< "${step#*@}"
+    base="${step%%@*}"; step_env=(); tag=""
+    if [[ "$step" == *@* ]]; then
+      IFS=',' read -r -a step_env <<< "${step#*@}"
+      tag="_$(printf %s "${step#*@}" | tr -c 'A-Za-z0-9_.-' '_')"
+    fi
     ranks=1; [[ "$base" == soak:* ]] && ranks="${base#soak:}"
-    tag=""; [[ "$step" == *@* ]] && tag="_$(printf %s "${step#*@}" | tr -c 'A-Za-z0-9_.-' '_')"
     log="$OUT/soak$ranks$tag.log"
     if (( ranks == 1 )); then
       # shellcheck disable=SC2086

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tests.helpers.nccl_run import cuda_buffer, needs_ranks, rank_device, ranks_for_tests, reference, run_on_gpus, sms
-from deepcomm.row_diff import differing_rows, explain_rows
+from deepcomm.row_diff import differing_indices, differing_rows, explain_rows, received_rows
 
 pytestmark = [pytest.mark.gpu,
               needs_ranks(2)]
@@ -37,9 +37,8 @@ def _same(a, b, what):
             _same(u, w, f"{what}[{i}]")
         return
     assert a.shape == b.shape and a.dtype == b.dtype, f"{what}: {a.shape}/{a.dtype} vs {b.shape}/{b.dtype}"
-    ab, bb = a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
-    if not torch.equal(ab, bb):
-        rows = (ab != bb).reshape(a.shape[0], -1).any(dim=1).nonzero()[:, 0].tolist() if a.dim() else []
+    if not torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)):
+        rows = differing_indices(a, b) if a.dim() else []
         raise AssertionError(f"{what} differs: {len(rows)} of {a.shape[0] if a.dim() else 1} rows, the first "
                              f"{rows[:8]}")
 
@@ -88,12 +87,8 @@ def _kept_inputs(rank, i, dev):
 def _kept_recv_x(rank, world, i, dev):
     """The recv_x ``rank`` must get from the ``i``-th kept dispatch, from every rank's inputs drawn again here: an
     oracle with no collective, to tell which side of a mismatch is wrong."""
-    from deepcomm import layout
-    parts = []
-    for s in range(world):
-        idx, _, x = _kept_inputs(s, i, dev)
-        parts.append(x[layout.token_in_rank(idx, 256, world)[:, rank]])
-    return torch.cat(parts)
+    sent = [_kept_inputs(s, i, dev) for s in range(world)]
+    return received_rows([(x, idx) for idx, _, x in sent], 256, rank)
 
 
 def _intranode_worker(rank, world):

@@ -1,7 +1,7 @@
 """deepcomm.row_diff, which describes the wrong rows of a received tensor in GPU tests and the soak."""
 import torch
 
-from deepcomm.row_diff import differing_rows, explain_rows
+from deepcomm.row_diff import differing_rows, explain_rows, received_rows
 
 
 def test_equal_tensors_give_no_text():
@@ -38,3 +38,11 @@ def test_differing_rows_counts_rows_or_names_a_shape_difference():
     assert differing_rows(got, want) == "2"
     assert differing_rows(want[:0], want[:0]) == "0"
     assert differing_rows(got[:4], want).startswith("a different shape ((4, 3) against (5, 3))")
+
+
+def test_received_rows_are_each_sources_rows_naming_the_rank_in_source_order():
+    # 2 ranks, 4 experts (2 per rank): rank 1 holds experts 2 and 3
+    rows0, idx0 = torch.tensor([[10], [11], [12]]), torch.tensor([[0, 2], [1, -1], [3, 3]])
+    rows1, idx1 = torch.tensor([[20], [21]]), torch.tensor([[-1, -1], [2, 0]])
+    assert received_rows([(rows0, idx0), (rows1, idx1)], 4, 1).flatten().tolist() == [10, 12, 21]
+    assert received_rows([(rows0, idx0), (rows1, idx1)], 4, 0).flatten().tolist() == [10, 11, 21]
