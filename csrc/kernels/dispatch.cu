@@ -163,6 +163,21 @@ __device__ __forceinline__ void dispatch_tokens_lane_dests(const DispatchArgs& a
   }
 }
 
+// The handle's src_idx copy is made by the last of a call's P payload blocks to take a ticket (dispatch_payload).
+// Every block takes one, also a block that leaves early after a timed-out wait, so that the count is back at 0 for
+// the next call (a Buffer goes on after a timeout once the lost peer is masked and unmasked). Thread 0; true for
+// the last block.
+__device__ __forceinline__ bool take_src_idx_ticket(uint8_t* self, const NvlLayout& layout, int P) {
+  ptx::fence_acq_rel_gpu();
+  auto* ticket = reinterpret_cast<uint32_t*>(self + layout.notify_work + NotifyWork::kDispatchTicket);
+  const bool last = ptx::atom_add_release_gpu_u32(ticket, 1u) == uint32_t(P - 1);
+  if (last) {
+    *ticket = 0u;
+    ptx::fence_acq_rel_gpu();
+  }
+  return last;
+}
+
 // kBulk: x rows go through shared memory by bulk copies (bulk_rows.cuh), each warp's lane 0 issuing them, with
 // kBulkStages chunks per warp in dynamic shared memory; else (the default) every lane copies 16-byte vectors
 // (copy_row_to_dests); kUnroll != kDispatchUnroll or kPrefetch: the tuning variants' loop instead
@@ -225,7 +240,10 @@ __device__ __forceinline__ void dispatch_payload(const DispatchArgs& a, const Nv
     sh.row_base[tid] = base;
   }
   __syncthreads();
-  if (!sh.ok) return;
+  if (!sh.ok) {  // a mailbox wait timed out (recorded): nothing moves
+    if (a.src_idx_copy != nullptr && tid == 0) take_src_idx_ticket(self, layout, P);
+    return;
+  }
   // Rows some receiver cannot hold (worst-case output too small): every rank has the whole count matrix and every
   // capacity, so every rank records it, not only the senders whose rows are dropped.
   if (blockIdx.x == 0 && tid < R) {
@@ -335,17 +353,8 @@ __device__ __forceinline__ void dispatch_payload(const DispatchArgs& a, const Nv
   // The handle's copy of our src_idx (so that it does not pin the output block): once every block has seen its
   // peers' rows land, the last block to get here copies the array.
   __syncthreads();
-  if (!sh.ok) return;
   __shared__ int last;
-  if (tid == 0) {
-    ptx::fence_acq_rel_gpu();
-    auto* ticket = reinterpret_cast<uint32_t*>(self + layout.notify_work + NotifyWork::kDispatchTicket);
-    last = ptx::atom_add_release_gpu_u32(ticket, 1u) == uint32_t(P - 1);
-    if (last) {
-      *ticket = 0u;
-      ptx::fence_acq_rel_gpu();
-    }
-  }
+  if (tid == 0) last = take_src_idx_ticket(self, layout, P) && sh.ok;  // not after a timed-out wait (recorded)
   __syncthreads();
   if (!last) return;
   const int* src = reinterpret_cast<const int*>(sh.dst[rank][4]);
@@ -408,7 +417,10 @@ __global__ void __launch_bounds__(kDispatchThreads, 1)
   __shared__ int ready;
   if (threadIdx.x == 0) ready = wait_flag_geq(done, ctx.seq, longer, ctx.rank, kStageNotifyLocal) ? 1 : 0;
   __syncthreads();
-  if (!ready) return;
+  if (!ready) {  // timed out (recorded): nothing moves
+    if (a.src_idx_copy != nullptr && threadIdx.x == 0) take_src_idx_ticket(self, layout, int(gridDim.x));
+    return;
+  }
   dispatch_payload<false, kUnroll, kPrefetch>(a, layout, peers, ctx, int(gridDim.x));
 }
 
