@@ -9,7 +9,7 @@ backend in the same process group, and compares every output byte. Inputs are dr
 the counts per mode/dtype on rank 0 and exits non-zero on any mismatch. ``--self-check`` flips one output byte in
 one iteration to show the comparison catches it (the run must then fail). ``--keep N`` keeps the last N normal-mode
 dispatch outputs alive, as training keeps every layer's ``recv_x`` for the backward pass: the Buffer's output space
-fills, later dispatches take their exact-size and overflow placements, and each kept output is compared with its
+fills, later dispatches take the exact-size and bounce placements (the summary counts each kind), and each kept output is compared with its
 reference again when it is let go (a later call that wrote into it shows there).
 
     python -m deepcomm.soak --backend cuda --iterations 10000      # GPUs: one process per GPU
@@ -160,13 +160,11 @@ def _values(recv):
 
 def _normal(buf, ref, case, x, idx, w, gen, device, corrupt, rank, earlier=(), expected=None):
     """``(names of the outputs that differ, a byte was corrupted, (received, reference) rows of the dispatch)``;
-    a differing ``recv_x`` is described by deepcomm.row_diff (``earlier``: kept outputs' rows it may repeat), says
-    whether the call went through the overflow area and (``expected``: a callable giving the rows this rank must
-    receive) how many rows of each side differ from them."""
+    a differing ``recv_x`` is described by deepcomm.row_diff (``earlier``: kept outputs' rows it may repeat), and
+    (``expected``: a callable giving the rows this rank must receive) says how many rows of each side differ from
+    them."""
     import torch
     payload = _payload(case, x)
-    backend = getattr(buf, "_backend", None)
-    overflowed = getattr(backend, "bounced_calls", 0)
     got = buf.dispatch(payload, topk_idx=idx, topk_weights=w, num_experts=case.experts, expert_alignment=4)
     want = ref.dispatch(payload, topk_idx=idx, topk_weights=w, num_experts=case.experts, expert_alignment=4)
     flipped = corrupt and _flip_one_byte(_values(got[0]))
@@ -174,14 +172,13 @@ def _normal(buf, ref, case, x, idx, w, gen, device, corrupt, rank, earlier=(), e
                                          got[:4], want[:4]) if not _same(a, b)]
     if "recv_x" in differ:
         from deepcomm.row_diff import differing_rows, explain_rows
-        overflow = "overflowed" if getattr(backend, "bounced_calls", 0) > overflowed else "placed"
         why = explain_rows(_values(got[0]), _values(want[0]), want[4].count_matrix[:, rank].tolist(),
                            [_values(e) for e in earlier])
         if expected is not None:
             rows = expected()
             why += (f"; against every rank's inputs drawn again here, {differing_rows(_values(got[0]), rows)} rows "
                     f"of this backend and {differing_rows(_values(want[0]), rows)} of the reference differ")
-        differ[0] = f"recv_x ({overflow}: {why})"
+        differ[0] = f"recv_x ({why})"
     differ += [f"handle.{f}" for f in ("is_token_in_rank", "send_pos", "count_matrix", "recv_src_idx", "num_recv")
                if not _same(getattr(got[4], f), getattr(want[4], f))]
     n = got[4].num_recv
@@ -196,12 +193,24 @@ def _normal(buf, ref, case, x, idx, w, gen, device, corrupt, rank, earlier=(), e
     return differ, flipped, (got[0], want[0])
 
 
+def _placement(buf) -> str:
+    """Where the Buffer's last dispatch put its rows (deepcomm.nvlink.backend.PLACEMENTS), as a mismatch line's
+    suffix; empty for a backend that does not say."""
+    placement = getattr(getattr(buf, "_backend", None), "last_placement", None)
+    return f" (rows placed: {placement})" if placement else ""
+
+
+def _placements(buf) -> dict:
+    """How many dispatches of the Buffer put their rows where (PLACEMENTS); empty for a backend that does not say."""
+    return dict(getattr(getattr(buf, "_backend", None), "placements", {}))
+
+
 def _let_go(kept: deque, keep: int, failures: list, rank: int) -> None:
     """Compare the kept outputs past the last ``keep`` with their references once more, then drop them."""
     while len(kept) > keep:
-        it, (got, want) = kept.popleft()
+        it, (got, want), placed = kept.popleft()
         if not _same(got, want):
-            failures.append(f"iteration {it} rank {rank}: a kept dispatch output changed after its call")
+            failures.append(f"iteration {it} rank {rank}: a kept dispatch output changed after its call{placed}")
 
 
 def _low_latency(buf, ref, case, x, idx, w, gen, device, world, corrupt):
@@ -248,7 +257,7 @@ def run_worker(rank: int, world: int, local_rank: int, args, dev_type: str) -> i
     ll_shape, ll_left = None, 0
     gen = torch.Generator(device=device)
     counts, failures = Counter(), []
-    kept = deque()  # (iteration, (received, reference)) of the last --keep normal-mode dispatches
+    kept = deque()  # (iteration, (received, reference), placement) of the last --keep normal-mode dispatches
     to_corrupt = args.self_check and rank == 0  # once, in the first iteration past the middle that has data
     start = time.monotonic()
     for it in range(args.iterations):
@@ -270,27 +279,26 @@ def run_worker(rank: int, world: int, local_rank: int, args, dev_type: str) -> i
         corrupt = to_corrupt and it >= args.iterations // 2
         if case.mode == "normal":
             differ, flipped, rows = _normal(
-                buf, ref, case, x, idx, w, gen, device, corrupt, rank, [got for _, (got, _) in kept],
+                buf, ref, case, x, idx, w, gen, device, corrupt, rank, [got for _, (got, _), _ in kept],
                 lambda: _expected_recv(case, args, it, world, rank, device))
             ok = not differ
+            placed = _placement(buf)
             if args.keep > 0 and ok:
-                kept.append((it, rows))
+                kept.append((it, rows, placed))
                 _let_go(kept, args.keep, failures, rank)
         else:
-            differ = []
+            differ, placed = [], ""
             ok, flipped = _low_latency(buf, ref, case, x, idx, w, gen, device, world, corrupt)
         to_corrupt &= not flipped
         counts[case.label()] += 1
         if not ok:
             failures.append(f"iteration {it} rank {rank}: {case.label()} T={x.shape[0]} H={case.hidden} "
                             f"E={case.experts} K={case.topk} mask={case.mask}"
-                            + (f": {', '.join(differ)} differ" if differ else ""))
+                            + (f": {', '.join(differ)} differ" if differ else "") + placed)
     _let_go(kept, 0, failures, rank)
     buf.synchronize()
     every = [None] * world
-    # dispatches whose rows went through the overflow area (the CUDA backend's, with the output space full)
-    overflowed = getattr(getattr(buf, "_backend", None), "bounced_calls", 0)
-    dist.all_gather_object(every, (counts, failures, overflowed))
+    dist.all_gather_object(every, (counts, failures, _placements(buf)))
     if rank == 0:
         total, all_failures = Counter(), []
         for c, f, _ in every:
@@ -300,8 +308,11 @@ def run_worker(rank: int, world: int, local_rank: int, args, dev_type: str) -> i
               f"{sum(total.values()) // world} iterations in {time.monotonic() - start:.1f} s")
         for label in sorted(total):
             print(f"  {label:22s} {total[label] // world:7d}")
-        if args.keep:
-            print(f"  overflowed dispatches  {sum(o for _, _, o in every):7d} (all ranks)")
+        placed = Counter()
+        for _, _, p in every:
+            placed.update(p)
+        if placed:  # where the dispatches' rows landed, all ranks (the bounce area once the arena is full)
+            print("  dispatch rows placed   " + ", ".join(f"{k} {v}" for k, v in placed.items()) + " (all ranks)")
         print(f"  mismatches             {len(all_failures):7d}")
         for line in all_failures[:20]:
             print("  " + line)

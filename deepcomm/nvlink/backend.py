@@ -55,6 +55,11 @@ def _load_flags(C) -> None:
 # FreshDispatchWork's offsets in the order _work_layout returns them (csrc/runtime/nvl_layout.hpp)
 WORK_PARTS = ("send_pos", "notify_out", "count_matrix", "per_expert", "bad_all", "src_idx", "in_rank", "total")
 
+# where a dispatch's rows land: "arena", an arena block reserved before the counts are known (worst-case size,
+# trimmed after the wait); "exact", an arena block of the size the counts gave (the worst case did not fit);
+# "bounce", the bounce area, copied out (no block fitted)
+PLACEMENTS = ("arena", "exact", "bounce")
+
 EVENT_RING = 8            # end-of-call events a Buffer cycles through (Buffer.event is the newest)
 LAYOUT_CACHE = 256        # layouts a backend keeps per kind (shapes seen), so the extension is asked once per shape
 
@@ -236,6 +241,9 @@ class CudaBackend:
         self._work_cache = {}  # fresh dispatch workspace layouts by (T, L, rows) (_work_layout)
         self._work_pool = WorkPool(device)  # waited fresh dispatches' workspaces, taken again once free
         self.bounced_calls = 0  # dispatches whose rows went through the bounce area (diagnostics)
+        # where each dispatch's rows went (diagnostics, PLACEMENTS): the last one's, and how many of each kind
+        self.last_placement: Optional[str] = None
+        self.placements = dict.fromkeys(PLACEMENTS, 0)
         self.last_wait_us = 0.0  # host time the last fresh dispatch waited for its counts (diagnostics)
         # the host waits for a fresh dispatch's counts a little longer than the kernels wait for their peers, so a
         # peer that never comes is reported by the device wait (naming it) first
@@ -466,6 +474,7 @@ class CudaBackend:
                 out = self._bounced(call, rows)
             else:
                 out = call.typed(res[5])
+                self._placed("arena")
             per_expert = self._device_counts(call, work[per_expert_at:per_expert_at + L], expert_alignment)
         else:
             # The payload is launched right behind notify, into a block reserved for the worst case (-1 rows: the
@@ -476,6 +485,7 @@ class CudaBackend:
             if res is not None:
                 self._fresh_status(res, num_experts)
                 out = call.typed(res[5])
+                self._placed("arena")
             else:
                 # The arena has no worst-case block free: learn the size first, then place the rows exactly.
                 res = self._cross(call, BEGIN | NOTIFY | WAIT, None, *args, self._tag, notify_ptr, invalid_ptr, 0, -1,
@@ -488,6 +498,7 @@ class CudaBackend:
                     out = self._bounced(call, rows)
                 else:
                     out = call.typed(placed[5])
+                    self._placed("exact")
             self.last_wait_us = res[6]
             per_expert = res[4]
         n = res[1]
@@ -540,6 +551,7 @@ class CudaBackend:
         res = self._cross(call, BEGIN | BUMP | PAYLOAD | FINISH, n, *args, 0, n, 1, 0)
         if res is not None:
             out = call.typed(res[5])
+            self._placed("arena")
         else:  # no block free: into the bounce area
             self._cross(call, BEGIN | BUMP | PAYLOAD, None, *args, self._arena_at + self.bounce_offset, n, 1, 0)
             out = self._bounced(call, n)
@@ -582,7 +594,12 @@ class CudaBackend:
                 caller.wait_event(self._event)
         self._bounce_pending = True  # the next call must not overwrite the bounce area under these copies
         self.bounced_calls += 1
+        self._placed("bounce")
         return out
+
+    def _placed(self, placement: str) -> None:
+        self.last_placement = placement
+        self.placements[placement] += 1
 
     # ---- normal combine ----
     def combine(self, x: torch.Tensor, handle: Handle, topk_weights: Optional[torch.Tensor],

@@ -45,7 +45,7 @@ def test_kept_outputs_are_never_written_and_each_dispatch_shows_its_rows(monkeyp
     b, rng = env.b, random.Random(seed)
     H, K, E = 1024, 4, 8
     kept = []  # (byte, recv_x, the whole output or None)
-    paths = {"worst": 0, "exact": 0, "bounce": 0, "cached": 0, "worst-case sized": 0}
+    paths = {"arena": 0, "exact": 0, "bounce": 0, "cached": 0, "worst-case sized": 0}
     for step in range(240):
         env.byte = step % 251 + 1
         env.ctx.recv = rng.choice([0, 1, rng.randint(1, 256), 256, rng.randint(200, 256)])
@@ -57,15 +57,19 @@ def test_kept_outputs_are_never_written_and_each_dispatch_shows_its_rows(monkeyp
         if live and kind < 0.2:  # a cached dispatch of a kept output's handle
             out = b.dispatch(x, None, w, E, rng.choice(live)[2][4], 1)
             paths["cached"] += 1
+            assert b.last_placement == ("bounce" if b.bounced_calls > bounced else "arena"), step
         elif kind < 0.35:  # worst-case sized, as in a CUDA graph: no wait, every row of the capacity placed
             out = b.dispatch(x, idx, w, E, None, 1, num_worst_tokens=256)
             paths["worst-case sized"] += 1
+            assert b.last_placement == ("bounce" if b.bounced_calls > bounced else "arena"), step
         else:  # a waited fresh dispatch, plain or on the communication stream
             out = b.dispatch(x, idx, w, E, None, 1, async_finish=rng.random() < 0.3)
             if b.bounced_calls > bounced:
-                paths["bounce"] += 1
+                path = "bounce"
             else:
-                paths["exact" if len(env.ctx.calls) - calls == 2 else "worst"] += 1
+                path = "exact" if len(env.ctx.calls) - calls == 2 else "arena"
+            paths[path] += 1
+            assert b.last_placement == path, f"step {step}: a {path} placement reported as {b.last_placement}"
         recv_x = out[0]
         assert _holds(recv_x, env.byte), f"step {step}: the dispatch's recv_x does not hold its own rows"
         # keep the whole output, or only recv_x (its block stays with it), or nothing
@@ -80,3 +84,4 @@ def test_kept_outputs_are_never_written_and_each_dispatch_shows_its_rows(monkeyp
         for byte, rx, _ in kept:
             assert _holds(rx, byte), f"step {step}: a kept output (byte {byte}) was written by a later dispatch"
     assert all(paths.values()), f"every placement should have been taken: {paths}"
+    assert sum(b.placements.values()) == 240 and b.placements["bounce"] == b.bounced_calls, b.placements

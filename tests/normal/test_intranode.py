@@ -139,7 +139,6 @@ def _intranode_worker(rank, world):
     kept = []
     for i in range(10):
         idx, w, x = _kept_inputs(rank, i, dev)
-        bounced = cuda._backend.bounced_calls
         got = cuda.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=256)
         want = ref.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=256)
         for name, a, b in zip(("recv_x", "recv_topk_idx", "recv_topk_weights"), got[:3], want[:3]):
@@ -148,7 +147,7 @@ def _intranode_worker(rank, world):
                 rows = _kept_recv_x(rank, world, i, dev)
                 why += (f"; against every rank's inputs drawn again here, {differing_rows(a, rows)} rows of the "
                         f"CUDA backend and {differing_rows(b, rows)} of the reference differ")
-            assert not why, (f"kept output {i} {name} (bounced: {cuda._backend.bounced_calls > bounced}, arena "
+            assert not why, (f"kept output {i} {name} (rows placed: {cuda._backend.last_placement}, arena "
                              f"{cuda._backend.arena.free_bytes()} of {cuda._backend.arena.nbytes} bytes free): {why}")
         kept.append(got)
     # (the arena may be full for a block of this size with free bytes left in holes: count the bounces themselves)

@@ -15,7 +15,7 @@ def test_soak_catches_a_corrupted_byte(capfd):
     # the mismatch line names the output, what its wrong row holds (deepcomm/row_diff.py), and which side differs
     # from every rank's inputs drawn again (the corrupted backend, not the reference)
     out = capfd.readouterr().out
-    assert "recv_x (placed: 1 of" in out
+    assert "recv_x (1 of" in out
     assert "drawn again here, 1 rows of this backend and 0 of the reference differ" in out
 
 
@@ -29,9 +29,20 @@ def test_a_kept_output_that_changed_is_a_mismatch():
     import torch
     want = torch.arange(6, dtype=torch.int32).reshape(3, 2)
     changed = want.clone()
-    kept = collections.deque([(4, (want.clone(), want)), (7, (changed, want)), (9, (want.clone(), want))])
+    kept = collections.deque([(4, (want.clone(), want), ""), (7, (changed, want), " (rows placed: bounce)"),
+                              (9, (want.clone(), want), "")])
     changed[1, 0] = 99  # written after its call was checked
     failures = []
     soak._let_go(kept, 1, failures, rank=2)
-    assert failures == ["iteration 7 rank 2: a kept dispatch output changed after its call"]
-    assert [it for it, _ in kept] == [9]
+    assert failures == ["iteration 7 rank 2: a kept dispatch output changed after its call (rows placed: bounce)"]
+    assert [it for it, _, _ in kept] == [9]
+
+
+def test_placements_are_read_from_a_backend_that_reports_them():
+    import types
+    cuda = types.SimpleNamespace(_backend=types.SimpleNamespace(last_placement="exact",
+                                                                placements={"arena": 3, "exact": 1, "bounce": 0}))
+    assert soak._placement(cuda) == " (rows placed: exact)"
+    assert soak._placements(cuda) == {"arena": 3, "exact": 1, "bounce": 0}
+    reference = types.SimpleNamespace(_backend=object())  # says nothing: no suffix, no counts
+    assert soak._placement(reference) == "" and soak._placements(reference) == {}
