@@ -245,7 +245,7 @@ __device__ __forceinline__ NotifyEnd notify_phase(const NotifyArgs& a, const Nvl
   for (int i = tid; i < R * row_len; i += blockDim.x) {
     const int dst = i / row_len, j = i % row_len;
     const int v = j < R ? sh.rank_total[j] : (j < R + L ? expert_count[dst * L + (j - R)] : sh.invalid);
-    reinterpret_cast<int*>(peers.base[dst] + layout.notify_counts)[rank * row_len + j] = v;
+    reinterpret_cast<int*>(peers.base[dst] + layout.notify_counts_at(ctx.seq))[rank * row_len + j] = v;
   }
   __syncthreads();
   if (tid < R)
@@ -286,7 +286,7 @@ __device__ __forceinline__ NotifyEnd notify_phase(const NotifyArgs& a, const Nvl
   __syncthreads();
   if (!ok) return kNotifyStopped;  // the host sees the error record instead of the tag
   trace_stamp(a.trace, kNotifyTraceFlags);
-  const int* counts = reinterpret_cast<const int*>(self + layout.notify_counts);
+  const int* counts = reinterpret_cast<const int*>(self + layout.notify_counts_at(ctx.seq));
   const uint32_t host_tag = count_tag(a.host_tag);
   for (int i = tid; i < R * R; i += blockDim.x)
     a.notify_out[out.count_matrix + i] = ptx::ld_volatile_s32(counts + (i / R) * row_len + i % R);

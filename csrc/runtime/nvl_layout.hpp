@@ -2,9 +2,12 @@
 // kernels find their regions with it; nothing else computes these offsets.
 //
 // Per-rank buffer (every rank maps every peer's buffer through CUDA IPC):
-//   notify_counts   int32 [R][R + L + 1]    row s: tokens rank s sends to each rank, to each of our L experts,
+//   notify_counts   int32 [2][R][R + L + 1] row s: tokens rank s sends to each rank, to each of our L experts,
 //                                           then rank s's count of invalid expert ids
-//                                           (L = num_local_experts is a capacity; a call may use fewer)
+//                                           (L = num_local_experts is a capacity; a call may use fewer), in the
+//                                           half of the call's seq parity (notify_counts_at): a call stopped by bad
+//                                           ids has no payload handshake, so a fast rank's next call may write
+//                                           its counts before we read this call's
 //   seq_counter     u64   [1]               our collective sequence number (only we touch it)
 //   notify_work     NotifyWork              the notify kernel's cross-block accumulators (local only; each
 //                                           call's last block leaves them zeroed for the next)
@@ -86,7 +89,7 @@ struct NvlLayout {
     int64_t off = 0;
     seq_counter = off;    off = align_up(off + 8, kAlign);
     notify_work = off;    off = align_up(off + NotifyWork(ranks, local_experts, max_tok).total, kAlign);
-    notify_counts = off;  off = align_up(off + int64_t(ranks) * (ranks + local_experts + 1) * 4, kAlign);
+    notify_counts = off;  off = align_up(off + 2 * notify_counts_half(), kAlign);
     notify_flag = off;    off = align_up(off + int64_t(ranks) * 8, kAlign);
     mailbox = off;        off = align_up(off + int64_t(ranks) * kMailboxWords * 8, kAlign);
     dispatch_done = off;  off = align_up(off + int64_t(ranks) * kMaxBlocks * 8, kAlign);
@@ -97,6 +100,10 @@ struct NvlLayout {
     arena = off;          off = align_up(off + arena_sz, kAlign);
     total = off;
   }
+  // Bytes of one half of notify_counts.
+  DC_HD int64_t notify_counts_half() const { return int64_t(num_ranks) * (num_ranks + num_local_experts + 1) * 4; }
+  // The half of notify_counts the call with sequence number seq uses.
+  DC_HD int64_t notify_counts_at(uint64_t seq) const { return notify_counts + int64_t(seq & 1) * notify_counts_half(); }
   // Our slots of the call with sequence number seq: [R] of them, rank s's at + s * kAgreeSlotBytes.
   DC_HD int64_t agree_at(uint64_t seq) const { return agree + int64_t(seq & 1) * num_ranks * kAgreeSlotBytes; }
   // Everything before the combine staging holds flags and must start zeroed.

@@ -45,3 +45,13 @@ def test_the_arena_holds_as_many_worst_case_outputs_as_deepcomm_arena_outputs_sa
         monkeypatch.setenv(ARENA_OUTPUTS_ENV, bad)
         with pytest.raises(ValueError, match=ARENA_OUTPUTS_ENV):
             arena_sizes(C, 2, 1024, 7168)
+
+
+def test_notify_counts_hold_a_half_for_each_call_parity():
+    # a call that bad expert ids stop has no payload handshake: a fast rank's next call writes its count row into
+    # the other half, never over the one a slow rank still reads (csrc/runtime/nvl_layout.hpp notify_counts_at)
+    from deepcomm._ext import load_extension
+    C = load_extension()
+    for R, L in ((2, 1), (8, C.COUNTS_MAX_EXPERTS)):
+        lay = C.NvlContext(0, R, L, 128, 1024, C.TOPK_MAX, 1 << 20).layout()
+        assert lay["notify_flag"] - lay["notify_counts"] >= 2 * R * (R + L + 1) * 4
