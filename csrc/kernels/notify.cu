@@ -20,7 +20,14 @@ using namespace notify_detail;
 __global__ void __launch_bounds__(kNotifyThreads, 1)
     notify_dispatch_kernel(NotifyArgs a, NvlLayout layout, Peers peers, WaitCtx ctx_base) {
   uint64_t seq;
-  notify_phase(a, layout, peers, ctx_base, int(gridDim.x), false, seq);
+  const NotifyEnd end = notify_phase(a, layout, peers, ctx_base, int(gridDim.x), false, seq);
+  // Stopped (the ranks' words differ, or a wait gave up: recorded): the payload behind us, launched before the
+  // host knows, must move nothing. It reads this invalid count first; the count matrix it would otherwise read was
+  // never written, and rows placed by it could land anywhere in a peer's output, or outside it.
+  if (end == kNotifyStopped && threadIdx.x == 0) {
+    const int R = layout.num_ranks;
+    a.notify_out[NotifyOut(R, a.num_experts / R).bad_all] = -1;
+  }
 }
 
 }  // namespace
