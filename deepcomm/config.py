@@ -12,6 +12,8 @@ LL_MEMORY_ENV = "DEEPCOMM_LL_MEMORY"
 INTERNODE_TRANSPORTS = ("emulated", "nvshmem", "nvshmem-host")
 NVSHMEM_TRANSPORTS = ("nvshmem", "nvshmem-host")  # both reach other hosts through NVSHMEM
 INTERNODE_TRANSPORT_ENV = "DEEPCOMM_INTERNODE_TRANSPORT"
+ARENA_FULL_WAYS = ("place", "copy")  # what a fresh dispatch does when the output arena has no worst-case block
+ARENA_FULL_ENV = "DEEPCOMM_ARENA_FULL"
 
 
 def _resolve_choice(arg: str, value: Optional[str], env_name: str, choices, default: str) -> str:
@@ -57,6 +59,15 @@ def resolve_internode_transport(value: Optional[str]) -> str:
     same rounds through NVSHMEM's host API, stream-ordered, with the torch routing (the fallback where the
     device module is not built). ``ValueError`` names the source."""
     return _resolve_choice("internode_transport", value, INTERNODE_TRANSPORT_ENV, INTERNODE_TRANSPORTS, "emulated")
+
+
+def resolve_arena_full() -> str:
+    """What the CUDA backend's fresh dispatch does when its output arena has no worst-case block free (more outputs
+    alive than it holds): ``$DEEPCOMM_ARENA_FULL``, else "place": wait for the counts first, then place the rows in
+    a block of their exact size where one is free (no copy; the payload waits for the host), else in the bounce
+    area. "copy": the payload goes behind notify at once, into the bounce area, and is copied out (one device copy;
+    no wait before the payload). ``ValueError`` names the variable."""
+    return _resolve_choice("arena_full", None, ARENA_FULL_ENV, ARENA_FULL_WAYS, "place")
 
 
 def default_num_sms(sm_count: Optional[int]) -> int:

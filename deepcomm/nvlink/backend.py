@@ -18,7 +18,7 @@ import torch
 from .. import agreement
 from .._ext import load_extension
 from ..validation import is_capturing
-from ..config import env_positive_int
+from ..config import env_positive_int, resolve_arena_full
 from ..errors import CommTimeoutError
 from ..gpu_share import GPU_SMS_ENV, shares_gpu, usable_sms
 from ..backend_protocol import Capabilities
@@ -220,6 +220,9 @@ class CudaBackend:
         # backward), a dispatch lands in this bounce area (``worst`` bytes past the arena) and is copied out into
         # ordinary torch tensors.
         self.bounce_offset, self.bounce_bytes = arena, worst
+        # with no worst-case block free, a fresh dispatch places its rows exactly after its counts come, or copies
+        # them out of the bounce area it went to at once (DEEPCOMM_ARENA_FULL, deepcomm/config.py)
+        self._full_copies = resolve_arena_full() == "copy"
         # end-of-call events (recorded once here, so that their CUDA events exist for the C++ side) and the event
         # the communication stream records on the caller's stream to wait for it
         self._events = [torch.cuda.Event() for _ in range(EVENT_RING)]
@@ -486,6 +489,12 @@ class CudaBackend:
                 self._fresh_status(res, num_experts)
                 out = call.typed(res[5])
                 self._placed("arena")
+            elif self._full_copies:
+                # The arena has no worst-case block free: the same launches into the bounce area, copied out.
+                res = self._cross(call, BEGIN | NOTIFY | PAYLOAD | WAIT | FINISH, None, *args, self._tag, notify_ptr,
+                                  invalid_ptr, bounce_block, -1, expert_alignment, src_ptr)
+                self._fresh_status(res, num_experts)
+                out = self._bounced(call, res[1])
             else:
                 # The arena has no worst-case block free: learn the size first, then place the rows exactly.
                 res = self._cross(call, BEGIN | NOTIFY | WAIT, None, *args, self._tag, notify_ptr, invalid_ptr, 0, -1,

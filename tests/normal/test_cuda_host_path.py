@@ -243,6 +243,38 @@ def test_fp8_outputs_in_the_arena_and_through_the_bounce_area(env, fp8_imported)
     b.arena.release(*full)
 
 
+def test_a_full_arena_with_copies_sends_a_fresh_dispatch_to_the_bounce_area_in_one_crossing(env):
+    """DEEPCOMM_ARENA_FULL=copy: with no worst-case block free, notify, the payload (out_rows -1: the kernel carves
+    the bounce area for the rows that come) and the wait for the counts go in one crossing, as with a block, and
+    the rows are copied out; bad ids still raise on every rank."""
+    b, ctx = env.b, env.ctx
+    b._full_copies = True
+    full = b.arena.reserve(b.arena.free_bytes())
+    ctx.calls.clear()
+    recv_x = _fresh(b)[0]
+    (call,) = ctx.calls
+    assert call["out_block"] == b._arena_at + b.bounce_offset and call["out_rows"] == -1
+    assert call["flags"] & B.NOTIFY and call["flags"] & B.PAYLOAD and call["flags"] & B.WAIT
+    assert call["src_copy"] != 0 and "reserve_rows" not in call
+    assert recv_x.shape == (64, 1024) and b.last_placement == "bounce" and b.bounced_calls == 1
+    ctx.status, ctx.bad_mine = 2, 3
+    with pytest.raises(ValueError, match="topk_idx: 3 expert ids outside"):
+        _fresh(b)
+    ctx.status = 0
+    b.arena.release(*full)
+
+
+def test_the_arena_full_way_comes_from_the_environment(monkeypatch):
+    from deepcomm.config import resolve_arena_full
+    monkeypatch.delenv("DEEPCOMM_ARENA_FULL", raising=False)
+    assert resolve_arena_full() == "place"
+    monkeypatch.setenv("DEEPCOMM_ARENA_FULL", " Copy ")
+    assert resolve_arena_full() == "copy"
+    monkeypatch.setenv("DEEPCOMM_ARENA_FULL", "bounce")
+    with pytest.raises(ValueError, match="DEEPCOMM_ARENA_FULL: expected one of place, copy"):
+        resolve_arena_full()
+
+
 def test_bad_ids_raise_on_every_rank_and_give_the_block_back(env):
     b, ctx = env.b, env.ctx
     ctx.status, ctx.bad_mine = 2, 3
