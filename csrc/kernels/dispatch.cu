@@ -164,9 +164,9 @@ __device__ __forceinline__ void dispatch_tokens_lane_dests(const DispatchArgs& a
 }
 
 // The handle's src_idx copy is made by the last of a call's P payload blocks to take a ticket (dispatch_payload).
-// Every block takes one, also a block that leaves early after a timed-out wait, so that the count is back at 0 for
-// the next call (a Buffer goes on after a timeout once the lost peer is masked and unmasked). Thread 0; true for
-// the last block.
+// Every block takes one however it leaves (a timed-out wait, a stopped call; in the fused kernel some blocks may
+// time out before the payload while the others stop inside it), so that the count is back at 0 for the next call
+// (a Buffer goes on after a timeout once the lost peer is masked and unmasked). Thread 0; true for the last block.
 __device__ __forceinline__ bool take_src_idx_ticket(uint8_t* self, const NvlLayout& layout, int P) {
   ptx::fence_acq_rel_gpu();
   auto* ticket = reinterpret_cast<uint32_t*>(self + layout.notify_work + NotifyWork::kDispatchTicket);
@@ -190,6 +190,10 @@ __device__ __forceinline__ void dispatch_payload(const DispatchArgs& a, const Nv
   uint8_t* self = peers.base[ctx.rank];
   __shared__ DispatchShared sh;
   const int R = layout.num_ranks, rank = ctx.rank, tid = threadIdx.x, lane = tid & 31;
+  // A block that leaves before the end still takes its src_idx ticket (take_src_idx_ticket).
+  const auto leave_early = [&] {
+    if (a.src_idx_copy != nullptr && tid == 0) take_src_idx_ticket(self, layout, P);
+  };
   // Bad expert ids anywhere: every rank sees the same count (from notify) and stops before any handshake. The
   // route is cleared, so whatever runs next on this handle (a combine in the same graph) moves nothing.
   if (a.invalid_count != nullptr && *a.invalid_count != 0) {
@@ -198,6 +202,7 @@ __device__ __forceinline__ void dispatch_payload(const DispatchArgs& a, const Nv
          i += int64_t(P) * blockDim.x)
       a.send_pos[i] = -1;
     if (blockIdx.x == 0 && tid < R * R) a.count_matrix[tid] = 0;
+    leave_early();
     return;
   }
   if (tid == 0) sh.ok = 1;
@@ -225,8 +230,10 @@ __device__ __forceinline__ void dispatch_payload(const DispatchArgs& a, const Nv
   // Every block compares every rank's words before it uses a mailbox: on a difference (or a rank that rejected
   // its call and sent only its words) no rank moves a row, and the handle stays as it was.
   if (agree_on(a.agree) && agree_block(self + layout.agree_at(ctx.seq), a.agree, ctx.seq, R, AllRanks{}, ctx,
-                                       kStageAgree, true).status != 1)
+                                       kStageAgree, true).status != 1) {
+    leave_early();
     return;
+  }
   if (tid < R) {
     const auto* box = reinterpret_cast<const uint64_t*>(self + layout.mailbox) + tid * kMailboxWords;
     if (wait_flag_geq(box, ctx.seq, ctx, tid, kStageDispatchMailbox)) {
@@ -241,7 +248,7 @@ __device__ __forceinline__ void dispatch_payload(const DispatchArgs& a, const Nv
   }
   __syncthreads();
   if (!sh.ok) {  // a mailbox wait timed out (recorded): nothing moves
-    if (a.src_idx_copy != nullptr && tid == 0) take_src_idx_ticket(self, layout, P);
+    leave_early();
     return;
   }
   // Rows some receiver cannot hold (worst-case output too small): every rank has the whole count matrix and every
