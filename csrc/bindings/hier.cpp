@@ -56,7 +56,8 @@ void register_launch_args(py::module_& m) {
       .field("own_x", &Cb::own_x).field("own_w", &Cb::own_w).field("own_begin", &Cb::own_begin)
       .field("gather", &Cb::gather).field("route", &Cb::route).field("singles", &Cb::singles)
       .field("max_rows", &Cb::max_rows).field("rows_from", &Cb::rows_from).field("area_off", &Cb::area_off)
-      .field("partial_stride", &Cb::partial_stride).field("recv_off", &Cb::recv_off)
+      .field("partial_stride", &Cb::partial_stride).field("rdma_slot", &Cb::rdma_slot)
+      .field("held_slot", &Cb::held_slot).field("one_held", &Cb::one_held)
       .field("num_tokens", &Cb::num_tokens).field("out_x", &Cb::out_x).field("out_w", &Cb::out_w)
       .done();
 }

@@ -212,7 +212,7 @@ struct HierCombineLaunch {
   std::vector<int64_t> rows_from;
   uintptr_t area_off = 0;
   uint32_t partial_stride = 0;
-  uintptr_t recv_off = 0;
+  uintptr_t rdma_slot = 0, held_slot = 0, one_held = 0;
   int num_tokens = 0;
   uintptr_t out_x = 0, out_w = 0;
 
@@ -224,6 +224,8 @@ struct HierCombineLaunch {
     if (own_begin < 0) hier_detail::bad("own_begin must be >= 0");
     if (max_rows < 0) hier_detail::bad("max_rows must be >= 0");
     check_node_rows(rows_from, common.num_nodes, "rows_from");
+    if (num_tokens > 0 && (rdma_slot == 0 || held_slot == 0 || (common.gpus > 1 && one_held == 0)))
+      hier_detail::bad("rdma_slot, held_slot (and one_held with gpus > 1) are needed with tokens");
   }
   HierCombineArgs args() const {
     check();
@@ -245,7 +247,9 @@ struct HierCombineLaunch {
     hier_detail::fill(a.rows_from, rows_from);
     a.area_off = ptr<const int64_t>(area_off);
     a.partial_stride = partial_stride;
-    a.recv_off = ptr<const int64_t>(recv_off);
+    a.rdma_slot = ptr<const int32_t>(rdma_slot);
+    a.held_slot = ptr<const int32_t>(held_slot);
+    a.one_held = ptr<const int32_t>(one_held);
     a.num_tokens = num_tokens;
     a.out_x = ptr<uint16_t>(out_x);
     a.out_w = ptr<float>(out_w);

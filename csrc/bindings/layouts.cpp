@@ -77,7 +77,8 @@ void register_layouts(py::module_& m) {
     const HierRouteWork w(tokens, ranks, gpus, num_experts, with_words);
     const HierCountRow& r = w.count_row;
     py::dict d;
-    d["send_pos"] = w.send_pos; d["rdma_slot"] = w.rdma_slot; d["masks"] = w.masks; d["row"] = w.row;
+    d["send_pos"] = w.send_pos; d["rdma_slot"] = w.rdma_slot; d["masks"] = w.masks; d["held_slot"] = w.held_slot;
+    d["one_held"] = w.one_held; d["row"] = w.row;
     d["in_rank"] = w.in_rank; d["total"] = w.total;
     d["row_words"] = r.words; d["row_ranks"] = r.ranks; d["row_nodes"] = r.nodes; d["row_experts"] = r.experts;
     d["row_bad"] = r.bad; d["row_width"] = r.width;

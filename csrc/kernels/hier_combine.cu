@@ -253,7 +253,18 @@ __device__ __forceinline__ void sum_tokens(const HierCombineArgs& a, Sources& sr
                            : a.rdma.recv + int64_t(rail_rank(t, lane)) * a.rdma.slot_bytes) +
            a.rdma.header_bytes;
   for (int64_t tok = gw; tok < a.num_tokens; tok += nw) {
-    const int64_t o = lane < N ? a.recv_off[tok * N + lane] : -1;
+    // o >= 0: an fp32 partial at that byte offset of node m's block; <= -2: a held row at -o - 2; -1: nothing
+    int64_t o = -1;
+    if (lane < N) {
+      const int slot = a.rdma_slot[tok * N + lane];
+      if (slot >= 0 && lane == t.node) {
+        o = int64_t(slot) * a.partial_stride;
+      } else if (slot >= 0) {
+        const int k = a.held_slot[tok * N + lane];
+        o = k >= 0 ? -int64_t(k) * a.held_stride - 2
+                   : int64_t(a.one_held[lane]) * a.held_stride + int64_t(-k - 1) * a.partial_stride;
+      }
+    }
     const bool valid = o != -1;
     const uint8_t* x = nullptr;
     const float* w = nullptr;

@@ -143,9 +143,11 @@ struct HierDispatchArgs {
 //       at k * held_stride of the section for m; k < 0: the fp32 partial at
 //       singles[m] * held_stride + (-k - 1) * partial_stride.
 //   Count themselves done (counters[1]); then, once every rdma block is done and every rail peer's block
-//   landed, sum per token t, nodes ascending, fp32 from +0: recv_off[t][m] >= 0: an fp32 partial at that byte
-//   offset (our own node: of our own section; else of node m's block in recv); <= -2: a held row at
-//   -recv_off - 2 of node m's block; -1: nothing from node m. out_x = bf16 (round to nearest even), out_w fp32.
+//   landed, sum per token t, nodes ascending, fp32 from +0, what node m sent for it (the dispatch's route,
+//   runtime/hier_route_layout.hpp): nothing where rdma_slot[t][m] < 0; from our own node the fp32 partial at
+//   rdma_slot[t][m] * partial_stride of our own section; else, in node m's block in recv, held_slot[t][m] = k >= 0
+//   (one GPU holds it): the held row at k * held_stride, k < 0: the fp32 partial at one_held[m] * held_stride +
+//   (-k - 1) * partial_stride. out_x = bf16 (round to nearest even), out_w fp32.
 // poster: per rail peer m, once every rdma block is done: the exchange round with
 //   singles[m] * held_stride + (rows_from[m] - singles[m]) * partial_stride bytes.
 // Words (words_at >= 0; header_bytes is then G * kRailHeaderBytes): nvl block 0 puts our words (the front of our
@@ -170,7 +172,9 @@ struct HierCombineArgs {
   int rows_from[kHierMaxNodes];
   const int64_t* area_off;     // [N][G] byte offset in our area (unused for m == node, g == local)
   uint32_t partial_stride;     // round_up(4 * hidden + 4 * topk, 16)
-  const int64_t* recv_off;     // [T][N]
+  const int32_t* rdma_slot;    // [T][N], from the dispatch's route
+  const int32_t* held_slot;    // [T][N] (G == 1: rdma_slot itself, every k >= 0)
+  const int32_t* one_held;     // [N]; never read with G == 1 (may be null)
   int num_tokens;
   uint16_t* out_x;             // bf16 [T][hidden]
   float* out_w;                // fp32 [T][topk] or null

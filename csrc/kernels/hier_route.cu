@@ -64,7 +64,7 @@ __device__ void scan_columns(const uint32_t (&bits)[kPer], int ncols, ColumnScan
 }
 
 __device__ void rank_block(const HierRouteArgs& a, const HierRouteWork& w, int block) {
-  __shared__ ColumnScan rank_scan, node_scan;
+  __shared__ ColumnScan rank_scan, node_scan, one_scan;
   const int R = a.ranks, G = a.gpus;
   const int per_block = ranks_per_block(G);
   const int r0 = block * per_block;
@@ -72,7 +72,7 @@ __device__ void rank_block(const HierRouteArgs& a, const HierRouteWork& w, int b
   const int N = R / G, n0 = r0 / G, nn = G > 1 ? nr / G : 0;
   const int64_t T = a.num_tokens, L = a.num_experts / R;
   const uint32_t gpu_bits = G >= 32 ? 0xffffffffu : (1u << G) - 1u;
-  if (threadIdx.x < 32) rank_scan.base[threadIdx.x] = node_scan.base[threadIdx.x] = 0;
+  if (threadIdx.x < 32) rank_scan.base[threadIdx.x] = node_scan.base[threadIdx.x] = one_scan.base[threadIdx.x] = 0;
   int* send_pos = a.work + w.send_pos;
   uint8_t* in_rank = reinterpret_cast<uint8_t*>(a.work + w.in_rank);
   for (int64_t tile = 0; tile < T; tile += kTile) {
@@ -107,12 +107,16 @@ __device__ void rank_block(const HierRouteArgs& a, const HierRouteWork& w, int b
       }
     }
     if (G == 1) continue;  // a node is a rank: the rdma slots are the send positions
-    uint32_t node_bits[kPer];
+    // per node of the block: held by some GPU of it (node_bits), by exactly one (one_bits)
+    uint32_t node_bits[kPer], one_bits[kPer];
 #pragma unroll
     for (int i = 0; i < kPer; ++i) {
-      node_bits[i] = 0;
-      for (int m = 0; m < nn; ++m)
-        if ((bits[i] >> (m * G)) & gpu_bits) node_bits[i] |= 1u << m;
+      node_bits[i] = one_bits[i] = 0;
+      for (int m = 0; m < nn; ++m) {
+        const uint32_t g = (bits[i] >> (m * G)) & gpu_bits;
+        if (g) node_bits[i] |= 1u << m;
+        if (g && !(g & (g - 1u))) one_bits[i] |= 1u << m;
+      }
     }
     scan_columns(node_bits, nn, node_scan, start);
     int* rdma_slot = a.work + w.rdma_slot;
@@ -130,11 +134,33 @@ __device__ void rank_block(const HierRouteArgs& a, const HierRouteWork& w, int b
         }
       }
     }
+    // held slots: a token's index among those its node holds on one GPU, or among those it holds on several (its
+    // rdma slot, written just above by this thread, less the single-holder tokens before it)
+    scan_columns(one_bits, nn, one_scan, start);
+    int* held_slot = a.work + w.held_slot;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int64_t t = first + i;
+      if (t >= T) break;
+#pragma unroll
+      for (int m = 0; m < 16; ++m) {
+        if (m < nn) {
+          const int64_t at = t * N + n0 + m;
+          if ((one_bits[i] >> m) & 1u)
+            held_slot[at] = start[m]++;
+          else
+            held_slot[at] = (node_bits[i] >> m) & 1u ? -(rdma_slot[at] - start[m]) - 1 : -1;
+        }
+      }
+    }
   }
   __syncthreads();  // T == 0: the bases' zeros; else the last scan's totals
   int* row = a.work + w.row;
   if (threadIdx.x < nr) row[w.count_row.ranks + r0 + threadIdx.x] = rank_scan.base[threadIdx.x];
-  if (threadIdx.x < nn) row[w.count_row.nodes + n0 + threadIdx.x] = node_scan.base[threadIdx.x];
+  if (threadIdx.x < nn) {
+    row[w.count_row.nodes + n0 + threadIdx.x] = node_scan.base[threadIdx.x];
+    a.work[w.one_held + n0 + threadIdx.x] = one_scan.base[threadIdx.x];
+  }
 }
 
 __device__ void expert_block(const HierRouteArgs& a, const HierRouteWork& w, int block) {

@@ -22,9 +22,8 @@ put-with-signal; no NIC blocks). "nvshmem-host" keeps hier_normal.py.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import torch
 
@@ -57,9 +56,9 @@ class NodeRoute:
     counts: List[List[int]]    # the count matrix, on the host
     node_counts: List[List[int]]  # the node counts [R][N], on the host (``counts`` itself with one GPU per node)
     # What later calls with this route take as it is, made once: the device tables the kernels only read (the
-    # dispatch's "rdma_slot", "masks" and "first_row" for its cached dispatches; under "combine", a combine's
-    # (own_begin, recv_off, gather and area tables) by (held_stride, partial_stride)), and the route's extents
-    # ("extents", combine) that check_fits compares.
+    # dispatch's "rdma_slot", "masks" and "first_row" for its cached dispatches, the addresses of its held slots
+    # and single-held counts ("held") for the combines; under "combine", a combine's (own_begin, gather and area tables) by held_stride), and the
+    # route's extents ("extents", combine) that check_fits compares.
     tables: dict = dataclasses.field(default_factory=dict)
 
 
@@ -223,8 +222,8 @@ class HierKernels:
             launch = self.combine_launch(  # the held row of 8 bf16 values and no weights: 16 bytes
                 words=True, held_stride=16, w_off=16, hidden=8, topk=0, fp8=False, own_x=0, own_w=0,
                 own_begin=0, gather=zeros.data_ptr(), route=zeros.data_ptr(), singles=zeros.data_ptr(), max_rows=1,
-                rows_from=none, area_off=zeros.data_ptr(), partial_stride=32, recv_off=zeros.data_ptr(), num_tokens=0,
-                out_x=0, out_w=0)
+                rows_from=none, area_off=zeros.data_ptr(), partial_stride=32, rdma_slot=0, held_slot=0, one_held=0,
+                num_tokens=0, out_x=0, out_w=0)
             self._launch("hier_combine", launch, fingerprint)
         else:
             assert cached, "a rejected fresh dispatch joins the count round (hier_agree.join_rejected)"
@@ -317,23 +316,12 @@ def dispatch_plan(comm: HierComm, counts: List[List[int]], ncounts: List[List[in
                 masks=node_masks(in_rank, N, G).contiguous() if G > 1 else None)
 
 
-@functools.lru_cache(maxsize=64)
-def _other_nodes(num_nodes: int, node: int, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
-    """bool ``[N]`` masks ``(every node but node, node alone)`` (made once per shape: a column assignment per call
-    costs three torch calls)."""
-    mask = torch.ones(num_nodes, dtype=torch.bool)
-    mask[node] = False
-    return mask.to(device), (~mask).to(device)
-
-
-def combine_plan(comm: HierComm, counts: List[List[int]], is_token_in_rank: torch.Tensor, held_stride: int,
-                 partial_stride: int) -> dict:
-    """The routing fields of one combine launch (hier_kernels.hpp HierCombineArgs): ``held`` / ``begins`` [R] (rows
-    we hold per source and where they start), ``gather`` [R][3], ``area_off`` [N][G] and ``recv_off`` int64 [T, N]
-    (where token t's partial from node m lands: >= 0 an fp32 partial at that byte offset, <= -2 a held row at
-    ``-recv_off - 2``, -1 none). No launch."""
+def combine_plan(comm: HierComm, counts: List[List[int]], held_stride: int) -> dict:
+    """The routing fields of one combine launch (hier_kernels.hpp HierCombineArgs) that come from the count matrix:
+    ``held`` / ``begins`` [R] (rows we hold per source and where they start), ``gather`` [R][3] and ``area_off``
+    [N][G], host lists. Where each token's partials land comes from the dispatch's route on the device (its
+    rdma_slot, held_slot and one_held tables). No launch."""
     rank, R, N, G = comm.rank, comm.world_size, comm.num_nodes, comm.gpus
-    T = is_token_in_rank.shape[0]
     held = [counts[s][rank] for s in range(R)]
     begins = [sum(held[:s]) for s in range(R)]
     # the first rows of the blocks in our node's forwarders' areas, one table per forwarder (local index)
@@ -344,23 +332,7 @@ def combine_plan(comm: HierComm, counts: List[List[int]], is_token_in_rank: torc
     ours = areas[comm.local]
     area_off = [[ours[(comm.rank_of(m, comm.local), d)] * held_stride
                  if counts[comm.rank_of(m, comm.local)][d] else 0 for d in comm.node_ranks()] for m in range(N)]
-
-    # Every node at once (a constant number of torch calls, whatever N): a token one GPU of node m holds comes as
-    # its held row, ranked among those (r1); one several hold comes as an fp32 partial after node m's n1 held rows,
-    # ranked among those (r2). Our own node's partials are all fp32, ranked among the tokens our node holds: the
-    # second case with n1 = 0.
-    other, own = _other_nodes(N, comm.node, is_token_in_rank.device)
-    if G == 1:  # one GPU per node: a token's node holds it on one GPU or none
-        one, several = is_token_in_rank & other, is_token_in_rank & own
-    else:
-        holders = is_token_in_rank.view(T, N, G).sum(dim=2)  # [T, N]
-        one = (holders == 1) & other
-        several = (holders > 0) & ~one
-    r1 = one.cumsum(0, dtype=torch.int64) - 1
-    r2 = several.cumsum(0, dtype=torch.int64) - 1
-    n1 = one.sum(0, dtype=torch.int64)  # [N]
-    recv_off = torch.where(one, r1 * -held_stride - 2, torch.where(several, n1 * held_stride + r2 * partial_stride, -1))
-    return dict(held=held, begins=begins, gather=gather, area_off=area_off, recv_off=recv_off)
+    return dict(held=held, begins=begins, gather=gather, area_off=area_off)
 
 
 # ---------------------------------------------------------------------------------------------------------- dispatch
@@ -511,7 +483,8 @@ def dispatch(k: HierKernels, x, topk_idx: Optional[torch.Tensor], topk_weights: 
         out = out[:4] + (dataclasses.replace(out[4], node_count_matrix=node_counts,
                                              node_route=NodeRoute(route, singles, rows_from, counts, ncounts,
                                                                   dict(tables, rdma_slot=slots, masks=masks,
-                                                                       first_row=first))),)
+                                                                       first_row=first,
+                                                                       held=hier_route.held_pointers(fresh)))),)
     k.end_call(stream)
     return out
 
@@ -541,17 +514,18 @@ def combine(k: HierKernels, x: torch.Tensor, handle: Handle, topk_weights: Optio
     held_stride, w_off = held["stride"], held["w_off"]
     partial_stride = round_up(4 * H + 4 * K, 16)
     combines = info.tables.setdefault("combine", {})
-    made = combines.get((held_stride, partial_stride))  # a second combine of this route (backward): as made
+    made = combines.get(held_stride)  # a second combine of this route (backward): as made
     if made is None:
-        plan = combine_plan(comm, counts, handle.is_token_in_rank, held_stride, partial_stride)
+        plan = combine_plan(comm, counts, held_stride)
         gather, area_off = plan["gather"], plan["area_off"]
         # area_off [N][G] right after gather [R][3]: one copy to the device
         table = device_table([v for row in gather for v in row] + [v for row in area_off for v in row],
                              torch.int64, dev)
-        made = (plan["begins"][rank], plan["recv_off"], table)
+        made = (plan["begins"][rank], table)
         if len(combines) < COMBINE_TABLES:
-            combines[(held_stride, partial_stride)] = made
-    own_begin, recv_off, table = made
+            combines[held_stride] = made
+    own_begin, table = made
+    held_slot, one_held = info.tables["held"]  # the route's device addresses (hier_route.held_pointers)
     words = k.words_in_strip(fingerprint)
     k.check_fits(counts, info.node_counts, max(held_stride, partial_stride), held_stride,
                  k.header_bytes(words, True), combine=True, tables=info.tables)
@@ -566,7 +540,7 @@ def combine(k: HierKernels, x: torch.Tensor, handle: Handle, topk_weights: Optio
             own_x=xs.data_ptr(), own_w=w.data_ptr() if w is not None else 0, own_begin=own_begin,
             gather=gather_ptr, route=info.route.data_ptr(), singles=info.singles.data_ptr(),
             max_rows=info.route.shape[1], rows_from=info.rows_from, area_off=area_ptr,
-            partial_stride=partial_stride, recv_off=recv_off.data_ptr(), num_tokens=T, out_x=out_x.data_ptr(),
-            out_w=out_w.data_ptr() if out_w is not None else 0), fingerprint)
+            partial_stride=partial_stride, rdma_slot=info.tables["rdma_slot"].data_ptr(), held_slot=held_slot,
+            one_held=one_held, num_tokens=T, out_x=out_x.data_ptr(), out_w=out_w.data_ptr() if out_w is not None else 0), fingerprint)
     k.end_call(stream)
     return out_x, out_w

@@ -1,14 +1,14 @@
 """A fresh internode dispatch's route and count-round row, made in one launch with no host sync
 (csrc/kernels/hier_route.hpp) into one int32 workspace whose layout the extension gives (``hier_route_work``,
-csrc/runtime/hier_route_layout.hpp): send positions, with several GPUs per node the rdma slots and node masks,
-is_token_in_rank, and the row the count round sends (the call's words, tokens per rank, per node and per expert,
+csrc/runtime/hier_route_layout.hpp): send positions, with several GPUs per node the rdma slots, node masks and
+the combine's held slots, is_token_in_rank, and the row the count round sends (the call's words, tokens per rank, per node and per expert,
 and how many expert ids were outside [-1, E)). ``fill_reference`` makes the same workspace with torch: the oracle
 the GPU tests compare the kernel with, and what a CPU device runs (the stand-ins of the tests)."""
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -65,6 +65,27 @@ def tables_of(work: torch.Tensor, lay: dict, T: int, ranks: int, gpus: int) -> R
     return RouteTables(in_rank, send_pos, rdma_slot, masks, row, lay)
 
 
+def held_pointers(t: RouteTables) -> Tuple[int, int]:
+    """The device addresses of a route's ``held_slot`` and ``one_held`` (hier_route_layout.hpp), which only the
+    combine kernel reads, without a view of them (a fresh dispatch makes its route's views on every call): with one
+    GPU per node the send positions and 0. The route's views keep the workspace alive."""
+    if t.masks is None:
+        return t.send_pos.data_ptr(), 0
+    base = t.row.data_ptr() - 4 * t.parts["row"]  # the row is never empty (a view without elements may say 0)
+    return base + 4 * t.parts["held_slot"], base + 4 * t.parts["one_held"]
+
+
+def held_views(t: RouteTables) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``(held_slot int32 [T, N], one_held int32 [N])`` of a route as tensors (``(send_pos, None)`` with one GPU per
+    node), for checks."""
+    if t.masks is None:
+        return t.send_pos, None
+    T, N = t.rdma_slot.shape
+    work = t.send_pos.as_strided((t.parts["total"],), (1,), t.send_pos.storage_offset() - t.parts["send_pos"])
+    return (work.as_strided((T, N), (N, 1), work.storage_offset() + t.parts["held_slot"]),
+            work.as_strided((N,), (1,), work.storage_offset() + t.parts["one_held"]))
+
+
 def fill_reference(work: torch.Tensor, lay: dict, topk_idx: torch.Tensor, num_experts: int, ranks: int,
                    gpus: int, fingerprint: Optional[Sequence[int]] = None) -> None:
     """The workspace the kernel writes, made with torch (on ``work``'s device; its padding left as it is)."""
@@ -92,6 +113,21 @@ def fill_reference(work: torch.Tensor, lay: dict, topk_idx: torch.Tensor, num_ex
         rdma = torch.where(in_node, torch.cumsum(in_node, dim=0, dtype=torch.int32) - 1, -1)
         work[lay["rdma_slot"]:lay["rdma_slot"] + T * N] = rdma.reshape(-1)
         work[lay["masks"]:lay["masks"] + T * N] = node_masks(in_rank, N, G).reshape(-1)
+        held, one_held = held_slots(in_rank, rdma, N, G)
+        work[lay["held_slot"]:lay["held_slot"] + T * N] = held.reshape(-1)
+        work[lay["one_held"]:lay["one_held"] + N] = one_held
         row[lay["row_nodes"]:lay["row_nodes"] + N] = in_node.sum(dim=0, dtype=torch.int32)
     row[lay["row_experts"]:lay["row_experts"] + E] = named.sum(dim=0, dtype=torch.int32)
     row[lay["row_bad"]] = bad
+
+
+def held_slots(in_rank: torch.Tensor, rdma_slot: torch.Tensor, num_nodes: int, gpus: int):
+    """``(held_slot int32 [T, N], one_held int32 [N])`` of the route (runtime/hier_route_layout.hpp), several GPUs per
+    node: a token node m holds on one GPU gets its index among those, one it holds on several -(its index among
+    those) - 1 (its rdma slot less the single-held tokens before it), one it does not hold -1; ``one_held`` counts
+    the single-held tokens of each node. ``rdma_slot``: the route's int32 [T, N]."""
+    T, N, G = in_rank.shape[0], num_nodes, gpus
+    one = in_rank.view(T, N, G).sum(dim=2) == 1
+    ones_before = torch.cumsum(one, dim=0, dtype=torch.int32) - one.to(torch.int32)
+    held = torch.where(one, ones_before, torch.where(rdma_slot >= 0, ones_before - rdma_slot - 1, -1))
+    return held.to(torch.int32), one.sum(dim=0, dtype=torch.int32)

@@ -237,7 +237,8 @@ def test_calls_hand_their_kernels_the_plans_tables(monkeypatch, nodes, gpn):
     (tests/helpers/hier_stand_ins.py): the fresh dispatch asks for local ids from this rank's first expert (a
     cached one for none) and a cached dispatch takes the fresh one's slot and first-row tables; the combine's
     gather and area tables, read at the pointers it passes (one copy to the device holds both), are the combine
-    plan's, and a second combine of the route gets the first one's tables."""
+    plan's, where the tokens' partials land comes from the fresh dispatch's route tables (rdma slots, held slots,
+    single-held counts), and a second combine of the route gets the first one's tables."""
     from deepcomm.internode import hier_kernels as hk
     recording_world(monkeypatch.setattr)
     R = nodes * gpn
@@ -260,17 +261,21 @@ def test_calls_hand_their_kernels_the_plans_tables(monkeypatch, nodes, gpn):
         assert cached.rdma_slot == tables["rdma_slot"].data_ptr() == fresh.rdma_slot
         assert cached.first_row == tables["first_row"].data_ptr() == fresh.first_row
         y = torch.randn(h.num_recv, H, generator=gen).to(torch.bfloat16)
-        held, partial = hk.held_row(H, K, False)["stride"], hk.round_up(4 * H + 4 * K, 16)
-        plan = hk.combine_plan(k.comm, h.node_route.counts, h.is_token_in_rank, held, partial)
+        held = hk.held_row(H, K, False)["stride"]
+        plan = hk.combine_plan(k.comm, h.node_route.counts, held)
         first = None
         for _ in range(2):
             hk.combine(k, y, h, torch.rand(h.num_recv, K, generator=gen), False, None)
             launch = launches[-1][1]  # its tables live on in the route: read them after the call
             assert _int64s(launch.gather, 3 * R) == [v for row in plan["gather"] for v in row]
             assert _int64s(launch.area_off, nodes * gpn) == [v for row in plan["area_off"] for v in row]
-            assert first is None or (launch.gather, launch.recv_off) == first
-            first = (launch.gather, launch.recv_off)
-        assert torch.equal(tables["combine"][(held, partial)][1], plan["recv_off"])
+            # where each token's partials land: the fresh dispatch's route tables, as they are
+            assert (launch.rdma_slot, (launch.held_slot, launch.one_held)) == (fresh.rdma_slot, tables["held"])
+            assert (launch.one_held != 0) == (gpn > 1)
+            assert gpn > 1 or launch.held_slot == launch.rdma_slot  # one GPU per node: the send positions
+            assert first is None or launch.gather == first
+            first = launch.gather
+        assert tables["combine"][held][1].data_ptr() == first
         return True
 
     assert all(run(world, fn))

@@ -31,7 +31,8 @@ DISPATCH = dict(x=0x200, scales=0, topk_idx=0x400, topk_weights=0x410, x_bytes=3
                 rdma_slot=0x220, rows_to=[3, 4], rows_from=[5, 6], first_row=0x230, route=0x240, singles=0x250, max_rows=6)
 COMBINE = dict(held_stride=32, w_off=16, hidden=8, topk=2, fp8=False, own_x=0x310, own_w=0x320,
                own_begin=1, gather=0x330, route=0x340, singles=0x350, max_rows=6, rows_from=[5, 6],
-               area_off=0x360, partial_stride=48, recv_off=0x370, num_tokens=9, out_x=0x380, out_w=0x390)
+               area_off=0x360, partial_stride=48, rdma_slot=0x370, held_slot=0x374, one_held=0x378, num_tokens=9,
+               out_x=0x380, out_w=0x390)
 
 
 def _members(struct: str):
@@ -99,6 +100,8 @@ def test_shared_values_out_of_range_name_the_field(change, field):
     ("dispatch", dict(local_experts=-1), "local_experts"), ("dispatch", dict(first_expert=-3), "first_expert"),
     ("combine", dict(rows_from=[5, 6, 7]), "rows_from"), ("combine", dict(hidden=0), "hidden"),
     ("combine", dict(topk=-1), "topk"), ("combine", dict(own_begin=-2), "own_begin"),
+    ("combine", dict(held_slot=0), "held_slot"), ("combine", dict(rdma_slot=0), "rdma_slot"),
+    ("combine", dict(one_held=0), "one_held"),  # COMMON has 2 GPUs per node
 ])
 def test_launch_values_out_of_range_name_the_field(kind, change, field):
     T = C.transport

@@ -46,10 +46,14 @@ def _same(got, want, what):
         if not torch.equal(a.cpu(), b):
             bad = (a.cpu() != b).nonzero()[:4].tolist()
             raise AssertionError(f"{what} {name} differs at {bad}")
-    if want.masks is None:
-        assert got.masks is None, what
-    else:
-        assert torch.equal(got.masks.cpu(), want.masks), f"{what} masks differ"
+    (held_got, ones_got), (held_want, ones_want) = hier_route.held_views(got), hier_route.held_views(want)
+    views = dict(masks=(got.masks, want.masks), held_slot=(held_got, held_want), one_held=(ones_got, ones_want))
+    for name, (a, b) in views.items():
+        if b is None:
+            assert a is None, f"{what} {name}"
+        elif not torch.equal(a.cpu(), b):
+            bad = (a.cpu() != b).nonzero()[:4].tolist()
+            raise AssertionError(f"{what} {name} differs at {bad}")
 
 
 def test_route_kernel_equals_the_oracle():
@@ -89,5 +93,5 @@ def test_route_kernel_keeps_to_its_workspace():
         torch.cuda.synchronize()
         assert bool((buf[:guard] == -7).all()) and bool((buf[-guard:] == -7).all()), f"R={R}: wrote outside"
         N = R // G if G > 1 else 0
-        gap = buf[guard + lay["masks"] + T * N:guard + lay["row"]]  # padding before the row
+        gap = buf[guard + lay["one_held"] + N:guard + lay["row"]]  # padding before the row
         assert bool((gap == -7).all()), f"R={R}: wrote into the padding"

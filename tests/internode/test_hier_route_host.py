@@ -36,7 +36,8 @@ def test_route_work_regions_are_apart_and_aligned(T, R, G, E):
         lay = C.hier_route_work(T, R, G, E, words)
         N = R // G if G > 1 else 0
         spans = [(lay["send_pos"], T * R), (lay["rdma_slot"], T * N), (lay["masks"], T * N),
-                 (lay["row"], lay["row_width"]), (lay["in_rank"], (T * R + 3) // 4)]
+                 (lay["held_slot"], T * N), (lay["one_held"], N), (lay["row"], lay["row_width"]),
+                 (lay["in_rank"], (T * R + 3) // 4)]
         ends = [a + n for a, n in spans]
         assert all(ends[i] <= spans[i + 1][0] for i in range(len(spans) - 1)) and ends[-1] == lay["total"]
         assert lay["row"] % 4 == 0 and lay["row_width"] % 4 == 0  # whole 16-byte rows for the count round
@@ -69,12 +70,30 @@ def _check_oracle(T, R, G, E, K, bad, seed):
     assert row[:p["row_ranks"]] == (list(words) if words else []), what
     if G == 1:
         assert t.masks is None and t.rdma_slot is t.send_pos, what
+        assert hier_route.held_views(t)[0] is t.send_pos and hier_route.held_views(t)[1] is None, what
+        assert hier_route.held_pointers(t) == (t.send_pos.data_ptr(), 0), what
         return
     N = R // G
     in_node = in_rank.view(T, N, G).any(dim=2)
     assert torch.equal(t.masks, node_masks(in_rank, N, G)), what
     assert torch.equal(t.rdma_slot, hier_kernels._rdma_slots(in_node)), what
     assert row[p["row_nodes"]:p["row_experts"]] == in_node.sum(dim=0).tolist(), what
+    # held slots, token by token: among the tokens node m holds on one GPU, or -(among those on several) - 1
+    holders = in_rank.view(T, N, G).sum(dim=2).tolist()
+    want = [[-1] * N for _ in range(T)]
+    for m in range(N):
+        ones = [tok for tok in range(T) if holders[tok][m] == 1]
+        many = [tok for tok in range(T) if holders[tok][m] > 1]
+        for i, tok in enumerate(ones):
+            want[tok][m] = i
+        for i, tok in enumerate(many):
+            want[tok][m] = -i - 1
+    held, one_held = hier_route.held_views(t)
+    assert held.tolist() == want, what
+    assert one_held.tolist() == [sum(1 for h in holders if h[m] == 1) for m in range(N)], what
+    base = t.row.data_ptr() - 4 * p["row"]  # (a view without elements may give 0 as its data_ptr)
+    assert hier_route.held_pointers(t) == (base + 4 * p["held_slot"], one_held.data_ptr()), what
+    assert T == 0 or held.data_ptr() == base + 4 * p["held_slot"], what
 
 
 @pytest.mark.parametrize("R,G", [(2, 1), (4, 2), (6, 3), (16, 8), (32, 1), (64, 8), (128, 8), (256, 8), (256, 4)])

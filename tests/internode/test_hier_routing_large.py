@@ -15,12 +15,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from deepcomm import layout
 from deepcomm.internode import hier_kernels
 from deepcomm.internode.hier_comm import HierComm
+from deepcomm.internode.hier_route import held_slots
 from deepcomm.internode.hier_normal import combine, dispatch
 from deepcomm.internode.internode_rows import max_node_row_bytes, max_row_bytes
 from deepcomm.fp8 import per_token_cast_to_fp8
 from deepcomm.reference import normal
+from tests.helpers.combine_offsets import recv_offsets
 from tests.helpers.threaded_world import NodeArea, RailTransport, ThreadComm, World, run
 from tests.helpers.same_bits import assert_same as _same
 
@@ -174,10 +177,10 @@ def test_dispatch_plan_lands_rows_where_the_reference_does(nodes):
         got = [areas[d].get(i) for i in range(len(want))]
         assert got == want, f"rank {d}: rows land out of the reference order"
         assert len(areas[d]) == len(want), f"rank {d}: rows past the {len(want)} it receives"
-    # the combine plan of every rank reads back what the dispatch routed
+    # the combine kernel of every rank reads back what the dispatch routed (from the route's held slots)
     for r in range(world):
         topo = _topo(r, world, G)
-        plan = hier_kernels.combine_plan(topo, counts, in_rank[r], 48, 64)
+        recv_off = _route_recv_off(topo.node, world // G, G, in_rank[r], 48, 64)
         N, T = world // G, in_rank[r].shape[0]
         holders = in_rank[r].view(T, N, G).sum(dim=2)
         for m in range(N):
@@ -190,17 +193,30 @@ def test_dispatch_plan_lands_rows_where_the_reference_does(nodes):
             mine = in_rank[r][:, m * G:(m + 1) * G].any(dim=1).nonzero()[:, 0].tolist()
             for i, t in enumerate(mine):
                 k = int(route[i, G])
-                off = int(plan["recv_off"][t, m])
+                off = int(recv_off[t, m])
                 if k >= 0:
                     assert holders[t, m] == 1 and off == -(k * 48) - 2, (r, m, t, k, off)
                 else:
                     assert holders[t, m] > 1 and off == n1 * 48 + (-k - 1) * 64, (r, m, t, k, off)
             absent = set(range(T)) - set(mine)
-            assert all(int(plan["recv_off"][t, m]) == -1 for t in absent)
+            assert all(int(recv_off[t, m]) == -1 for t in absent)
+
+
+def _route_recv_off(node, N, G, in_rank, held_stride, partial_stride):
+    """Where the combine kernel reads each token's partial from each node, from the route tables the route kernel's
+    oracle makes of ``in_rank`` (hier_route.fill_reference: rdma slots, held slots)."""
+    T = in_rank.shape[0]
+    if G == 1:  # a node is a rank: its rdma slots and held slots are the send positions
+        slots = layout.send_positions(in_rank).to(torch.int32)
+        return recv_offsets(slots, slots, None, node, held_stride, partial_stride)
+    in_node = in_rank.view(T, N, G).any(dim=2)
+    rdma = torch.where(in_node, torch.cumsum(in_node, dim=0, dtype=torch.int32) - 1, -1).to(torch.int32)
+    held, one_held = held_slots(in_rank, rdma, N, G)
+    return recv_offsets(rdma, held, one_held, node, held_stride, partial_stride)
 
 
 def _recv_off_node_by_node(node, N, G, in_rank, held_stride, partial_stride):
-    """combine_plan's recv_off as its contract reads (hier_kernels.hpp), one node at a time: our own node's tokens
+    """The combine's read offsets as its contract reads (hier_kernels.hpp), one node at a time: our own node's tokens
     an fp32 partial each, ranked among the tokens our node holds; another node's a held row (one holder, ranked
     among those) or an fp32 partial after that node's held rows (several holders, ranked among those); -1 none."""
     T = in_rank.shape[0]
@@ -223,17 +239,16 @@ def _recv_off_node_by_node(node, N, G, in_rank, held_stride, partial_stride):
 
 
 @pytest.mark.parametrize("N,G", [(2, 1), (3, 2), (4, 8), (32, 1)])
-def test_combine_plan_recv_off_equals_its_contract(N, G):
+def test_the_route_tables_give_the_combine_its_contracts_offsets(N, G):
     gen = torch.Generator().manual_seed(N * 10 + G)
     R, T = N * G, 300
     in_rank = torch.rand(T, R, generator=gen) < 0.15
     in_rank[::17] = False  # tokens routed nowhere
     in_rank[5, :] = True  # and one everywhere
-    counts = [[1] * R for _ in range(R)]
     for rank in {0, R - 1, R // 2}:
-        comm = HierComm(None, None, rank, R, G, torch.device("cpu"))
-        plan = hier_kernels.combine_plan(comm, counts, in_rank, 48, 80)
-        assert torch.equal(plan["recv_off"], _recv_off_node_by_node(comm.node, N, G, in_rank, 48, 80)), rank
+        node = rank // G
+        assert torch.equal(_route_recv_off(node, N, G, in_rank, 48, 80),
+                           _recv_off_node_by_node(node, N, G, in_rank, 48, 80)), rank
 
 
 def test_with_one_gpu_per_node_the_rdma_slots_are_the_send_positions():
