@@ -119,8 +119,11 @@ __device__ void rank_block(const HierRouteArgs& a, const HierRouteWork& w, int b
       }
     }
     scan_columns(node_bits, nn, node_scan, start);
+    int ones[32];
+    scan_columns(one_bits, nn, one_scan, ones);
     int* rdma_slot = a.work + w.rdma_slot;
     int* masks = a.work + w.masks;
+    int* held_slot = a.work + w.held_slot;
 #pragma unroll
     for (int i = 0; i < kPer; ++i) {
       const int64_t t = first + i;
@@ -128,28 +131,13 @@ __device__ void rank_block(const HierRouteArgs& a, const HierRouteWork& w, int b
 #pragma unroll
       for (int m = 0; m < 16; ++m) {  // G > 1: at most 16 nodes per block
         if (m < nn) {
-          const bool in = (node_bits[i] >> m) & 1u;
+          const bool in = (node_bits[i] >> m) & 1u, one = (one_bits[i] >> m) & 1u;
+          // held slot: the token's index among those its node holds on one GPU, or -(its index among those it
+          // holds on several) - 1: its rdma slot less the single-held tokens before it
+          held_slot[t * N + n0 + m] = one ? ones[m] : in ? -(start[m] - ones[m]) - 1 : -1;
           rdma_slot[t * N + n0 + m] = in ? start[m]++ : -1;
           masks[t * N + n0 + m] = int((bits[i] >> (m * G)) & gpu_bits);
-        }
-      }
-    }
-    // held slots: a token's index among those its node holds on one GPU, or among those it holds on several (its
-    // rdma slot, written just above by this thread, less the single-holder tokens before it)
-    scan_columns(one_bits, nn, one_scan, start);
-    int* held_slot = a.work + w.held_slot;
-#pragma unroll
-    for (int i = 0; i < kPer; ++i) {
-      const int64_t t = first + i;
-      if (t >= T) break;
-#pragma unroll
-      for (int m = 0; m < 16; ++m) {
-        if (m < nn) {
-          const int64_t at = t * N + n0 + m;
-          if ((one_bits[i] >> m) & 1u)
-            held_slot[at] = start[m]++;
-          else
-            held_slot[at] = (node_bits[i] >> m) & 1u ? -(rdma_slot[at] - start[m]) - 1 : -1;
+          ones[m] += one;
         }
       }
     }
