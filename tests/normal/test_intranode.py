@@ -91,6 +91,33 @@ def _kept_recv_x(rank, world, i, dev):
     return received_rows([(x, idx) for idx, _, x in sent], 256, rank)
 
 
+def _kept_outputs_same(cuda, ref, rank, world, dev):
+    """More dispatch outputs kept alive than the arena holds: later dispatches go through the exact-size and bounce
+    placements (DEEPCOMM_ARENA_FULL), still bit-exact, and no kept output changes."""
+    cuda.set_num_sms(sms(24))
+    kept = []
+    for i in range(10):
+        idx, w, x = _kept_inputs(rank, i, dev)
+        got = cuda.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=256)
+        want = ref.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=256)
+        for name, a, b in zip(("recv_x", "recv_topk_idx", "recv_topk_weights"), got[:3], want[:3]):
+            why = explain_rows(a, b, want[4].count_matrix[:, rank].tolist(), [g[0] for g, _ in kept])
+            if why and name == "recv_x":
+                rows = _kept_recv_x(rank, world, i, dev)
+                why += (f"; against every rank's inputs drawn again here, {differing_rows(a, rows)} rows of the "
+                        f"CUDA backend and {differing_rows(b, rows)} of the reference differ")
+            assert not why, (f"kept output {i} {name} (rows placed: {cuda._backend.last_placement}, arena "
+                             f"{cuda._backend.arena.free_bytes()} of {cuda._backend.arena.nbytes} bytes free): {why}")
+        kept.append((got, want[0]))
+    # (the arena may be full for a block of this size with free bytes left in holes: count the bounces themselves)
+    arena = cuda._backend.arena
+    assert cuda._backend.bounced_calls > 0, \
+        f"no dispatch went through the bounce area: {arena.free_bytes()} of {arena.nbytes} arena bytes free"
+    for i, (got, want_x) in enumerate(kept):
+        _same(got[0], want_x, f"kept output {i} recv_x, after the later dispatches")
+    return cuda._backend.placements
+
+
 def _intranode_worker(rank, world):
     from deepcomm.fp8 import pack_ue8m0, per_token_cast_to_fp8
 
@@ -134,27 +161,7 @@ def _intranode_worker(rank, world):
         for _ in range(3):
             y2 = torch.randn(hc.num_recv, H, generator=gen).to(torch.bfloat16).to(dev)
             _same(cuda.combine(y2, hc)[0], ref.combine(y2, hr)[0], f"{what} repeated combine")
-    # Keep more outputs alive than the arena holds: later dispatches go through the bounce area, still exact.
-    cuda.set_num_sms(sms(24))
-    kept = []
-    for i in range(10):
-        idx, w, x = _kept_inputs(rank, i, dev)
-        got = cuda.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=256)
-        want = ref.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=256)
-        for name, a, b in zip(("recv_x", "recv_topk_idx", "recv_topk_weights"), got[:3], want[:3]):
-            why = explain_rows(a, b, want[4].count_matrix[:, rank].tolist(), [k[0] for k in kept])
-            if why and name == "recv_x":
-                rows = _kept_recv_x(rank, world, i, dev)
-                why += (f"; against every rank's inputs drawn again here, {differing_rows(a, rows)} rows of the "
-                        f"CUDA backend and {differing_rows(b, rows)} of the reference differ")
-            assert not why, (f"kept output {i} {name} (rows placed: {cuda._backend.last_placement}, arena "
-                             f"{cuda._backend.arena.free_bytes()} of {cuda._backend.arena.nbytes} bytes free): {why}")
-        kept.append(got)
-    # (the arena may be full for a block of this size with free bytes left in holes: count the bounces themselves)
-    arena = cuda._backend.arena
-    assert cuda._backend.bounced_calls > 0, \
-        f"no dispatch went through the bounce area: {arena.free_bytes()} of {arena.nbytes} arena bytes free"
-    del kept
+    _kept_outputs_same(cuda, ref, rank, world, dev)
 
     # Expert ids out of range are caught by the notify kernel on every rank; the buffer stays usable.
     idx, w = _routing(gen, 16, 32, 2, "random", dev)
@@ -196,8 +203,27 @@ def _many_chunks_worker(rank, world):
     ref.destroy()
 
 
+def _kept_copies_worker(rank, world):
+    """The kept outputs of _intranode_worker with DEEPCOMM_ARENA_FULL=copy: a fresh dispatch that finds the arena
+    full goes straight into the bounce area (never an exact-size block), still bit-exact."""
+    import os
+    os.environ["DEEPCOMM_ARENA_FULL"] = "copy"  # this rank's process only, read when its Buffer is built
+    dev = rank_device(rank)
+    cuda = cuda_buffer(max_tokens_per_rank=1024, hidden=7168, num_sms=24, timeout_s=20)
+    ref = reference(dev, max_tokens_per_rank=1024, hidden=7168)
+    placements = _kept_outputs_same(cuda, ref, rank, world, dev)
+    assert placements["exact"] == 0 and placements["bounce"] > 0, placements
+    cuda.synchronize()
+    cuda.destroy()
+    ref.destroy()
+
+
 def test_intranode_matches_reference():
     run_on_gpus(_intranode_worker, WORLD)
+
+
+def test_kept_outputs_with_arena_full_copies_match_reference():
+    run_on_gpus(_kept_copies_worker, WORLD)
 
 
 def test_fresh_dispatches_of_many_notify_chunks_match_reference():
