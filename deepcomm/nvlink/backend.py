@@ -23,6 +23,7 @@ from ..errors import CommTimeoutError
 from ..gpu_share import GPU_SMS_ENV, shares_gpu, usable_sms
 from ..backend_protocol import Capabilities
 from ..handle import Handle, WorkspaceViews, field_ptr
+from ..log import logger
 from ..cuda.agree_record import dispatch_disagreement, words_or_none
 from ..cuda.arg_reader import dispatch_arg_reader
 from ..cuda.arena import Arena
@@ -602,6 +603,12 @@ class CudaBackend:
             if flags & CALLER_WAITS:
                 caller.wait_event(self._event)
         self._bounce_pending = True  # the next call must not overwrite the bounce area under these copies
+        if self.bounced_calls == 0:  # a cost the caller cannot see otherwise: said once per Buffer
+            logger.warning(f"rank {self.rank}: this Buffer's dispatch output arena is full (more dispatch outputs "
+                           f"alive than its {self.arena.nbytes // self.bounce_bytes} worst-case ones), so dispatches "
+                           "now go through its bounce area and are copied out, one more device copy each; free "
+                           "dispatch outputs (recv_x) once used, or set DEEPCOMM_ARENA_OUTPUTS=N when the Buffer is "
+                           "built (docs/tuning.md). Said once per Buffer.")
         self.bounced_calls += 1
         self._placed("bounce")
         return out

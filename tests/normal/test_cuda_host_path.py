@@ -264,6 +264,20 @@ def test_a_full_arena_with_copies_sends_a_fresh_dispatch_to_the_bounce_area_in_o
     b.arena.release(*full)
 
 
+def test_the_first_dispatch_through_the_bounce_area_says_so_once(env, caplog):
+    import logging
+    b = env.b
+    full = b.arena.reserve(b.arena.free_bytes())
+    with caplog.at_level(logging.WARNING, logger="deepcomm"):
+        _fresh(b)
+        _fresh(b)
+    said = [r.getMessage() for r in caplog.records if r.name == "deepcomm"]
+    assert len(said) == 1 and b.bounced_calls == 2, said
+    assert "rank 0: this Buffer's dispatch output arena is full" in said[0] and "DEEPCOMM_ARENA_OUTPUTS" in said[0]
+    assert f"than its {B.arena_outputs()} worst-case ones" in said[0]
+    b.arena.release(*full)
+
+
 def test_the_arena_full_way_comes_from_the_environment(monkeypatch):
     from deepcomm.config import resolve_arena_full
     monkeypatch.delenv("DEEPCOMM_ARENA_FULL", raising=False)
