@@ -5,7 +5,7 @@ for them; docs/api.md is the semantics each meets bit for bit."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Protocol, Tuple, runtime_checkable
+from typing import FrozenSet, Optional, Protocol, Tuple, runtime_checkable
 
 import torch
 
@@ -33,6 +33,10 @@ class Capabilities:
     # (Buffer then checks in Python) or what ``dispatch_read(read, num_experts, expert_alignment, handle)`` and
     # ``combine_read(read, handle)`` take; its checks are Buffer's (deepcomm/validation.py), its words agreement's
     reads_plain_calls: bool = False
+    # the collective calls (Buffer method names) it can run while the current CUDA stream is being captured into a
+    # graph (a fresh dispatch only with num_worst_tokens, which Buffer checks); another one raises RuntimeError in
+    # Buffer before it is numbered, on every rank of the capture alike, instead of failing inside the capture
+    capturable: FrozenSet[str] = frozenset()
 
 
 @runtime_checkable

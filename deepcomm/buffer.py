@@ -36,6 +36,13 @@ def _collective(op: str):
     def wrap(method):
         @functools.wraps(method)
         def call(self, *args, **kwargs):
+            if op not in self._capturable and self._device.type == "cuda" and v.is_capturing():
+                # before the call is numbered, and joining no exchange: every rank of the capture raises alike
+                where = self._backend_name + (", internode" if self.topology.is_internode else "")
+                raise RuntimeError(f"deepcomm: {op} cannot be captured in a CUDA graph on this Buffer's backend "
+                                   f"({where}: it waits on the host, or copies host tables per call); it captures "
+                                   f"{', '.join(sorted(self._capturable)) or 'no call'}. Make this call outside "
+                                   "the capture")
             self._calls += 1
             self._pending_op = op
             self._joined_at = -1
@@ -77,6 +84,7 @@ class Buffer:
         self._pending_op = None
         self._calls = 0  # collective calls made on this Buffer (agreement.Word.CALL)
         self._takes_fingerprints = False
+        self._capturable = frozenset()  # the calls the backend runs inside CUDA graph capture (Capabilities)
         self._arg_reader = None  # the backend's argument reader, where plain calls take it (reads_plain_calls)
         self._counts_joined = False  # the backend counts the calls that entered their first exchange
         self._joined_at = -1  # its count when the current call's backend part began (-1: not counted)
@@ -130,6 +138,7 @@ class Buffer:
         caps = self._backend.capabilities  # deepcomm/backend_protocol.py
         # the backend compares fingerprints in each call's first exchange and has reject() (deepcomm/agreement.py)
         self._takes_fingerprints = caps.takes_fingerprints
+        self._capturable = caps.capturable
         # an error inside the backend before the call's first exchange is rejected as an argument error is
         self._counts_joined = caps.takes_fingerprints and caps.counts_joined_calls
         # dtypes of a non-FP8 x the backend takes in normal mode (the CUDA backend: bf16 only)

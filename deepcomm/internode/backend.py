@@ -55,11 +55,13 @@ class InternodeBackend:
     # BF16 x in normal mode; expert ids checked by Buffer in normal mode (on the kernels by their route kernel
     # instead: __init__) and by the low-latency kernels. Call agreement (fingerprints, hier_agree.py) at any number
     # of GPUs per node: with several, the NVLink hop of the kernels and of the torch routing carries every rank's
-    # words too
+    # words too. Normal mode waits on the host for a fresh dispatch's counts and copies small host tables to the
+    # device per call, which a CUDA graph cannot replay: only low-latency mode is captured
     capabilities = Capabilities(x_dtypes=(torch.bfloat16,), takes_fingerprints=True,
                                 checks_expert_ids_on_device=False,
                                 checks_low_latency_ids_on_device=LowLatencyEngine.checks_ids_on_device,
-                                counts_joined_calls=True)
+                                counts_joined_calls=True,
+                                capturable=frozenset(("low_latency_dispatch", "low_latency_combine")))
 
     @property
     def event(self):

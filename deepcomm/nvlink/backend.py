@@ -195,7 +195,9 @@ class CudaBackend:
     capabilities = Capabilities(x_dtypes=(torch.bfloat16,), takes_fingerprints=True,
                                 checks_expert_ids_on_device=True, checks_layout_ids_on_device=True,
                                 checks_low_latency_ids_on_device=LowLatencyEngine.checks_ids_on_device,
-                                counts_joined_calls=True, reads_plain_calls=True)
+                                counts_joined_calls=True, reads_plain_calls=True,
+                                capturable=frozenset(("dispatch", "combine", "low_latency_dispatch",
+                                                      "low_latency_combine")))
 
     def __init__(self, group, config, rank: int, world_size: int, device: torch.device):
         C = load_extension()
