@@ -200,6 +200,16 @@ def _placement(buf) -> str:
     return f" (rows placed: {placement})" if placement else ""
 
 
+def _arena_setting(buf) -> str:
+    """The output arena's settings of a backend that has one (DEEPCOMM_ARENA_OUTPUTS, DEEPCOMM_ARENA_FULL), as the
+    summary line's suffix; empty otherwise."""
+    backend = getattr(buf, "_backend", None)
+    if not hasattr(backend, "arena") or not hasattr(backend, "bounce_bytes"):
+        return ""
+    full = "copy" if getattr(backend, "_full_copies", False) else "place"
+    return f" | arena: {backend.arena.nbytes // backend.bounce_bytes} worst-case outputs, full: {full}"
+
+
 def _placements(buf) -> dict:
     """How many dispatches of the Buffer put their rows where (PLACEMENTS); empty for a backend that does not say."""
     return dict(getattr(getattr(buf, "_backend", None), "placements", {}))
@@ -305,7 +315,7 @@ def run_worker(rank: int, world: int, local_rank: int, args, dev_type: str) -> i
             total.update(c)
             all_failures += f
         print(f"deepcomm soak | backend {buf.backend_name} | world_size {world} | "
-              f"{sum(total.values()) // world} iterations in {time.monotonic() - start:.1f} s")
+              f"{sum(total.values()) // world} iterations in {time.monotonic() - start:.1f} s{_arena_setting(buf)}")
         for label in sorted(total):
             print(f"  {label:22s} {total[label] // world:7d}")
         placed = Counter()

@@ -46,3 +46,7 @@ def test_placements_are_read_from_a_backend_that_reports_them():
     assert soak._placements(cuda) == {"arena": 3, "exact": 1, "bounce": 0}
     reference = types.SimpleNamespace(_backend=object())  # says nothing: no suffix, no counts
     assert soak._placement(reference) == "" and soak._placements(reference) == {}
+    assert soak._arena_setting(reference) == ""
+    cuda._backend.arena, cuda._backend.bounce_bytes = types.SimpleNamespace(nbytes=3 * 640), 640
+    cuda._backend._full_copies = True
+    assert soak._arena_setting(cuda) == " | arena: 3 worst-case outputs, full: copy"
