@@ -246,7 +246,6 @@ class CudaBackend:
         self._capacity_rows = world_size * config.max_tokens_per_rank  # rows a rank can receive
         self._work_cache = {}  # fresh dispatch workspace layouts by (T, L, rows) (_work_layout)
         self._work_pool = WorkPool(device)  # waited fresh dispatches' workspaces, taken again once free
-        self.bounced_calls = 0  # dispatches whose rows went through the bounce area (diagnostics)
         # where each dispatch's rows went (diagnostics, PLACEMENTS): the last one's, and how many of each kind
         self.last_placement: Optional[str] = None
         self.placements = dict.fromkeys(PLACEMENTS, 0)
@@ -605,15 +604,19 @@ class CudaBackend:
             if flags & CALLER_WAITS:
                 caller.wait_event(self._event)
         self._bounce_pending = True  # the next call must not overwrite the bounce area under these copies
-        if self.bounced_calls == 0:  # a cost the caller cannot see otherwise: said once per Buffer
+        if not self.bounced_calls:  # a cost the caller cannot see otherwise: said once per Buffer
             logger.warning(f"rank {self.rank}: this Buffer's dispatch output arena is full (more dispatch outputs "
                            f"alive than its {self.arena.nbytes // self.bounce_bytes} worst-case ones), so dispatches "
                            "now go through its bounce area and are copied out, one more device copy each; free "
                            "dispatch outputs (recv_x) once used, or set DEEPCOMM_ARENA_OUTPUTS=N when the Buffer is "
                            "built (docs/tuning.md). Said once per Buffer.")
-        self.bounced_calls += 1
         self._placed("bounce")
         return out
+
+    @property
+    def bounced_calls(self) -> int:
+        """Dispatches whose rows went through the bounce area (diagnostics)."""
+        return self.placements["bounce"]
 
     def _placed(self, placement: str) -> None:
         self.last_placement = placement

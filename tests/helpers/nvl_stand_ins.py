@@ -132,7 +132,7 @@ def cpu_backend(setattr_):
     b.ll = types.SimpleNamespace(joined=0)  # no low-latency engine: its count of joined calls only
     b.errors = CallErrors(b.nvl)
     b.meet = ModeMeet(b.nvl, b.device, normal_exchange=b._exchange_words)
-    b._capacity_rows, b.last_wait_us, b.bounced_calls = 256, 0.0, 0
+    b._capacity_rows, b.last_wait_us = 256, 0.0
     b.last_placement, b.placements = None, dict.fromkeys(B.PLACEMENTS, 0)
     b._full_copies = False  # DEEPCOMM_ARENA_FULL=place, the default
     b._types, b._arena_at = B._OutputTypes(b.arena), b.nvl.layout["arena"]
