@@ -9,8 +9,8 @@ backend in the same process group, and compares every output byte. Inputs are dr
 the counts per mode/dtype on rank 0 and exits non-zero on any mismatch. ``--self-check`` flips one output byte in
 one iteration to show the comparison catches it (the run must then fail). ``--keep N`` keeps the last N normal-mode
 dispatch outputs alive, as training keeps every layer's ``recv_x`` for the backward pass: the Buffer's output space
-fills, later dispatches take the exact-size and bounce placements (the summary counts each kind), and each kept output is compared with its
-reference again when it is let go (a later call that wrote into it shows there).
+fills, later dispatches take the exact-size and bounce placements (the summary counts each kind), and each kept
+output is compared with its reference again when it is let go (a later call that wrote into it shows there).
 
     python -m deepcomm.soak --backend cuda --iterations 10000      # GPUs: one process per GPU
     python -m deepcomm.soak --world-size 4 --iterations 2000        # 4 ranks sharing the GPUs (MPS; docs/testing.md)

@@ -57,8 +57,8 @@ class NodeRoute:
     node_counts: List[List[int]]  # the node counts [R][N], on the host (``counts`` itself with one GPU per node)
     # What later calls with this route take as it is, made once: the device tables the kernels only read (the
     # dispatch's "rdma_slot", "masks" and "first_row" for its cached dispatches, the addresses of its held slots
-    # and single-held counts ("held") for the combines; under "combine", a combine's (own_begin, gather and area tables) by held_stride), and the
-    # route's extents ("extents", combine) that check_fits compares.
+    # and single-held counts ("held") for the combines; under "combine", a combine's (own_begin, gather and area
+    # tables) by held_stride), and the route's extents ("extents", combine) that check_fits compares.
     tables: dict = dataclasses.field(default_factory=dict)
 
 
@@ -541,6 +541,7 @@ def combine(k: HierKernels, x: torch.Tensor, handle: Handle, topk_weights: Optio
             gather=gather_ptr, route=info.route.data_ptr(), singles=info.singles.data_ptr(),
             max_rows=info.route.shape[1], rows_from=info.rows_from, area_off=area_ptr,
             partial_stride=partial_stride, rdma_slot=info.tables["rdma_slot"].data_ptr(), held_slot=held_slot,
-            one_held=one_held, num_tokens=T, out_x=out_x.data_ptr(), out_w=out_w.data_ptr() if out_w is not None else 0), fingerprint)
+            one_held=one_held, num_tokens=T, out_x=out_x.data_ptr(),
+            out_w=out_w.data_ptr() if out_w is not None else 0), fingerprint)
     k.end_call(stream)
     return out_x, out_w

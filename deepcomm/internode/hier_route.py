@@ -1,9 +1,10 @@
 """A fresh internode dispatch's route and count-round row, made in one launch with no host sync
 (csrc/kernels/hier_route.hpp) into one int32 workspace whose layout the extension gives (``hier_route_work``,
 csrc/runtime/hier_route_layout.hpp): send positions, with several GPUs per node the rdma slots, node masks and
-the combine's held slots, is_token_in_rank, and the row the count round sends (the call's words, tokens per rank, per node and per expert,
-and how many expert ids were outside [-1, E)). ``fill_reference`` makes the same workspace with torch: the oracle
-the GPU tests compare the kernel with, and what a CPU device runs (the stand-ins of the tests)."""
+the combine's held slots, is_token_in_rank, and the row the count round sends (the call's words, tokens per rank,
+per node and per expert, and how many expert ids were outside [-1, E)). ``fill_reference`` makes the same
+workspace with torch: the oracle the GPU tests compare the kernel with, and what a CPU device runs (the stand-ins of
+the tests)."""
 from __future__ import annotations
 
 import dataclasses

@@ -209,8 +209,7 @@ def _route_recv_off(node, N, G, in_rank, held_stride, partial_stride):
     if G == 1:  # a node is a rank: its rdma slots and held slots are the send positions
         slots = layout.send_positions(in_rank).to(torch.int32)
         return recv_offsets(slots, slots, None, node, held_stride, partial_stride)
-    in_node = in_rank.view(T, N, G).any(dim=2)
-    rdma = torch.where(in_node, torch.cumsum(in_node, dim=0, dtype=torch.int32) - 1, -1).to(torch.int32)
+    rdma = hier_kernels._rdma_slots(in_rank.view(T, N, G).any(dim=2))
     held, one_held = held_slots(in_rank, rdma, N, G)
     return recv_offsets(rdma, held, one_held, node, held_stride, partial_stride)
 
