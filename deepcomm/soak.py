@@ -310,19 +310,17 @@ def run_worker(rank: int, world: int, local_rank: int, args, dev_type: str) -> i
     every = [None] * world
     dist.all_gather_object(every, (counts, failures, _placements(buf)))
     if rank == 0:
-        total, all_failures = Counter(), []
-        for c, f, _ in every:
+        total, all_failures, landed = Counter(), [], Counter()
+        for c, f, p in every:
             total.update(c)
             all_failures += f
+            landed.update(p)
         print(f"deepcomm soak | backend {buf.backend_name} | world_size {world} | "
               f"{sum(total.values()) // world} iterations in {time.monotonic() - start:.1f} s{_arena_setting(buf)}")
         for label in sorted(total):
             print(f"  {label:22s} {total[label] // world:7d}")
-        placed = Counter()
-        for _, _, p in every:
-            placed.update(p)
-        if placed:  # where the dispatches' rows landed, all ranks (the bounce area once the arena is full)
-            print("  dispatch rows placed   " + ", ".join(f"{k} {v}" for k, v in placed.items()) + " (all ranks)")
+        if landed:  # where the dispatches' rows landed, all ranks (the bounce area once the arena is full)
+            print("  dispatch rows placed   " + ", ".join(f"{k} {v}" for k, v in landed.items()) + " (all ranks)")
         print(f"  mismatches             {len(all_failures):7d}")
         for line in all_failures[:20]:
             print("  " + line)
