@@ -1,7 +1,8 @@
 """The torch operators (aten) one call runs on its host path, on a CPU box: on a GPU host each costs microseconds
 (a dispatch through torch, often a kernel launch or an allocation), so their number is a GPU-free measure of a
 call's host cost. The NVLink backend through its stand-ins (tests/helpers/nvl_stand_ins.py) and the internode
-kernels' calls with the ranks as threads (tests/helpers/hier_stand_ins.py), per call kind and per source line:
+kernels' calls with the ranks as threads (tests/helpers/hier_stand_ins.py), per call kind and per source line,
+with the internode calls' NVLink-hop copies and barriers (each a call into the extension on a GPU host):
 `python dev/count_host_ops.py [--by-line] [--json PATH]`."""
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import collections
 import json
 import os
 import sys
+import threading
 import traceback
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -22,6 +24,23 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 ORACLES = frozenset({"fill_reference"})  # deepcomm/internode/hier_route.py
 
 
+_counting = threading.local()  # the Counted open in this thread (the ranks run as threads)
+
+
+def _count_node_calls(cls, names) -> dict:
+    """Wraps the NVLink-hop stand-in's methods ``names`` so that each call counts in the Counted open in its thread:
+    on a GPU each is a call into the extension (a peer copy, a barrier launch). Returns the originals."""
+    originals = {n: getattr(cls, n) for n in names}
+    for n, f in originals.items():
+        def counted(self, *args, _f=f, _n=n, **kwargs):
+            c = getattr(_counting, "current", None)
+            if c is not None and (_n != "fence" or self.gpus > 1):
+                c.node_calls[_n] += 1
+            return _f(self, *args, **kwargs)
+        setattr(cls, n, counted)
+    return originals
+
+
 class Counted(TorchDispatchMode):
     """Counts the aten operators deepcomm's code runs inside it, by operator and by the line that ran them; those
     the stand-ins run (tests/helpers: the threads' transport and node areas, whose GPU versions are kernels or
@@ -31,6 +50,15 @@ class Counted(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.ops, self.lines, self.stand_in = collections.Counter(), collections.Counter(), 0
+        self.node_calls = collections.Counter()  # NVLink-hop copies and barriers (on a GPU: a call each)
+
+    def __enter__(self):
+        _counting.current = self
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _counting.current = None
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         frames = [f for f in traceback.extract_stack()
@@ -102,11 +130,15 @@ def internode_calls(nodes: int, gpus: int) -> dict:
         got["combine again (same handle)"] = c
         return got
 
+    from tests.helpers.hier_stand_ins import RecordedArea
     patches = Patches()
+    originals = _count_node_calls(RecordedArea, ("put", "fence"))
     try:
         recording_world(patches.setattr)
         return run(world, rank_calls)[0]
     finally:
+        for n, f in originals.items():
+            setattr(RecordedArea, n, f)
         patches.undo()
 
 
@@ -116,15 +148,17 @@ def main() -> None:
     p.add_argument("--json", default="")
     a = p.parse_args()
     report = {"NVLink (world size 1)": nvlink_calls(), "internode 2 x 1": internode_calls(2, 1),
-              "internode 2 x 2": internode_calls(2, 2)}
+              "internode 2 x 2": internode_calls(2, 2), "internode 2 x 8": internode_calls(2, 8)}
     out = {}
     for path, calls in report.items():
         for name, c in calls.items():
             total = sum(c.ops.values())
-            out[f"{path}: {name}"] = {"ops": total, "by_op": dict(c.ops), "stand_in_ops": c.stand_in}
+            out[f"{path}: {name}"] = {"ops": total, "by_op": dict(c.ops), "stand_in_ops": c.stand_in,
+                                      "node_calls": dict(c.node_calls)}
+            node = ", ".join(f"{v} node {k}s" for k, v in sorted(c.node_calls.items()))
             print(f"{path + ': ' + name:44s} {total:4d}  " + ", ".join(f"{k.removeprefix('aten.')} {v}"
                                                                       for k, v in c.ops.most_common())
-                  + (f"  (+{c.stand_in} in the stand-ins)" if c.stand_in else ""))
+                  + (f"  (+{c.stand_in} in the stand-ins)" if c.stand_in else "") + (f"; {node}" if node else ""))
             if a.by_line:
                 for line, n in sorted(c.lines.items()):
                     print(f"{'':8s}{n:3d}  {line}")

@@ -201,19 +201,20 @@ def put_words(comm, words: Dict[int, Sequence[int]]) -> None:
             comm.link.put(g, at + strip_slot(comm, s) * RAIL_HEADER_BYTES, head)
 
 
-def put_rail_words(comm, hop, rail_rows: Sequence[torch.Tensor]) -> None:
+def put_rail_words(comm, hop, rail_rows: torch.Tensor) -> None:
     """Inside the NVLink stage of a count round (``HierComm.all_gather`` with words, several GPUs per node): every
     rail rank's words into its slots of every node GPU's strip, one put per node GPU, on the device (no host
     sync). With ``comm.node_headers`` (the round carried ``first_header``) from its slot of the header it sent us
     (ours: our row's), which holds them whatever kind of call it made; else from the first
-    ``RAIL_HEADER_BYTES`` of its row (uint8 ``[1, stride]`` each, nodes ascending). Either way the words' place
-    does not depend on the count row's length, which ranks that disagree (num_experts) get wrong."""
+    ``RAIL_HEADER_BYTES`` of its row (``rail_rows``: uint8 ``[N, stride]``, nodes ascending). Either way the words'
+    place does not depend on the count row's length, which ranks that disagree (num_experts) get wrong."""
     tr, l, G, H = comm.transport, comm.local, comm.gpus, RAIL_HEADER_BYTES
-    fronts = [r.reshape(-1)[:H].view(1, H) for r in rail_rows]
     if comm.node_headers:
-        fronts = [fronts[m] if m == comm.node else tr.recv_view(comm.rank_of(m, l), 1, G * H)[:, l * H:(l + 1) * H]
-                  for m in range(comm.num_nodes)]
-    block = torch.cat(fronts)
+        block = torch.cat([rail_rows[m:m + 1, :H] if m == comm.node
+                           else tr.recv_view(comm.rank_of(m, l), 1, G * H)[:, l * H:(l + 1) * H]
+                           for m in range(comm.num_nodes)])
+    else:
+        block = rail_rows[:, :H].contiguous()
     at = strip_at(comm) + strip_slot(comm, comm.rank_of(0, comm.local)) * H
     for g in range(comm.gpus):
         hop.put(g, at, block)

@@ -106,12 +106,19 @@ class HierComm:
             at += n
         if at:
             send = tr.send_view(1, at)[0]
+            pieces = [blocks.get(m, ()) for m in self.other_nodes]
+            if len(pieces) > 1 and all(len(p) == 1 and p[0] is pieces[0][0] for p in pieces):
+                # the same block for every node (a count round): the sections are back to back, one copy fills them
+                one = pieces[0][0].reshape(-1)
+                send.view(len(pieces), one.numel()).copy_(one.expand(len(pieces), one.numel()))
+            else:
+                for m, blocks_m in zip(self.other_nodes, pieces):
+                    o = send_begin[self.rank_of(m, self.local)]
+                    for piece in blocks_m:
+                        send[o:o + piece.numel()].copy_(piece.reshape(-1))
+                        o += piece.numel()
             for m in self.other_nodes:
                 d = self.rank_of(m, self.local)
-                o = send_begin[d]
-                for piece in blocks.get(m, ()):
-                    send[o:o + piece.numel()].copy_(piece.reshape(-1))
-                    o += piece.numel()
                 self.traffic[(stage, "rdma", d)] += send_bytes[d]
         if wait:
             tr.exchange(send_bytes, send_begin)
@@ -160,20 +167,21 @@ class HierComm:
         got = self.rail_exchange({m: [mine] for m in self.other_nodes}, {m: stride for m in self.other_nodes}, stage,
                                  header=head, wait=wait)
         rail_rows = [mine if m == self.node else got[m].view(1, stride) for m in range(N)]
-        if self.gpus == 1:  # the rail is every rank, in rank order: no NVLink hop to take
-            rows = torch.cat(rail_rows)
-        else:
+        rows = torch.cat(rail_rows)  # our rail's rows, nodes ascending
+        if self.gpus > 1:
+            # The node's areas hold the rows local index first (slot l * N + m, as the strip): our rail's rows are
+            # one block, one put per node GPU.
             with self.node_hop(stage + ":node", wait=wait) as hop:
                 for g in range(self.gpus):
-                    for m in range(N):
-                        hop.put(g, self.rank_of(m, self.local) * stride, rail_rows[m])
+                    hop.put(g, self.local * N * stride, rows)
                 if words is not None:
-                    hier_agree.put_rail_words(self, hop, rail_rows)
-            rows = self.node_area()[:R * stride].view(R, stride)
+                    hier_agree.put_rail_words(self, hop, rows)
+            # rank order (m * G + l), out of our node area, which the next hop overwrites
+            area = self.node_area()[:R * stride].view(self.gpus, N, stride)
+            rows = area.transpose(0, 1).clone(memory_format=torch.contiguous_format).view(R, stride)
         if nbytes < stride:
             rows = rows[:, :nbytes]
         if self.gpus > 1:
-            rows = rows.clone()  # out of our node area, which the next hop overwrites
             if words is not None:
                 rows[:, :RAIL_HEADER_BYTES] = hier_agree.strip_words(self)
                 if self.node_headers:
