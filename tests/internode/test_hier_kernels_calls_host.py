@@ -1,9 +1,9 @@
 """Host-side pieces of the internode kernels' calls (deepcomm/internode/hier_kernels.py) that need no GPU, with the
 ranks as threads (tests/helpers/threaded_world.py): a fresh dispatch's count round queued over both hops without a
-host wait, whose counts (count matrix, node counts, rows per local expert) equal the reference backend's; the rows
-packed in one pass equal a zero fill plus a copy per part (the kernels' own row building and splitting:
-test_hier_rows_host.py); the call words of launches the host does not wait for, compared later
-(deepcomm/internode/deferred_agree.py), with the reference's text."""
+host wait (one put per node GPU for the rail's rows), whose counts (count matrix, node counts, rows per local
+expert) equal the reference backend's; the rows packed in one pass equal a zero fill plus a copy per part (the
+kernels' own row building and splitting: test_hier_rows_host.py); the call words of launches the host does not
+wait for, compared later (deepcomm/internode/deferred_agree.py), with the reference's text."""
 from __future__ import annotations
 
 import types
@@ -28,7 +28,11 @@ E, K, H, M = 24, 3, 64, 40
 class CountedArea(NodeArea):
     def __init__(self, *args):
         super().__init__(*args)
-        self.syncs = 0
+        self.syncs = self.puts = 0
+
+    def put(self, *args):
+        self.puts += 1
+        super().put(*args)
 
     def synchronize(self):
         self.syncs += 1
@@ -46,7 +50,7 @@ def _ids(rank, seed):
     return idx.contiguous()
 
 
-@pytest.mark.parametrize("nodes,gpn,align", [(3, 1, 1), (2, 2, 4), (2, 3, 1)])
+@pytest.mark.parametrize("nodes,gpn,align", [(3, 1, 1), (2, 2, 4), (2, 3, 1), (3, 2, 1)])
 def test_fresh_counts_are_queued_once_and_equal_the_reference(nodes, gpn, align):
     R = nodes * gpn
     world = World(R, gpn, area_bytes=R * M * max_node_row_bytes(H), timeout_s=120.0)
@@ -74,6 +78,9 @@ def test_fresh_counts_are_queued_once_and_equal_the_reference(nodes, gpn, align)
             assert ncm.tolist() == ncounts
         assert tr.waits and not any(tr.waits), f"rank {rank}: a count round waited: {tr.waits}"
         assert link.syncs == 0, f"rank {rank}: the NVLink hop synchronized {link.syncs} times"
+        # the rail's rows go to each node GPU as one block, however many nodes (each put is a copy call on a GPU)
+        want_puts = 3 * (gpn if gpn > 1 else 0)
+        assert link.puts == want_puts, f"rank {rank}: {link.puts} puts into the node GPUs, want {want_puts}"
         return True
 
     assert all(run(world, fn))
