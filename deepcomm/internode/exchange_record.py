@@ -96,6 +96,12 @@ class ExchangeRecord(RecordedWaits):
         o = self.offsets["recv"] + src * self.slot_bytes
         return self.region[o:o + rows * stride].view(rows, stride)
 
+    def recv_rows(self, first: int, step: int, count: int, nbytes: int) -> torch.Tensor:
+        """uint8 ``[count, nbytes]``: the first ``nbytes`` of the receive slots of sources ``first``, ``first +
+        step``, ... (one view, whatever ``count``; a slot no peer wrote holds stale bytes)."""
+        o = self.offsets["recv"] + first * self.slot_bytes
+        return self.region[o:].as_strided((count, nbytes), (step * self.slot_bytes, 1))
+
     def refuse_if_broken(self) -> None:
         if self.broken:
             raise self.broken_error()

@@ -88,11 +88,20 @@ class HierComm:
         block, and every rail rank's header is in front of what it sent us (``hier_agree.rail_rows``).
         ``wait=False``: the round is only queued on the current stream (the views fill in stream order); the
         caller synchronizes and reads the transport's error record."""
+        hb = self._rail_round(blocks, recv_bytes, stage, header, wait)
+        tr = self.transport
+        return {m: tr.recv_view(self.rank_of(m, self.local), 1, hb + recv_bytes[m])[0][hb:] if recv_bytes[m]
+                else self._empty for m in self.other_nodes}
+
+    def _rail_round(self, blocks: Dict[int, Sequence[torch.Tensor]], recv_bytes: Dict[int, int], stage: str,
+                    header: Optional[torch.Tensor], wait: bool) -> int:
+        """rail_exchange's round, the received blocks left in the receive slots, each after the header's bytes
+        (returned: 0 without a header)."""
         if header is not None:
             blocks = {m: [header] + list(blocks.get(m, ())) for m in self.other_nodes}
             recv_bytes = {m: header.numel() + recv_bytes[m] for m in self.other_nodes}
-            got = self.rail_exchange(blocks, recv_bytes, stage, wait=wait)
-            return {m: got[m][header.numel():] for m in self.other_nodes}
+            self._rail_round(blocks, recv_bytes, stage, None, wait)
+            return header.numel()
         tr, R = self.transport, self.world_size
         send_bytes, send_begin = [0] * R, [0] * R
         at = 0
@@ -124,8 +133,7 @@ class HierComm:
             tr.exchange(send_bytes, send_begin)
         else:
             tr.exchange(send_bytes, send_begin, wait=False)
-        return {m: tr.recv_view(self.rank_of(m, self.local), 1, recv_bytes[m])[0] if recv_bytes[m] else self._empty
-                for m in self.other_nodes}
+        return 0
 
     # ---- NVLink hop ----
     @contextlib.contextmanager
@@ -164,10 +172,13 @@ class HierComm:
             mine[0, :nbytes] = flat
         head = (hier_agree.first_header(self, words) if words is not None and self.gpus > 1 and self.node_headers
                 else None)
-        got = self.rail_exchange({m: [mine] for m in self.other_nodes}, {m: stride for m in self.other_nodes}, stage,
-                                 header=head, wait=wait)
-        rail_rows = [mine if m == self.node else got[m].view(1, stride) for m in range(N)]
-        rows = torch.cat(rail_rows)  # our rail's rows, nodes ascending
+        hb = self._rail_round({m: [mine] for m in self.other_nodes}, {m: stride for m in self.other_nodes}, stage,
+                              head, wait)
+        # our rail's rows, nodes ascending: every rail slot in one view (ours holds stale bytes), ours in between
+        slots = self.transport.recv_rows(self.rank_of(0, self.local), self.gpus, N, hb + stride)
+        if hb:
+            slots = slots[:, hb:]
+        rows = torch.cat([slots[:self.node], mine, slots[self.node + 1:]])
         if self.gpus > 1:
             # The node's areas hold the rows local index first (slot l * N + m, as the strip): our rail's rows are
             # one block, one put per node GPU.

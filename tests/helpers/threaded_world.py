@@ -142,6 +142,13 @@ class RailTransport:
         assert rows * stride <= block.numel(), f"rank {self.rank} reads past what {src} sent"
         return block[:rows * stride].view(rows, stride)
 
+    def recv_rows(self, first: int, step: int, count: int, nbytes: int) -> torch.Tensor:
+        """The slots of sources first, first + step, ... as rows (a source that is not a peer: poison, as a slot
+        nobody wrote holds stale bytes)."""
+        srcs = [first + i * step for i in range(count)]
+        return torch.stack([self.recv_view(s, 1, nbytes)[0] if s in self.peers
+                            else torch.full((nbytes,), POISON, dtype=torch.uint8) for s in srcs])
+
     def exchange(self, send_bytes, send_begin) -> None:
         self.rounds += 1
         blocks = {}
