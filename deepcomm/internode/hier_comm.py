@@ -190,13 +190,12 @@ class HierComm:
             # rank order (m * G + l), out of our node area, which the next hop overwrites
             area = self.node_area()[:R * stride].view(self.gpus, N, stride)
             rows = area.transpose(0, 1).clone(memory_format=torch.contiguous_format).view(R, stride)
-        if nbytes < stride:
-            rows = rows[:, :nbytes]
-        if self.gpus > 1:
             if words is not None:
                 rows[:, :RAIL_HEADER_BYTES] = hier_agree.strip_words(self)
                 if self.node_headers:
                     hier_agree.clear_strip(self)
+        if nbytes < stride:
+            rows = rows[:, :nbytes]
         out = rows.view(t.dtype)  # [R, elements of one row]
         if not out.is_contiguous():  # rows cut from their 16-byte stride (count_row pads its row: not there)
             out = out.contiguous()
