@@ -204,10 +204,9 @@ def _arena_setting(buf) -> str:
     """The output arena's settings of a backend that has one (DEEPCOMM_ARENA_OUTPUTS, DEEPCOMM_ARENA_FULL), as the
     summary line's suffix; empty otherwise."""
     backend = getattr(buf, "_backend", None)
-    if not hasattr(backend, "arena") or not hasattr(backend, "bounce_bytes"):
+    if not hasattr(backend, "arena_outputs"):
         return ""
-    full = "copy" if getattr(backend, "_full_copies", False) else "place"
-    return f" | arena: {backend.arena.nbytes // backend.bounce_bytes} worst-case outputs, full: {full}"
+    return f" | arena: {backend.arena_outputs} worst-case outputs, full: {backend.arena_full}"
 
 
 def _placements(buf) -> dict:

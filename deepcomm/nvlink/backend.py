@@ -587,6 +587,16 @@ class CudaBackend:
             lay = _remember(self._work_cache, key, tuple(w[k] for k in WORK_PARTS) + (specs,))
         return lay
 
+    @property
+    def arena_outputs(self) -> int:
+        """How many worst-case dispatch outputs the arena holds at once (DEEPCOMM_ARENA_OUTPUTS)."""
+        return self.arena.nbytes // self.bounce_bytes
+
+    @property
+    def arena_full(self) -> str:
+        """What a dispatch does when the arena is full: "copy" or "place" (DEEPCOMM_ARENA_FULL)."""
+        return "copy" if self._full_copies else "place"
+
     def _bounced(self, call: "_Call", n: int):
         """The outputs of a dispatch whose ``n`` rows went to the bounce area (the arena was full), copied into
         ordinary tensors on the run stream; the call's end is recorded after the copies."""
@@ -606,7 +616,7 @@ class CudaBackend:
         self._bounce_pending = True  # the next call must not overwrite the bounce area under these copies
         if not self.bounced_calls:  # a cost the caller cannot see otherwise: said once per Buffer
             logger.warning(f"rank {self.rank}: this Buffer's dispatch output arena is full (more dispatch outputs "
-                           f"alive than its {self.arena.nbytes // self.bounce_bytes} worst-case ones), so dispatches "
+                           f"alive than its {self.arena_outputs} worst-case ones), so dispatches "
                            "now go through its bounce area and are copied out, one more device copy each; free "
                            "dispatch outputs (recv_x) once used, or set DEEPCOMM_ARENA_OUTPUTS=N when the Buffer is "
                            "built (docs/tuning.md). Said once per Buffer.")

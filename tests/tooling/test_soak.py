@@ -47,6 +47,16 @@ def test_placements_are_read_from_a_backend_that_reports_them():
     reference = types.SimpleNamespace(_backend=object())  # says nothing: no suffix, no counts
     assert soak._placement(reference) == "" and soak._placements(reference) == {}
     assert soak._arena_setting(reference) == ""
-    cuda._backend.arena, cuda._backend.bounce_bytes = types.SimpleNamespace(nbytes=3 * 640), 640
-    cuda._backend._full_copies = True
-    assert soak._arena_setting(cuda) == " | arena: 3 worst-case outputs, full: copy"
+
+
+def test_arena_setting_is_the_backends_own(monkeypatch):
+    import types
+    from deepcomm.nvlink import backend as B
+    from tests.helpers.nvl_stand_ins import cpu_backend
+    b = cpu_backend(monkeypatch.setattr).b
+    outputs = b.arena.nbytes // b.bounce_bytes
+    assert outputs >= 1 and b.arena_outputs == outputs
+    assert soak._arena_setting(types.SimpleNamespace(_backend=b)) == f" | arena: {outputs} worst-case outputs, full: place"
+    b._full_copies = True
+    assert isinstance(b, B.CudaBackend) and b.arena_full == "copy"
+    assert soak._arena_setting(types.SimpleNamespace(_backend=b)).endswith("full: copy")
