@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from typing import Dict, Iterator, List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence, Union
 
 import torch
 
@@ -93,12 +93,15 @@ class HierComm:
         return {m: tr.recv_view(self.rank_of(m, self.local), 1, hb + recv_bytes[m])[0][hb:] if recv_bytes[m]
                 else self._empty for m in self.other_nodes}
 
-    def _rail_round(self, blocks: Dict[int, Sequence[torch.Tensor]], recv_bytes: Dict[int, int], stage: str,
-                    header: Optional[torch.Tensor], wait: bool) -> int:
+    def _rail_round(self, blocks: Union[Dict[int, Sequence[torch.Tensor]], Sequence[torch.Tensor]],
+                    recv_bytes: Dict[int, int], stage: str, header: Optional[torch.Tensor], wait: bool) -> int:
         """rail_exchange's round, the received blocks left in the receive slots, each after the header's bytes
-        (returned: 0 without a header)."""
+        (returned: 0 without a header). ``blocks`` as a sequence: the same blocks for every other node (a count
+        round), each copied into every node's section at once."""
+        same = not isinstance(blocks, dict)
         if header is not None:
-            blocks = {m: [header] + list(blocks.get(m, ())) for m in self.other_nodes}
+            blocks = ([header] + list(blocks) if same else
+                      {m: [header] + list(blocks.get(m, ())) for m in self.other_nodes})
             recv_bytes = {m: header.numel() + recv_bytes[m] for m in self.other_nodes}
             self._rail_round(blocks, recv_bytes, stage, None, wait)
             return header.numel()
@@ -107,7 +110,7 @@ class HierComm:
         at = 0
         for m in self.other_nodes:
             d = self.rank_of(m, self.local)
-            n = sum(p.numel() for p in blocks.get(m, ()))
+            n = sum(p.numel() for p in (blocks if same else blocks.get(m, ())))
             if n > tr.slot_bytes or recv_bytes[m] > tr.slot_bytes:
                 raise ValueError(f"x: a block of {max(n, recv_bytes[m])} bytes between rail ranks exceeds the "
                                  f"receive slot ({tr.slot_bytes} bytes); raise max_tokens_per_rank or hidden")
@@ -115,15 +118,18 @@ class HierComm:
             at += n
         if at:
             send = tr.send_view(1, at)[0]
-            pieces = [blocks.get(m, ()) for m in self.other_nodes]
-            if len(pieces) > 1 and all(len(p) == 1 and p[0] is pieces[0][0] for p in pieces):
-                # the same block for every node (a count round): the sections are back to back, one copy fills them
-                one = pieces[0][0].reshape(-1)
-                send.view(len(pieces), one.numel()).copy_(one.expand(len(pieces), one.numel()))
+            k = len(self.other_nodes)
+            if same and k > 1:  # the sections are back to back, all alike: one expanded copy per block fills them
+                sections, o = send.view(k, at // k), 0
+                for piece in blocks:
+                    n = piece.numel()
+                    dst = sections if n == sections.shape[1] else sections[:, o:o + n]
+                    dst.copy_(piece.reshape(1, n).expand(k, n))
+                    o += n
             else:
-                for m, blocks_m in zip(self.other_nodes, pieces):
+                for m in self.other_nodes:
                     o = send_begin[self.rank_of(m, self.local)]
-                    for piece in blocks_m:
+                    for piece in (blocks if same else blocks.get(m, ())):
                         send[o:o + piece.numel()].copy_(piece.reshape(-1))
                         o += piece.numel()
             for m in self.other_nodes:
@@ -172,8 +178,7 @@ class HierComm:
             mine[0, :nbytes] = flat
         head = (hier_agree.first_header(self, words) if words is not None and self.gpus > 1 and self.node_headers
                 else None)
-        hb = self._rail_round({m: [mine] for m in self.other_nodes}, {m: stride for m in self.other_nodes}, stage,
-                              head, wait)
+        hb = self._rail_round([mine], {m: stride for m in self.other_nodes}, stage, head, wait)
         # our rail's rows, nodes ascending: every rail slot in one view (ours holds stale bytes), ours in between
         slots = self.transport.recv_rows(self.rank_of(0, self.local), self.gpus, N, hb + stride)
         if hb:
