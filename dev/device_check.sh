@@ -14,8 +14,7 @@
 #    shared WORLD = the multi-rank GPU suite with WORLD ranks (default 4) all on GPU 0 under MPS (launch/with_mps.sh,
 #    docs/testing.md), the killed-peer tests last, then the soak at WORLD ranks; within ~540 s in all; SHARED_FILES,
 #    WS1_FIRST, PROFILE_FIRST, BENCH_FIRST and SHARED_TESTS_ONLY below pick the parts)
-# Used with the device tool on nvidia-h200-x2 (shared: nvidia-h200); every step is bounded by `timeout` so the call
-# always returns.
+# Meant for a 2 x H200 host (shared: one H200); every step is bounded by `timeout` so the script always ends.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 MODE="${1:-quick}"
@@ -38,7 +37,7 @@ build() {
   if ! timeout 300 python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; then
     tail -60 "$OUT/build.log"; echo "BUILD${1:+ $1} FAILED"; exit 1
   fi
-  rm -f "$OUT/build.log"  # at most 8 files come back from the device tool
+  rm -f "$OUT/build.log"  # keep $OUT to the few files worth reading
   echo "build${1:+ $1}: $(( $(date +%s) - t0 )) s" | tee -a "$summary"
 }
 
@@ -202,7 +201,7 @@ parts_ab_tests() {
 }
 if [[ "$MODE" == parts-ab ]]; then
   ab_rounds parts-ab quick_parts parts_ab_tests
-  tar czf "$OUT/ab.tgz" -C "$OUT" ab && rm -rf "$OUT/ab"  # one file back: the device tool returns a few only
+  tar czf "$OUT/ab.tgz" -C "$OUT" ab && rm -rf "$OUT/ab"  # one archive: $OUT stays a few files
   exit 0
 fi
 
