@@ -23,7 +23,7 @@ def nvl_buffer_bytes(num_ranks: int, max_tokens_per_rank: int, hidden: int) -> O
     C = load_extension()
     if C is None:
         return None
-    from .nvlink.backend import arena_sizes
+    from .nvlink.arena_sizing import arena_sizes
     arena, bounce = arena_sizes(C, num_ranks, max_tokens_per_rank, hidden)
     lay = C.nvl_layout(num_ranks, C.COUNTS_MAX_EXPERTS, max_tokens_per_rank, hidden, C.TOPK_MAX, arena + bounce)
     return {"signals": lay["signal_bytes"], "combine_stage": lay["arena"] - lay["combine_stage"],

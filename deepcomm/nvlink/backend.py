@@ -18,7 +18,7 @@ import torch
 from .. import agreement
 from .._ext import load_extension
 from ..validation import is_capturing
-from ..config import env_positive_int, resolve_arena_full
+from ..config import resolve_arena_full
 from ..errors import CommTimeoutError
 from ..gpu_share import GPU_SMS_ENV, shares_gpu, usable_sms
 from ..backend_protocol import Capabilities
@@ -31,13 +31,11 @@ from ..cuda.call_errors import CallErrors
 from ..cuda.ll_calls import LowLatencyEngine, low_latency_blocks
 from ..cuda.mode_meet import ModeMeet
 from ..cuda.work_pool import WorkPool
+from .arena_sizing import arena_sizes
+from .dispatch_call import DispatchCall, OutputTypes, Received, carve
 from .nvl_buffer import NvlBuffer
 
 Payload = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
-
-ARENA_OUTPUTS = 4         # worst-case dispatch outputs the arena holds at once (plus one bounce area) by default
-ARENA_OUTPUTS_ENV = "DEEPCOMM_ARENA_OUTPUTS"
-
 
 def _share_note() -> str:
     return f" by {GPU_SMS_ENV}" if shares_gpu() else ""
@@ -72,83 +70,6 @@ def _remember(cache: dict, key, value):
     return value
 
 
-class _Call:
-    """What one dispatch moves: its sizes, the payload's addresses and row sizes, its outputs' DLPack types
-    (Arena.dlpack_type), its fingerprint's words and its stream order (from _order). Made from the tensors
-    (``of_tensors``) or from what the C++ argument reader read of them (``of_read``)."""
-    __slots__ = ("T", "H", "K", "fresh", "x_ptr", "scales_ptr", "weights_ptr", "idx_ptr", "with_weights",
-                 "x_row_bytes", "scale_row_bytes", "x_type", "x_view", "scale_type", "order", "words")
-
-    @classmethod
-    def of_tensors(cls, values: torch.Tensor, scales: Optional[torch.Tensor], weights: Optional[torch.Tensor],
-                   topk_idx: Optional[torch.Tensor], K: int, fresh: bool, words: tuple, types: dict) -> "_Call":
-        # fresh: a dispatch without a handle, whose outputs include the received topk_idx
-        c = cls.__new__(cls)
-        c.T, c.H = values.shape
-        c.K, c.fresh, c.words = K, fresh, words
-        c.x_ptr = values.data_ptr()
-        c.idx_ptr = topk_idx.data_ptr() if topk_idx is not None else 0
-        c.with_weights = weights is not None
-        c.weights_ptr = weights.data_ptr() if weights is not None else 0
-        c.x_row_bytes = c.H * values.element_size()
-        c.x_type, c.x_view = types[values.dtype]
-        if scales is not None:
-            c.scales_ptr = scales.data_ptr()
-            c.scale_row_bytes = scales.shape[1] * scales.element_size()
-            c.scale_type = types[scales.dtype][0]
-        else:
-            c.scales_ptr = c.scale_row_bytes = c.scale_type = 0
-        return c
-
-    @classmethod
-    def of_read(cls, read: tuple, types: dict, fresh: bool) -> "_Call":
-        """A dispatch from the tuple of DispatchArgReader.fresh or .cached (deepcomm/cuda/arg_reader.py)."""
-        c = cls.__new__(cls)
-        (c.T, c.H, c.K, _, x_dtype, scales_dtype, c.x_row_bytes, c.scale_row_bytes, c.x_ptr, c.scales_ptr, c.idx_ptr,
-         c.weights_ptr, c.with_weights, c.words) = read
-        c.fresh = fresh
-        c.x_type, c.x_view = types[x_dtype]
-        c.scale_type = types[scales_dtype][0] if scales_dtype is not None else 0
-        return c
-
-    def typed(self, views: tuple) -> tuple:
-        """The outputs a crossing made, with x viewed as its dtype where the arena made it as bytes."""
-        if self.x_view is not None:
-            return (views[0].view(self.x_view),) + tuple(views[1:])
-        return views
-
-
-class _Recv:
-    """A dispatch's outputs ``(x, scales, topk_idx, topk_weights)`` (None where absent), its rows per local expert,
-    and the tensors its kernels use (kept alive when async)."""
-    __slots__ = ("out", "per_expert", "keep")
-
-    def __init__(self, out: tuple, per_expert, keep: tuple):
-        self.out, self.per_expert, self.keep = out, per_expert, keep
-
-
-def _carve(arena: Arena, reserved, n: int, call: _Call, bounce: bool = False) -> tuple:
-    """The dispatch outputs ``(x, scales, topk_idx, topk_weights)`` (None where absent) over one output block
-    (``reserved``: its offset and size in the arena) carved for ``n`` rows (csrc/runtime/dispatch_views.hpp), made
-    in one crossing. Each holds the block, which returns to the arena when the last of them dies (the bounce area
-    is not the arena's: nothing returns)."""
-    return call.typed(arena.core.dispatch_views(reserved[0], reserved[1], not bounce, n, call.x_type, call.x_row_bytes,
-                                                call.scale_type, call.scale_row_bytes, call.K, call.fresh,
-                                                call.with_weights))
-
-
-class _OutputTypes(dict):
-    """dtype -> Arena.dlpack_type(dtype), asked of the arena once per dtype."""
-
-    def __init__(self, arena: Arena):
-        super().__init__()
-        self._arena = arena
-
-    def __missing__(self, dtype):
-        self[dtype] = got = self._arena.dlpack_type(dtype)
-        return got
-
-
 def _current_stream(device_index: int) -> int:
     """The caller's current CUDA stream as a raw pointer (a torch Stream object costs microseconds to make)."""
     return torch._C._cuda_getCurrentRawStream(device_index)
@@ -160,27 +81,6 @@ def _event_handle(event: torch.cuda.Event) -> int:
     if handle is None:
         handle = event._as_parameter_.value
     return int(handle or 0)
-
-
-def _worst_output_bytes(C, rows: int, hidden: int) -> int:
-    bf16 = C.dispatch_out_layout(rows, hidden * 2, 0, C.TOPK_MAX)["total"]
-    fp8 = C.dispatch_out_layout(rows, hidden, hidden // 128 * 4, C.TOPK_MAX)["total"]
-    return max(bf16, fp8)
-
-
-def arena_outputs() -> int:
-    """Worst-case dispatch outputs the arena holds: ``$DEEPCOMM_ARENA_OUTPUTS`` where set (a positive int; more
-    keeps more outputs alive on the zero-copy path, e.g. every layer's recv_x kept for backward), else
-    ARENA_OUTPUTS. ``ValueError`` names the variable."""
-    n = env_positive_int(ARENA_OUTPUTS_ENV)
-    return ARENA_OUTPUTS if n is None else n
-
-
-def arena_sizes(C, world_size: int, max_tokens: int, hidden: int) -> Tuple[int, int]:
-    """``(arena, bounce)`` bytes: room for ``arena_outputs()`` worst-case dispatch outputs, and one more for the
-    bounce area used when the arena is full. The NVLink buffer's arena region holds both."""
-    worst = _worst_output_bytes(C, world_size * max_tokens, hidden)
-    return arena_outputs() * worst, worst
 
 
 class CudaBackend:
@@ -216,7 +116,7 @@ class CudaBackend:
                                  config.max_tokens_per_rank, config.hidden, C.TOPK_MAX, arena + worst, config.timeout_s)
             self.comm_stream = torch.cuda.Stream(device)
         self.arena = Arena(self.nvl.arena_ptr, arena, device)
-        self._types = _OutputTypes(self.arena)
+        self._types = OutputTypes(self.arena)
         self._arena_at = self.nvl.layout["arena"]  # the arena's offset in the NVLink buffer
         self._releases_seen = 0  # arena releases already covered by a wait on the caller's stream (_order)
         # When more dispatch outputs are alive than the arena holds (e.g. training keeps every layer's recv_x for
@@ -393,7 +293,7 @@ class CudaBackend:
             values, scales = x, None
         K = topk_idx.shape[1] if topk_idx is not None else (topk_weights.shape[1] if topk_weights is not None else 0)
         self._enter_normal()
-        call = _Call.of_tensors(values, scales, topk_weights, topk_idx if handle is None else None, K, handle is None,
+        call = DispatchCall.of_tensors(values, scales, topk_weights, topk_idx if handle is None else None, K, handle is None,
                                 words_or_none(fingerprint), self._types)
         call.order = self._order(previous_event, async_finish)
         if handle is None:
@@ -414,7 +314,7 @@ class CudaBackend:
         topk_idx) whose arguments ``arg_reader.fresh`` / ``arg_reader.cached`` checked and read
         (deepcomm/cuda/arg_reader.py), ``read`` being its tuple: the same steps without reading the tensors again."""
         self._enter_normal()
-        call = _Call.of_read(read, self._types, handle is None)
+        call = DispatchCall.of_read(read, self._types, handle is None)
         call.order = self._order(None, False, read[3], False)
         if handle is None:
             recv, handle = self._fresh(call, num_experts, expert_alignment, 0)
@@ -424,7 +324,7 @@ class CudaBackend:
         out_x, out_scales, out_idx, out_w = recv.out
         return (out_x if read[5] is None else (out_x, out_scales)), out_idx, out_w, recv.per_expert, handle
 
-    def _cross(self, call: "_Call", steps: int, reserve_rows: Optional[int], topk_idx_ptr: int, T: int, E: int,
+    def _cross(self, call: "DispatchCall", steps: int, reserve_rows: Optional[int], topk_idx_ptr: int, T: int, E: int,
                in_rank_ptr: int, send_pos_ptr: int, notify_out_ptr: int, tag: int, count_matrix_ptr: int,
                invalid_ptr: int, out_block: int, out_rows: int, alignment: int, src_copy_ptr: int):
         """One crossing (the argument order is the binding's): ``steps`` of the call, in the stream order of
@@ -447,7 +347,7 @@ class CudaBackend:
             self.nvl.set_broken_by("dispatch" if call.fresh else "cached dispatch", e)
             raise
 
-    def _fresh(self, call: "_Call", num_experts: int, expert_alignment: int, num_worst_tokens: int):
+    def _fresh(self, call: "DispatchCall", num_experts: int, expert_alignment: int, num_worst_tokens: int):
         R, T = self.world_size, call.T
         L = num_experts // R
         # One int32 allocation: send_pos | notify_out (count matrix, tokens per local expert, bad-id counts) | the
@@ -513,12 +413,12 @@ class CudaBackend:
             self.last_wait_us = res[6]
             per_expert = res[4]
         n = res[1]
-        recv = _Recv(out, per_expert, (work,))
+        recv = Received(out, per_expert, (work,))
         handle = Handle.of_fresh_dispatch(num_experts, T, call.H, n,
                                           WorkspaceViews(work, specs, n, work_ptr, slot), per_expert)
         return recv, handle
 
-    def _device_counts(self, call: "_Call", counts: torch.Tensor, alignment: int) -> torch.Tensor:
+    def _device_counts(self, call: "DispatchCall", counts: torch.Tensor, alignment: int) -> torch.Tensor:
         """The aligned per-expert counts of a worst-case dispatch, computed in stream order after its kernels: on
         the caller's stream itself for a plain call (no stream switch), else on the communication stream."""
         run = call.order[1]
@@ -555,7 +455,7 @@ class CudaBackend:
         raise ValueError(f"topk_idx: another rank passed expert ids outside [-1, {num_experts}); "
                          f"nothing was dispatched{also}")
 
-    def _cached(self, call: "_Call", handle: Handle):
+    def _cached(self, call: "DispatchCall", handle: Handle):
         n = handle.num_recv
         args = (0, handle.num_tokens, handle.num_experts, 0, field_ptr(handle, "send_pos"), 0, 0,
                 field_ptr(handle, "count_matrix"), 0)
@@ -568,7 +468,7 @@ class CudaBackend:
             out = self._bounced(call, n)
         per_expert = handle.num_recv_tokens_per_expert
         per_expert = per_expert.clone() if isinstance(per_expert, torch.Tensor) else list(per_expert)
-        return _Recv(out, per_expert, ())
+        return Received(out, per_expert, ())
 
     def _work_layout(self, T: int, L: int, rows: int) -> tuple:
         """A fresh dispatch's workspace offsets (int32 elements) for ``T`` tokens, ``L`` local experts and room for
@@ -597,10 +497,10 @@ class CudaBackend:
         """What a dispatch does when the arena is full: "copy" or "place" (DEEPCOMM_ARENA_FULL)."""
         return "copy" if self._full_copies else "place"
 
-    def _bounced(self, call: "_Call", n: int):
+    def _bounced(self, call: "DispatchCall", n: int):
         """The outputs of a dispatch whose ``n`` rows went to the bounce area (the arena was full), copied into
         ordinary tensors on the run stream; the call's end is recorded after the copies."""
-        out = _carve(self.arena, (self.bounce_offset, self.bounce_bytes), n, call, bounce=True)
+        out = carve(self.arena, (self.bounce_offset, self.bounce_bytes), n, call, bounce=True)
         wait, run, flags, _, end = call.order
         run_stream = torch.cuda.ExternalStream(run, device=self.device)
         with torch.cuda.stream(run_stream):

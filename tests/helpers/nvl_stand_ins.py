@@ -13,6 +13,8 @@ C = load_extension()
 if C is not None:
     from deepcomm.config import Config
     from deepcomm.nvlink import backend as B
+    from deepcomm.nvlink.arena_sizing import arena_sizes
+    from deepcomm.nvlink.dispatch_call import OutputTypes
     from deepcomm.cuda.arena import Arena
     from deepcomm.cuda.arg_reader import dispatch_arg_reader
     from deepcomm.cuda.call_errors import CallErrors
@@ -116,7 +118,7 @@ def cpu_backend(setattr_):
     b = B.CudaBackend.__new__(B.CudaBackend)
     b.C, b.rank, b.world_size, b.device, b._device_index = C, 0, 1, torch.device("cpu"), 0
     b.config = Config(num_sms=24, timeout_s=5, max_tokens_per_rank=256, hidden=1024)
-    arena_bytes, worst = B.arena_sizes(C, 1, 256, 1024)
+    arena_bytes, worst = arena_sizes(C, 1, 256, 1024)
     state.memory = torch.zeros(arena_bytes + worst, dtype=torch.uint8)  # the arena, then the bounce area
     b.arena = Arena(state.memory.data_ptr(), arena_bytes, None)
     b.nvl = types.SimpleNamespace(ctx=FakeCtx(), layout={"arena": 4096}, broken=False, broken_peer=None,
@@ -135,7 +137,7 @@ def cpu_backend(setattr_):
     b._capacity_rows, b.last_wait_us = 256, 0.0
     b.last_placement, b.placements = None, dict.fromkeys(B.PLACEMENTS, 0)
     b._full_copies = False  # DEEPCOMM_ARENA_FULL=place, the default
-    b._types, b._arena_at = B._OutputTypes(b.arena), b.nvl.layout["arena"]
+    b._types, b._arena_at = OutputTypes(b.arena), b.nvl.layout["arena"]
     b._work_cache, b._work_pool = {}, B.WorkPool(b.device)
     b._wait_timeout_s = 8.5
     # the plain calls' C++ argument reader over CPU tensors, asking the stand-in's stream (never captured)

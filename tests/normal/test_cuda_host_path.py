@@ -13,7 +13,7 @@ from tests.helpers.nvl_stand_ins import C, CALLER, COMM, CAPTURE, OTHER, FakeEve
 pytestmark = pytest.mark.skipif(C is None, reason="needs the extension deepcomm._C (its layouts and flags)")
 
 if C is not None:
-    from deepcomm.nvlink import backend as B
+    from deepcomm.nvlink import arena_sizing, backend as B
     from deepcomm.handle import Handle
 
 
@@ -274,7 +274,7 @@ def test_the_first_dispatch_through_the_bounce_area_says_so_once(env, caplog):
     said = [r.getMessage() for r in caplog.records if r.name == "deepcomm"]
     assert len(said) == 1 and b.bounced_calls == 2, said
     assert "rank 0: this Buffer's dispatch output arena is full" in said[0] and "DEEPCOMM_ARENA_OUTPUTS" in said[0]
-    assert f"than its {B.arena_outputs()} worst-case ones" in said[0]
+    assert f"than its {arena_sizing.arena_outputs()} worst-case ones" in said[0]
     b.arena.release(*full)
 
 

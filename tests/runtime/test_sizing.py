@@ -31,10 +31,10 @@ def test_cli_prints_both_buffers(capsys):
 
 
 def test_the_arena_holds_as_many_worst_case_outputs_as_deepcomm_arena_outputs_says(monkeypatch):
-    from deepcomm.nvlink.backend import ARENA_OUTPUTS_ENV, _worst_output_bytes, arena_sizes
+    from deepcomm.nvlink.arena_sizing import ARENA_OUTPUTS_ENV, arena_sizes, worst_output_bytes
     from deepcomm._ext import load_extension
     C = load_extension()
-    worst = _worst_output_bytes(C, 2 * 1024, 7168)
+    worst = worst_output_bytes(C, 2 * 1024, 7168)
     monkeypatch.delenv(ARENA_OUTPUTS_ENV, raising=False)
     assert arena_sizes(C, 2, 1024, 7168) == (4 * worst, worst)
     default = sizing.nvl_buffer_bytes(2, 1024, 7168)["arena"]
