@@ -33,7 +33,8 @@ definition of it):
   12    LL_MAX_TOKENS  num_max_dispatch_tokens_per_rank (low_latency_dispatch), 0 elsewhere
   13    USE_FP8        use_fp8 (low_latency_dispatch, combine, low_latency_combine), 0 in normal dispatch
   14    USE_UE8M0      use_ue8m0 (low_latency_dispatch), 0 elsewhere
-  15    RESERVED       0 (compared like the others)
+  15    NUM_SMS        the Buffer's num_sms (dispatch, combine: the kernels pair their blocks across ranks by it),
+                       0 in low-latency calls
 
 May differ per rank: the token count, ``expert_alignment``, ``num_worst_tokens``, ``previous_event``,
 ``async_finish``, ``return_recv_hook`` (its send and receive halves are the same kernels), the values in the tensors.
@@ -73,7 +74,7 @@ class Word(enum.IntEnum):
     LL_MAX_TOKENS = 12
     USE_FP8 = 13
     USE_UE8M0 = 14
-    RESERVED = 15
+    NUM_SMS = 15
 
 
 class Op(enum.IntEnum):
@@ -104,11 +105,11 @@ Fingerprint = Tuple[int, ...]  # WORDS ints, in Word order
 
 def make(op: int, call: int, buffer: int, rejected: int = 0, hidden: int = 0, x_dtype: int = 0, scales: int = 0,
          topk: int = 0, weights: bool = False, num_experts: int = 0, handle: int = 0, ll_max_tokens: int = 0,
-         use_fp8: bool = False, use_ue8m0: bool = False) -> Fingerprint:
+         use_fp8: bool = False, use_ue8m0: bool = False, num_sms: int = 0) -> Fingerprint:
     """The words in ``Word`` order (the one place that lays them out). The calls below pass every word
     positionally: a fingerprint is made at every call, and keyword arguments cost host time."""
     return (MAGIC, op, call & CALL_MASK, buffer, rejected, hidden, x_dtype, scales, topk, int(weights), num_experts,
-            handle & CALL_MASK, ll_max_tokens, int(use_fp8), int(use_ue8m0), 0)
+            handle & CALL_MASK, ll_max_tokens, int(use_fp8), int(use_ue8m0), num_sms)
 
 
 # the op codes as plain ints (an enum member costs a lookup per call)
@@ -116,8 +117,10 @@ _DISPATCH, _COMBINE = int(Op.DISPATCH), int(Op.COMBINE)
 _LL_DISPATCH, _LL_COMBINE = int(Op.LOW_LATENCY_DISPATCH), int(Op.LOW_LATENCY_COMBINE)
 
 
-def dispatch(call: int, buffer: int, x, topk_idx, topk_weights, num_experts: int, handle) -> Fingerprint:
-    """A normal dispatch (validated arguments; ``handle`` given for a cached one, which takes its num_experts)."""
+def dispatch(call: int, buffer: int, x, topk_idx, topk_weights, num_experts: int, handle,
+             num_sms: int = 0) -> Fingerprint:
+    """A normal dispatch (validated arguments; ``handle`` given for a cached one, which takes its num_experts;
+    ``num_sms``: the Buffer's)."""
     if isinstance(x, (tuple, list)):
         values, scales = x[0], x[1]
         scale_format = SCALES_FP32 if scales.dtype == torch.float32 else SCALES_UE8M0
@@ -127,17 +130,17 @@ def dispatch(call: int, buffer: int, x, topk_idx, topk_weights, num_experts: int
     if handle is None:  # a route-only dispatch may have no ids
         topk = topk_idx.shape[1] if topk_idx is not None else 0
         return make(_DISPATCH, call, buffer, 0, values.shape[1], DTYPE_CODES[values.dtype], scale_format, topk,
-                    weights, num_experts, 0)
+                    weights, num_experts, 0, 0, False, False, num_sms)
     # a cached dispatch sends no ids: only the weights' columns travel
     topk = topk_weights.shape[1] if weights else 0
     return make(_DISPATCH, call, buffer, 0, values.shape[1], DTYPE_CODES[values.dtype], scale_format, topk, weights,
-                handle.num_experts, handle.call)
+                handle.num_experts, handle.call, 0, False, False, num_sms)
 
 
-def combine(call: int, buffer: int, x, handle, topk_weights, use_fp8: bool) -> Fingerprint:
+def combine(call: int, buffer: int, x, handle, topk_weights, use_fp8: bool, num_sms: int = 0) -> Fingerprint:
     weights = topk_weights is not None
     return make(_COMBINE, call, buffer, 0, x.shape[1], DTYPE_CODES[x.dtype], SCALES_NONE,
-                topk_weights.shape[1] if weights else 0, weights, 0, handle.call, 0, use_fp8)
+                topk_weights.shape[1] if weights else 0, weights, 0, handle.call, 0, use_fp8, False, num_sms)
 
 
 def low_latency_dispatch(call: int, buffer: int, x, topk_idx, num_max_dispatch_tokens_per_rank: int,
@@ -180,7 +183,7 @@ _FIELDS = {
     Word.LL_MAX_TOKENS: ("num_max_dispatch_tokens_per_rank", "the value", str),
     Word.USE_FP8: ("use_fp8", "the value", _bool),
     Word.USE_UE8M0: ("use_ue8m0", "the value", _bool),
-    Word.RESERVED: ("fingerprint", "reserved word 15", str),
+    Word.NUM_SMS: ("num_sms", "the Buffer's setting", str),
 }
 
 
@@ -247,5 +250,5 @@ def check(rows: Sequence[Sequence[int]], ranks: Optional[Sequence[int]] = None) 
         (arg, what, values), more = differ[0], differ[1:]
         raise ValueError(f"{arg}: {what} differs across ranks in {where}: {values}"
                          + "".join(f"; also {a} ({w}): {v}" for a, w, v in more)
-                         + ". Every rank must pass the same; no rank ran the call")
+                         + f". Every rank must {'set' if arg == 'num_sms' else 'pass'} the same; no rank ran the call")
 

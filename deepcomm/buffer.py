@@ -147,6 +147,7 @@ class Buffer:
         # check_calls on, the store compares each call's signature first: the Python path does that
         if caps.reads_plain_calls and caps.takes_fingerprints and self._call_checker is None:
             self._arg_reader = self._backend.arg_reader
+            self._arg_reader.set_num_sms(self.config.num_sms)  # the fingerprint's NUM_SMS word
         buffer_registry.register(self)  # for the custom ops of torch.compile (deepcomm/custom_ops.py)
 
     # ---- properties -------------------------------------------------------------------------------------
@@ -178,6 +179,8 @@ class Buffer:
         v.check_int("num_sms", num_sms, minimum=1)
         self._live().set_num_sms(num_sms)
         self.config.num_sms = num_sms
+        if self._arg_reader is not None:
+            self._arg_reader.set_num_sms(num_sms)
 
     def size_bytes(self) -> int:
         """Bytes of communication buffers the backend holds (0 for the reference backend)."""
@@ -253,7 +256,7 @@ class Buffer:
                 lambda: dict(self._dispatch_fields(x, topk_idx, topk_weights, num_experts, None), route_only=True,
                              expert_counts=num_tokens_per_expert is not None),
                 lambda: agreement.dispatch(self._calls, self._buffer_word, x, topk_idx, topk_weights, num_experts,
-                                           None))
+                                           None, self.config.num_sms))
             out = route_only.dispatch(self, backend, x, is_token_in_rank, topk_idx, topk_weights, num_experts,
                                       num_tokens_per_expert, expert_alignment, previous_event, async_finish, agreed)
             out[-1].buffer_id = self.buffer_id
@@ -275,7 +278,7 @@ class Buffer:
                 v.check_topk_weights(topk_weights, shape, self._device)
             agreed = self._agree(lambda: self._dispatch_fields(x, topk_idx, topk_weights, handle.num_experts, handle),
                                  lambda: agreement.dispatch(self._calls, self._buffer_word, x, topk_idx,
-                                                            topk_weights, None, handle))
+                                                            topk_weights, None, handle, self.config.num_sms))
             return backend.dispatch(x, None, topk_weights, handle.num_experts, handle, expert_alignment,
                                     num_worst_tokens, previous_event, async_finish, **agreed)
         ids_on_device = backend.capabilities.checks_expert_ids_on_device
@@ -289,7 +292,7 @@ class Buffer:
                 v.check_topk_weights(topk_weights, tuple(topk_idx.shape), self._device)
         agreed = self._agree(lambda: self._dispatch_fields(x, topk_idx, topk_weights, num_experts, None),
                              lambda: agreement.dispatch(self._calls, self._buffer_word, x, topk_idx, topk_weights,
-                                                        num_experts, None))
+                                                        num_experts, None, self.config.num_sms))
         out = backend.dispatch(x, topk_idx, topk_weights, num_experts, None, expert_alignment, num_worst_tokens,
                                previous_event, async_finish, **agreed)
         out[-1].buffer_id, out[-1].call = self.buffer_id, self._calls
@@ -318,9 +321,10 @@ class Buffer:
         if previous_event is not None or async_finish is not False:
             self._check_stream_args(previous_event, async_finish)
         agreed = self._agree(lambda: {"hidden": x.shape[1], "dtype": str(x.dtype),
-                                      "topk_weights": topk_weights is not None, "use_fp8": use_fp8},
+                                      "topk_weights": topk_weights is not None, "use_fp8": use_fp8,
+                                      "num_sms": self.config.num_sms},
                              lambda: agreement.combine(self._calls, self._buffer_word, x, handle, topk_weights,
-                                                       use_fp8))
+                                                       use_fp8, self.config.num_sms))
         return backend.combine(x, handle, topk_weights, previous_event=previous_event, async_finish=async_finish,
                                use_fp8=use_fp8, **agreed)
 
@@ -404,8 +408,7 @@ class Buffer:
         """Join call ``op``'s first exchange in the backend as a rejected call (the peers raise naming this rank)."""
         self._backend.reject(agreement.rejected(op, self._calls, self._buffer_word, error), handle=handle)
 
-    @staticmethod
-    def _dispatch_fields(x, topk_idx, topk_weights, num_experts, handle) -> dict:
+    def _dispatch_fields(self, x, topk_idx, topk_weights, num_experts, handle) -> dict:
         """What must agree across ranks for one normal dispatch: everything that shapes its rows and its route
         (the token count may differ)."""
         values, scales = (x[0], x[1]) if isinstance(x, (tuple, list)) else (x, None)
@@ -414,7 +417,7 @@ class Buffer:
                 "scales": None if scales is None else [scales.shape[1], str(scales.dtype)],
                 "topk": k if handle is None or topk_weights is not None else None,
                 "topk_weights": topk_weights is not None, "num_experts": num_experts,
-                "cached_handle": handle is not None}
+                "cached_handle": handle is not None, "num_sms": self.config.num_sms}
 
     @staticmethod
     def _check_stream_args(previous_event, async_finish) -> None:

@@ -36,7 +36,7 @@ struct FingerprintLayout {
   int words = 0;
   long long magic = 0, call_mask = 0, op_dispatch = 0, op_combine = 0;
   int magic_at = 0, op_at = 0, call_at = 0, buffer_at = 0, hidden_at = 0, dtype_at = 0, scales_at = 0,
-      topk_at = 0, weights_at = 0, experts_at = 0, handle_at = 0, use_fp8_at = 0;
+      topk_at = 0, weights_at = 0, experts_at = 0, handle_at = 0, use_fp8_at = 0, num_sms_at = 0;
   long long bf16_code = 0, fp8_code = 0, scales_fp32 = 0, scales_ue8m0 = 0;
 };
 
@@ -120,11 +120,12 @@ class DispatchArgReader {
     f.dtype_at = at["X_DTYPE"].cast<int>(); f.scales_at = at["SCALES"].cast<int>(); f.topk_at = at["TOPK"].cast<int>();
     f.weights_at = at["WEIGHTS"].cast<int>(); f.experts_at = at["NUM_EXPERTS"].cast<int>();
     f.handle_at = at["HANDLE"].cast<int>(); f.use_fp8_at = at["USE_FP8"].cast<int>();
+    f.num_sms_at = at["NUM_SMS"].cast<int>();
     f.bf16_code = layout["bf16_code"].cast<long long>(); f.fp8_code = layout["fp8_code"].cast<long long>();
     f.scales_fp32 = layout["scales_fp32"].cast<long long>();
     f.scales_ue8m0 = layout["scales_ue8m0"].cast<long long>();
     for (int i : {f.magic_at, f.op_at, f.call_at, f.buffer_at, f.hidden_at, f.dtype_at, f.scales_at, f.topk_at,
-                  f.weights_at, f.experts_at, f.handle_at, f.use_fp8_at})
+                  f.weights_at, f.experts_at, f.handle_at, f.use_fp8_at, f.num_sms_at})
       if (i < 0 || i >= f.words) throw py::value_error("DispatchArgReader: a word index is outside the fingerprint");
   }
 
@@ -207,6 +208,9 @@ class DispatchArgReader {
     return py::make_tuple(N, x.size[1], K, caller, x.ptr, with_weights ? w.ptr : 0, with_weights, fp8,
                           std::move(words));
   }
+
+  // The num_sms the words of later calls carry (Buffer.set_num_sms keeps it the Buffer's).
+  void set_num_sms(long long num_sms) { num_sms_ = num_sms; }
 
  private:
   dlpack::DataType sample_type(py::dict samples, const char* name) const {
@@ -320,6 +324,7 @@ class DispatchArgReader {
     word[fp_.experts_at] = c.experts;
     word[fp_.handle_at] = c.handle;
     word[fp_.use_fp8_at] = c.use_fp8;
+    word[fp_.num_sms_at] = num_sms_;
     py::tuple words(fp_.words);
     for (int i = 0; i < fp_.words; ++i) {
       PyObject* item = PyLong_FromLongLong(word[i]);
@@ -369,6 +374,7 @@ class DispatchArgReader {
   dlpack::Device device_{};
   ReaderLimits lim_;
   FingerprintLayout fp_;
+  long long num_sms_ = 0;  // the Buffer's num_sms: every call's NUM_SMS word
 };
 
 template <py::object (DispatchArgReader::*Read)(PyObject* const*) const>
@@ -407,6 +413,8 @@ void register_dispatch_args(py::module_& m) {
              py::arg("tensor_type"), py::arg("samples"), py::arg("limits"), py::arg("fingerprint"),
              py::arg("current_stream"));
   for (PyMethodDef& def : reader_defs) add_fast_method(reader, &def);
+  reader.def("set_num_sms", &DispatchArgReader::set_num_sms, py::arg("num_sms"),
+             "The num_sms the words of later calls carry (agreement.Word.NUM_SMS).");
 }
 
 }  // namespace dc::bindings

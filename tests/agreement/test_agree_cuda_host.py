@@ -17,10 +17,10 @@ from tests.normal.test_cuda_host_path import C, CALLER, _fresh, _inputs, env  # 
 W = agreement.Word
 
 
-def _dispatch_words(call=3, hidden=1024, num_experts=8, weights=True, dtype=torch.bfloat16):
+def _dispatch_words(call=3, hidden=1024, num_experts=8, weights=True, dtype=torch.bfloat16, num_sms=24):
     x = torch.zeros(4, hidden, dtype=dtype)
     idx = torch.zeros(4, 2, dtype=torch.int64)
-    return agreement.dispatch(call, 1, x, idx, torch.zeros(4, 2) if weights else None, num_experts, None)
+    return agreement.dispatch(call, 1, x, idx, torch.zeros(4, 2) if weights else None, num_experts, None, num_sms)
 
 
 def _expected(rows):
@@ -35,6 +35,7 @@ CASES = {
     "hidden": [_dispatch_words(hidden=7168), _dispatch_words(hidden=4096)],
     "weights on one rank only": [_dispatch_words(), _dispatch_words(weights=False)],
     "call order": [_dispatch_words(call=3), _dispatch_words(call=4)],
+    "num_sms": [_dispatch_words(num_sms=24), _dispatch_words(num_sms=20)],
     "rejected": [_dispatch_words(), agreement.rejected("dispatch", 3, 1, ValueError("topk_idx: bad"))],
     "low-latency cap": [agreement.low_latency_dispatch(2, 1, torch.zeros(4, 128), torch.zeros(4, 2), m, 8, True,
                                                        False) for m in (128, 64)],

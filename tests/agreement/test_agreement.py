@@ -18,12 +18,12 @@ H, E, M = 256, 12, 8  # E: a multiple of 2 and 3
 
 # ---- the words and the check, in one process ------------------------------------------------------------------
 def test_make_lays_the_words_out_in_word_order():
-    names = ["rejected", "hidden", "x_dtype", "scales", "topk", "num_experts", "handle", "ll_max_tokens"]
+    names = ["rejected", "hidden", "x_dtype", "scales", "topk", "num_experts", "handle", "ll_max_tokens", "num_sms"]
     values = {n: 100 + i for i, n in enumerate(names)}
     words = agreement.make(3, 41, 7, weights=True, use_fp8=True, use_ue8m0=True, **values)
     assert len(words) == agreement.WORDS == len(Word) == 16
     assert words[Word.MAGIC] == agreement.MAGIC and words[Word.OP] == 3
-    assert words[Word.CALL] == 41 and words[Word.BUFFER] == 7 and words[Word.RESERVED] == 0
+    assert words[Word.CALL] == 41 and words[Word.BUFFER] == 7
     for n in names:
         assert words[Word[n.upper()]] == values[n], n
     assert words[Word.WEIGHTS] == words[Word.USE_FP8] == words[Word.USE_UE8M0] == 1
@@ -68,8 +68,11 @@ def test_check_passes_equal_words_and_names_what_differs():
     assert _message(_rows((1, Word.HANDLE, 3))).startswith("handle: which handle differs")
     assert "none (a fresh dispatch) on rank 0 vs the handle of call #3 on rank 1" in _message(_rows((1, Word.HANDLE, 3)))
     for word, arg in [(Word.LL_MAX_TOKENS, "num_max_dispatch_tokens_per_rank"), (Word.USE_FP8, "use_fp8"),
-                      (Word.USE_UE8M0, "use_ue8m0"), (Word.RESERVED, "fingerprint")]:
+                      (Word.USE_UE8M0, "use_ue8m0"), (Word.NUM_SMS, "num_sms")]:
         assert _message(_rows((1, word, 1))).startswith(f"{arg}: "), word
+    msg = _message(_rows((0, Word.NUM_SMS, 24), (1, Word.NUM_SMS, 20)))
+    assert msg == ("num_sms: the Buffer's setting differs across ranks in dispatch call #5 on this Buffer: 24 on rank 0 "
+                   "vs 20 on rank 1. Every rank must set the same; no rank ran the call"), msg
 
 
 def test_check_names_the_call_order_and_rejecting_ranks_first():
@@ -137,6 +140,16 @@ def _raises(fn):
     return "returned"
 
 
+def _with_num_sms(buf, num_sms, call):
+    """``call()`` with the Buffer's num_sms set to ``num_sms`` (set back after)."""
+    before = buf.num_sms
+    buf.set_num_sms(num_sms)
+    try:
+        return call()
+    finally:
+        buf.set_num_sms(before)
+
+
 def _disagreements(rank, world):
     from deepcomm.fp8 import pack_ue8m0, per_token_cast_to_fp8
     buf = _buffer()
@@ -169,6 +182,10 @@ def _disagreements(rank, world):
         "use_ue8m0": lambda: buf.low_latency_dispatch(x, idx, M, E, use_fp8=True, use_ue8m0=me),
         "use_fp8 in combine": lambda: buf.combine(recv_x, handle, recv_w, use_fp8=me),
         "use_fp8 in low_latency_combine": lambda: buf.low_latency_combine(ll_x, idx, w, ll_handle, use_fp8=me),
+        "num_sms in dispatch": lambda: _with_num_sms(buf, 20 if me else 24,
+                                                     lambda: buf.dispatch(x, idx, w, num_experts=E)),
+        "num_sms in combine": lambda: _with_num_sms(buf, 20 if me else 24,
+                                                    lambda: buf.combine(recv_x, handle, recv_w)),
         "a cached handle on one rank only": lambda: (buf.dispatch(x, handle=handle) if me
                                                      else buf.dispatch(x, idx, w, num_experts=E)),
         "a skipped combine (the next dispatch instead)": lambda: (buf.dispatch(x, idx, w, num_experts=E) if me
@@ -196,6 +213,8 @@ EXPECTED = {
     "use_ue8m0": "use_ue8m0: ",
     "use_fp8 in combine": "use_fp8: ",
     "use_fp8 in low_latency_combine": "use_fp8: ",
+    "num_sms in dispatch": "num_sms: the Buffer's setting differs",
+    "num_sms in combine": "num_sms: the Buffer's setting differs",
     "a cached handle on one rank only": "handle: which handle differs",
     "a skipped combine (the next dispatch instead)": "call order: ",
     "a skipped low-latency combine": "call order: ",

@@ -94,6 +94,16 @@ def _expect_disagreement(sides, call, rank, what, deferred=False):
     assert got == ref, f"{what}, rank {rank}: the CUDA backend raised {got!r}; the reference backend {ref!r}"
 
 
+def _with_num_sms(buf, num_sms, call):
+    """``call()`` with the Buffer's num_sms set to ``num_sms``, set back after."""
+    before = buf.num_sms
+    buf.set_num_sms(num_sms)
+    try:
+        return call()
+    finally:
+        buf.set_num_sms(before)
+
+
 def _cases(rank, world, me, dev):
     """(what, call(side), deferred on the CUDA backend). ``me``: the rank that deviates."""
     odd = rank == me
@@ -118,6 +128,9 @@ def _cases(rank, world, me, dev):
          lambda s: s.buf.dispatch(fp8 if odd else inp.x, inp.idx, inp.w, num_experts=E), False),
         ("fresh dispatch, top-k differs", lambda s: s.buf.dispatch(fewer.x, fewer.idx, fewer.w, num_experts=E),
          False),
+        ("fresh dispatch, num_sms differs",
+         lambda s: _with_num_sms(s.buf, 6 if odd else 8, lambda: s.buf.dispatch(inp.x, inp.idx, inp.w,
+                                                                                num_experts=E)), False),
         ("fresh dispatch on one rank, combine on the others",
          lambda s: s.buf.dispatch(inp.x, inp.idx, inp.w, num_experts=E) if odd
          else s.buf.combine(s.recv_x, s.handle, s.recv_w), True),
@@ -131,6 +144,8 @@ def _cases(rank, world, me, dev):
          lambda s: s.buf.dispatch(inp.x[:-1] if odd else inp.x, handle=s.handle, topk_weights=inp.w), True),
         # ---- combine (deferred) ----
         ("combine, use_fp8 differs", lambda s: s.buf.combine(s.recv_x, s.handle, s.recv_w, use_fp8=odd), True),
+        ("combine, num_sms differs",
+         lambda s: _with_num_sms(s.buf, 6 if odd else 8, lambda: s.buf.combine(s.recv_x, s.handle, s.recv_w)), True),
         ("combine, topk_weights on some ranks only",
          lambda s: s.buf.combine(s.recv_x, s.handle, None if odd else s.recv_w), True),
         ("combine, a rank rejected its topk_weights",

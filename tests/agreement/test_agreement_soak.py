@@ -19,14 +19,15 @@ STEPS = 60
 
 # what each kind of call can have one rank change, and the argument the ValueError then names
 PERTURB = {
-    "dispatch": ["num_experts", "hidden", "topk", "weights", "dtype", "reject", "order"],
-    "cached": ["hidden", "weights", "dtype", "handle", "reject"],
-    "combine": ["hidden", "weights", "use_fp8", "handle", "reject", "order"],
+    "dispatch": ["num_experts", "hidden", "topk", "weights", "dtype", "reject", "order", "num_sms"],
+    "cached": ["hidden", "weights", "dtype", "handle", "reject", "num_sms"],
+    "combine": ["hidden", "weights", "use_fp8", "handle", "reject", "order", "num_sms"],
     "ll_dispatch": ["num_experts", "hidden", "topk", "cap", "use_fp8", "reject", "order"],
     "ll_combine": ["hidden", "use_fp8", "reject", "order"],
 }
 NAMED = {"num_experts": "num_experts", "hidden": "x", "topk": "topk_idx", "weights": "topk_weights", "dtype": "x",
-         "handle": "handle", "cap": "num_max_dispatch_tokens_per_rank", "use_fp8": "use_fp8", "order": "call order"}
+         "handle": "handle", "cap": "num_max_dispatch_tokens_per_rank", "use_fp8": "use_fp8", "order": "call order",
+         "num_sms": "num_sms"}
 
 
 @dataclass
@@ -111,6 +112,9 @@ def run_plan(buf, plan, seed, rank, world, agreeing_only):
         T, K = st.tokens[rank], st.K + (change == "topk")
         hidden = H // 2 if change == "hidden" else H
         experts = 2 * E if change == "num_experts" else E
+        sms = buf.num_sms
+        if change == "num_sms":
+            buf.set_num_sms(sms + 2)
         try:
             kind = st.kind
             if change == "order":  # this rank makes another call
@@ -161,6 +165,9 @@ def run_plan(buf, plan, seed, rank, world, agreeing_only):
             out[st.i] = ("ok", _bytes(list(outputs)))
         except ValueError as e:
             out[st.i] = ("error", str(e))
+        finally:
+            if change == "num_sms":
+                buf.set_num_sms(sms)
     return out
 
 
@@ -189,7 +196,8 @@ def test_random_disagreements_raise_everywhere_and_agreeing_calls_are_exact(worl
     reports = run_ranks(_soak, world, seed, timeout=300)
     disagreed = [st for st in plan if st.odd is not None]
     assert len(disagreed) >= 10 and len(plan) - len(disagreed) >= 20, len(disagreed)
-    assert {st.change for st in disagreed} >= {"hidden", "reject", "order", "use_fp8"}, [st.change for st in disagreed]
+    assert {st.change for st in disagreed} >= {"hidden", "reject", "order", "use_fp8", "num_sms"}, [
+        st.change for st in disagreed]
     for st in plan:
         got = [r[st.i] for r in reports]
         if st.odd is None:

@@ -297,6 +297,20 @@ def test_combine_reads_agree_with_python(seed):
             assert not python, what
 
 
+def test_the_words_carry_the_num_sms_set_on_the_reader():
+    """Every read's NUM_SMS word is the one the Buffer last gave the reader (set_num_sms), as agreement makes it."""
+    reader = _reader()
+    x, idx, w = torch.randn(4, 256).to(torch.bfloat16), torch.zeros(4, 2, dtype=torch.int64), torch.rand(4, 2)
+    handle = types.SimpleNamespace(num_experts=R * 8, call=7)
+    for n in (24, 132, 0, 3):
+        reader.set_num_sms(n)
+        fresh = reader.fresh(x, idx, w, R * 8, 5, 1)[13]
+        assert fresh == agreement.dispatch(5, 1, x, idx, w, R * 8, None, n) and fresh[agreement.Word.NUM_SMS] == n
+        assert reader.cached(x, w, 4, handle.num_experts, handle.call, 6, 1)[13] == \
+            agreement.dispatch(6, 1, x, None, w, None, handle, n)
+        assert reader.combine(x, w, 4, False, handle.call, 8, 1)[8] == agreement.combine(8, 1, x, handle, w, False, n)
+
+
 def test_a_table_the_reader_cannot_use_turns_it_off(monkeypatch):
     """A capsule that is not a DLPack exchange table (or a table that cannot describe a dtype the calls use): no
     reader, so every call takes the Python checks, and the arena's views go out as capsules."""

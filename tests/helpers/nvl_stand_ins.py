@@ -154,3 +154,5 @@ def put_behind_buffer(buf, b) -> None:
     buf._backend, buf._takes_fingerprints, buf._counts_joined = b, True, True
     buf._x_dtypes = b.capabilities.x_dtypes
     buf._arg_reader = b.arg_reader
+    if b.arg_reader is not None:
+        b.arg_reader.set_num_sms(buf.config.num_sms)  # as Buffer does when it takes the reader

@@ -129,7 +129,8 @@ def _through_a_buffer(rank, world):
         x, idx, w, E = _inputs("bf16")
         h = buf.dispatch(x, idx, w, num_experts=E)[-1]
         out["plain read"] = len(reads) == 1 and h.call == buf._calls == 1
-        out["plain words"] = tuple(seen[-1][-1]) == agreement.dispatch(1, buf._buffer_word, x, idx, w, E, None)
+        words = agreement.dispatch(1, buf._buffer_word, x, idx, w, E, None, buf.num_sms)
+        out["plain words"] = tuple(seen[-1][-1]) == words
         # a cached dispatch and a combine of the handle
         recv_x = buf.dispatch(x, handle=h)[0]
         buf.combine(recv_x, h)
