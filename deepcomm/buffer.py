@@ -118,6 +118,8 @@ class Buffer:
             "DEEPCOMM_LL_NUM_SMS": os.environ.get("DEEPCOMM_LL_NUM_SMS"),  # low-latency blocks pair up across ranks
             GPU_SMS_ENV: os.environ.get(GPU_SMS_ENV),  # so does their default count, sized from this share
             "DEEPCOMM_LL_FORCE_PUTS": os.environ.get("DEEPCOMM_LL_FORCE_PUTS", "").strip() not in ("", "0"),
+            # the internode kernels and the torch routing make different exchanges (internode/backend.py)
+            "DEEPCOMM_INTERNODE_KERNELS": os.environ.get("DEEPCOMM_INTERNODE_KERNELS", "1") != "0",
             "max_tokens_per_rank": self.config.max_tokens_per_rank,
             "hidden": self.config.hidden, "num_sms": self.config.num_sms,
             "num_max_low_latency_tokens": self.config.num_max_low_latency_tokens,

@@ -4,6 +4,7 @@ settings that must agree across ranks (sizes of the shared buffers, ...) are com
 the first that differs, on every rank."""
 from __future__ import annotations
 
+import os
 import time
 
 import torch.distributed as dist
@@ -54,10 +55,19 @@ def _settings_differ(rank, world):
         except ValueError as e:  # every rank sees the same marks and refuses alike, before any collective
             assert str(e).startswith(name + ":") and "rank 1" in str(e), str(e)
             outcomes.append(name)
+    os.environ["DEEPCOMM_INTERNODE_KERNELS"] = "0" if rank == 1 else "1"  # kernels on one rank, torch routing
+    try:
+        deepcomm.Buffer(backend="reference", hidden=128, max_tokens_per_rank=8, timeout_s=5.0).destroy()
+        outcomes.append("built")
+    except ValueError as e:
+        assert str(e).startswith("DEEPCOMM_INTERNODE_KERNELS:") and "rank 1" in str(e), str(e)
+        outcomes.append("DEEPCOMM_INTERNODE_KERNELS")
+    del os.environ["DEEPCOMM_INTERNODE_KERNELS"]
     dist.barrier()
     deepcomm.Buffer(backend="reference", hidden=128, max_tokens_per_rank=8, timeout_s=5.0).destroy()
     return outcomes
 
 
 def test_settings_that_differ_between_ranks_are_named():
-    assert run_ranks(_settings_differ, 2, timeout=60) == [["hidden", "max_tokens_per_rank"]] * 2
+    assert run_ranks(_settings_differ, 2, timeout=60) == [["hidden", "max_tokens_per_rank",
+                                                           "DEEPCOMM_INTERNODE_KERNELS"]] * 2
