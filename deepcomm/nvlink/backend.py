@@ -75,6 +75,15 @@ def _current_stream(device_index: int) -> int:
     return torch._C._cuda_getCurrentRawStream(device_index)
 
 
+def _torch_stream(raw: int, device: torch.device) -> torch.cuda.Stream:
+    """The torch stream of a raw CUDA stream. 0 is the legacy default stream, which is torch's default stream:
+    ``torch.cuda.ExternalStream(0)`` would hand out a fresh pool stream instead (non-blocking: ordered with nothing
+    on the default stream)."""
+    if raw == 0:
+        return torch.cuda.default_stream(device)
+    return torch.cuda.ExternalStream(raw, device=device)
+
+
 def _event_handle(event: torch.cuda.Event) -> int:
     """The cudaEvent_t of a torch event (0 for one never recorded: nothing to wait for)."""
     handle = getattr(event, "cuda_event", None)
@@ -212,7 +221,7 @@ class CudaBackend:
             flags |= WAIT_CALLER
         if last not in (None, caller, comm):  # the last plain call ran on a stream that is no longer current
             # (inside a capture such a stream is the capture's own: the capture does not change streams)
-            self.comm_stream.wait_stream(torch.cuda.ExternalStream(last, device=self.device))
+            self.comm_stream.wait_stream(_torch_stream(last, self.device))
         self._releases_seen = self.arena.releases
         self._bounce_pending = False
         self._event_i = (self._event_i + 1) % len(self._events)
@@ -239,7 +248,7 @@ class CudaBackend:
         if last is not None and last != self.comm_stream.cuda_stream:
             self._event_i = (self._event_i + 1) % len(self._events)
             self._event = self._events[self._event_i]
-            self._event.record(torch.cuda.ExternalStream(last, device=self.device))
+            self._event.record(_torch_stream(last, self.device))
         return self._event
 
     def _after(self, async_finish: bool, inputs) -> None:
@@ -424,7 +433,7 @@ class CudaBackend:
         run = call.order[1]
         if run == _current_stream(self._device_index):
             return (counts + (alignment - 1)) // alignment * alignment
-        with torch.cuda.stream(torch.cuda.ExternalStream(run, device=self.device)):
+        with torch.cuda.stream(_torch_stream(run, self.device)):
             per_expert = (counts + (alignment - 1)) // alignment * alignment
         per_expert.record_stream(torch.cuda.current_stream(self.device))
         return per_expert
@@ -502,8 +511,8 @@ class CudaBackend:
         ordinary tensors on the run stream; the call's end is recorded after the copies."""
         out = carve(self.arena, (self.bounce_offset, self.bounce_bytes), n, call, bounce=True)
         wait, run, flags, _, end = call.order
-        run_stream = torch.cuda.ExternalStream(run, device=self.device)
-        with torch.cuda.stream(run_stream):
+        run_stream = _torch_stream(run, self.device)
+        with torch.cuda.stream(run_stream):  # behind the payload kernel on the stream the call ran on
             out = tuple(t.clone() if t is not None else None for t in out)
         caller = torch.cuda.current_stream(self.device)
         for t in out:

@@ -22,6 +22,8 @@ if C is not None:
     B._load_flags(C)
 
 CALLER, OTHER, COMM, CAPTURE = 11, 22, 33, 44
+DEFAULT = 0  # the legacy default stream, torch's default stream
+POOL = 55    # what torch.cuda.ExternalStream(0) gives: a fresh pool stream, ordered with nothing above
 LAYOUT_KEYS = ("x", "scales", "topk_idx", "topk_weights", "src_idx", "total")
 
 
@@ -94,10 +96,11 @@ class Patches:
 
 class FakeEvent:
     def __init__(self, handle):
-        self.cuda_event, self.recorded = handle, 0
+        self.cuda_event, self.recorded, self.streams = handle, 0, []
 
     def record(self, stream=None):
         self.recorded += 1
+        self.streams.append(stream)
 
 
 def cpu_backend(setattr_):
@@ -108,11 +111,13 @@ def cpu_backend(setattr_):
     (its FakeCtx), and ``stream`` / ``capturing`` (what the backend sees as the caller's stream and the capture
     state: set them to steer it)."""
     monkeypatch = types.SimpleNamespace(setattr=setattr_)
-    state = types.SimpleNamespace(stream=CALLER, capturing=False, waited_streams=[])
+    state = types.SimpleNamespace(stream=CALLER, capturing=False, waited_streams=[], entered=[])
     monkeypatch.setattr(B, "_current_stream", lambda index: state.stream)
     monkeypatch.setattr(B, "is_capturing", lambda: state.capturing)
-    monkeypatch.setattr(torch.cuda, "ExternalStream", lambda ptr, device=None: ptr)
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    # streams are their raw handles, as torch makes them: ExternalStream(0) is a new pool stream, not the default one
+    monkeypatch.setattr(torch.cuda, "ExternalStream", lambda ptr, device=None: ptr if ptr else POOL)
+    monkeypatch.setattr(torch.cuda, "default_stream", lambda device=None: DEFAULT)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: state.entered.append(s) or contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: CALLER)
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None, raising=False)
     b = B.CudaBackend.__new__(B.CudaBackend)

@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from tests.helpers.nvl_stand_ins import C, CALLER, COMM, CAPTURE, OTHER, FakeEvent, cpu_backend
+from tests.helpers.nvl_stand_ins import C, CALLER, COMM, CAPTURE, DEFAULT, OTHER, POOL, FakeEvent, cpu_backend
 
 pytestmark = pytest.mark.skipif(C is None, reason="needs the extension deepcomm._C (its layouts and flags)")
 
@@ -157,6 +157,28 @@ def test_reading_event_after_a_plain_call_records_on_its_stream(env):
     before = sum(e.recorded for e in b._events)
     ev = b.event
     assert ev is not None and sum(e.recorded for e in b._events) == before + 1
+
+
+def test_calls_on_the_default_stream_stay_on_it(env):
+    """A caller on torch's default stream (raw handle 0): a bounced dispatch's copies, the event read after a plain
+    call and the communication stream's wait for the last plain call all use the default stream itself, never the
+    fresh pool stream torch.cuda.ExternalStream(0) makes, which is ordered with nothing on the default stream (the
+    copies would read the bounce area before the peers' rows land)."""
+    b, state = env.b, env
+    state.stream = DEFAULT
+    full = b.arena.reserve(b.arena.free_bytes())  # every dispatch bounces
+    h = _fresh(b)[4]
+    x, _, w, E = _inputs()
+    b.dispatch(x, None, w, E, h, 1)
+    assert b.last_placement == "bounce" and b.bounced_calls == 2
+    assert state.entered == [DEFAULT, DEFAULT]  # each copy-out behind its payload
+    assert b.event.streams[-1] == DEFAULT
+    state.stream = OTHER  # then a call on another stream: the communication stream first waits for the default one
+    _fresh(b, async_finish=True)
+    assert state.waited_streams == [DEFAULT] and state.entered[-1] == COMM
+    recorded = [st for e in b._events for st in e.streams]
+    assert POOL not in state.entered + state.waited_streams + recorded
+    b.arena.release(*full)
 
 
 def test_capture_waits_for_nothing_outside_it(env):
