@@ -16,6 +16,7 @@ import random
 import pytest
 import torch
 
+from tests.agreement.test_agreement import _with_num_sms
 from tests.helpers.nccl_run import (cuda_buffer, has_nvshmem_wheel, needs_ranks, rank_device, ranks_for_tests,
                                     reference, run_on_gpus, scaled)
 from tests.helpers.same_bits import assert_same
@@ -92,16 +93,6 @@ def _expect_disagreement(sides, call, rank, what, deferred=False):
     when = "by synchronize()" if deferred else "in the call"
     assert got is not None, f"{what}: the CUDA backend raised nothing on rank {rank} (expected {when}: {ref!r})"
     assert got == ref, f"{what}, rank {rank}: the CUDA backend raised {got!r}; the reference backend {ref!r}"
-
-
-def _with_num_sms(buf, num_sms, call):
-    """``call()`` with the Buffer's num_sms set to ``num_sms``, set back after."""
-    before = buf.num_sms
-    buf.set_num_sms(num_sms)
-    try:
-        return call()
-    finally:
-        buf.set_num_sms(before)
 
 
 def _cases(rank, world, me, dev):
