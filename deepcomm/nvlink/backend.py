@@ -37,6 +37,7 @@ from .nvl_buffer import NvlBuffer
 
 Payload = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 
+
 def _share_note() -> str:
     return f" by {GPU_SMS_ENV}" if shares_gpu() else ""
 
@@ -302,8 +303,8 @@ class CudaBackend:
             values, scales = x, None
         K = topk_idx.shape[1] if topk_idx is not None else (topk_weights.shape[1] if topk_weights is not None else 0)
         self._enter_normal()
-        call = DispatchCall.of_tensors(values, scales, topk_weights, topk_idx if handle is None else None, K, handle is None,
-                                words_or_none(fingerprint), self._types)
+        call = DispatchCall.of_tensors(values, scales, topk_weights, topk_idx if handle is None else None, K,
+                                       handle is None, words_or_none(fingerprint), self._types)
         call.order = self._order(previous_event, async_finish)
         if handle is None:
             recv, handle_out = self._fresh(call, num_experts, expert_alignment, num_worst_tokens)

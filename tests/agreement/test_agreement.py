@@ -71,8 +71,8 @@ def test_check_passes_equal_words_and_names_what_differs():
                       (Word.USE_UE8M0, "use_ue8m0"), (Word.NUM_SMS, "num_sms")]:
         assert _message(_rows((1, word, 1))).startswith(f"{arg}: "), word
     msg = _message(_rows((0, Word.NUM_SMS, 24), (1, Word.NUM_SMS, 20)))
-    assert msg == ("num_sms: the Buffer's setting differs across ranks in dispatch call #5 on this Buffer: 24 on rank 0 "
-                   "vs 20 on rank 1. Every rank must set the same; no rank ran the call"), msg
+    assert msg == ("num_sms: the Buffer's setting differs across ranks in dispatch call #5 on this Buffer: 24 on "
+                   "rank 0 vs 20 on rank 1. Every rank must set the same; no rank ran the call"), msg
 
 
 def test_check_names_the_call_order_and_rejecting_ranks_first():

@@ -56,7 +56,8 @@ def test_arena_setting_is_the_backends_own(monkeypatch):
     b = cpu_backend(monkeypatch.setattr).b
     outputs = b.arena.nbytes // b.bounce_bytes
     assert outputs >= 1 and b.arena_outputs == outputs
-    assert soak._arena_setting(types.SimpleNamespace(_backend=b)) == f" | arena: {outputs} worst-case outputs, full: place"
+    setting = soak._arena_setting(types.SimpleNamespace(_backend=b))
+    assert setting == f" | arena: {outputs} worst-case outputs, full: place"
     b._full_copies = True
     assert isinstance(b, B.CudaBackend) and b.arena_full == "copy"
     assert soak._arena_setting(types.SimpleNamespace(_backend=b)).endswith("full: copy")
